@@ -1,0 +1,280 @@
+"""The whole job configuration: nested dataclasses whose field docstrings are the `--help` text.
+
+Every field has a default; a TOML file overrides defaults and CLI flags override the TOML
+(`torchtitan.config.manager.ConfigManager`). The line under each field is its help text.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class Job:
+    config_file: str | None = None
+    """TOML file to load before applying CLI overrides."""
+
+    dump_folder: str = "./outputs"
+    """Folder for checkpoints, TensorBoard logs, metrics.jsonl and traces."""
+
+    description: str = "default job"
+    """Free-form description, printed at start."""
+
+
+@dataclass
+class Model:
+    name: str = "deepseek_v3"
+    """Model family; only `deepseek_v3` is implemented."""
+
+    flavor: str = "debugmodel"
+    """Model size preset: debugmodel, 16B, 236B, 671B (see torchtitan/models/deepseek_v3/args.py)."""
+
+    tokenizer_path: str = "torchtitan/assets/tokenizer/tokenizer.json"
+    """Path to a `tokenizers` JSON file; the shipped one matches debugmodel's vocab of 2048."""
+
+    hf_config_path: str | None = None
+    """Optional Hugging Face config.json; when set, model args are read from it instead of `flavor`."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    """Optimizer class from torch.optim."""
+
+    lr: float = 8e-4
+    """Peak learning rate."""
+
+    beta1: float = 0.9
+    """Adam beta1."""
+
+    beta2: float = 0.95
+    """Adam beta2."""
+
+    eps: float = 1e-8
+    """Adam epsilon."""
+
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+
+    implementation: Literal["for-loop", "foreach", "fused"] = "fused"
+    """Kernel choice; `fused` falls back to `foreach` where the device has no fused kernel (CPU)."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 200
+    """Steps of linear warmup from near zero to the peak lr."""
+
+    decay_ratio: float | None = None
+    """Fraction of steps spent decaying at the end (warmup-stable-decay). None: decay over all post-warmup steps."""
+
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    """Shape of the decay phase."""
+
+    min_lr_factor: float = 0.0
+    """Final lr as a fraction of the peak lr."""
+
+
+@dataclass
+class Training:
+    dataset: str = "tinycorpus"
+    """Dataset name; `tinycorpus` is the small English corpus shipped in torchtitan/assets."""
+
+    dataset_path: str | None = None
+    """Local corpus (jsonl / txt / parquet file, a folder of them, or a saved HF dataset folder); overrides `dataset`."""
+
+    local_batch_size: int = 8
+    """Sequences per data-parallel rank per micro-step."""
+
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all DP ranks; -1 = local_batch_size x dp degree (no accumulation)."""
+
+    seq_len: int = 2048
+    """Tokens per sequence."""
+
+    max_norm: float = 1.0
+    """Gradient clipping max norm (total over all parameters, all meshes)."""
+
+    steps: int = 10000
+    """Optimizer steps to train."""
+
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    """FSDP parameter dtype for compute (only applies when FSDP is used)."""
+
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """FSDP gradient reduce dtype."""
+
+    gc_freq: int = 50
+    """Run Python garbage collection every N steps (automatic GC is disabled during training)."""
+
+    enable_cpu_offload: bool = False
+    """Offload FSDP parameters, gradients and optimizer state to CPU."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """HSDP replicate degree (DDP-style across groups)."""
+
+    data_parallel_shard_degree: int = -1
+    """FSDP shard degree; -1 = whatever is left of the world size after the other degrees."""
+
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """`default` reshards after forward except for the last block (and never with PP)."""
+
+    tensor_parallel_degree: int = 1
+    """Tensor (and sequence) parallel degree."""
+
+    enable_loss_parallel: bool = True
+    """With TP, compute cross-entropy on vocab-sharded logits."""
+
+    pipeline_parallel_degree: int = 1
+    """Pipeline stages."""
+
+    pipeline_parallel_schedule: str = "1F1B"
+    """Schedule class name from torch.distributed.pipelining: GPipe, 1F1B, Interleaved1F1B, ..."""
+
+    pipeline_parallel_microbatch_size: int = 1
+    """Sequences per pipeline micro-batch."""
+
+    pipeline_parallel_layers_per_stage: int | None = None
+    """Transformer blocks per virtual stage; None = one stage per PP rank (two for interleaved schedules)."""
+
+    expert_parallel_degree: int = 1
+    """Expert parallel degree; borrows ranks from data parallel shard (and TP)."""
+
+    expert_tensor_parallel_degree: int = 1
+    """Tensor parallel degree inside experts: 1, or equal to tensor_parallel_degree."""
+
+    expert_parallel_comm_backend: Literal["standard", "deepep"] = "standard"
+    """Token dispatch/combine: `standard` all-to-all, or `deepep` (needs the optional deep_ep package on CUDA)."""
+
+    deepep_num_sms: int = 24
+    """SMs DeepEP's communication kernels may use (even number)."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save and resume DCP checkpoints."""
+
+    folder: str = "checkpoint"
+    """Checkpoint folder, relative to job.dump_folder."""
+
+    interval: int = 500
+    """Save every N steps (and at the last step)."""
+
+    keep_latest_k: int = 0
+    """Keep only the newest K complete checkpoints; 0 keeps all."""
+
+    load_step: int = -1
+    """Step to resume from; -1 = the latest complete checkpoint."""
+
+    async_mode: Literal["disabled", "async"] = "disabled"
+    """`async` saves in a background thread via dcp.async_save."""
+
+    initial_load_path: str | None = None
+    """Checkpoint to initialize the model from when the run has no checkpoint of its own."""
+
+    initial_load_model_only: bool = True
+    """Load only model weights from initial_load_path."""
+
+    initial_load_in_hf: bool = False
+    """initial_load_path is a Hugging Face safetensors folder."""
+
+    last_save_model_only: bool = False
+    """The final save holds only the model (smaller, for export)."""
+
+    last_save_in_hf: bool = False
+    """The final save is written as Hugging Face safetensors."""
+
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the model in a model-only final save."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "selective"
+    """`full` recomputes whole blocks; `selective` uses `selective_ac_option`."""
+
+    selective_ac_option: str = "op"
+    """`op` = per-op SAC with a save list; an integer N = checkpoint every Nth block fully."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile each transformer block (and the loss, per `components`)."""
+
+    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+    """What to compile: model, loss."""
+
+    backend: str = "inductor"
+    """torch.compile backend (`inductor`, `aot_eager`, `eager`)."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log a metrics line every N steps."""
+
+    enable_tensorboard: bool = False
+    """Write TensorBoard scalars under dump_folder/tb."""
+
+    save_tb_folder: str = "tb"
+    """TensorBoard folder, relative to job.dump_folder."""
+
+    enable_jsonl: bool = True
+    """Append every logged step to dump_folder/metrics.jsonl."""
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = 300
+    """Process-group timeout for initialization and the first step."""
+
+    train_timeout_seconds: int = 100
+    """Process-group timeout after the first step."""
+
+
+@dataclass
+class Debug:
+    seed: int | None = 0
+    """RNG seed for init and dropout-free determinism; None = random."""
+
+    deterministic: bool = False
+    """Use deterministic algorithms (slower)."""
+
+    moe_force_load_balance: bool = False
+    """Assign tokens to experts round-robin instead of by the router (benchmarking only)."""
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """Capture torch.profiler traces."""
+
+    save_traces_folder: str = "profile_traces"
+    """Trace folder, relative to job.dump_folder."""
+
+    profile_freq: int = 10
+    """Profile every N steps."""
+
+    enable_memory_snapshot: bool = False
+    """Dump CUDA memory snapshots."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    metrics: Metrics = field(default_factory=Metrics)
+    comm: Comm = field(default_factory=Comm)
+    debug: Debug = field(default_factory=Debug)
+    profiling: Profiling = field(default_factory=Profiling)

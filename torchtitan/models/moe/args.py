@@ -1,0 +1,46 @@
+"""Arguments of one MoE layer, shared by the base `MoE`, `DeepEPMoE` and the model args."""
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class MoEArgs:
+    num_experts: int = 8
+    """Routed experts."""
+
+    num_shared_experts: int = 1
+    """Shared experts, fused into one SwiGLU FFN of width `num_shared_experts * hidden_dim`."""
+
+    top_k: int = 1
+    """Routed experts per token."""
+
+    score_func: Literal["softmax", "sigmoid"] = "sigmoid"
+    """Router score function, computed in fp32."""
+
+    route_norm: bool = False
+    """Renormalize the top-k scores to sum to one."""
+
+    route_scale: float = 1.0
+    """Multiply the (normalized) top-k scores by this factor."""
+
+    score_before_experts: bool = False
+    """Apply the routing score to the expert input (True) or to the expert output (False)."""
+
+    num_expert_groups: int | None = None
+    """Group-limited routing: experts are split into this many groups; None disables it."""
+
+    num_limited_groups: int | None = None
+    """Group-limited routing: tokens may pick experts only from this many top groups."""
+
+    use_grouped_mm: bool = True
+    """Use torch._grouped_mm for the routed experts (False: a per-expert loop, for reference/debug)."""
+
+    load_balance_coeff: float | None = 1e-3
+    """Aux-loss-free balancing: bias step size; None disables the bias update."""
+
+    seq_aux_loss_coeff: float = 0.0
+    """Optional sequence-wise auxiliary balance loss weight; 0 disables it."""
+
+    force_load_balance: bool = False
+    """Round-robin token-to-expert assignment (benchmarking only; set from debug.moe_force_load_balance)."""
