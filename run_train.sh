@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Launch training: CONFIG_FILE=./train_configs/<job>.toml NGPU=N ./run_train.sh [--section.field value ...]
+#
+# NGPU     processes per node (default: the number of GPUs, or 1 on a CPU-only machine)
+# NNODES   nodes (default 1); with NNODES > 1 set RDZV_ENDPOINT=host:port (same on every node) and RDZV_ID
+# LOG_RANK local ranks whose output is shown (default 0; "0,1" or "all")
+# TORCHRUN_ARGS extra torchrun flags, e.g. "--max-restarts 3" to resume from the latest checkpoint after a crash
+set -euo pipefail
+
+CONFIG_FILE=${CONFIG_FILE:-"./train_configs/deepseek_v3_debugmodel.toml"}
+PYTHON=${PYTHON:-python}
+
+for arg in "$@"; do
+  if [[ "$arg" == "--help" || "$arg" == "-h" ]]; then
+    exec "$PYTHON" -m torchtitan.train --help
+  fi
+done
+
+if [[ ! -f "$CONFIG_FILE" ]]; then
+  echo "error: CONFIG_FILE '$CONFIG_FILE' does not exist; pick one from ./train_configs/" >&2
+  exit 2
+fi
+
+if [[ -z "${NGPU:-}" ]]; then
+  NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 1)")
+fi
+NNODES=${NNODES:-1}
+
+# Fail fast, in one line, on bad config or degrees before torchrun starts any process.
+"$PYTHON" -m torchtitan.preflight --world-size $((NGPU * NNODES)) --job.config_file "$CONFIG_FILE" "$@"
+
+if [[ "$NNODES" -gt 1 ]]; then
+  : "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port of the rendezvous host (same on every node)}"
+  RDZV=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-torchtitan}")
+else
+  RDZV=(--standalone)
+fi
+
+LOG_RANK=${LOG_RANK:-0}
+FILTER=()
+if [[ "$LOG_RANK" != "all" ]]; then
+  FILTER=(--local-ranks-filter "$LOG_RANK" --role rank --tee 3)
+fi
+
+# shellcheck disable=SC2086
+exec "$PYTHON" -m torch.distributed.run --nproc-per-node "$NGPU" "${RDZV[@]}" "${FILTER[@]}" ${TORCHRUN_ARGS:-} \
+  -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"

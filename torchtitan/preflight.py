@@ -1,0 +1,62 @@
+"""Checks a job before any process group exists, so bad input fails in one line, not in a hang.
+
+`run_train.sh` runs this once (`python -m torchtitan.preflight --world-size N ...`) before torchrun starts
+N processes; the trainer runs the same checks again on every rank.
+"""
+
+import argparse
+import sys
+
+from torchtitan.config import ConfigError, ConfigManager, JobConfig
+
+
+def check_job(argv: list[str], world_size: int) -> JobConfig:
+    """Parse the config and validate everything that depends only on config + world size.
+
+    Raises ConfigError / ValueError with a message that names the fix.
+    """
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.models.deepseek_v3 import get_model_args
+
+    job_config = ConfigManager().parse_args(argv)
+    parallel_dims = ParallelDims.from_config(job_config.parallelism, world_size)
+    model_args = get_model_args(job_config)
+    parallel_dims.validate_for_model(model_args, job_config.training)
+    check_batch_sizes(job_config, parallel_dims.dp_degree)
+    return job_config
+
+
+def check_batch_sizes(job_config: JobConfig, dp_degree: int) -> int:
+    """Return the gradient accumulation steps implied by the batch sizes, or raise naming the fix."""
+    training = job_config.training
+    per_step = training.local_batch_size * dp_degree
+    global_batch_size = training.global_batch_size if training.global_batch_size > 0 else per_step
+    if global_batch_size % per_step != 0:
+        raise ConfigError(
+            f"training.global_batch_size ({global_batch_size}) must be a multiple of "
+            f"training.local_batch_size x data-parallel degree ({training.local_batch_size} x {dp_degree} = "
+            f"{per_step}); set --training.global_batch_size to a multiple of {per_step}"
+        )
+    pp = job_config.parallelism
+    if pp.pipeline_parallel_degree > 1 and training.local_batch_size % pp.pipeline_parallel_microbatch_size:
+        raise ConfigError(
+            f"training.local_batch_size ({training.local_batch_size}) must be divisible by "
+            f"parallelism.pipeline_parallel_microbatch_size ({pp.pipeline_parallel_microbatch_size})"
+        )
+    return global_batch_size // per_step
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--world-size", type=int, required=True)
+    args, rest = parser.parse_known_args(argv)
+    try:
+        check_job(rest, args.world_size)
+    except (ConfigError, ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""The trainer: `python -m torchtitan.train [--section.field value ...]`, normally under torchrun (run_train.sh).
+
+Order of work: validate config -> process groups + device mesh -> data -> model on the meta device ->
+parallelize (or split into pipeline stages) -> materialize + init -> optimizer, LR schedule, checkpoint -> loop.
+"""
+
+import gc
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.loss import build_loss_fn, check_finite_loss
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.config import ConfigError, JobConfig, format_help
+from torchtitan.datasets import build_dataloader, build_tokenizer
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.deepseek_v3 import DeepSeekV3Model, get_model_args
+from torchtitan.models.deepseek_v3.parallelize import expert_bias_reduce_group, parallelize_deepseekv3
+from torchtitan.models.deepseek_v3.pipeline import pipeline_deepseekv3
+from torchtitan.models.moe.load_balance import build_expert_bias_hook
+from torchtitan.preflight import check_batch_sizes, check_job
+
+logger = logging.getLogger("torchtitan")
+
+
+class TrainState:
+    """Step counter + RNG states, checkpointed with everything else so resume is exact."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        state = {"step": torch.tensor(self.step), "cpu_rng": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda_rng"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        torch.set_rng_state(state["cpu_rng"])
+        if "cuda_rng" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda_rng"])
+
+
+class ScaledTokenSumLoss:
+    """loss = token-sum cross entropy / valid tokens of the whole step (all micro-batches, all DP ranks).
+
+    Summing these over micro-batches and DP ranks gives exactly the full-batch mean, so gradient
+    accumulation, DP degree and pipeline micro-batching never change the loss. FSDP therefore must
+    sum (not average) gradients: parallelize sets its gradient divide factor to 1.
+    """
+
+    def __init__(self, token_sum_loss_fn) -> None:
+        self.token_sum_loss_fn = token_sum_loss_fn
+        self.global_valid_tokens: torch.Tensor | None = None
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.token_sum_loss_fn(logits, labels) / self.global_valid_tokens
+
+
+class Trainer:
+    def __init__(self, job_config: JobConfig) -> None:
+        self.job_config = job_config
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self.parallel_dims = ParallelDims.from_config(job_config.parallelism, world_size)
+        self.model_args = get_model_args(job_config)
+        self.parallel_dims.validate_for_model(self.model_args, job_config.training)
+        self.grad_accum_steps = check_batch_sizes(job_config, self.parallel_dims.dp_degree)
+
+        self.device = _select_device()
+        dist_utils.init_distributed(job_config.comm, self.device.type)
+        self.parallel_dims.build_mesh(self.device.type)
+        self.rank = dist.get_rank()
+        dist_utils.set_determinism(
+            self.parallel_dims.world_mesh, self.device, job_config.debug.seed, job_config.debug.deterministic
+        )
+
+        # Data: every DP rank reads its own slice of the same global batch stream.
+        dp_rank, dp_degree = self._dp_rank_and_degree()
+        self.tokenizer = build_tokenizer(job_config)
+        self.dataloader = build_dataloader(job_config, self.tokenizer, dp_rank, dp_degree)
+
+        # Model: built on meta, parallelized, then materialized, so no rank ever holds the full model.
+        ep = self.parallel_dims.ep
+        with torch.device("meta"):
+            model = DeepSeekV3Model(
+                self.model_args, comm_backend=job_config.parallelism.expert_parallel_comm_backend, ep_degree=ep
+            )
+        nparams, self.flops_per_token = self.model_args.get_nparams_and_flops(model, job_config.training.seq_len)
+        logger.info(f"model {job_config.model.flavor}: {nparams:,} parameters, {self.flops_per_token:,.0f} FLOPs/token")
+
+        self.loss_fn = ScaledTokenSumLoss(build_loss_fn(job_config))
+        if self.parallel_dims.pp_enabled:
+            self.pp_schedule, self.model_parts, self.has_first_stage, self.has_last_stage = pipeline_deepseekv3(
+                model, self.parallel_dims, job_config, self.device, self.model_args, self.loss_fn
+            )
+        else:
+            self.model_parts = [parallelize_deepseekv3(model, self.parallel_dims, job_config)]
+            self.has_first_stage = self.has_last_stage = True
+
+        init_device = "cpu" if job_config.training.enable_cpu_offload else self.device
+        for part in self.model_parts:
+            part.to_empty(device=init_device)
+            with torch.no_grad():
+                part.init_weights(buffer_device=self.device)
+            part.train()
+
+        self.optimizers = build_optimizers(self.model_parts, job_config)
+        self.lr_schedulers = build_lr_schedulers(self.optimizers, job_config)
+        self.optimizers.register_step_pre_hook(
+            build_expert_bias_hook(self.model_parts, expert_bias_reduce_group(self.parallel_dims))
+        )
+
+        self.train_state = TrainState()
+        self.checkpointer = CheckpointManager(
+            job_config,
+            model_parts=self.model_parts,
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            dataloader=self.dataloader,
+            train_state=self.train_state,
+            model_args=self.model_args,
+        )
+        self.metrics = MetricsProcessor(
+            job_config, num_flops_per_token=self.flops_per_token, device=self.device, is_logging_rank=self.rank == 0
+        )
+
+    def _dp_rank_and_degree(self) -> tuple[int, int]:
+        if not self.parallel_dims.dp_enabled:
+            return 0, 1
+        dp_mesh = self.parallel_dims.get_mesh("dp")
+        return dp_mesh.get_local_rank(), dp_mesh.size()
+
+    def _next_microbatches(self, data_iterator: Iterator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        batches = []
+        for _ in range(self.grad_accum_steps):
+            input_dict, labels = next(data_iterator)
+            batches.append((input_dict["input"].to(self.device), labels.to(self.device)))
+        return batches
+
+    def _global_valid_tokens(self, microbatches) -> torch.Tensor:
+        local = sum((labels != -100).sum() for _, labels in microbatches).to(torch.float32)
+        if self.parallel_dims.dp_enabled:
+            dist.all_reduce(local, group=self.parallel_dims.get_mesh("dp").get_group())
+        return local
+
+    def _document_ids(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Block-causal attention: a new document starts at every BOS token."""
+        if self.model_args.attn_mask_type != "block_causal":
+            return None
+        return (tokens == self.tokenizer.bos_id).cumsum(dim=1)
+
+    def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One micro-batch; returns its (already globally scaled) loss, zero on non-last PP stages."""
+        if self.parallel_dims.pp_enabled:
+            losses: list[torch.Tensor] = []
+            targets = labels if self.has_last_stage else None
+            if self.has_first_stage:
+                self.pp_schedule.step(tokens, target=targets, losses=losses)
+            else:
+                self.pp_schedule.step(target=targets, losses=losses)
+            if self.has_last_stage:
+                return torch.stack(losses).sum().detach()
+            return torch.zeros((), device=self.device)
+        document_ids = self._document_ids(tokens)
+        logits = self.model_parts[0](tokens, document_ids=document_ids) if document_ids is not None else (
+            self.model_parts[0](tokens)
+        )
+        loss = self.loss_fn(logits, labels)
+        del logits  # free the (bs, seqlen, vocab) activation before backward
+        loss.backward()
+        return loss.detach()
+
+    def train_step(self, data_iterator: Iterator) -> tuple[torch.Tensor, torch.Tensor]:
+        self.optimizers.zero_grad()
+        microbatches = self._next_microbatches(data_iterator)
+        self.loss_fn.global_valid_tokens = self._global_valid_tokens(microbatches)
+        loss = sum(self.forward_backward(tokens, labels) for tokens, labels in microbatches)
+
+        grad_norm = dist_utils.clip_grad_norm_(
+            [p for part in self.model_parts for p in part.parameters()],
+            self.job_config.training.max_norm,
+            pp_mesh=self.parallel_dims.get_mesh("pp") if self.parallel_dims.pp_enabled else None,
+            ep_enabled=self.parallel_dims.ep_enabled,
+        )
+        self.checkpointer.maybe_wait_for_staging()
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        return self._reduce_loss_for_logging(loss), grad_norm
+
+    def _reduce_loss_for_logging(self, loss: torch.Tensor) -> torch.Tensor:
+        """Each rank holds its share of the global mean; sum shares over DP, then bring the last PP stage's value to all."""
+        loss = loss.detach().clone()
+        if self.parallel_dims.dp_enabled:
+            dist.all_reduce(loss, group=self.parallel_dims.get_mesh("dp").get_group())
+        if self.parallel_dims.pp_enabled:
+            dist.all_reduce(loss, group=self.parallel_dims.get_mesh("pp").get_group())
+        return loss
+
+    def train(self) -> None:
+        job_config = self.job_config
+        self.checkpointer.load(step=job_config.checkpoint.load_step)
+        data_iterator = iter(self.dataloader)
+        gc.disable()
+        gc.collect(1)
+        steps = job_config.training.steps
+        logger.info(f"training from step {self.train_state.step + 1} to {steps}")
+        try:
+            while self.train_state.step < steps:
+                self.train_state.step += 1
+                step = self.train_state.step
+                if step % job_config.training.gc_freq == 0:
+                    gc.collect(1)
+                loss, grad_norm = self.train_step(data_iterator)
+                check_finite_loss(loss, step, self.rank)
+                if step == 1:
+                    dist_utils.set_pg_timeouts(job_config.comm.train_timeout_seconds, self.parallel_dims.world_mesh)
+                if step % job_config.metrics.log_freq == 0 or step == steps:
+                    self.metrics.log(
+                        step,
+                        loss=loss.item(),
+                        grad_norm=float(grad_norm),
+                        lr=self.lr_schedulers.get_last_lr(),
+                        total_steps=steps,
+                    )
+                self.checkpointer.save(step, last_step=step == steps)
+        finally:
+            gc.enable()
+            self.metrics.close()
+            self.checkpointer.close()
+
+
+def _select_device() -> torch.device:
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _setup_single_process_env() -> None:
+    """Let `python -m torchtitan.train` run without torchrun (one process)."""
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(format_help())
+        return 0
+    logging.basicConfig(level=logging.INFO, format="[rank%(rank)s] %(asctime)s %(levelname)s %(message)s")
+    _install_rank_in_log_records()
+    _setup_single_process_env()
+    try:
+        # The same checks as run_train.sh's preflight, repeated on every rank for direct torchrun users.
+        job_config = check_job(argv, int(os.environ["WORLD_SIZE"]))
+    except (ConfigError, ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        Trainer(job_config).train()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _install_rank_in_log_records() -> None:
+    rank = os.environ.get("RANK", "0")
+    old_factory = logging.getLogRecordFactory()
+
+    def factory(*args, **kwargs):
+        record = old_factory(*args, **kwargs)
+        record.rank = rank
+        return record
+
+    logging.setLogRecordFactory(factory)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
