@@ -8,7 +8,6 @@ import gc
 import logging
 import os
 import sys
-import time
 from collections.abc import Iterator
 
 import torch
@@ -198,7 +197,7 @@ class Trainer:
         return self._reduce_loss_for_logging(loss), grad_norm
 
     def _reduce_loss_for_logging(self, loss: torch.Tensor) -> torch.Tensor:
-        """Each rank holds its share of the global mean; sum shares over DP, then bring the last PP stage's value to all."""
+        """Each rank holds its share of the global mean: sum shares over DP, then share the last PP stage's value."""
         loss = loss.detach().clone()
         if self.parallel_dims.dp_enabled:
             dist.all_reduce(loss, group=self.parallel_dims.get_mesh("dp").get_group())

@@ -1,0 +1,49 @@
+"""What every benchmark result records: the exact command, device, torch version and git commit."""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+# Dense bf16 matmul rate measured on an H200 of our device pool (8192^3 bf16 matmul, random data).
+MEASURED_H200_BF16_TFLOPS = 790.0
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("GIT_COMMIT", "unknown")
+
+
+def environment() -> dict:
+    return {
+        "torch_version": torch.__version__,
+        "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "num_gpus": torch.cuda.device_count(),
+        "git_commit": git_commit(),
+        "command": os.environ.get("BENCH_COMMAND") or shlex.join([sys.executable, *sys.argv]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def write_result(result: dict, name: str, out_dir: Path | None = None) -> Path:
+    """Write one JSON per run; `out_dir` defaults to $BENCH_OUT, then benchmarks/results/."""
+    out_dir = Path(out_dir or os.environ.get("BENCH_OUT") or RESULTS_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps({**environment(), **result}, indent=2) + "\n")
+    return path
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2

@@ -1,0 +1,67 @@
+"""End-to-end training benchmark: run the trainer through run_train.sh, keep steady-state steps only.
+
+    python scripts/bench/e2e.py --name 16b_ep4_deepep_compile --ngpu 4 --warmup-steps 5 -- \
+        --model.flavor 16B_bench4 --parallelism.expert_parallel_degree 4 ...
+
+Writes benchmarks/results/e2e_<name>.json (or $BENCH_OUT) with median tokens/s per GPU, TFLOPS, MFU,
+peak memory and the last loss, read from the run's metrics.jsonl.
+"""
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from scripts.bench.common import REPO_ROOT, median, write_result  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--ngpu", type=int, required=True)
+    parser.add_argument("--config", default="./train_configs/deepseek_v3_16b.toml")
+    parser.add_argument("--warmup-steps", type=int, default=5, help="first steps dropped (compile, allocator warm-up)")
+    parser.add_argument("--profile", action="store_true", help="record a torch.profiler summary of one step")
+    args, train_args = parser.parse_known_args()
+    train_args = [a for a in train_args if a != "--"]
+
+    dump = Path(tempfile.mkdtemp(prefix=f"bench_{args.name}_"))
+    env = {**os.environ, "CONFIG_FILE": args.config, "NGPU": str(args.ngpu), "LOG_RANK": "0"}
+    cmd = ["bash", "run_train.sh", "--job.dump_folder", str(dump), "--metrics.log_freq", "1", *train_args]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    log_tail = (proc.stdout + proc.stderr)[-6000:]
+    result = {"name": args.name, "ngpu": args.ngpu, "train_args": train_args, "returncode": proc.returncode}
+    command = f"CONFIG_FILE={args.config} NGPU={args.ngpu} ./run_train.sh " + shlex.join(train_args)
+    os.environ["BENCH_COMMAND"] = command
+    if proc.returncode != 0:
+        result["error_log_tail"] = log_tail
+        write_result(result, f"e2e_{args.name}")
+        print(log_tail)
+        sys.exit(proc.returncode)
+
+    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    steady = [r for r in records if r["step"] > args.warmup_steps]
+    if not steady:
+        sys.exit(f"no steady-state steps: ran {len(records)} steps, warm-up drops {args.warmup_steps}")
+    result.update(
+        steps=len(records),
+        steady_steps=len(steady),
+        tokens_per_sec_per_gpu=median([r["tps"] for r in steady]),
+        tflops_per_gpu=median([r["tflops"] for r in steady]),
+        mfu_pct=median([r["mfu"] for r in steady]),
+        peak_memory_gib=max(r["memory_gib"] for r in steady),
+        last_loss=records[-1]["loss"],
+        losses=[r["loss"] for r in records],
+    )
+    path = write_result(result, f"e2e_{args.name}")
+    print(json.dumps({k: result[k] for k in ("name", "tokens_per_sec_per_gpu", "mfu_pct", "peak_memory_gib")}))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
