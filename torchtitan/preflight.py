@@ -15,10 +15,11 @@ def check_job(argv: list[str], world_size: int) -> JobConfig:
 
     Raises ConfigError / ValueError with a message that names the fix.
     """
+    job_config = ConfigManager().parse_args(argv)
+    # Imported after parsing so config errors and --help never wait on (or break with) the model code.
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.models.deepseek_v3 import get_model_args
 
-    job_config = ConfigManager().parse_args(argv)
     parallel_dims = ParallelDims.from_config(job_config.parallelism, world_size)
     model_args = get_model_args(job_config)
     parallel_dims.validate_for_model(model_args, job_config.training)

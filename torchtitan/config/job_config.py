@@ -65,7 +65,8 @@ class LRScheduler:
     """Steps of linear warmup from near zero to the peak lr."""
 
     decay_ratio: float | None = None
-    """Fraction of steps spent decaying at the end (warmup-stable-decay). None: decay over all post-warmup steps."""
+    """Fraction of steps spent decaying at the end (warmup-stable-decay).
+    None: decay over all post-warmup steps."""
 
     decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
     """Shape of the decay phase."""
@@ -80,7 +81,8 @@ class Training:
     """Dataset name; `tinycorpus` is the small English corpus shipped in torchtitan/assets."""
 
     dataset_path: str | None = None
-    """Local corpus (jsonl / txt / parquet file, a folder of them, or a saved HF dataset folder); overrides `dataset`."""
+    """Local corpus (jsonl / txt / parquet file, a folder of them, or a saved HF dataset folder);
+    overrides `dataset`."""
 
     local_batch_size: int = 8
     """Sequences per data-parallel rank per micro-step."""
@@ -146,7 +148,8 @@ class Parallelism:
     """Tensor parallel degree inside experts: 1, or equal to tensor_parallel_degree."""
 
     expert_parallel_comm_backend: Literal["standard", "deepep"] = "standard"
-    """Token dispatch/combine: `standard` all-to-all, or `deepep` (needs the optional deep_ep package on CUDA)."""
+    """Token dispatch/combine: `standard` all-to-all, or `deepep`
+    (needs the optional deep_ep package on CUDA)."""
 
     deepep_num_sms: int = 24
     """SMs DeepEP's communication kernels may use (even number)."""

@@ -1,0 +1,350 @@
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from torchtitan.config import ConfigError, ConfigManager, HelpRequested, JobConfig, format_help
+from torchtitan.config.manager import validate
+
+
+def parse(*argv: str) -> JobConfig:
+    return ConfigManager().parse_args(list(argv))
+
+
+def write_toml(tmp_path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+# --- precedence -----------------------------------------------------------------------------------
+
+
+def test_no_args_gives_defaults():
+    assert parse() == JobConfig()
+
+
+def test_toml_overrides_defaults_and_cli_overrides_toml(tmp_path):
+    path = write_toml(
+        tmp_path,
+        """
+[training]
+steps = 50
+seq_len = 128
+
+[optimizer]
+lr = 1e-3
+""",
+    )
+    config = parse("--job.config_file", path, "--training.steps", "7")
+    assert config.training.steps == 7  # CLI beats TOML
+    assert config.training.seq_len == 128  # TOML beats default
+    assert config.optimizer.lr == 1e-3
+    assert config.training.local_batch_size == JobConfig().training.local_batch_size  # default
+    assert config.job.config_file == path
+
+
+def test_cli_list_replaces_toml_list(tmp_path):
+    path = write_toml(tmp_path, '[compile]\ncomponents = ["model", "loss"]\n')
+    assert parse(f"--job.config_file={path}", "--compile.components", "loss").compile.components == ["loss"]
+
+
+def test_config_file_position_does_not_matter(tmp_path):
+    path = write_toml(tmp_path, "[training]\nsteps = 50\n")
+    assert parse("--training.steps=3", "--job.config_file", path).training.steps == 3
+
+
+def test_parse_does_not_mutate_defaults_across_calls():
+    parse("--compile.components=model")
+    assert parse().compile.components == ["model", "loss"]
+
+
+# --- CLI forms ------------------------------------------------------------------------------------
+
+
+def test_space_and_equals_forms():
+    assert parse("--training.steps", "12").training.steps == 12
+    assert parse("--training.steps=12").training.steps == 12
+    assert parse("--optimizer.lr=0.5").optimizer.lr == 0.5
+    assert parse("--job.description", "a = b").job.description == "a = b"
+
+
+def test_negative_number_is_a_value():
+    assert parse("--checkpoint.load_step", "-1", "--checkpoint.load_step", "-3").checkpoint.load_step == -3
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--checkpoint.enable"], True),
+        (["--checkpoint.enable=true"], True),
+        (["--checkpoint.enable=False"], False),
+        (["--checkpoint.enable", "--checkpoint.no-enable"], False),
+        (["--checkpoint.enable", "--checkpoint.no_enable"], False),
+        (["--checkpoint.enable", "--no-checkpoint.enable"], False),
+    ],
+)
+def test_bool_forms(argv, expected):
+    assert parse(*argv).checkpoint.enable is expected
+
+
+def test_bool_default_true_can_be_turned_off():
+    assert parse("--parallelism.no-enable_loss_parallel").parallelism.enable_loss_parallel is False
+
+
+def test_bool_switch_rejects_separate_value():
+    with pytest.raises(ConfigError, match=r"--checkpoint.enable=false"):
+        parse("--checkpoint.enable", "false")
+
+
+def test_no_form_only_for_bools():
+    with pytest.raises(ConfigError, match="only booleans"):
+        parse("--training.no-steps")
+
+
+def test_list_by_repeating_flag_and_by_comma_list():
+    assert parse("--compile.components=model", "--compile.components=loss").compile.components == [
+        "model",
+        "loss",
+    ]
+    assert parse("--compile.components", "model,loss").compile.components == ["model", "loss"]
+    assert parse("--compile.components", "model").compile.components == ["model"]
+    assert parse("--compile.components=").compile.components == []
+
+
+@pytest.mark.parametrize("spelling", ["none", "None"])
+def test_none_for_optional_fields(spelling):
+    config = parse("--debug.seed", spelling, f"--lr_scheduler.decay_ratio={spelling}")
+    assert config.debug.seed is None
+    assert config.lr_scheduler.decay_ratio is None
+    assert parse("--debug.seed", "3").debug.seed == 3
+
+
+def test_none_is_a_plain_string_for_non_optional_str():
+    assert parse("--job.description", "none").job.description == "none"
+
+
+def test_missing_value_is_an_error():
+    with pytest.raises(ConfigError, match=r"--training.steps expects a value"):
+        parse("--training.steps")
+    with pytest.raises(ConfigError, match=r"--training.steps expects a value"):
+        parse("--training.steps", "--training.seq_len", "4")
+
+
+def test_positional_argument_is_an_error():
+    with pytest.raises(ConfigError, match="unexpected argument 'job.toml'"):
+        parse("job.toml")
+
+
+# --- unknown keys ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flag", "suggestion"),
+    [
+        ("--training.stepz=3", "training.steps"),  # unknown key
+        ("--trainng.steps=3", "training.steps"),  # unknown section
+        ("--steps=3", "training.steps"),  # missing section
+        ("--optimzer.lr=1", "optimizer.lr"),
+    ],
+)
+def test_unknown_cli_key_suggests_closest(flag, suggestion):
+    with pytest.raises(ConfigError, match=f"unknown config key .*did you mean '{suggestion}'"):
+        parse(flag)
+
+
+def test_unknown_cli_key_without_close_match_points_to_help():
+    with pytest.raises(ConfigError, match="--help"):
+        parse("--zzzzzz.qqqq=1")
+
+
+def test_unknown_toml_section_suggests_closest(tmp_path):
+    path = write_toml(tmp_path, "[trainig]\nsteps = 3\n")
+    with pytest.raises(ConfigError, match=r"unknown config section \[trainig\].*did you mean \[training\]"):
+        parse("--job.config_file", path)
+
+
+def test_unknown_toml_key_suggests_closest(tmp_path):
+    path = write_toml(tmp_path, "[training]\nseq_length = 3\n")
+    with pytest.raises(ConfigError, match=r"'training.seq_length'.*did you mean 'training.seq_len'"):
+        parse("--job.config_file", path)
+
+
+def test_toml_key_outside_a_section(tmp_path):
+    path = write_toml(tmp_path, "steps = 3\n")
+    with pytest.raises(ConfigError, match=r"not inside a \[section\].*'training.steps'"):
+        parse("--job.config_file", path)
+
+
+# --- types and choices ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flag",
+    ["--training.steps=abc", "--training.steps=2.5", "--optimizer.lr=fast", "--checkpoint.enable=maybe"],
+)
+def test_wrong_type_on_cli(flag):
+    key = flag[2:].partition("=")[0]
+    with pytest.raises(ConfigError, match=f"--{key} expects"):
+        parse(flag)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('steps = "4096"', "training.steps .* expects int.*without quotes"),
+        ("steps = 4096.0", "training.steps .* expects int"),
+        ("steps = true", "training.steps .* expects int"),
+        ("enable_cpu_offload = 1", "training.enable_cpu_offload .* expects bool"),
+        ("max_norm = [1]", "training.max_norm .* expects float"),
+    ],
+)
+def test_wrong_type_in_toml(tmp_path, line, message):
+    path = write_toml(tmp_path, f"[training]\n{line}\n")
+    with pytest.raises(ConfigError, match=message):
+        parse("--job.config_file", path)
+
+
+def test_toml_int_widens_to_float(tmp_path):
+    path = write_toml(tmp_path, "[training]\nmax_norm = 2\n")
+    max_norm = parse("--job.config_file", path).training.max_norm
+    assert max_norm == 2.0 and isinstance(max_norm, float)
+
+
+def test_toml_list_must_hold_strings(tmp_path):
+    path = write_toml(tmp_path, "[compile]\ncomponents = [1]\n")
+    with pytest.raises(ConfigError, match=r"compile.components .* expects list\[str\]"):
+        parse("--job.config_file", path)
+
+
+def test_toml_none_string_for_optional(tmp_path):
+    path = write_toml(tmp_path, '[debug]\nseed = "none"\n')
+    assert parse("--job.config_file", path).debug.seed is None
+
+
+def test_choice_validation_on_cli_and_toml(tmp_path):
+    assert parse("--optimizer.name=Adam").optimizer.name == "Adam"
+    with pytest.raises(ConfigError, match="one of AdamW, Adam; got 'adamw'; did you mean 'AdamW'"):
+        parse("--optimizer.name", "adamw")
+    path = write_toml(tmp_path, '[lr_scheduler]\ndecay_type = "cosin"\n')
+    with pytest.raises(ConfigError, match="lr_scheduler.decay_type .*did you mean 'cosine'"):
+        parse("--job.config_file", path)
+    path = write_toml(tmp_path, "[lr_scheduler]\ndecay_type = 1\n")
+    with pytest.raises(ConfigError, match="lr_scheduler.decay_type"):
+        parse("--job.config_file", path)
+
+
+# --- config file errors ---------------------------------------------------------------------------
+
+
+def test_missing_config_file_names_the_path(tmp_path):
+    missing = str(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="nope.toml"):
+        parse("--job.config_file", missing)
+
+
+def test_invalid_toml_names_the_path(tmp_path):
+    path = write_toml(tmp_path, "[training\nsteps = 3\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        parse("--job.config_file", path)
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+# --- help -----------------------------------------------------------------------------------------
+
+
+def test_help_lists_every_field_with_type_default_and_doc():
+    text = format_help()
+    config = JobConfig()
+    for section in dataclasses.fields(config):
+        assert f"[{section.name}]" in text
+        for f in dataclasses.fields(getattr(config, section.name)):
+            flag = f"--{section.name}.{f.name}  ("
+            line = next(line for line in text.splitlines() if line.strip().startswith(flag))
+            assert "default:" in line
+            assert line.partition(")  ")[2].strip(), f"{flag} has no docstring"
+    assert "--training.steps  (int, default: 10000)  Optimizer steps to train." in text
+    assert "--optimizer.name  ({AdamW,Adam}, default: AdamW)" in text
+    assert "--debug.seed  (int | None, default: 0)" in text
+    assert "--compile.components  (list[str], default: model,loss)" in text
+
+
+def test_multiline_docstring_is_joined():
+    assert "(warmup-stable-decay). None: decay over all post-warmup steps." in format_help()
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_prints_and_exits_zero(flag, capsys):
+    with pytest.raises(HelpRequested) as info:
+        parse("--training.steps=3", flag, "--bogus.key")
+    assert info.value.code == 0
+    assert "--training.steps" in capsys.readouterr().out
+    assert "--training.steps" in info.value.text
+
+
+def test_uncaught_help_exits_process_with_zero():
+    code = "from torchtitan.config import ConfigManager; ConfigManager().parse_args(['--help'])"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    assert "--parallelism.deepep_num_sms" in result.stdout
+    assert result.stderr == ""
+
+
+# --- validation -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--training.seq_len=0"], "training.seq_len must be a positive"),
+        (["--training.steps=-5"], "training.steps must be a positive"),
+        (["--training.local_batch_size=0"], "training.local_batch_size must be a positive"),
+        (["--metrics.log_freq=0"], "metrics.log_freq must be a positive"),
+        (
+            ["--training.global_batch_size=12", "--training.local_batch_size=8"],
+            "multiple of .*local_batch_size",
+        ),
+        (["--training.global_batch_size=0"], "training.global_batch_size must be -1"),
+        (["--compile.components=model,los"], r"compile.components may only contain .*\['los'\]"),
+        (["--activation_checkpoint.selective_ac_option=every"], "selective_ac_option must be 'op'"),
+        (["--activation_checkpoint.selective_ac_option=0"], "selective_ac_option must be 'op'"),
+        (["--parallelism.deepep_num_sms=23"], "deepep_num_sms must be a positive even"),
+        (["--parallelism.deepep_num_sms=0"], "deepep_num_sms must be a positive even"),
+        (["--parallelism.expert_tensor_parallel_degree=0"], "expert_tensor_parallel_degree must be >= 1"),
+        (["--parallelism.expert_tensor_parallel_degree=2"], "must be 1 or equal to .*tensor_parallel_degree"),
+        (["--parallelism.data_parallel_shard_degree=0"], "data_parallel_shard_degree must be -1"),
+        (["--lr_scheduler.decay_ratio=1.5"], r"decay_ratio must be in \[0, 1\]"),
+        (["--lr_scheduler.warmup_steps=-1"], "warmup_steps must be >= 0"),
+    ],
+)
+def test_validation_rejects_bad_values(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        parse(*flags)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--training.global_batch_size=16", "--training.local_batch_size=8"],
+        ["--activation_checkpoint.selective_ac_option=2"],
+        ["--parallelism.tensor_parallel_degree=2", "--parallelism.expert_tensor_parallel_degree=2"],
+        ["--lr_scheduler.decay_ratio=0", "--lr_scheduler.warmup_steps=0"],
+        ["--compile.components=loss"],
+    ],
+)
+def test_validation_accepts_good_values(flags):
+    parse(*flags)
+
+
+def test_validate_runs_on_toml_values(tmp_path):
+    path = write_toml(tmp_path, "[training]\nseq_len = -1\n")
+    with pytest.raises(ConfigError, match="training.seq_len"):
+        parse("--job.config_file", path)
+
+
+def test_validate_accepts_defaults():
+    validate(JobConfig())

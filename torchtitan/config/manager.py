@@ -1,0 +1,456 @@
+"""Build a `JobConfig` from defaults, a TOML file and CLI flags (CLI > TOML > defaults), and print `--help`.
+
+Hand-rolled rather than argparse because we want: one error per bad key that names it and suggests the
+closest valid key, the same type rules for TOML values and CLI strings, and help text taken from the field
+docstrings in `job_config.py`, so adding a field there is the only step needed to expose it.
+"""
+
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import sys
+import textwrap
+import types
+from collections.abc import Iterable
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import tomli
+
+from torchtitan.config.job_config import JobConfig
+
+_HELP_FLAGS = ("-h", "--help")
+_NONE_STRINGS = ("none", "None")
+_TRUE_STRINGS = ("true", "1")
+_FALSE_STRINGS = ("false", "0")
+
+
+class ConfigError(ValueError):
+    """A bad config value or key; the message names the key and the fix. `main` prints it and exits 2."""
+
+
+class HelpRequested(SystemExit):
+    """Raised by `parse_args` after printing `--help`; a SystemExit(0) so an uncaught one exits cleanly."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(0)
+        self.text = text
+
+
+class ConfigManager:
+    """Parses argv into a validated `JobConfig`; `self.config` keeps the last result."""
+
+    def __init__(self) -> None:
+        self.config = JobConfig()
+
+    def parse_args(self, argv: list[str] | None = None) -> JobConfig:
+        """Defaults, then `--job.config_file` TOML, then CLI flags; then `validate`.
+
+        Raises ConfigError for unknown keys, wrong types and invalid values; prints help and raises
+        HelpRequested (exit code 0) for `-h` / `--help`.
+        """
+        argv = sys.argv[1:] if argv is None else list(argv)
+        if any(arg in _HELP_FLAGS for arg in argv):
+            text = format_help()
+            print(text)
+            raise HelpRequested(text)
+
+        overrides = _parse_cli(argv)
+        config = JobConfig()
+        config_file = overrides.get("job.config_file")
+        if config_file is not None:
+            _apply(config, _load_toml(config_file))
+        _apply(config, overrides)
+        validate(config)
+        self.config = config
+        return config
+
+
+def format_help() -> str:
+    """Every field as `--section.field  (type, default: X)  doc`, grouped by section."""
+    lines = [
+        "usage: python -m torchtitan.train [--job.config_file PATH] [--section.field VALUE ...]",
+        "",
+        "Precedence: CLI flags > TOML file (--job.config_file) > defaults.",
+        "Values: --a.b VALUE or --a.b=VALUE. Booleans: --a.flag, --a.no-flag, --a.flag=false.",
+        "Lists: repeat the flag or pass a comma list. Fields typed `X | None`: pass `none` for None.",
+    ]
+    section = None
+    for spec in _fields().values():
+        if spec.section != section:
+            section = spec.section
+            lines += ["", f"[{section}]"]
+        lines.append(f"  --{spec.key}  ({_type_name(spec.type)}, default: {_show(spec.default)})  {spec.doc}")
+    return "\n".join(lines)
+
+
+def validate(job_config: JobConfig) -> None:
+    """Reject values that are wrong for any world size, naming the key and the fix.
+
+    Checks that need the world size or the model (degrees multiplying out, layers per stage) live in
+    ParallelDims and preflight; this runs first so those never see a nonsensical value.
+    """
+    training = job_config.training
+    for key, value in [
+        ("training.seq_len", training.seq_len),
+        ("training.steps", training.steps),
+        ("training.local_batch_size", training.local_batch_size),
+        ("training.gc_freq", training.gc_freq),
+        ("metrics.log_freq", job_config.metrics.log_freq),
+        ("checkpoint.interval", job_config.checkpoint.interval),
+        ("profiling.profile_freq", job_config.profiling.profile_freq),
+        ("comm.init_timeout_seconds", job_config.comm.init_timeout_seconds),
+        ("comm.train_timeout_seconds", job_config.comm.train_timeout_seconds),
+    ]:
+        _require(value > 0, f"{key} must be a positive integer, got {value}; pass --{key} N with N >= 1")
+
+    gbs, lbs = training.global_batch_size, training.local_batch_size
+    _require(
+        gbs == -1 or (gbs > 0 and gbs % lbs == 0),
+        f"training.global_batch_size must be -1 or a positive multiple of training.local_batch_size ({lbs}), "
+        f"got {gbs}; pass --training.global_batch_size -1 or a multiple of {lbs}",
+    )
+    _require(training.max_norm > 0, f"training.max_norm must be > 0, got {training.max_norm}")
+
+    par = job_config.parallelism
+    for key, value in [
+        ("parallelism.data_parallel_replicate_degree", par.data_parallel_replicate_degree),
+        ("parallelism.tensor_parallel_degree", par.tensor_parallel_degree),
+        ("parallelism.pipeline_parallel_degree", par.pipeline_parallel_degree),
+        ("parallelism.pipeline_parallel_microbatch_size", par.pipeline_parallel_microbatch_size),
+        ("parallelism.expert_parallel_degree", par.expert_parallel_degree),
+        ("parallelism.expert_tensor_parallel_degree", par.expert_tensor_parallel_degree),
+    ]:
+        _require(value >= 1, f"{key} must be >= 1, got {value}; pass --{key} 1 to disable it")
+    dp_shard = par.data_parallel_shard_degree
+    _require(
+        dp_shard == -1 or dp_shard >= 1,
+        f"parallelism.data_parallel_shard_degree must be -1 (use the remaining ranks) or >= 1, "
+        f"got {dp_shard}",
+    )
+    _require(
+        par.expert_tensor_parallel_degree in (1, par.tensor_parallel_degree),
+        f"parallelism.expert_tensor_parallel_degree must be 1 or equal to parallelism.tensor_parallel_degree "
+        f"({par.tensor_parallel_degree}), got {par.expert_tensor_parallel_degree}",
+    )
+    layers = par.pipeline_parallel_layers_per_stage
+    _require(
+        layers is None or layers >= 1,
+        f"parallelism.pipeline_parallel_layers_per_stage must be None or >= 1, got {layers}",
+    )
+    sms = par.deepep_num_sms
+    _require(
+        sms > 0 and sms % 2 == 0,
+        f"parallelism.deepep_num_sms must be a positive even number, got {sms}; "
+        f"pass e.g. --parallelism.deepep_num_sms {max(2, sms + sms % 2)}",
+    )
+
+    sched = job_config.lr_scheduler
+    _require(
+        sched.warmup_steps >= 0,
+        f"lr_scheduler.warmup_steps must be >= 0, got {sched.warmup_steps}",
+    )
+    _require(
+        sched.decay_ratio is None or 0.0 <= sched.decay_ratio <= 1.0,
+        f"lr_scheduler.decay_ratio must be in [0, 1] or none, got {sched.decay_ratio}",
+    )
+    _require(
+        0.0 <= sched.min_lr_factor <= 1.0,
+        f"lr_scheduler.min_lr_factor must be in [0, 1], got {sched.min_lr_factor}",
+    )
+    _require(job_config.optimizer.lr >= 0, f"optimizer.lr must be >= 0, got {job_config.optimizer.lr}")
+
+    ckpt = job_config.checkpoint
+    _require(
+        ckpt.keep_latest_k >= 0,
+        f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {ckpt.keep_latest_k}",
+    )
+
+    unknown = sorted(set(job_config.compile.components) - {"model", "loss"})
+    _require(
+        not unknown,
+        f"compile.components may only contain 'model' and 'loss', got {unknown}; "
+        f"pass e.g. --compile.components model,loss",
+    )
+
+    option = job_config.activation_checkpoint.selective_ac_option
+    _require(
+        option == "op" or (option.isdigit() and int(option) > 0),
+        f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, got {option!r}; "
+        f"pass --activation_checkpoint.selective_ac_option op (or e.g. 2)",
+    )
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Field table: every leaf field of JobConfig as "section.field", with its type, default and docstring.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    section: str
+    name: str
+    type: Any
+    default: Any
+    doc: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.section}.{self.name}"
+
+
+@functools.cache
+def _fields() -> dict[str, _Field]:
+    table = {}
+    section_types = get_type_hints(JobConfig)
+    for section in dataclasses.fields(JobConfig):
+        cls = section_types[section.name]
+        field_types = get_type_hints(cls)
+        docs = _field_docs(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            spec = _Field(section.name, f.name, field_types[f.name], default, docs.get(f.name, ""))
+            table[spec.key] = spec
+    return table
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The string literal right under each annotated field (the convention `job_config.py` follows)."""
+    class_def = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    docs = {}
+    body = class_def.body
+    for node, following in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def _lookup(key: str, where: str) -> _Field:
+    spec = _fields().get(key)
+    if spec is None:
+        raise ConfigError(f"unknown config key {key!r} ({where}); {_suggestion(key)}")
+    return spec
+
+
+def _suggestion(key: str) -> str:
+    """Closest full key; falls back to matching only the field name (`--steps` -> `training.steps`)."""
+    keys = list(_fields())
+    match = _closest(key, keys)
+    if match is None:
+        by_name = {spec.name: spec.key for spec in _fields().values()}
+        name_match = _closest(key.rpartition(".")[2], by_name)
+        match = by_name[name_match] if name_match else None
+    return f"did you mean {match!r}?" if match else "run with --help to list valid keys"
+
+
+def _closest(word: str, candidates: Iterable[str]) -> str | None:
+    """Case-insensitive difflib match, returned in the candidate's own spelling."""
+    by_lower = {c.lower(): c for c in candidates}
+    matches = difflib.get_close_matches(word.lower(), by_lower, n=1)
+    return by_lower[matches[0]] if matches else None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sources: CLI flags and TOML file, both turned into {"section.field": typed value}.
+
+
+def _parse_cli(argv: list[str]) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; options look like --section.field VALUE")
+        name, has_value, text = arg[2:].partition("=")
+
+        negated = _negated_bool_key(name, arg)
+        if negated is not None:
+            if has_value:
+                raise ConfigError(f"{arg!r} takes no value; use --{negated}=true or --{negated}=false")
+            overrides[negated] = False
+            continue
+
+        spec = _lookup(name, arg)
+        if not has_value:
+            if spec.type is bool:
+                if i < len(argv) and not argv[i].startswith("--"):
+                    raise ConfigError(
+                        f"--{spec.key} is a switch and takes no separate value (got {argv[i]!r}); "
+                        f"write --{spec.key}=false or --{spec.section}.no-{spec.name}"
+                    )
+                overrides[spec.key] = True
+                continue
+            if i >= len(argv) or argv[i].startswith("--"):
+                raise ConfigError(f"--{spec.key} expects a value ({_type_name(spec.type)})")
+            text = argv[i]
+            i += 1
+        value = _from_cli(spec, text)
+        if get_origin(spec.type) is list:
+            # Repeating a list flag appends; together the CLI values replace the TOML / default list.
+            overrides.setdefault(spec.key, []).extend(value)
+        else:
+            overrides[spec.key] = value
+    return overrides
+
+
+def _negated_bool_key(name: str, arg: str) -> str | None:
+    """`--no-a.flag`, `--a.no-flag` or `--a.no_flag` -> "a.flag"; None when `name` is no negation."""
+    section, _, field_name = name.rpartition(".")
+    candidates = []
+    if name.startswith("no-"):
+        candidates.append(name[3:])
+    if field_name.startswith(("no-", "no_")):
+        candidates.append(f"{section}.{field_name[3:]}")
+    for key in candidates:
+        spec = _fields().get(key)
+        if spec is not None and key != name:
+            if spec.type is not bool:
+                raise ConfigError(
+                    f"{arg!r}: only booleans have a --no- form; {key} is {_type_name(spec.type)}"
+                )
+            return key
+    return None
+
+
+def _from_cli(spec: _Field, text: str) -> Any:
+    """Convert a CLI string to the field's type."""
+    where = f"--{spec.key}"
+    inner, optional = _unwrap_optional(spec.type)
+    if optional and text in _NONE_STRINGS:
+        return None
+    if inner is bool:
+        if text.lower() in _TRUE_STRINGS:
+            return True
+        if text.lower() in _FALSE_STRINGS:
+            return False
+    elif inner in (int, float):
+        try:
+            return inner(text)
+        except ValueError:
+            pass
+    elif inner is str:
+        return text
+    elif get_origin(inner) is Literal:
+        return _choose(spec, text, where)
+    elif get_origin(inner) is list:
+        return [item.strip() for item in text.split(",") if item.strip()]
+    raise ConfigError(f"{where} expects {_type_name(spec.type)}, got {text!r}")
+
+
+def _load_toml(path: str) -> dict[str, Any]:
+    """Read and type-check a TOML file; every key must be `[section] field = value` of a known field."""
+    try:
+        with open(path, "rb") as f:
+            data = tomli.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path!r} (from --job.config_file)") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path!r}: {err.strerror}") from None
+    except tomli.TOMLDecodeError as err:
+        raise ConfigError(f"config file {path!r} is not valid TOML: {err}") from None
+
+    sections = {spec.section for spec in _fields().values()}
+    values = {}
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(
+                f"top-level key {section!r} in {path} is not inside a [section]; {_suggestion(section)}"
+            )
+        if section not in sections:
+            match = _closest(section, sections)
+            hint = f"did you mean [{match}]?" if match else f"valid sections: {', '.join(sorted(sections))}"
+            raise ConfigError(f"unknown config section [{section}] in {path}; {hint}")
+        for name, value in table.items():
+            spec = _lookup(f"{section}.{name}", f"in {path}")
+            values[spec.key] = _from_toml(spec, value, path)
+    return values
+
+
+def _from_toml(spec: _Field, value: Any, path: str) -> Any:
+    """Check a TOML value against the field's type; ints widen to float, nothing else converts."""
+    where = f"{spec.key} in {path}"
+    inner, optional = _unwrap_optional(spec.type)
+    if optional and value in _NONE_STRINGS:  # TOML has no null; the CLI's `none` spelling works here too
+        return None
+    if inner is bool:
+        ok = isinstance(value, bool)
+    elif inner is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif inner is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif inner is str:
+        ok = isinstance(value, str)
+    elif get_origin(inner) is Literal:
+        if isinstance(value, str):
+            return _choose(spec, value, where)
+        ok = False
+    elif get_origin(inner) is list:
+        ok = isinstance(value, list) and all(isinstance(item, str) for item in value)
+        value = list(value) if ok else value
+    else:
+        ok = False
+    if not ok:
+        hint = "; write it without quotes" if isinstance(value, str) and inner in (int, float, bool) else ""
+        raise ConfigError(
+            f"{where} expects {_type_name(spec.type)}, got {value!r} ({type(value).__name__}){hint}"
+        )
+    return value
+
+
+def _choose(spec: _Field, text: str, where: str) -> str:
+    choices = get_args(_unwrap_optional(spec.type)[0])
+    if text in choices:
+        return text
+    match = _closest(text, choices)
+    hint = f"; did you mean {match!r}?" if match else ""
+    raise ConfigError(f"{where} must be one of {', '.join(choices)}; got {text!r}{hint}")
+
+
+def _apply(config: JobConfig, values: dict[str, Any]) -> None:
+    for key, value in values.items():
+        section, _, name = key.partition(".")
+        setattr(getattr(config, section), name, value)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Type helpers.
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    """`X | None` -> (X, True); anything else -> (tp, False)."""
+    if get_origin(tp) in (Union, types.UnionType):
+        args = get_args(tp)
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1 and len(args) == 2:
+            return rest[0], True
+    return tp, False
+
+
+def _type_name(tp: Any) -> str:
+    inner, optional = _unwrap_optional(tp)
+    if get_origin(inner) is Literal:
+        name = "{" + ",".join(map(str, get_args(inner))) + "}"
+    elif get_origin(inner) is list:
+        name = f"list[{get_args(inner)[0].__name__}]"
+    else:
+        name = inner.__name__
+    return f"{name} | None" if optional else name
+
+
+def _show(default: Any) -> str:
+    if isinstance(default, list):
+        return ",".join(map(str, default))
+    return str(default)
