@@ -1,0 +1,66 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from torchtitan.datasets.tokenizer import BOS_TOKEN, EOS_TOKEN, Tokenizer, build_tokenizer
+
+
+def test_shipped_tokenizer_has_vocab_2048_with_bos_and_eos_inside(tokenizer: Tokenizer):
+    assert tokenizer.vocab_size == 2048
+    assert {tokenizer.bos_id, tokenizer.eos_id} == {0, 1}
+    assert tokenizer.decode([tokenizer.bos_id]) == BOS_TOKEN
+    assert tokenizer.decode([tokenizer.eos_id]) == EOS_TOKEN
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["It is a truth universally acknowledged", "  leading spaces\n\nand\ttabs ", "café naïve — 😀 日本", ""],
+)
+def test_encode_decode_round_trips_any_text(tokenizer: Tokenizer, text: str):
+    ids = tokenizer.encode(text)
+    assert all(0 <= i < tokenizer.vocab_size for i in ids)
+    assert tokenizer.decode(ids) == text
+
+
+def test_encode_adds_bos_and_eos_only_when_asked(tokenizer: Tokenizer):
+    plain = tokenizer.encode("Persuasion")
+    assert tokenizer.bos_id not in plain and tokenizer.eos_id not in plain
+    wrapped = tokenizer.encode("Persuasion", add_bos=True, add_eos=True)
+    assert wrapped == [tokenizer.bos_id, *plain, tokenizer.eos_id]
+    assert tokenizer.decode(wrapped, skip_special_tokens=True) == "Persuasion"
+    assert tokenizer.encode_batch(["Persuasion"], add_bos=True) == [[tokenizer.bos_id, *plain]]
+
+
+def test_special_token_text_in_input_encodes_to_the_special_id(tokenizer: Tokenizer):
+    # Documented behaviour of `tokenizers` added tokens: literal "<|end_of_text|>" in text becomes EOS.
+    assert tokenizer.eos_id in tokenizer.encode("a <|end_of_text|> b")
+
+
+def test_build_tokenizer_finds_default_path_from_any_working_directory(tmp_path, monkeypatch, make_job_config):
+    monkeypatch.chdir(tmp_path)
+    assert build_tokenizer(make_job_config()).vocab_size == 2048
+
+
+def test_build_tokenizer_missing_file_names_the_config_key(tmp_path, make_job_config):
+    job_config = make_job_config()
+    job_config.model.tokenizer_path = str(tmp_path / "nope.json")
+    with pytest.raises(FileNotFoundError, match="--model.tokenizer_path"):
+        build_tokenizer(job_config)
+
+
+def test_build_script_reproduces_shipped_tokenizer(tmp_path, repo_root):
+    output = tmp_path / "tokenizer.json"
+    subprocess.run(
+        [sys.executable, str(repo_root / "scripts/build_tokenizer.py"), "--output", str(output)],
+        check=True,
+        capture_output=True,
+    )
+    rebuilt, shipped = (
+        json.loads(output.read_text()),
+        json.loads((repo_root / "torchtitan/assets/tokenizer/tokenizer.json").read_text()),
+    )
+    assert rebuilt["model"]["vocab"] == shipped["model"]["vocab"]
+    assert rebuilt["model"]["merges"] == shipped["model"]["merges"]
+    assert rebuilt["added_tokens"] == shipped["added_tokens"]

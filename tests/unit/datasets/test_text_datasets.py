@@ -1,0 +1,188 @@
+import gzip
+import itertools
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from torchtitan.datasets.text_datasets import (
+    PackedTextDataset,
+    build_text_dataset,
+    read_documents,
+    resolve_corpus_files,
+    tokenize_corpus,
+)
+
+
+def read_corpus(path) -> list[str]:
+    return [doc for f in resolve_corpus_files("ignored", str(path)) for doc in read_documents(f)]
+
+
+def take(dataset: PackedTextDataset, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(x["input"], y) for x, y in itertools.islice(iter(dataset), n)]
+
+
+# ---- packing ----
+
+
+def test_token_stream_is_bos_doc_eos_per_document(tokenizer, jsonl_corpus, documents):
+    stream, num_documents = tokenize_corpus([jsonl_corpus], tokenizer)
+    expected = [t for doc in documents for t in tokenizer.encode(doc, add_bos=True, add_eos=True)]
+    assert num_documents == len(documents)
+    assert stream.dtype == torch.int64 and stream.tolist() == expected
+
+
+def test_samples_are_shifted_windows_of_the_stream_spanning_documents(tokenizer, jsonl_corpus, make_job_config):
+    seq_len = 16
+    dataset, _ = build_text_dataset(make_job_config(jsonl_corpus, seq_len=seq_len), tokenizer, 0, 1)
+    stream = dataset.token_stream.tolist()
+    assert len(stream) > 3 * (seq_len + 1)
+    samples = take(dataset, 3)
+    for i, (inputs, labels) in enumerate(samples):
+        window = stream[i * (seq_len + 1) : (i + 1) * (seq_len + 1)]
+        assert inputs.shape == labels.shape == (seq_len,)
+        assert inputs.tolist() == window[:-1] and labels.tolist() == window[1:]
+    # The first sample begins a document; later ones start mid-document and cross EOS -> BOS boundaries.
+    assert samples[0][0][0] == tokenizer.bos_id
+    boundary = [tokenizer.eos_id, tokenizer.bos_id]
+    assert any(x.tolist()[j : j + 2] == boundary for x, _ in samples[1:] for j in range(1, seq_len - 1))
+    # No padding: consecutive samples tile the stream exactly.
+    flat = torch.cat([torch.cat([x, y[-1:]]) for x, y in samples]).tolist()
+    assert flat == stream[: len(flat)]
+
+
+def test_stream_repeats_over_epochs_and_state_tracks_epoch(tokenizer, jsonl_corpus, make_job_config):
+    seq_len = 7
+    dataset, _ = build_text_dataset(make_job_config(jsonl_corpus, seq_len=seq_len), tokenizer, 0, 1)
+    stream = dataset.token_stream.tolist()
+    samples_per_epoch = len(stream) // (seq_len + 1) + 2
+    samples = take(dataset, 2 * samples_per_epoch)
+    flat = [t for x, y in samples for t in [*x.tolist(), y[-1].item()]]
+    assert flat == (stream * 3)[: len(flat)]
+    assert dataset.state_dict() == {"samples_yielded": len(samples), "epoch": len(flat) // len(stream)}
+    assert dataset.state_dict()["epoch"] >= 2
+
+
+def test_dataset_state_round_trip_resumes_exactly(tokenizer, jsonl_corpus, make_job_config):
+    job_config = make_job_config(jsonl_corpus)
+    first, _ = build_text_dataset(job_config, tokenizer, 1, 3)
+    take(first, 5)
+    second, _ = build_text_dataset(job_config, tokenizer, 1, 3)
+    second.load_state_dict(first.state_dict())
+    for (a, b), (c, d) in zip(take(first, 4), take(second, 4), strict=True):
+        assert torch.equal(a, c) and torch.equal(b, d)
+
+
+# ---- sources and formats ----
+
+
+def test_tinycorpus_is_the_shipped_austen_chapters():
+    files = resolve_corpus_files("tinycorpus", None)
+    documents = read_documents(files[0])
+    assert len(documents) == 269
+    assert documents[0].startswith("CHAPTER 1\n\nThe family of Dashwood")
+
+
+def test_jsonl_and_jsonl_gz(tmp_path, documents):
+    lines = "".join(json.dumps({"text": doc}) + "\n" for doc in documents)
+    (tmp_path / "a.jsonl").write_text(lines + "\n")
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
+        f.write(lines)
+    assert read_corpus(tmp_path / "a.jsonl") == documents
+    assert read_corpus(tmp_path / "b.jsonl.gz") == documents
+
+
+def test_jsonl_without_text_field_is_an_error(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"content": "x"}\n')
+    with pytest.raises(ValueError, match="'text' field"):
+        read_corpus(tmp_path / "a.jsonl")
+
+
+def test_txt_file_is_one_document(tmp_path):
+    text = "Chapter 1\n\nFirst paragraph.\n\nSecond paragraph.\n"
+    (tmp_path / "book.txt").write_text(text)
+    with gzip.open(tmp_path / "book2.txt.gz", "wt") as f:
+        f.write(text)
+    assert read_corpus(tmp_path / "book.txt") == [text]
+    assert read_corpus(tmp_path / "book2.txt.gz") == [text]
+
+
+def test_parquet_text_column(tmp_path, documents):
+    pq.write_table(pa.table({"id": list(range(len(documents))), "text": documents}), tmp_path / "d.parquet")
+    assert read_corpus(tmp_path / "d.parquet") == documents
+    pq.write_table(pa.table({"body": documents}), tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match="no 'text' column"):
+        read_corpus(tmp_path / "bad.parquet")
+
+
+def write_saved_hf_dataset(folder, shards: list[list[str]]) -> None:
+    """The `datasets.Dataset.save_to_disk` layout: IPC-stream .arrow shards + state.json + dataset_info.json."""
+    folder.mkdir(parents=True)
+    names = [f"data-{i:05d}-of-{len(shards):05d}.arrow" for i in range(len(shards))]
+    for name, shard in zip(names, shards, strict=True):
+        table = pa.table({"text": shard, "n": list(range(len(shard)))})
+        with pa.OSFile(str(folder / name), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+    (folder / "dataset_info.json").write_text(json.dumps({"features": {"text": {"dtype": "string"}}}))
+    state = {"_data_files": [{"filename": n} for n in names], "_fingerprint": "x", "_split": "train"}
+    (folder / "state.json").write_text(json.dumps(state))
+
+
+def test_saved_hf_dataset_folder_reads_arrow_shards_in_state_order(tmp_path, documents):
+    write_saved_hf_dataset(tmp_path / "ds", [documents[:3], documents[3:]])
+    assert read_corpus(tmp_path / "ds") == documents
+
+
+def test_saved_hf_dataset_dict_uses_train_split(tmp_path, documents):
+    write_saved_hf_dataset(tmp_path / "dd" / "train", [documents])
+    write_saved_hf_dataset(tmp_path / "dd" / "test", [["held out"]])
+    (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
+    assert read_corpus(tmp_path / "dd") == documents
+
+
+def test_arrow_ipc_file_format(tmp_path, documents):
+    table = pa.table({"text": documents})
+    with pa.OSFile(str(tmp_path / "d.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    assert read_corpus(tmp_path / "d.arrow") == documents
+
+
+def test_folder_of_mixed_files_in_sorted_order_skipping_other_files(tmp_path, documents):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.txt").write_text(documents[0])
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": documents[1]}) + "\n")
+    pq.write_table(pa.table({"text": documents[2:]}), tmp_path / "sub" / "c.parquet")
+    (tmp_path / "README.md").write_text("not a document")
+    assert read_corpus(tmp_path) == documents
+
+
+def test_empty_documents_are_skipped(tmp_path, tokenizer):
+    (tmp_path / "d.jsonl").write_text('{"text": ""}\n{"text": "Emma"}\n')
+    stream, num_documents = tokenize_corpus([tmp_path / "d.jsonl"], tokenizer)
+    assert num_documents == 1 and stream.tolist() == tokenizer.encode("Emma", add_bos=True, add_eos=True)
+
+
+# ---- errors ----
+
+
+def test_missing_dataset_path_names_the_config_key(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--training.dataset_path"):
+        resolve_corpus_files("tinycorpus", str(tmp_path / "missing.jsonl"))
+
+
+@pytest.mark.parametrize("name", ["data.csv", "empty_folder"])
+def test_unsupported_dataset_path_names_the_config_key(tmp_path, name):
+    path = tmp_path / name
+    if name.endswith(".csv"):
+        path.write_text("text\nx\n")
+    else:
+        path.mkdir()
+    with pytest.raises(ValueError, match="--training.dataset_path"):
+        resolve_corpus_files("tinycorpus", str(path))
+
+
+def test_unknown_dataset_name_without_path_is_an_error():
+    with pytest.raises(ValueError, match="--training.dataset"):
+        resolve_corpus_files("c4", None)

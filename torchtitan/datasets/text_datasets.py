@@ -1,0 +1,268 @@
+"""Local text corpora and the packed, data-parallel-sharded sample stream built from them.
+
+Document sources (`resolve_corpus_files`, `read_documents`):
+- `training.dataset = "tinycorpus"` with no `dataset_path`: the shipped corpus (Jane Austen, one chapter per
+  document; see torchtitan/assets/README.md).
+- `training.dataset_path` = one file, a folder of files, or a saved Hugging Face dataset folder:
+  - `.jsonl` / `.jsonl.gz`: one JSON object per line, the document is its "text" field;
+  - `.txt` / `.txt.gz`: the whole file is one document (books and pages keep their blank lines);
+  - `.parquet`: column "text", one document per row (read with pyarrow);
+  - `.arrow`: Arrow IPC (stream or file format), column "text";
+  - a folder holding `state.json` / `dataset_info.json` (`datasets.Dataset.save_to_disk`): its `.arrow`
+    files in the order `state.json` lists them (the `datasets` package is not needed); a folder holding
+    `dataset_dict.json` (`DatasetDict.save_to_disk`): its `train` split;
+  - any other folder: every file above found under it, recursively, in sorted path order.
+  Empty documents are skipped.
+
+Packing (`PackedTextDataset`): every document becomes BOS + tokens + EOS; the documents are concatenated into
+one token stream that repeats forever (epoch after epoch, same order). Sample i is the window of seq_len + 1
+tokens starting at i * (seq_len + 1) in that endless stream, so samples span document (and epoch) boundaries,
+nothing is padded and no token is dropped; input = window[:-1], labels = window[1:].
+
+Data-parallel sharding: the sample stream is global. With local batch size L and dp world size W, rank r takes
+the samples whose index i has (i // L) % W == r, so step t of rank r is samples (t * W + r) * L ... + L - 1, and
+one rank with batch W * L sees exactly the concatenation (rank 0 first) of what W ranks with batch L see.
+"""
+
+import gzip
+import hashlib
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.ipc
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.datasets.tokenizer import Tokenizer
+
+TINYCORPUS_PATH = Path(__file__).resolve().parents[1] / "assets" / "tinycorpus" / "austen_chapters.jsonl.gz"
+DOCUMENT_SUFFIXES = (".jsonl", ".jsonl.gz", ".txt", ".txt.gz", ".parquet", ".arrow")
+TEXT_FIELD = "text"
+
+
+class PackedTextDataset(IterableDataset):
+    """Endless stream of packed (input_dict, labels) samples for one data-parallel rank.
+
+    Every rank holds and tokenizes the whole corpus: simple and exactly reproducible for any dp degree, at the
+    cost of W-fold tokenization work and memory (fine up to tens of millions of tokens; a large corpus
+    would need pre-tokenized shards instead).
+
+    State (`state_dict` / `load_state_dict`) is this rank's (per loader worker) position: how many samples it
+    has yielded, and the epoch the next sample starts in.
+    """
+
+    def __init__(
+        self,
+        token_stream: torch.Tensor,
+        seq_len: int,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_world_size: int,
+    ):
+        if token_stream.ndim != 1 or token_stream.numel() == 0:
+            raise ValueError("token_stream must be a non-empty 1-D tensor of token ids")
+        if seq_len < 1 or local_batch_size < 1:
+            raise ValueError(f"seq_len ({seq_len}) and local_batch_size ({local_batch_size}) must be >= 1")
+        if not 0 <= dp_rank < dp_world_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside [0, dp_world_size={dp_world_size})")
+        self.token_stream = token_stream
+        self.seq_len = seq_len
+        self.local_batch_size = local_batch_size
+        self.dp_rank = dp_rank
+        self.dp_world_size = dp_world_size
+        self._samples_yielded = 0
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        worker = get_worker_info()
+        num_workers, worker_id = (1, 0) if worker is None else (worker.num_workers, worker.id)
+        while True:
+            sample_index = self._global_sample_index(self._samples_yielded, num_workers, worker_id)
+            window = self.sample(sample_index)
+            self._samples_yielded += 1
+            yield {"input": window[:-1]}, window[1:]
+
+    def sample(self, sample_index: int) -> torch.Tensor:
+        """Window `sample_index` of the endless stream: seq_len + 1 token ids, wrapping into the next epoch."""
+        start = sample_index * (self.seq_len + 1)
+        positions = torch.arange(start, start + self.seq_len + 1) % self.token_stream.numel()
+        return self.token_stream[positions]
+
+    def _global_sample_index(self, local_index: int, num_workers: int, worker_id: int) -> int:
+        # A DataLoader with N workers takes whole batches from them round-robin: worker w builds this rank's
+        # local batches w, w + N, w + 2N, ...
+        local_batch = (local_index // self.local_batch_size) * num_workers + worker_id
+        global_batch = local_batch * self.dp_world_size + self.dp_rank
+        return global_batch * self.local_batch_size + local_index % self.local_batch_size
+
+    def state_dict(self) -> dict[str, int]:
+        worker = get_worker_info()
+        num_workers, worker_id = (1, 0) if worker is None else (worker.num_workers, worker.id)
+        next_sample = self._global_sample_index(self._samples_yielded, num_workers, worker_id)
+        epoch = next_sample * (self.seq_len + 1) // self.token_stream.numel()
+        return {"samples_yielded": self._samples_yielded, "epoch": epoch}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self._samples_yielded = int(state_dict["samples_yielded"])
+
+
+def build_text_dataset(
+    job_config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_world_size: int
+) -> tuple[PackedTextDataset, dict[str, Any]]:
+    """The packed dataset for this rank and its identity (what a resumed run must match, but `dataset`)."""
+    training = job_config.training
+    files = resolve_corpus_files(training.dataset, training.dataset_path)
+    token_stream, num_documents = tokenize_corpus(files, tokenizer)
+    dataset = PackedTextDataset(token_stream, training.seq_len, training.local_batch_size, dp_rank, dp_world_size)
+    identity = {
+        # Informational only (a resumed run may read the same corpus from another folder); the content
+        # hash below is what must match.
+        "dataset": training.dataset if training.dataset_path is None else str(training.dataset_path),
+        "tokens_sha256": hashlib.sha256(token_stream.numpy().tobytes()).hexdigest()[:16],
+        "num_documents": num_documents,
+        "num_tokens": token_stream.numel(),
+        "tokenizer": tokenizer.fingerprint,
+        "seq_len": training.seq_len,
+        "local_batch_size": training.local_batch_size,
+        "dp_world_size": dp_world_size,
+    }
+    return dataset, identity
+
+
+# Per-process cache of tokenized corpora, keyed by (files with their size and mtime, tokenizer fingerprint):
+# several loaders over one corpus in a process (tests, evaluation) tokenize it once.
+_TOKENIZED_CORPORA: dict[tuple, tuple[torch.Tensor, int]] = {}
+_MAX_CACHED_CORPORA = 4
+
+
+def tokenize_corpus(files: list[Path], tokenizer: Tokenizer) -> tuple[torch.Tensor, int]:
+    """(token stream: BOS + doc + EOS for every document, concatenated, int64; number of documents)."""
+    file_stats = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    key = (file_stats, tokenizer.fingerprint)
+    if key in _TOKENIZED_CORPORA:
+        _TOKENIZED_CORPORA[key] = _TOKENIZED_CORPORA.pop(key)  # most recently used goes last
+    else:
+        documents = [doc for f in files for doc in read_documents(f) if doc]
+        if not documents:
+            raise ValueError(f"no non-empty documents in {[str(f) for f in files]}")
+        token_lists = tokenizer.encode_batch(documents, add_bos=True, add_eos=True)
+        token_stream = torch.cat([torch.tensor(ids, dtype=torch.int64) for ids in token_lists])
+        if len(_TOKENIZED_CORPORA) >= _MAX_CACHED_CORPORA:
+            _TOKENIZED_CORPORA.pop(next(iter(_TOKENIZED_CORPORA)))  # least recently used
+        _TOKENIZED_CORPORA[key] = (token_stream, len(documents))
+    return _TOKENIZED_CORPORA[key]
+
+
+def resolve_corpus_files(dataset: str, dataset_path: str | None) -> list[Path]:
+    """The document files of `training.dataset` / `training.dataset_path`, in reading order."""
+    if dataset_path is None:
+        if dataset != "tinycorpus":
+            raise ValueError(
+                f"unknown --training.dataset={dataset!r}: the only built-in dataset is 'tinycorpus'; "
+                "for anything else set --training.dataset_path to a local file or folder"
+            )
+        return [TINYCORPUS_PATH]
+
+    path = Path(dataset_path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"--training.dataset_path={dataset_path!r} does not exist")
+    if path.is_file():
+        if not _has_document_suffix(path):
+            raise ValueError(
+                f"--training.dataset_path={dataset_path!r}: unsupported file type; "
+                f"expected one of {', '.join(DOCUMENT_SUFFIXES)}, a folder of them, or a saved HF dataset"
+            )
+        return [path]
+    if (path / "dataset_dict.json").is_file():
+        return _saved_hf_dataset_dict_files(path, dataset_path)
+    if (path / "state.json").is_file() or (path / "dataset_info.json").is_file():
+        return _saved_hf_dataset_files(path, dataset_path)
+    files = sorted(p for p in path.rglob("*") if p.is_file() and _has_document_suffix(p))
+    if not files:
+        raise ValueError(
+            f"--training.dataset_path={dataset_path!r} is a folder with no {', '.join(DOCUMENT_SUFFIXES)} files "
+            "and no saved HF dataset (state.json / dataset_info.json)"
+        )
+    return files
+
+
+def read_documents(path: Path) -> list[str]:
+    """Documents of one corpus file (format chosen by suffix, see the module docstring)."""
+    name = path.name
+    if name.endswith((".jsonl", ".jsonl.gz")):
+        documents = []
+        with _open_text(path) as f:
+            for line_number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                record = json.loads(line)
+                if TEXT_FIELD not in record:
+                    raise ValueError(f"{path}:{line_number}: JSON object has no {TEXT_FIELD!r} field")
+                documents.append(record[TEXT_FIELD])
+        return documents
+    if name.endswith((".txt", ".txt.gz")):
+        with _open_text(path) as f:
+            return [f.read()]
+    if name.endswith(".parquet"):
+        columns = pq.read_schema(path).names
+        if TEXT_FIELD not in columns:
+            raise ValueError(f"{path} has no {TEXT_FIELD!r} column (columns: {columns})")
+        return _text_column(pq.read_table(path, columns=[TEXT_FIELD]), path)
+    if name.endswith(".arrow"):
+        return _text_column(_read_arrow(path), path)
+    raise ValueError(f"unsupported corpus file {path}; expected one of {', '.join(DOCUMENT_SUFFIXES)}")
+
+
+def _saved_hf_dataset_files(folder: Path, dataset_path: str) -> list[Path]:
+    state_file = folder / "state.json"
+    if state_file.is_file():
+        state = json.loads(state_file.read_text())
+        files = [folder / entry["filename"] for entry in state.get("_data_files", [])]
+    else:
+        files = sorted(folder.glob("*.arrow"))
+    if not files:
+        raise ValueError(f"--training.dataset_path={dataset_path!r}: saved HF dataset folder has no .arrow files")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"--training.dataset_path={dataset_path!r}: state.json lists missing {missing}")
+    return files
+
+
+def _saved_hf_dataset_dict_files(folder: Path, dataset_path: str) -> list[Path]:
+    splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
+    if "train" not in splits:
+        raise ValueError(
+            f"--training.dataset_path={dataset_path!r} is a saved DatasetDict without a 'train' split "
+            f"(splits: {splits}); point --training.dataset_path at one split's folder"
+        )
+    return _saved_hf_dataset_files(folder / "train", dataset_path)
+
+
+def _read_arrow(path: Path) -> pa.Table:
+    # `datasets.save_to_disk` writes the IPC stream format; plain Arrow files use the IPC file format.
+    data = path.read_bytes()
+    try:
+        return pa.ipc.open_stream(io.BytesIO(data)).read_all()
+    except pa.ArrowInvalid:
+        return pa.ipc.open_file(io.BytesIO(data)).read_all()
+
+
+def _text_column(table: pa.Table, path: Path) -> list[str]:
+    if TEXT_FIELD not in table.column_names:
+        raise ValueError(f"{path} has no {TEXT_FIELD!r} column (columns: {table.column_names})")
+    return [text for text in table.column(TEXT_FIELD).to_pylist() if text is not None]
+
+
+def _open_text(path: Path):
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _has_document_suffix(path: Path) -> bool:
+    return path.name.endswith(DOCUMENT_SUFFIXES)

@@ -1,0 +1,77 @@
+"""`Tokenizer`: a thin wrapper over a `tokenizers` JSON file with explicit BOS/EOS handling."""
+
+import hashlib
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from torchtitan.config.job_config import JobConfig
+
+BOS_TOKEN = "<|begin_of_text|>"
+EOS_TOKEN = "<|end_of_text|>"
+
+# Relative paths are looked up from the working directory, then from the repository root, so the default
+# `torchtitan/assets/tokenizer/tokenizer.json` works when the trainer is started from any folder.
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` whose BOS/EOS are the special tokens `<|begin_of_text|>` / `<|end_of_text|>`.
+
+    The JSON file carries no post-processor; BOS/EOS are added only when `encode` is asked to, so the
+    same file serves packing (BOS + text + EOS per document) and plain prompts. As with any `tokenizers`
+    added token, the literal string "<|end_of_text|>" inside a text encodes to `eos_id`.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._tokenizer = HFTokenizer.from_file(str(self.path))
+        self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self.bos_id: int = self._special_token_id(BOS_TOKEN)
+        self.eos_id: int = self._special_token_id(EOS_TOKEN)
+        # Identity of the vocabulary and merges, stored in dataloader state so a resume with another
+        # tokenizer fails loudly instead of silently feeding different token ids.
+        self.fingerprint: str = hashlib.sha256(self._tokenizer.to_str().encode("utf-8")).hexdigest()[:16]
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        return self._wrap(ids, add_bos, add_eos)
+
+    def encode_batch(self, texts: list[str], add_bos: bool = False, add_eos: bool = False) -> list[list[int]]:
+        """`encode` for many texts at once (parallel inside `tokenizers`)."""
+        encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
+        return [self._wrap(e.ids, add_bos, add_eos) for e in encodings]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def _wrap(self, ids: list[int], add_bos: bool, add_eos: bool) -> list[int]:
+        return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
+
+    def _special_token_id(self, token: str) -> int:
+        token_id = self._tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ValueError(
+                f"tokenizer {self.path} has no special token {token!r}; rebuild it with "
+                "scripts/build_tokenizer.py or pass another --model.tokenizer_path"
+            )
+        return token_id
+
+
+def build_tokenizer(job_config: JobConfig) -> Tokenizer:
+    """The tokenizer named by `job_config.model.tokenizer_path`."""
+    return Tokenizer(resolve_tokenizer_path(job_config.model.tokenizer_path))
+
+
+def resolve_tokenizer_path(tokenizer_path: str) -> Path:
+    path = Path(tokenizer_path).expanduser()
+    candidates = [path] if path.is_absolute() else [Path.cwd() / path, _REPO_ROOT / path]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    tried = ", ".join(str(c) for c in candidates)
+    raise FileNotFoundError(
+        f"tokenizer file not found: --model.tokenizer_path={tokenizer_path!r} (looked at {tried}); "
+        "point --model.tokenizer_path at a `tokenizers` tokenizer.json, e.g. the shipped "
+        "torchtitan/assets/tokenizer/tokenizer.json"
+    )
