@@ -1,0 +1,134 @@
+"""MoE-layer microbenchmark: one DeepSeek-V3-style MoE layer, forward and forward+backward, per EP backend.
+
+    torchrun --nproc-per-node 4 scripts/bench/moe_layer.py --layer 671b --backend deepep --tokens 8192
+
+Routing is forced round-robin (`force_load_balance`) so every expert gets the same load and the matmul bound below
+is exact. The bound counts only the expert matmuls at the measured H200 bf16 rate:
+    FLOPs(fwd) = 2 * 3 * dim * moe_inter * tokens * (top_k + num_shared),  fwd+bwd = 3 x fwd.
+One JSON per (layer, backend, ep, tokens) goes to $BENCH_OUT or benchmarks/results/.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from scripts.bench.common import MEASURED_H200_BF16_TFLOPS, median, write_result  # noqa: E402
+from torchtitan.models.moe.args import MoEArgs  # noqa: E402
+from torchtitan.models.moe.moe import build_moe  # noqa: E402
+
+LAYERS = {
+    # dim, moe_inter, experts, top_k, shared: DeepSeek-V2-Lite / Moonlight 16B, and DeepSeek-V3 671B.
+    "16b": dict(dim=2048, moe_inter=1408, num_experts=64, top_k=6, num_shared=2, score_func="softmax"),
+    "671b": dict(dim=7168, moe_inter=2048, num_experts=256, top_k=8, num_shared=1, score_func="sigmoid"),
+}
+
+
+def matmul_bound_ms(layer: dict, tokens: int) -> tuple[float, float]:
+    fwd_flops = 2 * 3 * layer["dim"] * layer["moe_inter"] * tokens * (layer["top_k"] + layer["num_shared"])
+    fwd_ms = fwd_flops / (MEASURED_H200_BF16_TFLOPS * 1e12) * 1e3
+    return fwd_ms, 3 * fwd_ms
+
+
+def build_layer(layer: dict, backend: str, ep_mesh, device: torch.device, num_sms: int):
+    moe_args = MoEArgs(
+        num_experts=layer["num_experts"], num_shared_experts=layer["num_shared"], top_k=layer["top_k"],
+        score_func=layer["score_func"], route_norm=True, force_load_balance=True,
+    )
+    moe = build_moe(moe_args, layer["dim"], layer["moe_inter"], comm_backend=backend, ep_degree=ep_mesh.size())
+    moe.to(device)
+    moe.init_weights(0.02, buffer_device=device)
+    for sub in (moe.router, moe.experts, moe.shared_experts):
+        sub.to(torch.bfloat16)
+    if ep_mesh.size() > 1:
+        if backend == "deepep":
+            from torchtitan.distributed.deepep import DeepEPExpertParallel
+
+            style = DeepEPExpertParallel(num_sms=num_sms)
+        else:
+            from torchtitan.distributed.expert_parallel import ExpertParallel
+
+            style = ExpertParallel()
+        parallelize_module(moe.experts, ep_mesh, style)
+    return moe
+
+
+def time_ms(fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layer", choices=sorted(LAYERS), required=True)
+    parser.add_argument("--backend", choices=["standard", "deepep"], required=True)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192], help="tokens per rank")
+    parser.add_argument("--num-sms", type=int, default=24)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    dist.init_process_group("nccl", device_id=device)
+    ep = dist.get_world_size()
+    ep_mesh = init_device_mesh("cuda", (ep,), mesh_dim_names=("ep",))
+    layer = LAYERS[args.layer]
+    moe = build_layer(layer, args.backend, ep_mesh, device, args.num_sms)
+
+    for tokens in args.tokens:
+        torch.manual_seed(dist.get_rank())
+        x = torch.randn(1, tokens, layer["dim"], device=device, dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn_like(x)
+
+        def forward(x=x):
+            with torch.no_grad():
+                moe(x)
+
+        def forward_backward(x=x, grad=grad):
+            moe(x).backward(grad)
+
+        torch.cuda.reset_peak_memory_stats()
+        fwd_ms = time_ms(forward, args.warmup, args.iters)
+        fwd_bwd_ms = time_ms(forward_backward, args.warmup, args.iters)
+        peak_gib = torch.cuda.max_memory_allocated() / 2**30
+        stats = torch.tensor([fwd_ms, fwd_bwd_ms, peak_gib], device=device)
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank is the layer's time
+        bound_fwd, bound_fwd_bwd = matmul_bound_ms(layer, tokens)
+        result = dict(
+            layer=args.layer, backend=args.backend, ep=ep, tokens_per_rank=tokens, **layer,
+            fwd_ms=stats[0].item(), fwd_bwd_ms=stats[1].item(), peak_memory_gib=stats[2].item(),
+            bound_fwd_ms=bound_fwd, bound_fwd_bwd_ms=bound_fwd_bwd,
+            bound_formula="2*3*dim*moe_inter*tokens*(top_k+num_shared) FLOPs fwd, x3 fwd+bwd, at "
+            f"{MEASURED_H200_BF16_TFLOPS} TFLOP/s",
+            timing=f"median of {args.iters} iterations after {args.warmup} warm-up, CUDA events, max over ranks",
+        )
+        if dist.get_rank() == 0:
+            write_result(result, f"moe_layer_{args.layer}_{args.backend}_ep{ep}_t{tokens}")
+            print(
+                f"{args.layer} {args.backend} ep={ep} tokens={tokens}: fwd {result['fwd_ms']:.2f} ms, "
+                f"fwd+bwd {result['fwd_bwd_ms']:.2f} ms (bound {bound_fwd_bwd:.2f} ms, "
+                f"{result['fwd_bwd_ms'] / bound_fwd_bwd:.2f}x), peak {result['peak_memory_gib']:.1f} GiB",
+                flush=True,
+            )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
