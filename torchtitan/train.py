@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.loss import build_loss_fn, check_finite_loss
+from torchtitan.components.loss import RescaledLoss, build_loss_fn, check_finite_loss, count_valid_tokens
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import build_optimizers
@@ -32,38 +32,16 @@ logger = logging.getLogger("torchtitan")
 
 
 class TrainState:
-    """Step counter + RNG states, checkpointed with everything else so resume is exact."""
+    """The step counter (the checkpoint manager saves per-rank RNG states itself)."""
 
     def __init__(self) -> None:
         self.step = 0
 
     def state_dict(self) -> dict:
-        state = {"step": torch.tensor(self.step), "cpu_rng": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            state["cuda_rng"] = torch.cuda.get_rng_state()
-        return state
+        return {"step": torch.tensor(self.step)}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
-        torch.set_rng_state(state["cpu_rng"])
-        if "cuda_rng" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda_rng"])
-
-
-class ScaledTokenSumLoss:
-    """loss = token-sum cross entropy / valid tokens of the whole step (all micro-batches, all DP ranks).
-
-    Summing these over micro-batches and DP ranks gives exactly the full-batch mean, so gradient
-    accumulation, DP degree and pipeline micro-batching never change the loss. FSDP therefore must
-    sum (not average) gradients: parallelize sets its gradient divide factor to 1.
-    """
-
-    def __init__(self, token_sum_loss_fn) -> None:
-        self.token_sum_loss_fn = token_sum_loss_fn
-        self.global_valid_tokens: torch.Tensor | None = None
-
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.token_sum_loss_fn(logits, labels) / self.global_valid_tokens
 
 
 class Trainer:
@@ -97,7 +75,10 @@ class Trainer:
         nparams, self.flops_per_token = self.model_args.get_nparams_and_flops(model, job_config.training.seq_len)
         logger.info(f"model {job_config.model.flavor}: {nparams:,} parameters, {self.flops_per_token:,.0f} FLOPs/token")
 
-        self.loss_fn = ScaledTokenSumLoss(build_loss_fn(job_config))
+        # loss = token-sum CE / valid tokens of the whole step (all micro-batches, all DP ranks): summed over
+        # micro-batches and ranks it is exactly the full-batch mean, so accumulation, DP degree and PP
+        # micro-batching never change it. FSDP therefore sums gradients (divide factor 1, set in parallelize).
+        self.loss_fn = RescaledLoss(build_loss_fn(job_config))
         if self.parallel_dims.pp_enabled:
             self.pp_schedule, self.model_parts, self.has_first_stage, self.has_last_stage = pipeline_deepseekv3(
                 model, self.parallel_dims, job_config, self.device, self.model_args, self.loss_fn
@@ -127,6 +108,7 @@ class Trainer:
             lr_schedulers=self.lr_schedulers,
             dataloader=self.dataloader,
             train_state=self.train_state,
+            dp_rank=dp_rank,
             model_args=self.model_args,
         )
         self.metrics = MetricsProcessor(
@@ -145,12 +127,6 @@ class Trainer:
             input_dict, labels = next(data_iterator)
             batches.append((input_dict["input"].to(self.device), labels.to(self.device)))
         return batches
-
-    def _global_valid_tokens(self, microbatches) -> torch.Tensor:
-        local = sum((labels != -100).sum() for _, labels in microbatches).to(torch.float32)
-        if self.parallel_dims.dp_enabled:
-            dist.all_reduce(local, group=self.parallel_dims.get_mesh("dp").get_group())
-        return local
 
     def _document_ids(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """Block-causal attention: a new document starts at every BOS token."""
@@ -182,7 +158,8 @@ class Trainer:
     def train_step(self, data_iterator: Iterator) -> tuple[torch.Tensor, torch.Tensor]:
         self.optimizers.zero_grad()
         microbatches = self._next_microbatches(data_iterator)
-        self.loss_fn.global_valid_tokens = self._global_valid_tokens(microbatches)
+        dp_group = self.parallel_dims.get_mesh("dp").get_group() if self.parallel_dims.dp_enabled else None
+        self.loss_fn.global_valid_tokens = count_valid_tokens((labels for _, labels in microbatches), dp_group)
         loss = sum(self.forward_backward(tokens, labels) for tokens, labels in microbatches)
 
         grad_norm = dist_utils.clip_grad_norm_(

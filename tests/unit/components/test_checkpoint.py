@@ -1,0 +1,417 @@
+import json
+import os
+import random
+import socket
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+from torchtitan.components.checkpoint import MANIFEST_NAME, CheckpointError, CheckpointManager
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.config.job_config import JobConfig
+
+
+class TinyModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok_embeddings = torch.nn.Embedding(16, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.output = torch.nn.Linear(8, 16)
+        self.register_buffer("expert_bias", torch.zeros(4))
+
+    def forward(self, tokens):
+        return self.output(self.norm(self.tok_embeddings(tokens)))
+
+
+class FakeDataloader:
+    def __init__(self):
+        self.position = 0
+
+    def state_dict(self):
+        return {"position": self.position, "epoch": [self.position // 10]}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+class TrainState:
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self):
+        return {"step": torch.tensor(self.step)}
+
+    def load_state_dict(self, state):
+        self.step = int(state["step"])
+        # Like a train state that restores one shared RNG copy: the per-rank RNG state must still win.
+        torch.manual_seed(999)
+        random.seed(999)
+
+
+def make_config(dump_folder, **checkpoint):
+    config = JobConfig()
+    config.job.dump_folder = str(dump_folder)
+    config.training.steps = 10
+    config.lr_scheduler.warmup_steps = 2
+    config.optimizer.lr = 0.01
+    config.checkpoint.enable = True
+    config.checkpoint.interval = 2
+    for key, value in checkpoint.items():
+        setattr(config.checkpoint, key, value)
+    return config
+
+
+class Run:
+    """Everything the trainer hands the CheckpointManager, for one process."""
+
+    def __init__(self, config, seed=0, model=None, dp_rank=None, **manager_kwargs):
+        torch.manual_seed(seed)
+        self.config = config
+        self.model = model if model is not None else TinyModel()
+        self.optimizers = build_optimizers([self.model], config)
+        self.lr_schedulers = build_lr_schedulers(self.optimizers, config)
+        self.dataloader = FakeDataloader()
+        self.train_state = TrainState()
+        self.manager = CheckpointManager(
+            config,
+            model_parts=[self.model],
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            dataloader=self.dataloader,
+            train_state=self.train_state,
+            dp_rank=dp_rank,
+            **manager_kwargs,
+        )
+
+    def train(self, steps, save=True):
+        for _ in range(steps):
+            self.train_state.step += 1
+            self.dataloader.position += 3
+            tokens = torch.randint(0, 16, (2, 5))
+            self.optimizers.zero_grad()
+            self.model(tokens).square().mean().backward()
+            self.manager.maybe_wait_for_staging()
+            self.optimizers.step()
+            self.lr_schedulers.step()
+            if save:
+                self.manager.save(self.train_state.step, last_step=self.train_state.step == self.config.training.steps)
+
+    def params(self):
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+
+def folder(tmp_path):
+    return tmp_path / "checkpoint"
+
+
+def listing(tmp_path):
+    return sorted(os.listdir(folder(tmp_path)))
+
+
+def assert_same_params(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+
+
+# ---- save / load round trip ------------------------------------------------------------------------
+
+
+def test_round_trip_restores_model_optimizer_schedule_data_step_and_rng(tmp_path):
+    config = make_config(tmp_path, interval=4)
+    run = Run(config)
+    run.train(4)
+    assert listing(tmp_path) == ["step-4"]
+    manifest = json.loads((folder(tmp_path) / "step-4" / MANIFEST_NAME).read_text())
+    assert manifest["step"] == 4 and manifest["format"] == "full" and ".metadata" in manifest["files"]
+    saved_params, saved_lr = run.params(), run.lr_schedulers.get_last_lr()
+    python_draw, torch_draw = random.random(), torch.rand(3)  # the RNG right after the save
+
+    resumed = Run(make_config(tmp_path, interval=4), seed=123)
+    assert resumed.manager.load() is True
+    assert_same_params(resumed.params(), saved_params)
+    assert resumed.train_state.step == 4 and resumed.dataloader.position == 12
+    assert resumed.lr_schedulers.get_last_lr() == pytest.approx(saved_lr)
+    assert resumed.optimizers.optimizers[0].param_groups[0]["lr"] == pytest.approx(saved_lr)
+    assert random.random() == python_draw
+    torch.testing.assert_close(torch.rand(3), torch_draw)
+    for p_old, p_new in zip(run.model.parameters(), resumed.model.parameters(), strict=True):
+        old_state = run.optimizers.optimizers[0].state[p_old]
+        new_state = resumed.optimizers.optimizers[0].state[p_new]
+        torch.testing.assert_close(old_state["exp_avg_sq"], new_state["exp_avg_sq"], rtol=0, atol=0)
+        assert float(old_state["step"]) == float(new_state["step"]) == 4
+
+    # Continuing both gives bit-identical weights.
+    random.seed(7), torch.manual_seed(7)
+    run.train(2, save=False)
+    random.seed(7), torch.manual_seed(7)
+    resumed.train(2, save=False)
+    assert_same_params(resumed.params(), run.params())
+
+
+def test_saves_at_interval_and_last_step_only(tmp_path):
+    config = make_config(tmp_path, interval=4)
+    config.training.steps = 5
+    Run(config).train(5)
+    assert listing(tmp_path) == ["step-4", "step-5"]
+
+
+def test_no_checkpoint_means_fresh_start(tmp_path):
+    assert Run(make_config(tmp_path)).manager.load() is False
+
+
+def test_disabled_manager_does_nothing(tmp_path):
+    run = Run(make_config(tmp_path, enable=False))
+    run.train(4)
+    assert not folder(tmp_path).exists() and run.manager.load() is False
+
+
+def test_load_step_picks_an_older_checkpoint_and_missing_step_names_the_fix(tmp_path):
+    run = Run(make_config(tmp_path))
+    run.train(2)
+    step2 = run.params()
+    run.train(2)
+    resumed = Run(make_config(tmp_path))
+    assert resumed.manager.load(step=2) is True
+    assert_same_params(resumed.params(), step2) and resumed.train_state.step == 2
+    with pytest.raises(CheckpointError, match=r"no complete checkpoint step-3 .*complete steps: \[2, 4\]"):
+        Run(make_config(tmp_path)).manager.load(step=3)
+
+
+def test_keep_latest_k_purges_only_older_complete_checkpoints(tmp_path):
+    run = Run(make_config(tmp_path, keep_latest_k=2))
+    os.makedirs(folder(tmp_path) / "step-1")  # not ours (no manifest): never purged
+    run.train(6)
+    assert listing(tmp_path) == ["step-1", "step-4", "step-6"]
+
+
+# ---- atomicity -------------------------------------------------------------------------------------
+
+
+def test_crash_mid_save_leaves_previous_checkpoint_loadable_and_tmp_is_cleaned(tmp_path, monkeypatch):
+    run = Run(make_config(tmp_path))
+    run.train(2)
+    step2 = run.params()
+
+    real_save = dcp.save
+
+    def crash_after_partial_write(state_dict, checkpoint_id, **kwargs):
+        os.makedirs(checkpoint_id, exist_ok=True)
+        with open(os.path.join(checkpoint_id, "__0_0.distcp"), "wb") as f:
+            f.write(b"half a tensor")
+        raise OSError("simulated crash: node lost power")
+
+    monkeypatch.setattr(dcp, "save", crash_after_partial_write)
+    with pytest.raises(OSError, match="simulated crash"):
+        run.train(2)
+    monkeypatch.setattr(dcp, "save", real_save)
+    assert listing(tmp_path) == ["step-2", "step-4.tmp"]
+
+    resumed = Run(make_config(tmp_path))  # startup removes the stale .tmp
+    assert listing(tmp_path) == ["step-2"]
+    assert resumed.manager.load() is True and resumed.train_state.step == 2
+    assert_same_params(resumed.params(), step2)
+
+
+def test_tmp_without_manifest_is_never_loaded(tmp_path):
+    run = Run(make_config(tmp_path))
+    run.train(4)
+    # A complete-looking DCP folder whose save never reached the manifest stage.
+    os.rename(folder(tmp_path) / "step-4", folder(tmp_path) / "step-6.tmp")
+    (folder(tmp_path) / "step-6.tmp" / MANIFEST_NAME).unlink()
+    resumed = Run(make_config(tmp_path))
+    assert listing(tmp_path) == ["step-2"]
+    assert resumed.manager.load() is True and resumed.train_state.step == 2
+
+
+def test_crash_between_manifest_and_rename_is_recovered_at_startup(tmp_path):
+    run = Run(make_config(tmp_path))
+    run.train(2)
+    os.rename(folder(tmp_path) / "step-2", folder(tmp_path) / "step-2.tmp")
+    resumed = Run(make_config(tmp_path))
+    assert listing(tmp_path) == ["step-2"]
+    assert resumed.manager.load() is True and resumed.train_state.step == 2
+
+
+# ---- corruption ------------------------------------------------------------------------------------
+
+
+def corrupt_latest(tmp_path, how):
+    run = Run(make_config(tmp_path))
+    run.train(4)
+    step4 = folder(tmp_path) / "step-4"
+    data = next(p for p in step4.iterdir() if p.suffix == ".distcp")
+    if how == "truncate":
+        data.write_bytes(data.read_bytes()[:-10])
+    elif how == "delete_metadata":
+        (step4 / ".metadata").unlink()
+    elif how == "garble_metadata":  # same size, so only DCP notices
+        size = (step4 / ".metadata").stat().st_size
+        (step4 / ".metadata").write_bytes(b"\0" * size)
+    elif how == "garble_manifest":
+        (step4 / MANIFEST_NAME).write_text("{not json")
+    return step4
+
+
+@pytest.mark.parametrize(
+    ("how", "reason"),
+    [
+        ("truncate", "truncated"),
+        ("delete_metadata", r"\.metadata is missing"),
+        ("garble_metadata", "metadata"),
+        ("garble_manifest", "unreadable"),
+    ],
+)
+def test_corrupt_checkpoint_raises_naming_folder_and_fix(tmp_path, how, reason):
+    step4 = corrupt_latest(tmp_path, how)
+    with pytest.raises(CheckpointError, match=reason) as err:
+        Run(make_config(tmp_path)).manager.load()
+    assert str(step4) in str(err.value)
+    assert "delete" in str(err.value).lower() and "--checkpoint.load_step" in str(err.value)
+    # The fix works: the previous checkpoint still loads.
+    resumed = Run(make_config(tmp_path))
+    assert resumed.manager.load(step=2) is True and resumed.train_state.step == 2
+
+
+# ---- async -----------------------------------------------------------------------------------------
+
+
+def test_async_save_snapshots_state_then_completes_and_loads(tmp_path):
+    run = Run(make_config(tmp_path, async_mode="async", interval=2))
+    run.train(2)
+    step2 = run.params()
+    with torch.no_grad():  # the next optimizer step changes weights while the write may still run
+        for p in run.model.parameters():
+            p.add_(1.0)
+    run.manager.close()
+    assert listing(tmp_path) == ["step-2"]
+    resumed = Run(make_config(tmp_path, async_mode="async"))
+    assert resumed.manager.load() is True
+    assert_same_params(resumed.params(), step2)
+    resumed.manager.close()
+
+
+def test_async_saves_publish_in_order_with_keep_latest_k(tmp_path):
+    run = Run(make_config(tmp_path, async_mode="async", keep_latest_k=2))
+    run.train(10)  # steps 2..8 async, 10 (last) synchronous
+    run.manager.close()
+    assert listing(tmp_path) == ["step-10", "step-8"]
+
+
+# ---- exports and initial load -----------------------------------------------------------------------
+
+
+def test_last_save_model_only_in_export_dtype_initializes_another_run(tmp_path):
+    config = make_config(tmp_path, last_save_model_only=True, export_dtype="bfloat16")
+    run = Run(config)
+    run.train(10)
+    final = run.params()
+    manifest = json.loads((folder(tmp_path) / "step-10" / MANIFEST_NAME).read_text())
+    assert manifest["format"] == "model_only"
+
+    # Resuming in the same folder skips the export and continues from the last full checkpoint.
+    resumed = Run(make_config(tmp_path, last_save_model_only=True))
+    assert resumed.manager.load() is True and resumed.train_state.step == 8
+
+    other = tmp_path / "other"
+    config = make_config(other, initial_load_path=str(folder(tmp_path) / "step-10"))
+    fresh = Run(config, seed=5)
+    assert fresh.manager.load() is False and fresh.train_state.step == 0
+    for key, value in fresh.params().items():
+        torch.testing.assert_close(value, final[key].to(torch.bfloat16).float(), rtol=0, atol=0)
+
+
+def test_last_save_in_hf_goes_through_adapter_and_hf_io(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    written = {}
+    fake_io = types.ModuleType("torchtitan.models.deepseek_v3.hf_io")
+
+    def save_hf_safetensors(state_dict, target):
+        written.update(state_dict)
+        with open(os.path.join(target, "model.safetensors"), "wb") as f:
+            f.write(b"x" * 10)
+
+    fake_io.save_hf_safetensors = save_hf_safetensors
+    fake_io.load_hf_safetensors = lambda path: dict(written)
+    monkeypatch.setitem(sys.modules, "torchtitan.models.deepseek_v3.hf_io", fake_io)
+
+    class PrefixAdapter:
+        def to_hf(self, sd):
+            return {"model." + k: v for k, v in sd.items()}
+
+        def from_hf(self, sd):
+            return {k.removeprefix("model."): v for k, v in sd.items()}
+
+    run = Run(make_config(tmp_path, last_save_in_hf=True, export_dtype="bfloat16"), state_dict_adapter=PrefixAdapter())
+    run.train(10)
+    assert json.loads((folder(tmp_path) / "step-10" / MANIFEST_NAME).read_text())["format"] == "hf"
+    assert written["model.output.weight"].dtype == torch.bfloat16
+
+    config = make_config(tmp_path / "other", initial_load_path="unused", initial_load_in_hf=True)
+    fresh = Run(config, seed=9, state_dict_adapter=PrefixAdapter())
+    assert fresh.manager.load() is False
+    torch.testing.assert_close(fresh.model.output.weight, written["model.output.weight"].float())
+
+
+def test_hf_export_without_adapter_or_model_args_fails_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="model_args"):
+        Run(make_config(tmp_path, last_save_in_hf=True))
+
+
+# ---- 2-rank FSDP save, 1-rank load ------------------------------------------------------------------
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fsdp_save_worker(rank, world_size, port, dump_folder):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        model = TinyModel()
+        fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+        run = Run(make_config(dump_folder), model=model, dp_rank=rank)
+        torch.manual_seed(100 + rank)  # different data per DP rank
+        run.dataloader.position = 1000 * rank
+        run.train(2)
+
+        def full(tensor):
+            return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+        reference = {
+            "params": {k: full(v) for k, v in model.state_dict().items()},
+            "exp_avg": {k: full(v) for k, v in run.optimizers.state_dict().items() if k.endswith(".exp_avg")},
+        }
+        if rank == 0:
+            torch.save(reference, os.path.join(dump_folder, "reference.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_rank_fsdp_checkpoint_loads_resharded_into_one_rank(tmp_path):
+    mp.spawn(_fsdp_save_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    assert listing(tmp_path) == ["step-2"]
+    files = json.loads((folder(tmp_path) / "step-2" / MANIFEST_NAME).read_text())["files"]
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(files)
+    reference = torch.load(tmp_path / "reference.pt")
+
+    single = Run(make_config(tmp_path), seed=42)
+    assert single.manager.load() is True
+    assert single.train_state.step == 2 and single.dataloader.position == 6  # DP rank 0's data position
+    assert_same_params(single.params(), reference["params"])
+    exp_avg = {k: v for k, v in single.optimizers.state_dict().items() if k.endswith(".exp_avg")}
+    assert_same_params(exp_avg, reference["exp_avg"])

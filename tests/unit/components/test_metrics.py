@@ -1,0 +1,145 @@
+import json
+import logging
+import os
+import re
+
+import pytest
+import torch
+
+from torchtitan.components.metrics import (
+    DeviceMemoryMonitor,
+    MemoryStats,
+    MetricsProcessor,
+    format_metrics_line,
+    get_peak_flops,
+)
+from torchtitan.config.job_config import JobConfig
+
+LINE = re.compile(
+    r"^step: \d+  loss: \d+\.\d{4}  grad_norm: \d+\.\d{4}  memory: (\d+\.\d{2}GiB\(\d+\.\d{2}%\)|n/a)  "
+    r"tps: [\d,]+  tflops: \d+\.\d{2}  mfu: (\d+\.\d{2}%|n/a)"
+)
+
+
+def job_config(tmp_path, tensorboard=False):
+    config = JobConfig()
+    config.job.dump_folder = str(tmp_path)
+    config.metrics.log_freq = 2
+    config.metrics.enable_tensorboard = tensorboard
+    config.training.local_batch_size = 2
+    config.training.seq_len = 8
+    return config
+
+
+def test_cpu_line_has_exact_form_with_na_memory_and_mfu(tmp_path, caplog):
+    processor = MetricsProcessor(
+        job_config(tmp_path), num_flops_per_token=1e9, device=torch.device("cpu"), is_logging_rank=True
+    )
+    with caplog.at_level(logging.INFO, logger="torchtitan"):
+        record = processor.log(2, loss=7.12345, grad_norm=1.23456, lr=8e-4, total_steps=10)
+    processor.close()
+    lines = [r.message for r in caplog.records if r.message.startswith("step: ")]
+    assert len(lines) == 1
+    line = lines[0]
+    assert LINE.match(line), line
+    assert line.startswith("step: 2  loss: 7.1235  grad_norm: 1.2346  memory: n/a  tps: ")
+    assert "mfu: n/a" in line and "[step 2/10  lr 8.0e-04  eta " in line
+    assert record["tps"] > 0 and record["mfu"] is None and record["memory_gib"] is None
+    assert record["tflops"] == pytest.approx(1e9 * record["tps"] / 1e12)
+
+
+def test_gpu_style_line_formats_memory_thousands_and_mfu():
+    record = {
+        "step": 10,
+        "loss": 7.1234,
+        "grad_norm": 1.2345,
+        "tps": 1234.4,
+        "tflops": 1.234,
+        "mfu": 1.2345,
+        "lr": None,
+    }
+    line = format_metrics_line(record, MemoryStats(1.234, 4.5612))
+    assert line == (
+        "step: 10  loss: 7.1234  grad_norm: 1.2345  memory: 1.23GiB(4.56%)  tps: 1,234  tflops: 1.23  mfu: 1.23%"
+    )
+    assert LINE.match(line)
+
+
+def test_tps_counts_tokens_per_device_since_last_log(tmp_path, monkeypatch):
+    clock = iter([100.0, 104.0, 110.0])
+    monkeypatch.setattr("torchtitan.components.metrics.time.perf_counter", lambda: next(clock))
+    config = job_config(tmp_path)
+    config.parallelism.tensor_parallel_degree = 2  # 2 devices share each DP rank's 16 tokens per step
+    processor = MetricsProcessor(config, num_flops_per_token=6.0, device=torch.device("cpu"), is_logging_rank=False)
+    # 8 tokens per device per step. First window: steps 1..2 over 4 s; second: steps 3..5 over 6 s.
+    assert processor.log(2, loss=1.0, grad_norm=1.0)["tps"] == pytest.approx(2 * 8 / 4)
+    record = processor.log(5, loss=1.0, grad_norm=1.0)
+    assert record["tps"] == pytest.approx(3 * 8 / 6)
+    assert record["tflops"] == pytest.approx(6.0 * 3 * 8 / 6 / 1e12)
+
+
+def test_jsonl_gets_one_flushed_record_per_logged_step(tmp_path):
+    processor = MetricsProcessor(
+        job_config(tmp_path), num_flops_per_token=1.0, device=torch.device("cpu"), is_logging_rank=True
+    )
+    processor.log(2, loss=3.0, grad_norm=0.5, lr=1e-3)
+    processor.log(4, loss=2.0, grad_norm=0.25, lr=1e-3, total_steps=4)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()  # readable before close(): flushed
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == [2, 4]
+    assert set(records[0]) == {"step", "loss", "grad_norm", "tps", "tflops", "mfu", "memory_gib", "lr", "time"}
+    assert records[1]["loss"] == 2.0 and records[1]["lr"] == 1e-3
+    processor.close()
+
+
+def test_non_logging_rank_writes_nothing(tmp_path, caplog):
+    processor = MetricsProcessor(
+        job_config(tmp_path, tensorboard=True), num_flops_per_token=1.0, device="cpu", is_logging_rank=False
+    )
+    with caplog.at_level(logging.INFO):
+        processor.log(2, loss=1.0, grad_norm=1.0)
+    processor.close()
+    assert not os.listdir(tmp_path)
+    assert not any(r.message.startswith("step: ") for r in caplog.records)
+
+
+def test_tensorboard_event_file_has_the_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    processor = MetricsProcessor(
+        job_config(tmp_path, tensorboard=True), num_flops_per_token=1.0, device="cpu", is_logging_rank=True
+    )
+    processor.log(2, loss=1.5, grad_norm=0.5, lr=1e-3)
+    processor.close()
+    tb_dir = tmp_path / "tb"
+    files = [f for f in os.listdir(tb_dir) if f.startswith("events.out.tfevents")]
+    assert files
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb_dir))
+    events.Reload()
+    assert {"loss", "grad_norm", "tps", "tflops", "lr"} <= set(events.Tags()["scalars"])
+    assert events.Scalars("loss")[0].value == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize(
+    ("name", "flops"),
+    [
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA B200", 2.25e15),
+    ],
+)
+def test_peak_flops_table(name, flops):
+    assert get_peak_flops(name) == flops
+
+
+def test_unknown_device_falls_back_with_warning(caplog):
+    with caplog.at_level(logging.WARNING):
+        assert get_peak_flops("Some Future GPU") == 312e12
+    assert "unknown" in caplog.text
+
+
+def test_memory_monitor_is_none_on_cpu():
+    assert DeviceMemoryMonitor(torch.device("cpu")).get_peak_stats() is None

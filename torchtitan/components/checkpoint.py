@@ -1,0 +1,573 @@
+"""Atomic, reshardable checkpoints with torch.distributed.checkpoint (DCP).
+
+Layout under `<job.dump_folder>/<checkpoint.folder>/`:
+
+    step-40/            a complete checkpoint: DCP files (`.metadata`, `__<rank>_0.distcp`) + `complete.json`
+    step-50.tmp/        a save in progress (or interrupted); never loaded
+
+A save writes `step-N.tmp/`; once every rank has written (DCP's coordinator writes `.metadata` only after all
+ranks reported), rank 0 writes the manifest `complete.json` (file names and sizes), renames the folder to
+`step-N/` and fsyncs. Only `step-N/` folders with a manifest are loaded. At startup, `.tmp` folders are removed
+(or, if their manifest is already complete, renamed into place). A checkpoint whose files do not match its
+manifest, that lacks `.metadata`, or that DCP fails to read raises `CheckpointError` naming the folder and the fix.
+
+What a full checkpoint holds (DCP keys):
+    model             get_model_state_dict of every model part (DTensors: resharded on load by DCP)
+    optimizer         OptimizersContainer's flattened optimizer state dict
+    lr_scheduler      LRSchedulersContainer's state
+    train_state       the trainer's train state (the same on every rank: DCP keeps one copy)
+    dataloader.dp_rank_<r>   pickled dataloader state of DP rank r (per rank: DCP would merge equal keys)
+    rng.rank_<r>      pickled python / torch CPU / CUDA RNG states of global rank r
+
+Dataloader and RNG entries missing for this layout (DP degree or world size changed) are skipped with a warning.
+"""
+
+import json
+import logging
+import os
+import pickle
+import random
+import re
+import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from torchtitan.config.job_config import JobConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CheckpointError", "CheckpointManager", "ModelWrapper", "RngState", "validate_checkpoint"]
+
+MANIFEST_NAME = "complete.json"
+TMP_SUFFIX = ".tmp"
+FORMAT_FULL = "full"
+FORMAT_MODEL_ONLY = "model_only"
+FORMAT_HF = "hf"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or unreadable; the message names the folder and the fix."""
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class CheckpointManager:
+    """Saves every `checkpoint.interval` steps (and the last step) and resumes from the latest complete one.
+
+    Args:
+        model_parts: the model, or its pipeline stages on this rank.
+        dataloader, train_state: objects with state_dict()/load_state_dict(); either may be None.
+        dp_rank: this rank's data-parallel rank, which keys the dataloader state. Required when
+            torch.distributed runs with more than one rank and a dataloader is given.
+        state_dict_adapter: an object with `to_hf(sd)`/`from_hf(sd)` for HF import/export; built lazily as
+            `DeepSeekV3StateDictAdapter(model_args)` when only `model_args` is given.
+    """
+
+    def __init__(
+        self,
+        job_config: JobConfig,
+        model_parts: list[nn.Module],
+        optimizers: Stateful,
+        lr_schedulers: Stateful,
+        dataloader: Stateful | None = None,
+        train_state: Stateful | None = None,
+        *,
+        dp_rank: int | None = None,
+        model_args: Any = None,
+        state_dict_adapter: Any = None,
+    ) -> None:
+        config = job_config.checkpoint
+        self.config = config
+        self.enable = config.enable
+        self.folder = os.path.join(job_config.job.dump_folder, config.folder)
+        self.interval = config.interval
+        self.keep_latest_k = config.keep_latest_k
+        if config.async_mode not in ("disabled", "async"):
+            raise ValueError(f"checkpoint.async_mode={config.async_mode!r}; use 'disabled' or 'async'")
+        if self.enable and self.interval <= 0:
+            raise ValueError(f"checkpoint.interval={self.interval} must be > 0")
+        if self.keep_latest_k < 0:
+            raise ValueError(f"checkpoint.keep_latest_k={self.keep_latest_k} must be >= 0 (0 keeps all)")
+        if config.export_dtype not in _EXPORT_DTYPES:
+            raise ValueError(f"checkpoint.export_dtype={config.export_dtype!r}; use one of {list(_EXPORT_DTYPES)}")
+        self.export_dtype = _EXPORT_DTYPES[config.export_dtype]
+
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        if dataloader is not None and dp_rank is None:
+            if self.world_size > 1:
+                raise ValueError(
+                    "CheckpointManager needs dp_rank= (this rank's data-parallel rank) to key the "
+                    "dataloader state when running on several ranks"
+                )
+            dp_rank = 0
+
+        self.model_parts = model_parts
+        self.model = ModelWrapper(model_parts)
+        self.optimizers = optimizers
+        self.lr_schedulers = lr_schedulers
+        self.dataloader = dataloader
+        self.train_state = train_state
+        self.dp_rank = dp_rank
+        self.model_args = model_args
+        self.state_dict_adapter = state_dict_adapter
+        needs_hf = (config.last_save_in_hf and self.enable) or (config.initial_load_path and config.initial_load_in_hf)
+        if needs_hf and state_dict_adapter is None and model_args is None:
+            raise ValueError(
+                "HF checkpoint import/export needs CheckpointManager(model_args=...) or state_dict_adapter=..."
+            )
+        if config.last_save_in_hf and self.enable and any(_is_pipeline_stage(part) for part in model_parts):
+            raise ValueError(
+                "checkpoint.last_save_in_hf is not supported with pipeline parallelism yet; use "
+                "--checkpoint.last_save_model_only and convert the DCP checkpoint offline"
+            )
+
+        # CPU-side collectives (DCP planning, async save's background thread, barriers) go over gloo, so they
+        # work next to an NCCL default group and never block the GPU stream.
+        self.pg = dist.new_group(backend="gloo") if self.enable and dist.is_initialized() else None
+        self._pending: _PendingSave | None = None
+
+        if self.enable:
+            if self.rank == 0:
+                os.makedirs(self.folder, exist_ok=True)
+                _resolve_tmp_folders(self.folder)
+            self._barrier()
+
+    # ---- save ----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def save(self, curr_step: int, last_step: bool = False) -> None:
+        """Save at every `interval`-th step and at the last step (model-only/HF there if so configured)."""
+        if not self.enable or not (last_step or curr_step % self.interval == 0):
+            return
+        begin = time.monotonic()
+        self._finish_pending_save()
+        tmp_path = os.path.join(self.folder, f"step-{curr_step}{TMP_SUFFIX}")
+        if self.rank == 0 and os.path.exists(tmp_path):
+            shutil.rmtree(tmp_path)
+        self._barrier()
+
+        if last_step and self.config.last_save_in_hf:
+            self._save_hf(tmp_path)
+            fmt = FORMAT_HF
+        elif last_step and self.config.last_save_model_only:
+            dcp.save({"model": self._export_model_state_dict()}, checkpoint_id=tmp_path, process_group=self.pg)
+            fmt = FORMAT_MODEL_ONLY
+        elif self.config.async_mode == "async" and not last_step:
+            # DCP stages (copies) the state to CPU memory before returning; only the write runs in the background.
+            future = dcp.async_save(self._states(), checkpoint_id=tmp_path, process_group=self.pg)
+            self._pending = _PendingSave(curr_step, tmp_path, future)
+            logger.info(
+                f"checkpoint step {curr_step}: staged in {time.monotonic() - begin:.2f}s, writing in background"
+            )
+            return
+        else:
+            dcp.save(self._states(), checkpoint_id=tmp_path, process_group=self.pg)
+            fmt = FORMAT_FULL
+        self._barrier()
+        if self.rank == 0:
+            self._publish(curr_step, tmp_path, fmt)
+        self._barrier()
+        logger.info(f"checkpoint step {curr_step} ({fmt}) saved in {time.monotonic() - begin:.2f}s")
+
+    def maybe_wait_for_staging(self) -> None:
+        """Call once per step before the optimizer step: publishes a background save that has finished.
+
+        Staging is synchronous inside `dcp.async_save`, so the parameters may already change; nothing waits.
+        """
+        if self._pending is not None and self._pending.future.done():
+            self._finish_pending_save()
+
+    def close(self) -> None:
+        """Wait for a background save and publish it. Call at the end of training (also on error)."""
+        self._finish_pending_save()
+
+    def _finish_pending_save(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.future.result()
+        except Exception as err:
+            raise CheckpointError(
+                f"background save of step {pending.step} into {pending.tmp_path} failed: {err!r}; the previous "
+                f"checkpoint is untouched"
+            ) from err
+        # The coordinator's (rank 0's) save finishes only after every rank reported its writes, so rank 0 can
+        # publish without a barrier (which could deadlock here: other ranks poll `done()` at other times).
+        if self.rank == 0:
+            self._publish(pending.step, pending.tmp_path, FORMAT_FULL)
+            logger.info(f"checkpoint step {pending.step} saved (async)")
+
+    def _publish(self, step: int, tmp_path: str, fmt: str) -> None:
+        """Rank 0: manifest, fsync, rename `step-N.tmp` -> `step-N`, then purge old checkpoints."""
+        files = {}
+        for root, _, names in os.walk(tmp_path):
+            for name in names:
+                full = os.path.join(root, name)
+                _fsync(full)
+                files[os.path.relpath(full, tmp_path)] = os.path.getsize(full)
+        if fmt != FORMAT_HF and ".metadata" not in files:
+            raise CheckpointError(f"save into {tmp_path} produced no .metadata; not publishing it")
+        manifest = {"step": step, "format": fmt, "files": files, "time": time.time()}
+        manifest_tmp = os.path.join(tmp_path, MANIFEST_NAME + TMP_SUFFIX)
+        with open(manifest_tmp, "w") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(manifest_tmp, os.path.join(tmp_path, MANIFEST_NAME))
+        _fsync(tmp_path)
+        final_path = os.path.join(self.folder, f"step-{step}")
+        if os.path.exists(final_path):
+            shutil.rmtree(final_path)
+        os.replace(tmp_path, final_path)
+        _fsync(self.folder)
+        self._purge_old_checkpoints()
+
+    def _purge_old_checkpoints(self) -> None:
+        if self.keep_latest_k <= 0:
+            return
+        complete = sorted(_complete_checkpoints(self.folder))
+        for step in complete[: -self.keep_latest_k]:
+            path = os.path.join(self.folder, f"step-{step}")
+            logger.info(f"keep_latest_k={self.keep_latest_k}: deleting {path}")
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _export_model_state_dict(self) -> dict[str, Any]:
+        return {
+            k: v.to(self.export_dtype) if torch.is_floating_point(v) else v for k, v in self.model.state_dict().items()
+        }
+
+    def _save_hf(self, tmp_path: str) -> None:
+        full_state: dict[str, Any] = {}
+        for part in self.model_parts:
+            # Gathered to CPU on global rank 0 only (other ranks get nothing).
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            full_state.update(get_model_state_dict(part, options=options))
+        if self.rank == 0:
+            from torchtitan.models.deepseek_v3.hf_io import save_hf_safetensors
+
+            full_state = {
+                k: v.to(self.export_dtype) if torch.is_floating_point(v) else v for k, v in full_state.items()
+            }
+            os.makedirs(tmp_path, exist_ok=True)
+            save_hf_safetensors(self._adapter().to_hf(full_state), tmp_path)
+
+    # ---- load ----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load(self, step: int = -1) -> bool:
+        """Resume from `step-<step>` (-1: the latest complete full checkpoint). True if training state resumed.
+
+        With no checkpoint of its own, the run initializes from `checkpoint.initial_load_path` if set
+        (returns True only when that loads the full training state, i.e. initial_load_model_only=False).
+        """
+        if self.enable:
+            path = self._rank0_decides(lambda: self._checkpoint_to_resume(step))
+            if path is not None:
+                begin = time.monotonic()
+                self._dcp_load(self._states_present_in(path), path)
+                logger.info(f"resumed from {path} in {time.monotonic() - begin:.2f}s")
+                return True
+        if self.config.initial_load_path:
+            return self._load_initial(self.config.initial_load_path)
+        return False
+
+    def _checkpoint_to_resume(self, step: int) -> str | None:
+        complete = _complete_checkpoints(self.folder) if os.path.isdir(self.folder) else {}
+        if step == -1:
+            for candidate in sorted(complete, reverse=True):
+                manifest = validate_checkpoint(complete[candidate])
+                if manifest["format"] == FORMAT_FULL:
+                    return complete[candidate]
+                logger.info(f"skipping {complete[candidate]} for resume: it is a {manifest['format']} export")
+            return None
+        if step not in complete:
+            raise CheckpointError(
+                f"no complete checkpoint step-{step} in {self.folder} (complete steps: {sorted(complete)}); set "
+                f"--checkpoint.load_step to one of them, or -1 for the latest"
+            )
+        manifest = validate_checkpoint(complete[step])
+        if manifest["format"] != FORMAT_FULL:
+            raise CheckpointError(
+                f"{complete[step]} is a {manifest['format']} export without optimizer/data state; to start from "
+                f"its weights use --checkpoint.initial_load_path {complete[step]}"
+            )
+        return complete[step]
+
+    def _load_initial(self, path: str) -> bool:
+        begin = time.monotonic()
+        if self.config.initial_load_in_hf:
+            self._load_hf(path)
+            logger.info(f"initialized model from HF checkpoint {path} in {time.monotonic() - begin:.2f}s")
+            return False
+        self._rank0_decides(lambda: _validate_foreign_dcp(path))
+        if self.config.initial_load_model_only:
+            keys = _checkpoint_keys(path)
+            if any(key.startswith("model.") for key in keys):
+                self._dcp_load({"model": self.model}, path)
+            else:  # a model-only checkpoint written with the model at top level (torchtitan's own export)
+                state = self.model.state_dict()
+                self._dcp_load(state, path)
+                self.model.load_state_dict(state)
+            logger.info(f"initialized model from {path} in {time.monotonic() - begin:.2f}s")
+            return False
+        self._dcp_load(self._states_present_in(path), path)
+        logger.info(f"loaded the full training state from {path} in {time.monotonic() - begin:.2f}s")
+        return True
+
+    def _load_hf(self, path: str) -> None:
+        from torchtitan.models.deepseek_v3.hf_io import load_hf_safetensors
+
+        state = self._adapter().from_hf(load_hf_safetensors(path))
+        for part in self.model_parts:
+            missing = sorted(set(get_model_state_dict(part)) - set(state))
+            if missing:
+                raise CheckpointError(
+                    f"HF checkpoint {path} lacks {len(missing)} model tensors, e.g. {missing[:3]}; check that "
+                    f"it matches --model.flavor / --model.hf_config_path"
+                )
+            set_model_state_dict(part, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+    def _states(self) -> dict[str, Any]:
+        states: dict[str, Any] = {
+            "model": self.model,
+            "optimizer": self.optimizers,
+            "lr_scheduler": self.lr_schedulers,
+        }
+        if self.train_state is not None:
+            states["train_state"] = self.train_state
+        if self.dataloader is not None:
+            states[f"dataloader.dp_rank_{self.dp_rank}"] = PickledState(self.dataloader)
+        states[f"rng.rank_{self.rank}"] = PickledState(RngState())
+        return states
+
+    def _states_present_in(self, path: str) -> dict[str, Any]:
+        """All states, minus per-rank ones this checkpoint has no entry for (another DP degree / world size)."""
+        keys = _checkpoint_keys(path)
+        states = self._states()
+        for name in [n for n in states if n.startswith(("dataloader.", "rng."))]:
+            if not any(key.startswith(name + ".") for key in keys):
+                logger.warning(f"{path} has no {name} (saved with another layout); it keeps its fresh state")
+                del states[name]
+        return states
+
+    def _dcp_load(self, states: dict[str, Any], path: str) -> None:
+        try:
+            dcp.load(states, checkpoint_id=path, process_group=self.pg)
+        except Exception as err:
+            raise CheckpointError(
+                f"loading checkpoint {path} failed: {err!r}. If the checkpoint is damaged, delete {path} (or pick "
+                f"another with --checkpoint.load_step); if the model or parallelism changed, check the config"
+            ) from err
+        # DCP calls load_state_dict in sorted key order, so the optimizer's saved lr lands after the schedule's
+        # and a train state's RNG (one rank's copy) after this rank's own: re-apply the two that must win.
+        if states.get("lr_scheduler") is not None:
+            self.lr_schedulers.load_state_dict(self.lr_schedulers.state_dict())
+        for name, state in states.items():
+            if name.startswith("rng.") and isinstance(state, PickledState):
+                state.target.apply_loaded()
+
+    def _adapter(self) -> Any:
+        if self.state_dict_adapter is None:
+            from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
+
+            self.state_dict_adapter = DeepSeekV3StateDictAdapter(self.model_args)
+        return self.state_dict_adapter
+
+    # ---- collectives ---------------------------------------------------------------------------------
+
+    def _barrier(self) -> None:
+        if self.pg is not None:
+            dist.barrier(group=self.pg)
+
+    def _rank0_decides(self, decide: Any) -> Any:
+        """Run `decide()` on rank 0 and give its result (or its CheckpointError) to every rank."""
+        if self.pg is None or self.world_size == 1:
+            return decide()
+        box: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                box[0] = ("ok", decide())
+            except CheckpointError as err:
+                box[0] = ("error", str(err))
+        dist.broadcast_object_list(box, src=0, group=self.pg)
+        status, value = box[0]
+        if status == "error":
+            raise CheckpointError(value)
+        return value
+
+
+@dataclass
+class _PendingSave:
+    step: int
+    tmp_path: str
+    future: Future
+
+
+class ModelWrapper:
+    """The model parts as one stateful object: their (sharded) state dicts merged by FQN."""
+
+    def __init__(self, model_parts: list[nn.Module]) -> None:
+        self.model_parts = model_parts
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        for part in self.model_parts:
+            state.update(get_model_state_dict(part))
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # strict=False: each part takes its own FQNs; DCP already failed on any key missing from the checkpoint.
+        for part in self.model_parts:
+            set_model_state_dict(part, state_dict, options=StateDictOptions(strict=False))
+
+
+class PickledState:
+    """A per-rank, non-tensor state as one pickled blob, so DCP neither flattens nor merges it across ranks."""
+
+    def __init__(self, target: Stateful) -> None:
+        self.target = target
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"blob": pickle.dumps(self.target.state_dict())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.target.load_state_dict(pickle.loads(state_dict["blob"]))
+
+
+class RngState:
+    """This process's python, torch CPU and (if used) current-CUDA-device RNG states."""
+
+    def __init__(self) -> None:
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"python": random.getstate(), "torch_cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["torch_cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loaded = state_dict
+        self.apply_loaded()
+
+    def apply_loaded(self) -> None:
+        state = self.loaded
+        if state is None:
+            return
+        random.setstate(state["python"])
+        torch.set_rng_state(state["torch_cpu"])
+        if "torch_cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["torch_cuda"])
+
+
+# ---- folder helpers --------------------------------------------------------------------------------
+
+
+def validate_checkpoint(path: str) -> dict[str, Any]:
+    """Return the manifest of complete checkpoint `path`; raise CheckpointError if files do not match it."""
+    reason = _manifest_problem(path)
+    if reason is not None:
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete or corrupt: {reason}. Delete {path} to resume from the previous "
+            f"checkpoint, or choose another with --checkpoint.load_step"
+        )
+    with open(os.path.join(path, MANIFEST_NAME)) as f:
+        return json.load(f)
+
+
+def _manifest_problem(path: str) -> str | None:
+    manifest_path = os.path.join(path, MANIFEST_NAME)
+    if not os.path.isfile(manifest_path):
+        return f"no {MANIFEST_NAME} (the save did not finish)"
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        files, fmt = manifest["files"], manifest["format"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"unreadable {MANIFEST_NAME} ({err!r})"
+    if fmt != FORMAT_HF and ".metadata" not in files:
+        return "the manifest lists no .metadata"
+    for name, size in sorted(files.items()):
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            return f"{name} is missing"
+        actual = os.path.getsize(full)
+        if actual != size:
+            return f"{name} has {actual} bytes, the manifest says {size} (truncated or overwritten)"
+    return None
+
+
+def _validate_foreign_dcp(path: str) -> None:
+    """An initial_load_path: one of ours (manifest) is fully validated; any DCP folder needs `.metadata`."""
+    if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+        validate_checkpoint(path)
+    elif not os.path.isfile(os.path.join(path, ".metadata")):
+        raise CheckpointError(
+            f"checkpoint.initial_load_path {path} is not a DCP checkpoint folder (no .metadata); for HF safetensors "
+            f"set --checkpoint.initial_load_in_hf"
+        )
+
+
+def _checkpoint_keys(path: str) -> set[str]:
+    try:
+        return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    except Exception as err:
+        raise CheckpointError(
+            f"cannot read {path}/.metadata ({err!r}); delete {path} or choose another with --checkpoint.load_step"
+        ) from err
+
+
+def _complete_checkpoints(folder: str) -> dict[int, str]:
+    """{step: path} of `step-N` folders that have a manifest (validated when loaded)."""
+    complete = {}
+    for name in os.listdir(folder):
+        match = _STEP_DIR.match(name)
+        path = os.path.join(folder, name)
+        if match and os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+            complete[int(match.group(1))] = path
+    return complete
+
+
+def _resolve_tmp_folders(folder: str) -> None:
+    """Startup, rank 0: finish renames that a crash interrupted after the manifest; delete other `.tmp` folders."""
+    for name in sorted(os.listdir(folder)):
+        if not (name.endswith(TMP_SUFFIX) and _STEP_DIR.match(name[: -len(TMP_SUFFIX)])):
+            continue
+        tmp_path = os.path.join(folder, name)
+        final_path = tmp_path[: -len(TMP_SUFFIX)]
+        if _manifest_problem(tmp_path) is None and not os.path.exists(final_path):
+            logger.warning(f"{tmp_path} is complete but was not renamed (crash); renaming it to {final_path}")
+            os.replace(tmp_path, final_path)
+        else:
+            logger.warning(f"removing {tmp_path}: a save that did not finish")
+            shutil.rmtree(tmp_path, ignore_errors=True)
+    _fsync(folder)
+
+
+def _is_pipeline_stage(model_part: nn.Module) -> bool:
+    return any(hasattr(model_part, name) and getattr(model_part, name) is None for name in ("tok_embeddings", "output"))
+
+
+def _fsync(path: str) -> None:
+    """fsync a file or a directory (a directory's fsync makes renames inside it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

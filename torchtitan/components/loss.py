@@ -1,0 +1,93 @@
+"""Cross entropy as a token SUM, so the trainer can normalise by the whole step's valid-token count.
+
+Per-micro-batch means weight micro-batches equally whatever their number of valid tokens; summing and then
+dividing once by the global count of valid tokens (all micro-batches, all DP ranks) gives exactly the full-batch
+mean for any gradient-accumulation and DP split. Gradients must then be SUMMED over DP ranks (FSDP/DDP average by
+default: set the gradient divide factor to 1, or multiply the loss by the DP degree).
+"""
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from torchtitan.config.job_config import JobConfig
+
+__all__ = [
+    "IGNORE_INDEX",
+    "LossFn",
+    "RescaledLoss",
+    "build_loss_fn",
+    "check_finite_loss",
+    "count_valid_tokens",
+    "cross_entropy_sum",
+    "rescale_loss",
+]
+
+IGNORE_INDEX = -100
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of per-token cross entropy over tokens whose label is not IGNORE_INDEX, in fp32.
+
+    logits: (bs, seqlen, vocab), any float dtype; labels: (bs, seqlen) int. Returns a 0-dim fp32 tensor.
+    """
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
+    )
+
+
+def build_loss_fn(job_config: JobConfig) -> LossFn:
+    """`cross_entropy_sum`, torch.compile'd when compile.enable and "loss" is in compile.components."""
+    compile_config = job_config.compile
+    if compile_config.enable and "loss" in compile_config.components:
+        return torch.compile(cross_entropy_sum, backend=compile_config.backend)
+    return cross_entropy_sum
+
+
+class RescaledLoss:
+    """loss_fn(logits, labels) / global_valid_tokens: a micro-batch's share of the step's token mean.
+
+    Pipeline schedules take a fixed loss callable at construction; set `global_valid_tokens` on this object
+    every step (before the schedule runs) instead of rebuilding the schedule.
+    """
+
+    def __init__(self, loss_fn: LossFn, global_valid_tokens: torch.Tensor | float | None = None) -> None:
+        self.loss_fn = loss_fn
+        self.global_valid_tokens = global_valid_tokens
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.global_valid_tokens is None:
+            raise RuntimeError("RescaledLoss.global_valid_tokens is unset: set it each step before the forward")
+        return self.loss_fn(logits, labels) / self.global_valid_tokens
+
+
+def rescale_loss(loss_fn: LossFn, global_valid_tokens: torch.Tensor | float) -> RescaledLoss:
+    return RescaledLoss(loss_fn, global_valid_tokens)
+
+
+def count_valid_tokens(label_batches: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Valid (non-ignored) labels over all micro-batches, summed over `group` (the DP ranks) when given.
+
+    Returns a 0-dim fp32 tensor on the labels' device (fp32 is exact up to 2**24 tokens per step and
+    divides without a cast; counts beyond that lose < 1e-7 relative precision).
+    """
+    count = sum((labels != IGNORE_INDEX).sum() for labels in label_batches).to(torch.float32)
+    if group is not None:
+        dist.all_reduce(count, group=group)
+    return count
+
+
+def check_finite_loss(loss: torch.Tensor | float, step: int, rank: int) -> None:
+    """Raise FloatingPointError if `loss` is NaN/inf (syncs with the device when given a tensor)."""
+    value = float(loss.detach().float().item()) if isinstance(loss, torch.Tensor) else float(loss)
+    if not math.isfinite(value):
+        raise FloatingPointError(
+            f"non-finite loss at step {step} on rank {rank}: {value}; lower the lr (--optimizer.lr, or a longer "
+            f"--lr_scheduler.warmup_steps) / check data (bad tokens, all-ignored batches), then resume from the "
+            f"last checkpoint"
+        )

@@ -1,0 +1,253 @@
+"""Training metrics: the console line, TensorBoard scalars, `metrics.jsonl`, throughput, FLOPs and MFU.
+
+Every `metrics.log_freq` steps the logging rank logs (the leading fields are a fixed format tools parse):
+
+    step: 10  loss: 7.1234  grad_norm: 1.2345  memory: 1.23GiB(4.56%)  tps: 1,234  tflops: 1.23  mfu: 1.23%
+
+followed by a progress part `  [step 10/100  lr 8.0e-04  eta 0:01:23]` (when total_steps / lr are given).
+
+On CPU `memory: n/a` and `mfu: n/a`. tps is tokens per second per device over the window since the last log;
+tflops = flops_per_token x tps / 1e12 (achieved, per device); mfu = tflops / the device's dense bf16 peak.
+"""
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from torchtitan.config.job_config import JobConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DeviceMemoryMonitor",
+    "MemoryStats",
+    "MetricsProcessor",
+    "build_device_memory_monitor",
+    "format_metrics_line",
+    "get_peak_flops",
+]
+
+# Dense (no sparsity) bf16 tensor-core peak FLOPS per device, matched by substring of the CUDA device name,
+# first match wins (so "H100 PCIe" comes before the plain "H100" of the SXM parts).
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("A100", 312e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("B200", 2.25e15),
+)
+FALLBACK_PEAK_FLOPS = 312e12
+
+
+def get_peak_flops(device_name: str) -> float:
+    """Dense bf16 peak FLOPS for a `torch.cuda.get_device_name()`; unknown devices get A100's, with a warning."""
+    for name_part, flops in PEAK_BF16_FLOPS:
+        if name_part in device_name:
+            return flops
+    logger.warning(
+        f"peak FLOPS of device {device_name!r} unknown; mfu assumes {FALLBACK_PEAK_FLOPS / 1e12:.0f} TFLOPS "
+        f"(add it to PEAK_BF16_FLOPS in torchtitan/components/metrics.py)"
+    )
+    return FALLBACK_PEAK_FLOPS
+
+
+@dataclass
+class MemoryStats:
+    max_reserved_gib: float
+    max_reserved_pct: float
+
+
+class DeviceMemoryMonitor:
+    """Peak CUDA memory reserved by the caching allocator since the last `reset_peak_stats()`; None on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
+        self.capacity_bytes = torch.cuda.get_device_properties(self.device).total_memory if self.is_cuda else 0
+        self.reset_peak_stats()
+
+    def reset_peak_stats(self) -> None:
+        if self.is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def get_peak_stats(self) -> MemoryStats | None:
+        if not self.is_cuda:
+            return None
+        reserved = torch.cuda.max_memory_reserved(self.device)
+        return MemoryStats(reserved / 2**30, 100.0 * reserved / self.capacity_bytes)
+
+
+def build_device_memory_monitor(device: torch.device) -> DeviceMemoryMonitor:
+    return DeviceMemoryMonitor(device)
+
+
+class MetricsProcessor:
+    """Turns each logged step into the console line, TensorBoard scalars and one metrics.jsonl record.
+
+    Args:
+        num_flops_per_token: training FLOPs per token (forward + backward) of the whole model.
+        device: this rank's device; CUDA enables memory and MFU.
+        is_logging_rank: the one rank that prints and writes (rank 0; with PP a last-stage rank, which holds the
+            loss). Other ranks only keep their windows in step.
+        tokens_per_step: tokens one device processes per optimizer step. Default from the config:
+            global batch x seq_len / world size (TP and PP ranks share their DP rank's tokens).
+        world_size: default `torch.distributed` world size, else 1.
+    """
+
+    def __init__(
+        self,
+        job_config: JobConfig,
+        *,
+        num_flops_per_token: float,
+        device: torch.device,
+        is_logging_rank: bool,
+        tokens_per_step: float | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        self.log_freq = job_config.metrics.log_freq
+        self.num_flops_per_token = num_flops_per_token
+        self.is_logging_rank = is_logging_rank
+        self.device = torch.device(device)
+        self.tokens_per_step = (
+            tokens_per_step if tokens_per_step is not None else _tokens_per_device_step(job_config, world_size)
+        )
+        self.memory_monitor = build_device_memory_monitor(self.device)
+        self.peak_flops = (
+            get_peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
+        )
+
+        self._last_log_step: int | None = None
+        self._last_log_time = time.perf_counter()
+        # Seconds and steps of every window but the first (which holds init, compile and checkpoint load).
+        self._steady_seconds = 0.0
+        self._steady_steps = 0
+
+        self.tb_writer = None
+        self.jsonl_file = None
+        if is_logging_rank:
+            dump_folder = job_config.job.dump_folder
+            if job_config.metrics.enable_tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb_writer = SummaryWriter(log_dir=os.path.join(dump_folder, job_config.metrics.save_tb_folder))
+            if job_config.metrics.enable_jsonl:
+                os.makedirs(dump_folder, exist_ok=True)
+                self.jsonl_file = open(os.path.join(dump_folder, "metrics.jsonl"), "a")  # noqa: SIM115
+
+    def should_log(self, step: int, total_steps: int | None = None) -> bool:
+        return step % self.log_freq == 0 or step == 1 or step == total_steps
+
+    def log(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        lr: float | None = None,
+        total_steps: int | None = None,
+    ) -> dict[str, Any]:
+        """Log one step's metrics (window = steps since the previous call); returns the jsonl record."""
+        now = time.perf_counter()
+        if self._last_log_step is None:
+            # First call: assume the window started at the previous log boundary (exact for fresh runs and
+            # resumes from a step that is a multiple of log_freq).
+            window_steps = step - (step - 1) // self.log_freq * self.log_freq
+        else:
+            window_steps = step - self._last_log_step
+            self._steady_seconds += now - self._last_log_time
+            self._steady_steps += window_steps
+        window_seconds = max(now - self._last_log_time, 1e-9)
+        first_window_sec_per_step = window_seconds / max(window_steps, 1)
+
+        tps = self.tokens_per_step * window_steps / window_seconds
+        tflops = self.num_flops_per_token * tps / 1e12
+        mfu = 100.0 * tflops * 1e12 / self.peak_flops if self.peak_flops else None
+        memory = self.memory_monitor.get_peak_stats()
+
+        eta_seconds = None
+        if total_steps is not None:
+            sec_per_step = (
+                self._steady_seconds / self._steady_steps if self._steady_steps else first_window_sec_per_step
+            )
+            eta_seconds = max(total_steps - step, 0) * sec_per_step
+
+        record = {
+            "step": step,
+            "loss": float(loss),
+            "grad_norm": float(grad_norm),
+            "tps": tps,
+            "tflops": tflops,
+            "mfu": mfu,
+            "memory_gib": memory.max_reserved_gib if memory else None,
+            "lr": lr,
+            "time": time.time(),
+        }
+        if self.is_logging_rank:
+            logger.info(format_metrics_line(record, memory, total_steps, eta_seconds))
+            self._write_tensorboard(record, memory)
+            if self.jsonl_file is not None:
+                self.jsonl_file.write(json.dumps(record) + "\n")
+                self.jsonl_file.flush()
+
+        self._last_log_step = step
+        self._last_log_time = now
+        self.memory_monitor.reset_peak_stats()
+        return record
+
+    def _write_tensorboard(self, record: dict[str, Any], memory: MemoryStats | None) -> None:
+        if self.tb_writer is None:
+            return
+        scalars = {k: record[k] for k in ("loss", "grad_norm", "tps", "tflops", "mfu", "lr")}
+        scalars["memory_gib"] = record["memory_gib"]
+        scalars["memory_pct"] = memory.max_reserved_pct if memory else None
+        for tag, value in scalars.items():
+            if value is not None:
+                self.tb_writer.add_scalar(tag, value, record["step"])
+        self.tb_writer.flush()
+
+    def close(self) -> None:
+        if self.tb_writer is not None:
+            self.tb_writer.close()
+            self.tb_writer = None
+        if self.jsonl_file is not None:
+            self.jsonl_file.close()
+            self.jsonl_file = None
+
+
+def format_metrics_line(
+    record: dict[str, Any],
+    memory: MemoryStats | None,
+    total_steps: int | None = None,
+    eta_seconds: float | None = None,
+) -> str:
+    memory_text = f"{memory.max_reserved_gib:.2f}GiB({memory.max_reserved_pct:.2f}%)" if memory else "n/a"
+    mfu_text = f"{record['mfu']:.2f}%" if record["mfu"] is not None else "n/a"
+    line = (
+        f"step: {record['step']}  loss: {record['loss']:.4f}  grad_norm: {record['grad_norm']:.4f}  "
+        f"memory: {memory_text}  tps: {record['tps']:,.0f}  tflops: {record['tflops']:.2f}  mfu: {mfu_text}"
+    )
+    progress = []
+    if total_steps is not None:
+        progress.append(f"step {record['step']}/{total_steps}")
+    if record["lr"] is not None:
+        progress.append(f"lr {record['lr']:.1e}")
+    if eta_seconds is not None:
+        progress.append(f"eta {timedelta(seconds=round(eta_seconds))}")
+    return line + (f"  [{'  '.join(progress)}]" if progress else "")
+
+
+def _tokens_per_device_step(job_config: JobConfig, world_size: int | None) -> float:
+    if world_size is None:
+        world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    training, parallelism = job_config.training, job_config.parallelism
+    if training.global_batch_size > 0:
+        return training.global_batch_size * training.seq_len / world_size
+    # No accumulation: every DP rank runs local_batch_size sequences, shared by its TP x PP devices.
+    non_dp = parallelism.tensor_parallel_degree * parallelism.pipeline_parallel_degree
+    return training.local_batch_size * training.seq_len / non_dp

@@ -1,0 +1,124 @@
+"""One torch.optim optimizer per model part (pipeline stage), behind a container the trainer steps once.
+
+Weight decay applies to every parameter, norms, biases and embeddings included: that is torchtitan's
+behaviour, kept so results stay comparable with it.
+
+The container's state dict is the *flattened* optimizer state dict of
+`torch.distributed.checkpoint.state_dict`: keys are parameter FQNs (`state.layers.0.wq.weight.exp_avg`,
+`param_groups.layers.0.wq.weight.lr`), values are DTensors where the parameters are sharded. Pipeline stages
+therefore never collide (index-based keys would), and DCP can reshard the state into another FSDP/TP/EP/PP layout.
+"""
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.utils.hooks import RemovableHandle
+
+from torchtitan.config.job_config import JobConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OptimizersContainer", "build_optimizers"]
+
+# hook(optimizers_container, args, kwargs) -> None, same signature as torch.optim.Optimizer step hooks.
+StepHook = Callable[["OptimizersContainer", tuple, dict], None]
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class OptimizersContainer:
+    """Steps, zeroes, saves and loads the optimizers of all model parts as one.
+
+    `register_step_pre_hook` hooks run once per `step()`, before any optimizer steps, with this container as
+    the optimizer argument. They are not forwarded to the per-part optimizers on purpose: a hook written for
+    the whole model (the MoE expert-bias update walks all model parts) would otherwise run once per part, and
+    it would also run inside DCP's optimizer-state initialisation (a zero-lr `optimizer.step()` on load).
+    """
+
+    def __init__(self, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+        if len(model_parts) != len(optimizers):
+            raise ValueError(f"got {len(model_parts)} model parts but {len(optimizers)} optimizers")
+        self.model_parts = model_parts
+        self.optimizers = optimizers
+        self._step_pre_hooks: OrderedDict[int, StepHook] = OrderedDict()
+
+    def __iter__(self) -> Iterator[torch.optim.Optimizer]:
+        return iter(self.optimizers)
+
+    def __len__(self) -> int:
+        return len(self.optimizers)
+
+    def register_step_pre_hook(self, hook: StepHook) -> RemovableHandle:
+        """Run `hook(container, args, kwargs)` before every `step()`; `.remove()` the handle to drop it."""
+        handle = RemovableHandle(self._step_pre_hooks)
+        self._step_pre_hooks[handle.id] = hook
+        return handle
+
+    @torch.no_grad()
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        for hook in list(self._step_pre_hooks.values()):
+            hook(self, args, kwargs)
+        for optimizer in self.optimizers:
+            optimizer.step(*args, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        for model_part, optimizer in zip(self.model_parts, self.optimizers, strict=True):
+            state.update(get_optimizer_state_dict(model_part, optimizer, options=_FLAT))
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Each part picks its own FQNs out of the merged flat dict.
+        for model_part, optimizer in zip(self.model_parts, self.optimizers, strict=True):
+            set_optimizer_state_dict(model_part, optimizer, optim_state_dict=state_dict, options=_FLAT)
+
+
+def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig) -> OptimizersContainer:
+    """One `torch.optim.{AdamW,Adam}` per model part, configured by `job_config.optimizer`."""
+    config = job_config.optimizer
+    optimizer_classes = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
+    if config.name not in optimizer_classes:
+        raise ValueError(f"optimizer.name={config.name!r} is not supported; use one of {list(optimizer_classes)}")
+    if config.implementation not in ("fused", "foreach", "for-loop"):
+        raise ValueError(f"optimizer.implementation={config.implementation!r}; use 'fused', 'foreach' or 'for-loop'")
+
+    params_per_part = [[p for p in part.parameters() if p.requires_grad] for part in model_parts]
+    implementation = config.implementation
+    if implementation == "fused":
+        unsupported = _devices_without_fused_kernel(p for params in params_per_part for p in params)
+        if unsupported:
+            logger.warning(
+                f"optimizer.implementation='fused' has no kernel on device(s) {unsupported}; using 'foreach'"
+            )
+            implementation = "foreach"
+
+    kwargs = {
+        "lr": config.lr,
+        "betas": (config.beta1, config.beta2),
+        "eps": config.eps,
+        "weight_decay": config.weight_decay,
+        "fused": implementation == "fused",
+        "foreach": implementation == "foreach",
+    }
+    optimizers = [optimizer_classes[config.name](params, **kwargs) for params in params_per_part]
+    return OptimizersContainer(model_parts, optimizers)
+
+
+def _devices_without_fused_kernel(params: Iterator[torch.Tensor]) -> list[str]:
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    supported = set(_get_fused_kernels_supported_devices())
+    return sorted({p.device.type for p in params} - supported)
