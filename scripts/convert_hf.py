@@ -1,0 +1,122 @@
+"""Convert model weights between our DCP checkpoints and Hugging Face safetensors folders (single process, CPU).
+
+    # our checkpoint (a full training checkpoint or a model-only export) -> HF folder with config.json
+    python scripts/convert_hf.py to-hf outputs/checkpoint/step-1000 hf_out --flavor debugmodel --dtype bfloat16
+
+    # HF folder (DeepSeek-V2/V3 config.json + safetensors) -> model-only DCP checkpoint, usable as
+    # --checkpoint.initial_load_path (keys "model.<name>", like the trainer's own checkpoints)
+    python scripts/convert_hf.py from-hf path/to/DeepSeek-V2-Lite dcp_out
+
+The model shape comes from --flavor or --hf-config (a config.json); from-hf defaults to the folder's config.json.
+Routed experts are stacked/unstacked and names mapped by DeepSeekV3StateDictAdapter; no tensor is otherwise changed
+(except the optional --dtype cast).
+"""
+
+import argparse
+import copy
+import json
+import os
+import sys
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+
+from torchtitan.models.deepseek_v3 import (  # noqa: E402
+    DeepSeekV3Model,
+    DeepSeekV3ModelArgs,
+    DeepSeekV3StateDictAdapter,
+    deepseekv3_flavors,
+)
+from torchtitan.models.deepseek_v3.hf_io import load_hf_safetensors, save_hf_safetensors  # noqa: E402
+from torchtitan.models.deepseek_v3.state_dict_adapter import (  # noqa: E402
+    hf_config_from_model_args,
+    model_args_from_hf_config,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("direction", choices=["to-hf", "from-hf"])
+    parser.add_argument("src", help="DCP checkpoint folder (to-hf) or HF safetensors folder (from-hf)")
+    parser.add_argument("dst", help="output folder")
+    parser.add_argument("--flavor", choices=sorted(deepseekv3_flavors), help="model shape preset")
+    parser.add_argument("--hf-config", help="HF config.json giving the model shape (instead of --flavor)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating-point weights to this dtype")
+    parser.add_argument("--max-shard-size", default="5GB", help="to-hf: largest safetensors shard, e.g. 5GB")
+    opts = parser.parse_args(argv)
+
+    config_path = opts.hf_config
+    if config_path is None and opts.flavor is None and opts.direction == "from-hf":
+        config_path = os.path.join(opts.src, "config.json")
+    if opts.flavor is not None:
+        args = copy.deepcopy(deepseekv3_flavors[opts.flavor])
+    elif config_path is not None:
+        with open(config_path) as f:
+            args = model_args_from_hf_config(json.load(f))
+    else:
+        parser.error("to-hf needs --flavor or --hf-config to know the model shape")
+
+    dtype = DTYPES[opts.dtype] if opts.dtype else None
+    if opts.direction == "to-hf":
+        dcp_to_hf(opts.src, opts.dst, args, dtype, opts.max_shard_size)
+    else:
+        hf_to_dcp(opts.src, opts.dst, args, dtype)
+    print(f"wrote {opts.dst}")
+
+
+def dcp_to_hf(
+    src: str, dst: str, args: DeepSeekV3ModelArgs, dtype: torch.dtype | None, max_shard_size: int | str
+) -> None:
+    state_dict = load_model_from_dcp(src, args)
+    hf_state_dict = DeepSeekV3StateDictAdapter(args).to_hf(_cast(state_dict, dtype))
+    save_hf_safetensors(hf_state_dict, dst, max_shard_size=max_shard_size)
+    config = hf_config_from_model_args(args)
+    config["torch_dtype"] = str(dtype or next(iter(state_dict.values())).dtype).removeprefix("torch.")
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def hf_to_dcp(src: str, dst: str, args: DeepSeekV3ModelArgs, dtype: torch.dtype | None) -> None:
+    state_dict = DeepSeekV3StateDictAdapter(args).from_hf(load_hf_safetensors(src))
+    expected = set(_model_keys(args))
+    if missing := sorted(expected - set(state_dict)):
+        raise ValueError(f"{src} lacks {len(missing)} tensors of this model, e.g. {missing[:3]}; check the flavor")
+    dcp.save({"model": _cast(state_dict, dtype)}, checkpoint_id=dst, no_dist=True)
+
+
+def load_model_from_dcp(src: str, args: DeepSeekV3ModelArgs) -> dict[str, torch.Tensor]:
+    """The model tensors of a DCP checkpoint saved as {"model": ...} (keys "model.<name>") or at top level."""
+    metadata = dcp.FileSystemReader(src).read_metadata().state_dict_metadata
+    prefix = "model." if any(key.startswith("model.") for key in metadata) else ""
+    state_dict = {}
+    for name in _model_keys(args):
+        entry = metadata.get(prefix + name)
+        if not isinstance(entry, TensorStorageMetadata):
+            raise ValueError(f"{src} has no tensor {prefix + name}; check --flavor / --hf-config")
+        state_dict[name] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    dcp.load({"model": state_dict} if prefix else state_dict, checkpoint_id=src, no_dist=True)
+    return state_dict
+
+
+def _model_keys(args: DeepSeekV3ModelArgs) -> list[str]:
+    with torch.device("meta"):
+        return list(DeepSeekV3Model(args).state_dict().keys())
+
+
+def _cast(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    if dtype is None:
+        return state_dict
+    # the expert bias and token counts stay fp32, as the model keeps them
+    return {
+        k: v.to(dtype) if v.is_floating_point() and not k.endswith(("expert_bias", "tokens_per_expert")) else v
+        for k, v in state_dict.items()
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+import json
+
+import pytest
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.models.deepseek_v3 import DeepSeekV3Model, deepseekv3_flavors, get_model_args
+from torchtitan.models.deepseek_v3.state_dict_adapter import hf_config_from_model_args
+
+from .conftest import tiny_args
+
+
+def test_flavors_have_published_shapes():
+    assert {"debugmodel", "debugmodel_flex", "16B", "236B", "671B", "16B_bench4", "671B_bench8"} <= set(
+        deepseekv3_flavors
+    )
+    assert deepseekv3_flavors["debugmodel_flex"].attn_mask_type == "block_causal"
+    v3 = deepseekv3_flavors["671B"]
+    assert (v3.dim, v3.n_layers, v3.n_dense_layers, v3.n_heads, v3.q_lora_rank) == (7168, 61, 3, 128, 1536)
+    m = v3.moe_args
+    assert (m.num_experts, m.top_k, m.num_expert_groups, m.num_limited_groups, m.score_func) == (
+        256,
+        8,
+        8,
+        4,
+        "sigmoid",
+    )
+
+
+@pytest.mark.parametrize(
+    "flavor, total, active",
+    [("671B", 671e9, 37e9), ("236B", 236e9, 21e9), ("16B", 15.7e9, 2.66e9)],
+)
+def test_param_counts_from_args_match_published_sizes(flavor, total, active):
+    args = deepseekv3_flavors[flavor]
+    assert args.nparams_total() == pytest.approx(total, rel=0.01)
+    assert args.nparams_active() == pytest.approx(active, rel=0.03)
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 24])
+def test_param_counts_from_args_match_instantiated_model(q_lora_rank):
+    for args in (deepseekv3_flavors["debugmodel"], tiny_args(q_lora_rank=q_lora_rank)):
+        model = DeepSeekV3Model(args)
+        assert args.nparams_total() == sum(p.numel() for p in model.parameters())
+
+
+def test_nparams_and_flops_count_only_top_k_experts_and_mla_attention():
+    args = deepseekv3_flavors["debugmodel"]
+    model = DeepSeekV3Model(args)
+    seq_len = 2048
+    nparams, flops = args.get_nparams_and_flops(model, seq_len)
+    assert nparams == args.nparams_total()
+    embedding = args.vocab_size * args.dim
+    attention = 6 * args.n_layers * args.n_heads * (192 + 128) * seq_len  # QK^T over 192 dims, AV over 128
+    assert flops == 6 * (args.nparams_active() - embedding) + attention
+
+
+def test_get_model_args_from_flavor():
+    job_config = JobConfig()
+    job_config.model.flavor = "debugmodel"
+    job_config.training.seq_len = 8192
+    job_config.debug.moe_force_load_balance = True
+    args = get_model_args(job_config)
+    assert args.max_seq_len == 8192 and args.moe_args.force_load_balance
+    assert not deepseekv3_flavors["debugmodel"].moe_args.force_load_balance  # the preset is not mutated
+    job_config.training.seq_len = 128
+    assert get_model_args(job_config).max_seq_len == deepseekv3_flavors["debugmodel"].max_seq_len
+
+
+def test_get_model_args_unknown_flavor_lists_flavors():
+    job_config = JobConfig()
+    job_config.model.flavor = "7B"
+    with pytest.raises(ValueError, match="debugmodel"):
+        get_model_args(job_config)
+
+
+def test_get_model_args_from_hf_config(tmp_path):
+    expected = tiny_args(q_lora_rank=24, moe=dict(score_func="sigmoid", num_expert_groups=4, num_limited_groups=2))
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf_config_from_model_args(expected)))
+    job_config = JobConfig()
+    job_config.model.hf_config_path = str(path)
+    job_config.training.seq_len = 32
+    args = get_model_args(job_config)
+    assert (args.dim, args.q_lora_rank, args.moe_args.score_func, args.moe_args.num_expert_groups) == (
+        64,
+        24,
+        "sigmoid",
+        4,
+    )

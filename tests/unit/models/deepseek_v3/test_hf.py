@@ -1,0 +1,144 @@
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3StateDictAdapter
+from torchtitan.models.deepseek_v3.hf_io import INDEX_FILE, load_hf_safetensors, parse_size, save_hf_safetensors
+from torchtitan.models.deepseek_v3.state_dict_adapter import hf_config_from_model_args, model_args_from_hf_config
+
+from .conftest import tiny_args
+
+transformers = pytest.importorskip("transformers")
+
+SIGMOID_GROUPED = dict(
+    score_func="sigmoid", route_norm=True, route_scale=2.5, num_expert_groups=4, num_limited_groups=2
+)
+
+
+def _random_model(args, seed=0):
+    """A model whose every weight is random, including norms and (sigmoid routing) the expert bias.
+
+    Query/key projections get a large std so attention is peaked and sensitive to RoPE and the softmax scale.
+    """
+    torch.manual_seed(seed)
+    model = DeepSeekV3Model(args)
+    model.init_weights()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif any(f"attention.{w}." in name for w in ("wq", "wq_b", "wkv_a", "wkv_b")):
+                p.normal_(std=0.3)
+        if args.moe_args.score_func == "sigmoid":  # HF DeepseekV2 (softmax) has no selection bias
+            for layer in list(model.layers.values())[args.n_dense_layers :]:
+                layer.moe.expert_bias.uniform_(-0.05, 0.05)
+    return model
+
+
+def test_to_hf_then_from_hf_is_identity():
+    args = tiny_args(q_lora_rank=24, moe=SIGMOID_GROUPED)
+    state_dict = _random_model(args).state_dict()
+    adapter = DeepSeekV3StateDictAdapter(args)
+    hf = adapter.to_hf(state_dict)
+    assert "model.layers.1.mlp.experts.7.gate_proj.weight" in hf
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in hf
+    assert not any("tokens_per_expert" in k for k in hf)
+    back = adapter.from_hf(hf)
+    assert back.keys() == state_dict.keys()
+    for key, value in state_dict.items():
+        torch.testing.assert_close(back[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_from_hf_skips_mtp_layers_and_fills_missing_expert_bias():
+    args = tiny_args()
+    adapter = DeepSeekV3StateDictAdapter(args)
+    hf = adapter.to_hf(_random_model(args).state_dict())
+    hf = {k: v for k, v in hf.items() if "e_score_correction_bias" not in k}  # a DeepSeek-V2 checkpoint
+    hf["model.layers.3.embed_tokens.weight"] = torch.zeros(1)  # DeepSeek-V3's MTP layer sits after the last one
+    DeepSeekV3Model(args).load_state_dict(adapter.from_hf(hf), strict=True)
+
+
+def test_safetensors_shards_and_index_round_trip(tmp_path):
+    args = tiny_args()
+    hf = DeepSeekV3StateDictAdapter(args).to_hf(_random_model(args).state_dict())
+    names = save_hf_safetensors(hf, str(tmp_path), max_shard_size="100KB")
+    assert len(names) > 1
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    assert set(index["weight_map"]) == set(hf) and set(index["weight_map"].values()) == set(names)
+    loaded = load_hf_safetensors(str(tmp_path))
+    assert loaded.keys() == hf.keys()
+    for key in hf:
+        torch.testing.assert_close(loaded[key], hf[key], rtol=0, atol=0)
+    assert parse_size("5GB") == 5 * 10**9 and parse_size(123) == 123
+
+
+PARITY_CASES = {
+    "softmax_no_q_lora": tiny_args(),  # HF DeepseekV2 (transformers' DeepseekV3 router is sigmoid-only)
+    "softmax_q_lora_route_scale": tiny_args(q_lora_rank=24, moe=dict(route_scale=1.5)),
+    "sigmoid_grouped_q_lora": tiny_args(q_lora_rank=24, moe=SIGMOID_GROUPED),
+    "sigmoid_grouped_no_q_lora": tiny_args(moe=SIGMOID_GROUPED),
+    "sigmoid_grouped_yarn": tiny_args(
+        q_lora_rank=24, max_seq_len=128, original_seq_len=16, rope_factor=4.0, mscale=0.7, moe=SIGMOID_GROUPED
+    ),
+}
+
+
+@pytest.mark.parametrize("case", PARITY_CASES)
+def test_logits_match_transformers(case, tmp_path):
+    args = PARITY_CASES[case]
+    model = _random_model(args)
+    config = hf_config_from_model_args(args)
+    save_hf_safetensors(DeepSeekV3StateDictAdapter(args).to_hf(model.state_dict()), str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    hf_class = (
+        transformers.DeepseekV3ForCausalLM
+        if args.moe_args.score_func == "sigmoid"
+        else (transformers.DeepseekV2ForCausalLM)
+    )
+    reference = hf_class.from_pretrained(str(tmp_path), dtype=torch.float32, attn_implementation="eager").eval()
+    if "yarn" in case:
+        assert reference.model.rotary_emb.rope_type == "yarn"
+
+    tokens = torch.randint(0, args.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(tokens), reference(tokens).logits
+    torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-5)
+
+
+def test_yarn_case_actually_changes_the_logits():
+    yarn_args = PARITY_CASES["sigmoid_grouped_yarn"]
+    plain_args = dataclasses.replace(yarn_args, max_seq_len=64, original_seq_len=64)
+    tokens = torch.randint(0, yarn_args.vocab_size, (1, 40))
+    with torch.no_grad():
+        diff = (_random_model(yarn_args)(tokens) - _random_model(plain_args)(tokens)).abs().max()
+    assert diff > 1e-3
+
+
+@pytest.mark.parametrize("case", PARITY_CASES)
+def test_hf_config_round_trips_model_args(case):
+    args = PARITY_CASES[case]
+    back = model_args_from_hf_config(hf_config_from_model_args(args))
+    # training-only MoE settings are not part of a HF config
+    back.moe_args = dataclasses.replace(back.moe_args, use_grouped_mm=False, load_balance_coeff=None)
+    assert back == args
+
+
+def test_hf_config_with_unequal_yarn_mscales_is_rejected():
+    config = hf_config_from_model_args(PARITY_CASES["sigmoid_grouped_yarn"])
+    config["rope_scaling"]["mscale_all_dim"] = 0.0
+    with pytest.raises(ValueError, match="mscale"):
+        model_args_from_hf_config(config)
+
+
+def test_real_deepseek_v3_config_gives_671b_flavor():
+    from torchtitan.models.deepseek_v3 import deepseekv3_flavors
+
+    config = hf_config_from_model_args(deepseekv3_flavors["671B"])
+    assert config["rope_scaling"]["factor"] == 40.0 and config["max_position_embeddings"] == 163840
+    args = model_args_from_hf_config(config)
+    assert args.nparams_total() == deepseekv3_flavors["671B"].nparams_total()
+    assert os.path.basename(INDEX_FILE) == "model.safetensors.index.json"

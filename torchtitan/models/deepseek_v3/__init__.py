@@ -1,0 +1,34 @@
+"""DeepSeek-V3 model: args and flavors, the model, and Hugging Face interop."""
+
+import copy
+import json
+
+from .args import DeepSeekV3ModelArgs, deepseekv3_flavors
+from .model import DeepSeekV3Model
+from .state_dict_adapter import DeepSeekV3StateDictAdapter, model_args_from_hf_config
+
+__all__ = [
+    "DeepSeekV3Model",
+    "DeepSeekV3ModelArgs",
+    "DeepSeekV3StateDictAdapter",
+    "deepseekv3_flavors",
+    "get_model_args",
+]
+
+
+def get_model_args(job_config) -> DeepSeekV3ModelArgs:
+    """Model args for a JobConfig: `model.hf_config_path` (a HF config.json) if set, else `model.flavor`.
+
+    max_seq_len is raised to training.seq_len if shorter; debug.moe_force_load_balance is copied into moe_args.
+    """
+    if job_config.model.hf_config_path:
+        with open(job_config.model.hf_config_path) as f:
+            args = model_args_from_hf_config(json.load(f))
+    else:
+        flavor = job_config.model.flavor
+        if flavor not in deepseekv3_flavors:
+            raise ValueError(f"unknown model.flavor {flavor!r}; choose one of {sorted(deepseekv3_flavors)}")
+        args = copy.deepcopy(deepseekv3_flavors[flavor])
+    args.max_seq_len = max(args.max_seq_len, job_config.training.seq_len)
+    args.moe_args.force_load_balance = job_config.debug.moe_force_load_balance
+    return args

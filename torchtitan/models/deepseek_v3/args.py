@@ -1,0 +1,267 @@
+"""DeepSeek-V3 model arguments, size presets ("flavors") and parameter / FLOP counting.
+
+Reference: https://github.com/deepseek-ai/DeepSeek-V3/blob/main/inference/model.py (ModelArgs) and its
+configs/config_{16B,236B,671B}.json.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torch import nn
+
+from torchtitan.models.moe.args import MoEArgs
+
+
+@dataclass
+class DeepSeekV3ModelArgs:
+    vocab_size: int = 2048
+    dim: int = 256
+    inter_dim: int = 1024
+    """Hidden width of the dense SwiGLU FFN (the first `n_dense_layers` layers)."""
+    moe_inter_dim: int = 256
+    """Hidden width of one routed expert (and of one shared expert)."""
+    n_layers: int = 6
+    n_dense_layers: int = 1
+    n_heads: int = 16
+    norm_eps: float = 1e-6
+    moe_args: MoEArgs = field(default_factory=MoEArgs)
+
+    # Multi-head latent attention (MLA)
+    q_lora_rank: int = 0
+    """0: one full-rank query projection `wq`; >0: `wq_a` -> `q_norm` -> `wq_b`."""
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+
+    # YaRN RoPE; active only when max_seq_len > original_seq_len (as in DeepSeek's reference)
+    max_seq_len: int = 4096
+    rope_theta: float = 10000.0
+    original_seq_len: int = 4096
+    rope_factor: float = 40.0
+    beta_fast: int = 32
+    beta_slow: int = 1
+    mscale: float = 1.0
+
+    attn_mask_type: Literal["causal", "block_causal"] = "causal"
+    """`block_causal`: packed documents attend only within themselves (needs document ids)."""
+    eos_id: int = 0
+    """Token that ends a document; the data loader derives document ids from it for `block_causal`."""
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.n_dense_layers
+
+    def nparams_total(self) -> int:
+        """Parameters of the model built from these args, counted from the shapes alone."""
+        return self._count_params(routed_experts_per_token=self.moe_args.num_experts)
+
+    def nparams_active(self) -> int:
+        """Parameters one token uses: like `nparams_total` but with top_k of num_experts routed experts."""
+        return self._count_params(routed_experts_per_token=self.moe_args.top_k)
+
+    def _count_params(self, routed_experts_per_token: int) -> int:
+        dim, n_heads = self.dim, self.n_heads
+        if self.q_lora_rank == 0:
+            attn = dim * n_heads * self.qk_head_dim  # wq
+        else:
+            attn = dim * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n_heads * self.qk_head_dim
+        attn += dim * (self.kv_lora_rank + self.qk_rope_head_dim)  # wkv_a
+        attn += self.kv_lora_rank  # kv_norm
+        attn += self.kv_lora_rank * n_heads * (self.qk_nope_head_dim + self.v_head_dim)  # wkv_b
+        attn += n_heads * self.v_head_dim * dim  # wo
+        norms = 2 * dim  # attention_norm, ffn_norm
+
+        m = self.moe_args
+        dense_ffn = 3 * dim * self.inter_dim
+        moe = dim * m.num_experts  # router gate
+        moe += 3 * dim * self.moe_inter_dim * routed_experts_per_token
+        moe += 3 * dim * self.moe_inter_dim * m.num_shared_experts
+
+        layers = self.n_layers * (attn + norms) + self.n_dense_layers * dense_ffn + self.n_moe_layers * moe
+        embed_and_head = 2 * self.vocab_size * dim + dim  # tok_embeddings, output, final norm
+        return layers + embed_and_head
+
+    def attention_flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token of the score (QK^T) and mix (AV) matmuls, summed over layers.
+
+        Per layer, head and token, the forward pass does 2 * qk_head_dim * seq_len FLOPs for QK^T and
+        2 * v_head_dim * seq_len for AV; backward doubles that, so training is
+        6 * (qk_head_dim + v_head_dim) * seq_len = 12 * (qk_head_dim + v_head_dim) / 2 * seq_len.
+        No causal discount (the usual PaLM / torchtitan convention).
+        """
+        return 6 * self.n_layers * self.n_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
+
+    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+        """(parameters of `model`, training FLOPs per token).
+
+        flops_per_token = 6 * (active params - token embedding) + attention_flops_per_token(seq_len),
+        where active params count only top_k / num_experts of the routed-expert weights.
+        Works on DTensor-sharded models (numel of a DTensor is its global size).
+        """
+        nparams = 0
+        routed_expert_params = 0
+        embedding_params = 0
+        for name, param in model.named_parameters():
+            nparams += param.numel()
+            if ".moe.experts." in f".{name}":
+                routed_expert_params += param.numel()
+            elif name.startswith("tok_embeddings."):
+                embedding_params += param.numel()
+        m = self.moe_args
+        inactive = routed_expert_params * (m.num_experts - m.top_k) // m.num_experts
+        active = nparams - inactive - embedding_params
+        return nparams, 6 * active + self.attention_flops_per_token(seq_len)
+
+
+def _moe(**kwargs) -> MoEArgs:
+    return MoEArgs(**kwargs)
+
+
+deepseekv3_flavors: dict[str, DeepSeekV3ModelArgs] = {
+    # Tiny model for CPU tests and the shipped corpus / tokenizer (vocab 2048).
+    "debugmodel": DeepSeekV3ModelArgs(
+        vocab_size=2048,
+        dim=256,
+        inter_dim=1024,
+        moe_inter_dim=256,
+        n_layers=6,
+        n_dense_layers=1,
+        n_heads=16,
+        moe_args=_moe(num_experts=8, num_shared_experts=2, top_k=3, score_func="softmax", route_norm=False),
+        q_lora_rank=0,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        mscale=0.70,
+    ),
+    # debugmodel with document-masked (block-causal) attention for packed sequences.
+    "debugmodel_flex": DeepSeekV3ModelArgs(
+        vocab_size=2048,
+        dim=256,
+        inter_dim=1024,
+        moe_inter_dim=256,
+        n_layers=6,
+        n_dense_layers=1,
+        n_heads=16,
+        moe_args=_moe(num_experts=8, num_shared_experts=2, top_k=3, score_func="softmax", route_norm=False),
+        q_lora_rank=0,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        mscale=0.70,
+        attn_mask_type="block_causal",
+    ),
+    # DeepSeek-V2-Lite / Moonlight shape (~15.7B total, ~2.7B active with vocab 102400).
+    "16B": DeepSeekV3ModelArgs(
+        vocab_size=102400,
+        dim=2048,
+        inter_dim=10944,
+        moe_inter_dim=1408,
+        n_layers=27,
+        n_dense_layers=1,
+        n_heads=16,
+        moe_args=_moe(num_experts=64, num_shared_experts=2, top_k=6, score_func="softmax", route_norm=False),
+        q_lora_rank=0,
+        kv_lora_rank=512,
+        max_seq_len=163840,
+        mscale=0.707,
+    ),
+    # GPU benchmark: the 16B layer shape cut to 8 layers (1 dense + 7 MoE): ~4.6B total / ~1.1B active params.
+    # fp32 params + grads + AdamW states (16 B/param) are ~74 GB, so FSDP x EP over 2-4 H200s holds it with room
+    # for activations at seq_len 4096. Trained from scratch, so no YaRN (max_seq_len == original_seq_len).
+    "16B_bench4": DeepSeekV3ModelArgs(
+        vocab_size=102400,
+        dim=2048,
+        inter_dim=10944,
+        moe_inter_dim=1408,
+        n_layers=8,
+        n_dense_layers=1,
+        n_heads=16,
+        moe_args=_moe(num_experts=64, num_shared_experts=2, top_k=6, score_func="softmax", route_norm=False),
+        q_lora_rank=0,
+        kv_lora_rank=512,
+        max_seq_len=4096,
+        mscale=0.707,
+    ),
+    # GPU benchmark: the 671B layer shape (dim 7168, 256 experts, sigmoid group-limited routing) cut to 3 layers
+    # (1 dense + 2 MoE): ~25B total / ~3.6B active params, ~400 GB of fp32 training state, so it needs FSDP x EP
+    # over 8 H200s. Exercises DeepSeek-V3's real routing and expert sizes.
+    "671B_bench8": DeepSeekV3ModelArgs(
+        vocab_size=129280,
+        dim=7168,
+        inter_dim=18432,
+        moe_inter_dim=2048,
+        n_layers=3,
+        n_dense_layers=1,
+        n_heads=128,
+        moe_args=_moe(
+            num_experts=256,
+            num_shared_experts=1,
+            top_k=8,
+            score_func="sigmoid",
+            route_norm=True,
+            route_scale=2.5,
+            num_expert_groups=8,
+            num_limited_groups=4,
+        ),
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        max_seq_len=4096,
+        mscale=1.0,
+    ),
+    # DeepSeek-V2 shape (~236B total, ~21B active).
+    "236B": DeepSeekV3ModelArgs(
+        vocab_size=102400,
+        dim=5120,
+        inter_dim=12288,
+        moe_inter_dim=1536,
+        n_layers=60,
+        n_dense_layers=1,
+        n_heads=128,
+        moe_args=_moe(
+            num_experts=160,
+            num_shared_experts=2,
+            top_k=6,
+            score_func="softmax",
+            route_norm=False,
+            route_scale=16.0,
+            num_expert_groups=8,
+            num_limited_groups=3,
+        ),
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        max_seq_len=163840,
+        mscale=0.707,
+    ),
+    # DeepSeek-V3 (~671B total, ~37B active; the MTP module is not part of this model).
+    "671B": DeepSeekV3ModelArgs(
+        vocab_size=129280,
+        dim=7168,
+        inter_dim=18432,
+        moe_inter_dim=2048,
+        n_layers=61,
+        n_dense_layers=3,
+        n_heads=128,
+        moe_args=_moe(
+            num_experts=256,
+            num_shared_experts=1,
+            top_k=8,
+            score_func="sigmoid",
+            route_norm=True,
+            route_scale=2.5,
+            num_expert_groups=8,
+            num_limited_groups=4,
+        ),
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        max_seq_len=163840,
+        mscale=1.0,
+    ),
+}

@@ -1,0 +1,124 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3) and the masks for causal and block-causal attention.
+
+Queries: x -> wq (or wq_a -> q_norm -> wq_b) -> per head [q_nope (qk_nope_head_dim) | q_pe (qk_rope_head_dim)].
+Keys/values: x -> wkv_a -> [latent c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim, one head shared by all heads)];
+c_kv -> kv_norm -> wkv_b -> per head [k_nope | v]. RoPE touches only q_pe and k_pe ("decoupled RoPE").
+k = [k_nope | k_pe], so the qk head dim (nope + rope, 192) differs from the v head dim (128); SDPA allows that.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from .args import DeepSeekV3ModelArgs
+from .rope import apply_rotary_emb, softmax_scale
+
+# None: plain causal attention; BlockMask: block-causal via flex_attention (CUDA);
+# bool tensor (bs, 1, seqlen, seqlen), True = may attend: block-causal via SDPA (CPU).
+AttentionMask = BlockMask | torch.Tensor | None
+
+# flex_attention is only fast when compiled; compilation happens lazily at the first CUDA call.
+_compiled_flex_attention = torch.compile(flex_attention)
+
+
+class MLA(nn.Module):
+    def __init__(self, args: DeepSeekV3ModelArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.q_lora_rank = args.q_lora_rank
+        self.kv_lora_rank = args.kv_lora_rank
+        self.qk_nope_head_dim = args.qk_nope_head_dim
+        self.qk_rope_head_dim = args.qk_rope_head_dim
+        self.qk_head_dim = args.qk_head_dim
+        self.v_head_dim = args.v_head_dim
+        self.softmax_scale = softmax_scale(args)
+
+        if self.q_lora_rank == 0:
+            self.wq = nn.Linear(args.dim, self.n_heads * self.qk_head_dim, bias=False)
+        else:
+            self.wq_a = nn.Linear(args.dim, self.q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(self.q_lora_rank, eps=args.norm_eps)
+            self.wq_b = nn.Linear(self.q_lora_rank, self.n_heads * self.qk_head_dim, bias=False)
+        self.wkv_a = nn.Linear(args.dim, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(self.kv_lora_rank, eps=args.norm_eps)
+        self.wkv_b = nn.Linear(self.kv_lora_rank, self.n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
+        self.wo = nn.Linear(self.n_heads * self.v_head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, attention_mask: AttentionMask) -> torch.Tensor:
+        """x: (bs, seqlen, dim); freqs_cis: (seqlen, qk_rope_head_dim // 2) -> (bs, seqlen, dim)."""
+        bs, seqlen, _ = x.shape
+
+        q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
+        # -1 instead of n_heads: under tensor parallelism this rank holds only some heads
+        q = q.view(bs, seqlen, -1, self.qk_head_dim)  # (bs, seqlen, n_heads, qk_head_dim)
+        q_nope, q_pe = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_pe = apply_rotary_emb(q_pe, freqs_cis)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+
+        kv = self.wkv_a(x)  # (bs, seqlen, kv_lora_rank + qk_rope_head_dim)
+        c_kv, k_pe = torch.split(kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        k_pe = apply_rotary_emb(k_pe.unsqueeze(2), freqs_cis)  # (bs, seqlen, 1, qk_rope_head_dim)
+        kv = self.wkv_b(self.kv_norm(c_kv))  # (bs, seqlen, n_heads * (qk_nope_head_dim + v_head_dim))
+        kv = kv.view(bs, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = torch.split(kv, [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)  # (bs, seqlen, n_heads, qk_head_dim)
+
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (bs, n_heads, seqlen, head_dim)
+        out = attend(q, k, v, attention_mask, self.softmax_scale)  # (bs, n_heads, seqlen, v_head_dim)
+        out = out.transpose(1, 2).reshape(bs, seqlen, -1)  # (bs, seqlen, n_heads * v_head_dim)
+        return self.wo(out)
+
+    def init_weights(self, init_std: float) -> None:
+        in_projections = [self.wkv_a, self.wkv_b]
+        in_projections += [self.wq] if self.q_lora_rank == 0 else [self.wq_a, self.wq_b]
+        for linear in in_projections:
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+        self.kv_norm.reset_parameters()
+        if self.q_lora_rank > 0:
+            self.q_norm.reset_parameters()
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: AttentionMask, scale: float
+) -> torch.Tensor:
+    """q, k: (bs, n_heads, seqlen, qk_head_dim); v: (bs, n_heads, seqlen, v_head_dim)."""
+    if attention_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if isinstance(attention_mask, BlockMask):
+        flex = _compiled_flex_attention if q.is_cuda else flex_attention
+        return flex(q, k, v, block_mask=attention_mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=scale)
+
+
+def build_attention_mask(document_ids: torch.Tensor | None, use_flex: bool | None = None) -> AttentionMask:
+    """The mask for one forward pass, built once and shared by all layers.
+
+    document_ids: (bs, seqlen) int, equal ids = same packed document; None gives plain causal attention.
+    use_flex: BlockMask for flex_attention (default on CUDA) or a dense bool mask for SDPA (default elsewhere).
+    """
+    if document_ids is None:
+        return None
+    if use_flex is None:
+        use_flex = document_ids.is_cuda
+    bs, seqlen = document_ids.shape
+    if not use_flex:
+        positions = torch.arange(seqlen, device=document_ids.device)
+        causal = positions[None, :] <= positions[:, None]  # (seqlen_q, seqlen_kv)
+        same_document = document_ids[:, :, None] == document_ids[:, None, :]  # (bs, seqlen_q, seqlen_kv)
+        return (same_document & causal).unsqueeze(1)  # (bs, 1, seqlen, seqlen)
+
+    def block_causal(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
+
+    # _compile on CUDA: builds the block mask without materializing a dense (bs, seqlen, seqlen) mask
+    return create_block_mask(
+        block_causal,
+        B=bs,
+        H=None,
+        Q_LEN=seqlen,
+        KV_LEN=seqlen,
+        device=document_ids.device,
+        _compile=document_ids.is_cuda,
+    )

@@ -1,0 +1,72 @@
+"""Read and write Hugging Face safetensors folders (sharded, with model.safetensors.index.json)."""
+
+import json
+import os
+import re
+
+import torch
+from safetensors.torch import load_file, save_file
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_hf_safetensors(folder: str) -> dict[str, torch.Tensor]:
+    """All tensors of a HF folder: the shards named by its index json, or every *.safetensors file without one."""
+    index_path = os.path.join(folder, INDEX_FILE)
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(name for name in os.listdir(folder) if name.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {folder}")
+    state_dict: dict[str, torch.Tensor] = {}
+    for name in files:
+        state_dict.update(load_file(os.path.join(folder, name)))
+    return state_dict
+
+
+def save_hf_safetensors(
+    state_dict: dict[str, torch.Tensor], folder: str, max_shard_size: int | str = "5GB"
+) -> list[str]:
+    """Write `state_dict` as shards of at most max_shard_size bytes (int, or "5GB" / "500MB") plus the index json.
+
+    Returns the shard file names. A single tensor larger than max_shard_size gets a shard of its own.
+    """
+    max_bytes = parse_size(max_shard_size)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for key, tensor in state_dict.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and shard_bytes + nbytes > max_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][key] = tensor
+        shard_bytes += nbytes
+
+    os.makedirs(folder, exist_ok=True)
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards, strict=True):
+        # clone: safetensors refuses tensors that share storage (e.g. experts unstacked from one 3D tensor)
+        save_file(
+            {k: v.detach().cpu().clone() for k, v in shard.items()},
+            os.path.join(folder, name),
+            metadata={"format": "pt"},
+        )
+        weight_map.update(dict.fromkeys(shard, name))
+    total_size = sum(t.numel() * t.element_size() for t in state_dict.values())
+    with open(os.path.join(folder, INDEX_FILE), "w") as f:
+        json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, f, indent=2)
+    return names
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string like "5GB", "500MB", "10KB" (powers of 1000, as HF uses)."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B)\s*", size.upper())
+    if match is None:
+        raise ValueError(f"max_shard_size {size!r}: use bytes (int) or a string like '5GB' or '500MB'")
+    number, unit = match.groups()
+    return int(float(number) * {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}[unit])

@@ -1,0 +1,104 @@
+"""DeepSeek-V3: embedding -> n_layers x (MLA + dense FFN or MoE) -> norm -> output head.
+
+Module names follow docs/design.md (the parallelize and pipeline plans depend on them).
+The model knows nothing about parallelism: `comm_backend` and `ep_degree` are only forwarded to `build_moe`.
+"""
+
+import torch
+from torch import nn
+
+from torchtitan.models.moe.feed_forward import FeedForward
+from torchtitan.models.moe.moe import build_moe
+
+from .args import DeepSeekV3ModelArgs
+from .attention import MLA, AttentionMask, build_attention_mask
+from .rope import precompute_freqs_cis
+
+
+class DeepSeekV3Model(nn.Module):
+    def __init__(self, args: DeepSeekV3ModelArgs, comm_backend: str = "standard", ep_degree: int = 1):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        # ModuleDict keyed "0".."n-1" so pipeline splitting can delete layers and keep the others' names.
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, args, comm_backend, ep_degree) for i in range(args.n_layers)}
+        )
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("freqs_cis", precompute_freqs_cis(args), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: (bs, seqlen) int, or hidden states (bs, seqlen, dim) on a pipeline stage without tok_embeddings.
+
+        document_ids: (bs, seqlen), equal ids = same packed document; switches to block-causal attention.
+        Returns logits (bs, seqlen, vocab), or hidden states (bs, seqlen, dim) on a stage without `output`.
+        """
+        if self.args.attn_mask_type == "block_causal" and document_ids is None:
+            raise ValueError("attn_mask_type='block_causal' needs document_ids; pass model(tokens, document_ids)")
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
+        seqlen = h.shape[1]
+        if seqlen > self.freqs_cis.shape[0]:
+            raise ValueError(f"seqlen {seqlen} > max_seq_len {self.freqs_cis.shape[0]}; raise model max_seq_len")
+        if not self.freqs_cis.is_complex():
+            raise RuntimeError(
+                "freqs_cis is no longer complex (model.to(dtype) casts complex buffers to real); cast with FSDP "
+                "mixed precision instead, or recompute: model.freqs_cis = precompute_freqs_cis(model.args, device)"
+            )
+        freqs_cis = self.freqs_cis[:seqlen]
+        attention_mask = build_attention_mask(document_ids)
+        for layer in self.layers.values():
+            h = layer(h, freqs_cis, attention_mask)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """Initialize all parameters in place (works on DTensor parameters) and recompute freqs_cis.
+
+        buffer_device: where freqs_cis lives (e.g. "cuda" after building on the meta device); default: where
+        the buffer already is, or CPU when that is the meta device.
+        """
+        if buffer_device is None:
+            buffer_device = self.freqs_cis.device if self.freqs_cis.device.type != "meta" else "cpu"
+        self.freqs_cis = precompute_freqs_cis(self.args, device=buffer_device)
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            layer.init_weights(buffer_device)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:
+            std = self.args.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+class TransformerBlock(nn.Module):
+    """x + attention(attention_norm(x)), then h + ffn(ffn_norm(h)) with a dense FFN or an MoE."""
+
+    def __init__(self, layer_id: int, args: DeepSeekV3ModelArgs, comm_backend: str = "standard", ep_degree: int = 1):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = MLA(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.moe_enabled = layer_id >= args.n_dense_layers
+        if self.moe_enabled:
+            self.moe = build_moe(args.moe_args, args.dim, args.moe_inter_dim, comm_backend, ep_degree)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.inter_dim)
+        # Output projections get smaller init the deeper the layer (torchtitan's depth init).
+        self.init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, attention_mask: AttentionMask) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, attention_mask)
+        ffn = self.moe if self.moe_enabled else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
+    def init_weights(self, buffer_device: torch.device | str) -> None:
+        for norm in (self.attention_norm, self.ffn_norm):
+            norm.reset_parameters()
+        self.attention.init_weights(self.init_std)
+        if self.moe_enabled:
+            self.moe.init_weights(self.init_std, buffer_device)
+        else:
+            self.feed_forward.init_weights(self.init_std)

@@ -1,0 +1,73 @@
+"""YaRN rotary position embedding, as in DeepSeek's reference (interleaved pairs, complex multiply).
+
+The rotary part of a head is read as pairs (x0, x1), (x2, x3), ... and pair i is rotated by angle pos * freq_i.
+HF DeepSeek-V3 checkpoints store the rope dims in this interleaved order (transformers' `rope_interleave=True`).
+"""
+
+import math
+
+import torch
+
+from .args import DeepSeekV3ModelArgs
+
+
+def yarn_enabled(args: DeepSeekV3ModelArgs) -> bool:
+    """YaRN context extension is on when the model is configured past its pretraining length."""
+    return args.max_seq_len > args.original_seq_len
+
+
+def softmax_scale(args: DeepSeekV3ModelArgs) -> float:
+    """qk_head_dim ** -0.5, times YaRN's attention temperature mscale(factor)^2 when YaRN is on."""
+    scale = args.qk_head_dim**-0.5
+    if yarn_enabled(args):
+        mscale = 0.1 * args.mscale * math.log(args.rope_factor) + 1.0
+        scale = scale * mscale * mscale
+    return scale
+
+
+def precompute_freqs_cis(args: DeepSeekV3ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
+    """exp(i * pos * freq) for every position and rotary pair: complex64 (max_seq_len, qk_rope_head_dim // 2)."""
+    dim, base = args.qk_rope_head_dim, args.rope_theta
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))  # (dim // 2,)
+
+    if yarn_enabled(args):
+        # High-frequency pairs (many rotations within original_seq_len) keep their frequency, low-frequency pairs
+        # are interpolated by 1 / rope_factor, with a linear ramp between the two correction dims.
+        low, high = _correction_range(args.beta_fast, args.beta_slow, dim, base, args.original_seq_len)
+        smooth = 1 - _linear_ramp(low, high, dim // 2, device)
+        freqs = freqs / args.rope_factor * (1 - smooth) + freqs * smooth
+
+    positions = torch.arange(args.max_seq_len, dtype=torch.float32, device=device)
+    angles = torch.outer(positions, freqs)  # (max_seq_len, dim // 2)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of x's last dim.
+
+    x: (bs, seqlen, n_heads, rope_dim); freqs_cis: (seqlen, rope_dim // 2). Computed in fp32, returned in x's dtype.
+    """
+    bs, seqlen, n_heads, rope_dim = x.shape
+    x_complex = torch.view_as_complex(x.float().reshape(bs, seqlen, n_heads, rope_dim // 2, 2))
+    rotated = x_complex * freqs_cis.view(1, seqlen, 1, rope_dim // 2)
+    return torch.view_as_real(rotated).flatten(3).to(x.dtype)
+
+
+def _correction_dim(num_rotations: float, dim: int, base: float, original_seq_len: int) -> float:
+    """The rotary dim whose wavelength fits `num_rotations` times into original_seq_len."""
+    return dim * math.log(original_seq_len / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+
+def _correction_range(
+    beta_fast: float, beta_slow: float, dim: int, base: float, original_seq_len: int
+) -> tuple[int, int]:
+    low = math.floor(_correction_dim(beta_fast, dim, base, original_seq_len))
+    high = math.ceil(_correction_dim(beta_slow, dim, base, original_seq_len))
+    return max(low, 0), min(high, dim - 1)
+
+
+def _linear_ramp(low: float, high: float, n: int, device: torch.device | str | None) -> torch.Tensor:
+    if low == high:
+        high += 0.001  # avoid dividing by zero
+    ramp = (torch.arange(n, dtype=torch.float32, device=device) - low) / (high - low)
+    return ramp.clamp(0, 1)

@@ -1,0 +1,247 @@
+"""Convert between our state dict and the on-disk Hugging Face DeepSeek-V2/V3 format (one tensor per expert).
+
+Our routed experts are stacked 3D tensors (moe.experts.w1/w2/w3 of shapes (E, hidden, dim), (E, dim, hidden),
+(E, hidden, dim)); HF stores mlp.experts.{j}.gate_proj / down_proj / up_proj, each an nn.Linear weight of the same
+per-expert layout, so converting is stacking / unstacking along dim 0. RoPE dims need no permutation: HF
+DeepSeek checkpoints keep DeepSeek's interleaved rope layout (transformers' `rope_interleave=True`, and
+DeepseekV2's complex rope), which is the layout our `apply_rotary_emb` uses.
+
+Router semantics (ours <-> HF config): score_func sigmoid <-> DeepseekV3 (sigmoid is hard-wired there);
+softmax <-> DeepseekV2. route_norm <-> norm_topk_prob, route_scale <-> routed_scaling_factor,
+num_expert_groups / num_limited_groups <-> n_group / topk_group, moe.expert_bias <->
+mlp.gate.e_score_correction_bias (V3 only; added to the scores for expert selection only).
+"""
+
+import re
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from torchtitan.models.moe.args import MoEArgs
+
+from .args import DeepSeekV3ModelArgs
+
+# our key -> HF key, with "{}" standing for the layer index
+_KEY_MAP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "layers.{}.attention_norm.weight": "model.layers.{}.input_layernorm.weight",
+    "layers.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
+    "layers.{}.attention.wq.weight": "model.layers.{}.self_attn.q_proj.weight",
+    "layers.{}.attention.wq_a.weight": "model.layers.{}.self_attn.q_a_proj.weight",
+    "layers.{}.attention.q_norm.weight": "model.layers.{}.self_attn.q_a_layernorm.weight",
+    "layers.{}.attention.wq_b.weight": "model.layers.{}.self_attn.q_b_proj.weight",
+    "layers.{}.attention.wkv_a.weight": "model.layers.{}.self_attn.kv_a_proj_with_mqa.weight",
+    "layers.{}.attention.kv_norm.weight": "model.layers.{}.self_attn.kv_a_layernorm.weight",
+    "layers.{}.attention.wkv_b.weight": "model.layers.{}.self_attn.kv_b_proj.weight",
+    "layers.{}.attention.wo.weight": "model.layers.{}.self_attn.o_proj.weight",
+    "layers.{}.feed_forward.w1.weight": "model.layers.{}.mlp.gate_proj.weight",
+    "layers.{}.feed_forward.w2.weight": "model.layers.{}.mlp.down_proj.weight",
+    "layers.{}.feed_forward.w3.weight": "model.layers.{}.mlp.up_proj.weight",
+    "layers.{}.moe.router.gate.weight": "model.layers.{}.mlp.gate.weight",
+    "layers.{}.moe.expert_bias": "model.layers.{}.mlp.gate.e_score_correction_bias",
+    "layers.{}.moe.shared_experts.w1.weight": "model.layers.{}.mlp.shared_experts.gate_proj.weight",
+    "layers.{}.moe.shared_experts.w2.weight": "model.layers.{}.mlp.shared_experts.down_proj.weight",
+    "layers.{}.moe.shared_experts.w3.weight": "model.layers.{}.mlp.shared_experts.up_proj.weight",
+}
+_EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_HF_EXPERT_KEY = "model.layers.{}.mlp.experts.{}.{}.weight"
+# Training-only state with no HF counterpart; from_hf recreates it as zeros.
+_OURS_ONLY = ("tokens_per_expert",)
+
+
+class DeepSeekV3StateDictAdapter:
+    def __init__(self, model_args: DeepSeekV3ModelArgs):
+        self.model_args = model_args
+        self.to_hf_map = {_pattern(ours): hf for ours, hf in _KEY_MAP.items()}
+        self.from_hf_map = {_pattern(hf): ours for ours, hf in _KEY_MAP.items()}
+
+    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Our (full or DTensor) state dict -> HF keys with per-expert tensors. DTensors are gathered."""
+        hf_state_dict = {}
+        for key, value in state_dict.items():
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            if expert := re.fullmatch(r"layers\.(\d+)\.moe\.experts\.(w[123])", key):
+                layer, name = expert.groups()
+                for j in range(value.shape[0]):  # (E, out, in) -> E x (out, in)
+                    hf_state_dict[_HF_EXPERT_KEY.format(layer, j, _EXPERT_NAMES[name])] = value[j]
+            elif key.rsplit(".", 1)[-1] in _OURS_ONLY:
+                continue
+            else:
+                hf_state_dict[_translate(key, self.to_hf_map)] = value
+        return hf_state_dict
+
+    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF state dict -> our full state dict (loadable with strict=True).
+
+        Skips layers >= n_layers (DeepSeek-V3's multi-token-prediction layer 61). A checkpoint without
+        e_score_correction_bias (DeepSeek-V2) gets a zero expert_bias.
+        """
+        n_layers, num_experts = self.model_args.n_layers, self.model_args.moe_args.num_experts
+        state_dict: dict[str, torch.Tensor] = {}
+        experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (layer, w1|w2|w3) -> {expert: weight}
+        hf_to_ours = {hf: ours for ours, hf in _EXPERT_NAMES.items()}
+        for key, value in hf_state_dict.items():
+            layer = re.match(r"model\.layers\.(\d+)\.", key)
+            if layer and int(layer.group(1)) >= n_layers:
+                continue
+            if expert := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight", key):
+                layer_id, j, name = expert.groups()
+                experts.setdefault((layer_id, hf_to_ours[name]), {})[int(j)] = value
+            else:
+                state_dict[_translate(key, self.from_hf_map)] = value
+
+        for (layer_id, name), per_expert in experts.items():
+            if sorted(per_expert) != list(range(num_experts)):
+                found = sorted(per_expert)
+                raise ValueError(f"layer {layer_id} {name}: expected experts 0..{num_experts - 1}, found {found}")
+            stacked = torch.stack([per_expert[j] for j in range(num_experts)])  # (E, out, in)
+            state_dict[f"layers.{layer_id}.moe.experts.{name}"] = stacked
+
+        for i in range(self.model_args.n_dense_layers, n_layers):
+            state_dict.setdefault(f"layers.{i}.moe.expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+            for name in _OURS_ONLY:
+                state_dict[f"layers.{i}.moe.{name}"] = torch.zeros(num_experts, dtype=torch.float32)
+        return state_dict
+
+
+def model_args_from_hf_config(config: dict[str, Any]) -> DeepSeekV3ModelArgs:
+    """Model args from a HF DeepSeek-V2/V3 config.json dict."""
+    model_type = config.get("model_type", "deepseek_v3")
+    if model_type not in ("deepseek_v2", "deepseek_v3"):
+        raise ValueError(f"model_type {model_type!r} is not a DeepSeek-V2/V3 config")
+    if config.get("tie_word_embeddings", False):
+        raise ValueError("tied embeddings are not supported by DeepSeekV3Model")
+    if config.get("moe_layer_freq", 1) != 1:
+        raise ValueError("moe_layer_freq != 1 is not supported: every layer after the dense ones must be MoE")
+
+    n_group = config.get("n_group") or 1
+    if model_type == "deepseek_v2" and config.get("topk_method", "greedy") == "greedy":
+        n_group = 1
+    grouped = n_group > 1
+    moe_args = MoEArgs(
+        num_experts=config["n_routed_experts"],
+        num_shared_experts=config["n_shared_experts"],
+        top_k=config["num_experts_per_tok"],
+        score_func="sigmoid" if model_type == "deepseek_v3" else "softmax",
+        route_norm=bool(config.get("norm_topk_prob", False)),
+        route_scale=float(config.get("routed_scaling_factor", 1.0)),
+        num_expert_groups=n_group if grouped else None,
+        num_limited_groups=config["topk_group"] if grouped else None,
+    )
+
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    max_seq_len = config.get("max_position_embeddings", 4096)
+    yarn = {}
+    if rope_type == "yarn":
+        mscale, mscale_all_dim = rope.get("mscale", 1.0), rope.get("mscale_all_dim", 1.0)
+        if mscale != mscale_all_dim:
+            raise ValueError(f"YaRN with mscale ({mscale}) != mscale_all_dim ({mscale_all_dim}) is not supported")
+        original = rope["original_max_position_embeddings"]
+        if max_seq_len <= original:
+            raise ValueError("YaRN needs max_position_embeddings > original_max_position_embeddings")
+        yarn = dict(
+            original_seq_len=original,
+            rope_factor=float(rope["factor"]),
+            beta_fast=rope.get("beta_fast", 32),
+            beta_slow=rope.get("beta_slow", 1),
+            mscale=float(mscale),
+        )
+    elif rope_type != "default":
+        raise ValueError(f"rope type {rope_type!r} is not supported (only default and yarn)")
+    else:
+        yarn = dict(original_seq_len=max_seq_len)
+
+    eos = config.get("eos_token_id", 0)
+    return DeepSeekV3ModelArgs(
+        vocab_size=config["vocab_size"],
+        dim=config["hidden_size"],
+        inter_dim=config["intermediate_size"],
+        moe_inter_dim=config["moe_intermediate_size"],
+        n_layers=config["num_hidden_layers"],
+        n_dense_layers=config.get("first_k_dense_replace", 0),
+        n_heads=config["num_attention_heads"],
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        moe_args=moe_args,
+        q_lora_rank=config.get("q_lora_rank") or 0,
+        kv_lora_rank=config["kv_lora_rank"],
+        qk_nope_head_dim=config["qk_nope_head_dim"],
+        qk_rope_head_dim=config["qk_rope_head_dim"],
+        v_head_dim=config["v_head_dim"],
+        max_seq_len=max_seq_len,
+        rope_theta=rope_theta,
+        eos_id=eos[0] if isinstance(eos, list) else (eos or 0),
+        **yarn,
+    )
+
+
+def hf_config_from_model_args(args: DeepSeekV3ModelArgs) -> dict[str, Any]:
+    """A HF config.json dict for these args: DeepseekV3 for sigmoid routing, DeepseekV2 for softmax routing."""
+    m = args.moe_args
+    sigmoid = m.score_func == "sigmoid"
+    grouped = m.num_expert_groups is not None and m.num_expert_groups > 1
+    config: dict[str, Any] = {
+        "architectures": ["DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v3" if sigmoid else "deepseek_v2",
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "intermediate_size": args.inter_dim,
+        "moe_intermediate_size": args.moe_inter_dim,
+        "num_hidden_layers": args.n_layers,
+        "first_k_dense_replace": args.n_dense_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_heads,
+        "rms_norm_eps": args.norm_eps,
+        "n_routed_experts": m.num_experts,
+        "n_shared_experts": m.num_shared_experts,
+        "num_experts_per_tok": m.top_k,
+        "norm_topk_prob": m.route_norm,
+        "routed_scaling_factor": m.route_scale,
+        "n_group": m.num_expert_groups if grouped else 1,
+        "topk_group": m.num_limited_groups if grouped else 1,
+        "q_lora_rank": args.q_lora_rank or None,
+        "kv_lora_rank": args.kv_lora_rank,
+        "qk_nope_head_dim": args.qk_nope_head_dim,
+        "qk_rope_head_dim": args.qk_rope_head_dim,
+        "v_head_dim": args.v_head_dim,
+        "max_position_embeddings": args.max_seq_len,
+        "rope_theta": args.rope_theta,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "eos_token_id": args.eos_id,
+        "torch_dtype": "float32",
+    }
+    if sigmoid:
+        config["rope_interleave"] = True
+        config["num_nextn_predict_layers"] = 0
+    else:
+        config["topk_method"] = "group_limited_greedy" if grouped else "greedy"
+    if args.max_seq_len > args.original_seq_len:
+        config["rope_scaling"] = {
+            "type": "yarn",
+            "rope_type": "yarn",
+            "factor": args.rope_factor,
+            "original_max_position_embeddings": args.original_seq_len,
+            "beta_fast": args.beta_fast,
+            "beta_slow": args.beta_slow,
+            "mscale": args.mscale,
+            "mscale_all_dim": args.mscale,
+        }
+    return config
+
+
+def _pattern(template: str) -> re.Pattern:
+    return re.compile(re.escape(template).replace(r"\{\}", r"(\d+)"))
+
+
+def _translate(key: str, mapping: dict[re.Pattern, str]) -> str:
+    for pattern, target in mapping.items():
+        if match := pattern.fullmatch(key):
+            return target.format(*match.groups())
+    raise KeyError(f"no Hugging Face <-> torchtitan mapping for {key!r}")
