@@ -1,0 +1,118 @@
+"""GroupedExperts: the padded torch._grouped_mm path against the per-expert loop, forward and backward."""
+
+import pytest
+import torch
+
+from torchtitan.models.moe.experts import GroupedExperts, padded_group_layout
+
+DIM, HIDDEN = 16, 24
+COUNTS = [3, 0, 9, 1, 0, 5]  # includes empty experts and groups smaller than the alignment
+
+
+def make_experts(use_grouped_mm: bool, num_experts: int = len(COUNTS)) -> GroupedExperts:
+    torch.manual_seed(0)
+    experts = GroupedExperts(DIM, HIDDEN, num_experts, use_grouped_mm=use_grouped_mm)
+    experts.init_weights(init_std=0.1)
+    with torch.no_grad():  # bf16-representable weights: only the GEMM precision differs between the paths
+        for w in experts.parameters():
+            w.copy_(w.bfloat16().float())
+    return experts
+
+
+def run(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor, grad_out: torch.Tensor):
+    x = x.detach().clone().requires_grad_()
+    out = experts(x, counts)
+    out.backward(grad_out)
+    return out, x.grad, [w.grad for w in (experts.w1, experts.w2, experts.w3)]
+
+
+def assert_bf16_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    scale = expected.abs().max().clamp_min(1e-6)
+    torch.testing.assert_close(actual.float() / scale, expected.float() / scale, rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_matches_loop_forward_and_backward(dtype):
+    counts = torch.tensor(COUNTS)
+    x = torch.randn(sum(COUNTS), DIM).bfloat16().to(dtype)
+    grad_out = torch.randn(sum(COUNTS), DIM, dtype=dtype)
+    grouped, loop = make_experts(True), make_experts(False)
+    if dtype == torch.bfloat16:
+        grouped, loop = grouped.to(dtype), loop.to(dtype)
+    out, x_grad, w_grads = run(grouped, x, counts, grad_out)
+    ref_out, ref_x_grad, ref_w_grads = run(loop, x, counts, grad_out)
+
+    assert out.dtype == dtype and out.shape == (sum(COUNTS), DIM)
+    assert_bf16_close(out, ref_out)
+    assert_bf16_close(x_grad, ref_x_grad)
+    for grad, ref in zip(w_grads, ref_w_grads, strict=True):
+        assert grad.dtype == dtype
+        assert_bf16_close(grad, ref)
+        assert grad[1].abs().sum() == 0 and grad[4].abs().sum() == 0  # empty experts get exactly zero
+
+
+def test_loop_matches_dense_per_expert_swiglu():
+    experts = make_experts(False)
+    x = torch.randn(sum(COUNTS), DIM)
+    out = experts(x, torch.tensor(COUNTS))
+    row = 0
+    for e, n in enumerate(COUNTS):
+        xe = x[row : row + n]
+        h = torch.nn.functional.silu(xe @ experts.w1[e].T) * (xe @ experts.w3[e].T)
+        torch.testing.assert_close(out[row : row + n], h @ experts.w2[e].T)
+        row += n
+
+
+def test_sum_backward_with_stride_zero_grad_works():
+    experts = make_experts(True)
+    x = torch.randn(sum(COUNTS), DIM, requires_grad=True)
+    experts(x, torch.tensor(COUNTS)).sum().backward()  # grad_out is an expanded (stride-0) tensor
+    assert x.grad is not None and torch.isfinite(experts.w1.grad).all()
+
+
+def test_rows_past_the_routed_tokens_do_not_touch_any_expert():
+    counts = torch.tensor(COUNTS)
+    routed = sum(COUNTS)
+    x = torch.randn(routed + 7, DIM)
+    grad_out = torch.randn(routed + 7, DIM)
+    out, _, w_grads = run(make_experts(True), x, counts, grad_out)
+    ref_out, _, ref_w_grads = run(make_experts(True), x[:routed], counts, grad_out[:routed])
+    torch.testing.assert_close(out[:routed], ref_out)
+    for grad, ref in zip(w_grads, ref_w_grads, strict=True):
+        torch.testing.assert_close(grad, ref)
+
+
+def test_padded_layout_is_aligned_unique_and_in_bounds():
+    counts = torch.tensor(COUNTS)
+    num_rows, alignment = sum(COUNTS) + 3, 8
+    row_to_padded, offsets = padded_group_layout(counts, num_rows, len(COUNTS), alignment)
+    assert offsets.dtype == torch.int32
+    assert (offsets % alignment == 0).all() and (offsets.diff() >= alignment).all()
+    assert row_to_padded.unique().numel() == num_rows
+    assert row_to_padded.max() < num_rows + len(COUNTS) * alignment
+    # row r of expert e sits inside e's padded group, in order
+    group_starts = torch.cat([torch.zeros(1, dtype=torch.int32), offsets[:-1]]).tolist()
+    row = 0
+    for e, n in enumerate(COUNTS):
+        assert row_to_padded[row : row + n].tolist() == list(range(group_starts[e], group_starts[e] + n))
+        row += n
+    assert (row_to_padded[row:] >= offsets[-1]).all()
+
+
+def test_grouped_mm_compiles_fullgraph_forward_and_backward():
+    counts = torch.tensor(COUNTS)
+    x = torch.randn(sum(COUNTS), DIM)
+    grad_out = torch.randn(sum(COUNTS), DIM)
+    eager, compiled = make_experts(True), make_experts(True)
+    ref_out, ref_x_grad, ref_w_grads = run(eager, x, counts, grad_out)
+    out, x_grad, w_grads = run(torch.compile(compiled, backend="aot_eager", fullgraph=True), x, counts, grad_out)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(x_grad, ref_x_grad)
+    for grad, ref in zip(w_grads, ref_w_grads, strict=True):
+        torch.testing.assert_close(grad, ref)
+
+
+def test_unaligned_dims_are_rejected_for_grouped_mm():
+    with pytest.raises(ValueError, match="multiples of 8"):
+        GroupedExperts(12, 24, 4, use_grouped_mm=True)
+    GroupedExperts(12, 24, 4, use_grouped_mm=False)

@@ -1,0 +1,182 @@
+"""Aux-loss-free balancing: token counting (exactly once under activation recompute) and the bias update."""
+
+import dataclasses
+import functools
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from torchtitan.models.moe.args import MoEArgs
+from torchtitan.models.moe.load_balance import build_expert_bias_hook, update_expert_bias
+from torchtitan.models.moe.moe import MoE
+
+DIM, HIDDEN = 16, 24
+
+
+def make_moe(**overrides) -> MoE:
+    args = dataclasses.replace(MoEArgs(num_experts=8, top_k=2, load_balance_coeff=0.1), **overrides)
+    torch.manual_seed(0)
+    moe = MoE(args, DIM, HIDDEN)
+    moe.init_weights(init_std=0.1)
+    return moe
+
+
+def routed_counts(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return moe.router(x.reshape(-1, DIM), moe.expert_bias)[2].float()
+
+
+def recompute_all_but_mm(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def recompute_everything(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+RUNNERS = {
+    "no_ac": lambda moe, x: moe(x),
+    "full_ac": lambda moe, x: checkpoint(moe, x, use_reentrant=False),
+    "reentrant_ac": lambda moe, x: checkpoint(moe, x, use_reentrant=True),
+    "sac_save_mm": lambda moe, x: checkpoint(
+        moe,
+        x,
+        use_reentrant=False,
+        context_fn=functools.partial(create_selective_checkpoint_contexts, recompute_all_but_mm),
+    ),
+    "sac_recompute_all": lambda moe, x: checkpoint(
+        moe,
+        x,
+        use_reentrant=False,
+        context_fn=functools.partial(create_selective_checkpoint_contexts, recompute_everything),
+    ),
+}
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("use_grouped_mm", [True, False])
+def test_tokens_counted_once_per_trained_token(runner, use_grouped_mm):
+    moe = make_moe(use_grouped_mm=use_grouped_mm, seq_aux_loss_coeff=1e-3)
+    moe.expert_bias.copy_(0.05 * torch.randn(8))
+    x = torch.randn(2, 6, DIM, requires_grad=True)
+    out = RUNNERS[runner](moe, x)
+    assert moe.tokens_per_expert.sum() == 0  # counted in backward, not forward
+    out.sum().backward()
+    assert torch.equal(moe.tokens_per_expert, routed_counts(moe, x))
+
+
+def test_micro_batches_accumulate_even_when_interleaved():
+    # pipeline schedules run forward(mb2) before backward(mb1)
+    moe = make_moe()
+    x1, x2 = torch.randn(2, 5, DIM), torch.randn(2, 5, DIM)
+    out1 = checkpoint(moe, x1, use_reentrant=False)
+    out2 = checkpoint(moe, x2, use_reentrant=False)
+    out1.sum().backward()
+    out2.sum().backward()
+    assert torch.equal(moe.tokens_per_expert, routed_counts(moe, x1) + routed_counts(moe, x2))
+
+
+def test_forward_only_passes_do_not_count():
+    moe = make_moe()
+    with torch.no_grad():
+        moe(torch.randn(2, 5, DIM))
+    moe(torch.randn(2, 5, DIM))  # grad enabled but never backwarded
+    assert moe.tokens_per_expert.sum() == 0
+
+
+def test_no_counting_without_load_balance_coeff():
+    moe = make_moe(load_balance_coeff=None)
+    moe(torch.randn(2, 5, DIM)).sum().backward()
+    assert moe.tokens_per_expert.sum() == 0
+
+
+def test_counting_under_compiled_checkpointed_block():
+    moe = make_moe()
+    x = torch.randn(2, 6, DIM)
+    block = torch.compile(lambda inp: checkpoint(moe, inp, use_reentrant=False), backend="aot_eager", fullgraph=True)
+    block(x).sum().backward()
+    assert torch.equal(moe.tokens_per_expert, routed_counts(moe, x))
+
+
+def test_bias_update_sign_rule_recentring_and_reset():
+    balanced, frozen = make_moe(num_experts=4), make_moe(num_experts=4, load_balance_coeff=None)
+    balanced.tokens_per_expert.copy_(torch.tensor([5.0, 1.0, 3.0, 3.0]))  # mean 3 -> signs [-1, +1, 0, 0]
+    balanced.expert_bias.copy_(torch.tensor([0.2, 0.0, 0.0, 0.0]))
+    frozen.tokens_per_expert.copy_(torch.tensor([4.0, 0.0, 0.0, 0.0]))
+    frozen.expert_bias.copy_(torch.tensor([1.0, 0.0, 0.0, 0.0]))
+
+    update_expert_bias([balanced, frozen], reduce_group=None)
+
+    # [0.2, 0, 0, 0] + 0.1 * [-1, 1, 0, 0] = [0.1, 0.1, 0, 0]; minus its mean 0.05
+    torch.testing.assert_close(balanced.expert_bias, torch.tensor([0.05, 0.05, -0.05, -0.05]))
+    assert balanced.tokens_per_expert.sum() == 0
+    assert frozen.expert_bias.tolist() == [1.0, 0.0, 0.0, 0.0]  # skipped entirely
+    assert frozen.tokens_per_expert.tolist() == [4.0, 0.0, 0.0, 0.0]
+
+
+def test_hook_runs_before_optimizer_step_and_moves_bias_towards_balance():
+    moe = make_moe()
+    model = torch.nn.ModuleDict({"layer": moe})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    optimizer.register_step_pre_hook(build_expert_bias_hook([model], reduce_group=None))
+    x = torch.randn(4, 8, DIM)
+    counts = routed_counts(moe, x)
+    moe(x).sum().backward()
+    optimizer.step()
+    expected = 0.1 * torch.sign(counts.mean() - counts)
+    torch.testing.assert_close(moe.expert_bias, expected - expected.mean())
+    assert moe.tokens_per_expert.sum() == 0
+
+
+def _two_rank_worker(rank: int, init_file: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Replicate
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        layers = torch.nn.ModuleList([make_moe(num_experts=4), make_moe(num_experts=4)])
+        fully_shard(layers[0], mesh=mesh)
+        assert isinstance(layers[0].router.gate.weight, DTensor)
+        assert not isinstance(layers[0].expert_bias, DTensor)  # FSDP2 leaves buffers plain
+        assert not isinstance(layers[0].tokens_per_expert, DTensor)
+        # replicated DTensor buffers (should a parallel plan make them so) are updated through their local tensor
+        for name in ("expert_bias", "tokens_per_expert"):
+            setattr(layers[1], name, DTensor.from_local(getattr(layers[1], name), mesh, [Replicate()]))
+        layers[1](torch.randn(1, 3, DIM)).sum().backward()  # routing and counting accept the DTensor buffers
+
+        # rank 0 saw [4, 0, 0, 0], rank 1 saw [0, 0, 1, 3]: global [4, 0, 1, 3], mean 2 -> signs [-1, 1, 1, -1]
+        local = [[4.0, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, 3.0]][rank]
+        for layer in layers:
+            counts = layer.tokens_per_expert
+            (counts.to_local() if isinstance(counts, DTensor) else counts).copy_(torch.tensor(local))
+
+        calls = []
+        original_all_reduce = dist.all_reduce
+        dist.all_reduce = lambda *args, **kwargs: calls.append(1) or original_all_reduce(*args, **kwargs)
+        try:
+            update_expert_bias(layers, reduce_group=dist.group.WORLD)
+        finally:
+            dist.all_reduce = original_all_reduce
+
+        assert len(calls) == 1, "one all-reduce for all layers"
+        for layer in layers:
+            bias, counts = (
+                t.to_local() if isinstance(t, DTensor) else t for t in (layer.expert_bias, layer.tokens_per_expert)
+            )
+            assert bias.tolist() == pytest.approx([-0.1, 0.1, 0.1, -0.1])
+            assert counts.sum() == 0
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bias_update_all_reduces_counts_across_ranks():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_two_rank_worker, args=(os.path.join(tmp, "init"),), nprocs=2, start_method="spawn")

@@ -1,0 +1,136 @@
+"""Expert load balancing for DeepSeek-V3 (arXiv:2412.19437, section 2.1.2).
+
+Auxiliary-loss-free balancing: every MoE layer counts the tokens routed to each expert (`tokens_per_expert`);
+before each optimizer step the counts are summed over the data-parallel ranks and each expert's selection bias moves
+by a fixed step towards balance:  b_i += coeff * sign(mean_j c_j - c_i).
+
+Counting happens in the BACKWARD of an identity autograd function on the routing scores. Activation checkpointing
+(full or selective, non-reentrant) re-runs the forward but runs each backward node exactly once; reentrant
+checkpointing runs the first forward under no_grad (no backward node) and backwards the recomputation once.
+So every trained token is counted exactly once, forward-only passes (eval, no_grad) count nothing, and
+gradient-accumulation micro-batches add up until the optimizer step.
+
+Complementary sequence-wise balance loss (optional, `seq_aux_loss_coeff` = alpha):
+    L_Bal = alpha * sum_i f_i P_i,   f_i = E / (K T) * sum_t 1[expert i selected by token t],
+    P_i = 1/T sum_t s'_{i,t},        s'_{i,t} = s_{i,t} / sum_j s_{j,t},        T = tokens of one sequence,
+averaged over the sequences of the batch. It is added to the gradient only (DeepSeek-V2's AddAuxiliaryLoss):
+the forward values are untouched and the trainer's loss code does not see it. Note that the trainer's loss
+scaling (gradient accumulation, token-count normalization) does not apply to it.
+"""
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+if TYPE_CHECKING:
+    from torchtitan.models.moe.moe import MoE
+
+
+@torch.no_grad()
+def update_expert_bias(moe_modules: Iterable["MoE"], reduce_group: dist.ProcessGroup | None) -> None:
+    """b += coeff * sign(mean(c) - c); b -= mean(b); c = 0, for every MoE layer with a load_balance_coeff.
+
+    `reduce_group` spans the ranks that see different tokens of the same layers (data parallel x context
+    parallel); None means no reduction. All layers' counts go through ONE all-reduce.
+    """
+    layers = [m for m in moe_modules if m.load_balance_coeff is not None]
+    if not layers:
+        return
+    counts = [local_buffer(m.tokens_per_expert) for m in layers]
+    all_counts = torch.cat(counts)  # (sum of E over layers,)
+    if reduce_group is not None and dist.get_world_size(reduce_group) > 1:
+        dist.all_reduce(all_counts, group=reduce_group)
+
+    for layer, layer_counts, local_counts in zip(
+        layers, all_counts.split([c.numel() for c in counts]), counts, strict=True
+    ):
+        bias = local_buffer(layer.expert_bias)
+        bias.add_(layer.load_balance_coeff * torch.sign(layer_counts.mean() - layer_counts))
+        bias.sub_(bias.mean())  # only differences between experts matter; keep b centred so it cannot drift
+        local_counts.zero_()
+
+
+def build_expert_bias_hook(
+    model_parts: list[nn.Module], reduce_group: dist.ProcessGroup | None
+) -> Callable[[Any, Any, Any], None]:
+    """A `register_step_pre_hook` hook (optimizer, args, kwargs) that runs `update_expert_bias`.
+
+    Register it once per training step (on the optimizers container, not on each optimizer of it).
+    """
+    from torchtitan.models.moe.moe import MoE  # moe.py imports this module
+
+    moe_modules = [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
+
+    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        update_expert_bias(moe_modules, reduce_group)
+
+    return hook
+
+
+def local_buffer(buffer: torch.Tensor) -> torch.Tensor:
+    """The plain tensor behind a buffer; in-place updates on it update the buffer. FSDP2 leaves buffers plain."""
+    if isinstance(buffer, DTensor):
+        if not all(isinstance(p, Replicate) for p in buffer.placements):
+            raise ValueError(f"expert load-balance buffers must be replicated, got placements {buffer.placements}")
+        return buffer.to_local()
+    return buffer
+
+
+def count_tokens_in_backward(
+    top_scores: torch.Tensor, num_tokens_per_expert: torch.Tensor, tokens_per_expert: torch.Tensor
+) -> torch.Tensor:
+    """Identity on top_scores (N, k); its backward adds num_tokens_per_expert (E,) to tokens_per_expert (E,)."""
+    return _CountTokensInBackward.apply(top_scores, num_tokens_per_expert, tokens_per_expert)
+
+
+class _CountTokensInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, top_scores, num_tokens_per_expert, tokens_per_expert):
+        ctx.save_for_backward(num_tokens_per_expert)
+        # not saved with save_for_backward: its version changes whenever another micro-batch's backward counts
+        ctx.tokens_per_expert = tokens_per_expert
+        return top_scores
+
+    @staticmethod
+    def backward(ctx, grad_top_scores):
+        (num_tokens_per_expert,) = ctx.saved_tensors
+        ctx.tokens_per_expert.add_(num_tokens_per_expert.to(ctx.tokens_per_expert.dtype))
+        return grad_top_scores, None, None
+
+
+def sequence_balance_loss(
+    scores: torch.Tensor, selected_experts: torch.Tensor, top_k: int, num_experts: int
+) -> torch.Tensor:
+    """L = mean over sequences of sum_i f_i P_i (without alpha).
+
+    scores: (bs, slen, E) unbiased fp32 affinities; selected_experts: (bs, slen, k) the experts actually routed to.
+    """
+    bs, slen, _ = scores.shape
+    selected = selected_experts.reshape(bs, slen * top_k)
+    counts = torch.zeros(bs, num_experts, dtype=scores.dtype, device=scores.device)
+    counts.scatter_add_(1, selected, torch.ones_like(selected, dtype=scores.dtype))  # (bs, E)
+    f = counts * (num_experts / (top_k * slen))  # (bs, E), no gradient
+    normalized = scores / scores.sum(dim=-1, keepdim=True)  # s'  (bs, slen, E)
+    p = normalized.mean(dim=1)  # (bs, E)
+    return (f * p).sum(dim=-1).mean()
+
+
+def add_aux_loss_to_backward(x: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+    """Identity on x; backward also starts aux_loss's backward with gradient 1, i.e. d(aux_loss) is added."""
+    return _AddAuxLoss.apply(x, aux_loss)
+
+
+class _AddAuxLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, aux_loss):
+        ctx.aux_requires_grad = aux_loss.requires_grad
+        return x
+
+    @staticmethod
+    def backward(ctx, grad_x):
+        grad_aux = torch.ones((), dtype=torch.float32, device=grad_x.device) if ctx.aux_requires_grad else None
+        return grad_x, grad_aux
