@@ -1,0 +1,86 @@
+"""DeepEP intranode dispatch/combine bandwidth through our `torch.ops.deepep` ops.
+
+    torchrun --nproc-per-node 8 scripts/bench/deepep_bandwidth.py
+
+Same workload and formula as DeepEP's own intranode test, so the numbers compare with its published NVLink figure:
+4096 tokens x hidden 7168 in bf16 per rank, top-8 of 256 experts chosen at random;
+    dispatch GB/s = recv_x bytes on this rank (num_recv_tokens * hidden * 2) / dispatch time
+    combine  GB/s = the same bytes (sent back) / combine time
+reported as the minimum over ranks of the median over iterations.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from scripts.bench.common import median, write_result  # noqa: E402
+from torchtitan.distributed.deepep import ops  # noqa: E402
+from torchtitan.distributed.deepep.buffer import get_or_create_buffer  # noqa: E402
+
+
+def time_ms(fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dist.barrier()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num-tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--num-experts", type=int, default=256)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--num-sms", type=int, default=24)
+    parser.add_argument("--iters", type=int, default=30)
+    args = parser.parse_args()
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    dist.init_process_group("nccl", device_id=device)
+    group = dist.group.WORLD
+    ep = dist.get_world_size()
+    get_or_create_buffer(group, args.hidden, device_type="cuda", num_sms=args.num_sms)
+    group_name = group.group_name
+
+    torch.manual_seed(dist.get_rank())
+    x = torch.randn(args.num_tokens, args.hidden, device=device, dtype=torch.bfloat16)
+    scores = torch.rand(args.num_tokens, args.num_experts, device=device)
+    topk_weights, topk_idx = scores.topk(args.top_k, dim=-1)
+    with torch.no_grad():
+        recv_x, _, _, _, _, handle = ops.dispatch(x, topk_idx, topk_weights, args.num_experts, group_name)
+        dispatch_ms = time_ms(
+            lambda: ops.dispatch(x, topk_idx, topk_weights, args.num_experts, group_name), 5, args.iters
+        )
+        combine_ms = time_ms(lambda: ops.combine(recv_x, handle, group_name, None), 5, args.iters)
+    recv_bytes = recv_x.numel() * recv_x.element_size()
+    rates = torch.tensor([recv_bytes / 1e6 / dispatch_ms, recv_bytes / 1e6 / combine_ms], device=device)
+    dist.all_reduce(rates, op=dist.ReduceOp.MIN)
+    if dist.get_rank() == 0:
+        result = dict(
+            ep=ep, num_tokens=args.num_tokens, hidden=args.hidden, num_experts=args.num_experts, top_k=args.top_k,
+            num_sms=args.num_sms, dispatch_ms=dispatch_ms, combine_ms=combine_ms,
+            dispatch_gbps=rates[0].item(), combine_gbps=rates[1].item(),
+            formula="recv_x bytes (num_recv_tokens*hidden*2, bf16) / time; min over ranks of the median",
+        )
+        write_result(result, f"deepep_bandwidth_ep{ep}")
+        print(f"ep={ep}: dispatch {rates[0].item():.1f} GB/s, combine {rates[1].item():.1f} GB/s", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
