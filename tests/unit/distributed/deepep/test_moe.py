@@ -1,0 +1,229 @@
+"""`DeepEPMoE` + `DeepEPExpertParallel` on gloo ranks (CPU kernels): parity with the standard all-to-all EP,
+activation checkpointing, no handle leaks, torch.compile, and configuration errors."""
+
+import functools
+import gc
+import os
+import sys
+import weakref
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from tests.unit.distributed._spawn import run_distributed
+from torchtitan.distributed.deepep import DeepEPExpertParallel, cpu_kernels, destroy_buffers, validate_deepep_config
+from torchtitan.distributed.deepep.buffer import import_deep_ep
+from torchtitan.distributed.expert_parallel import ExpertParallel
+from torchtitan.models.moe import MoE, MoEArgs
+from torchtitan.models.moe.deepep_moe import DeepEPMoE
+
+DIM, HIDDEN = 16, 32
+
+
+def _build(cls, score_before_experts: bool = False, use_grouped_mm: bool = False) -> MoE:
+    torch.manual_seed(0)
+    args = MoEArgs(
+        num_experts=8,
+        num_shared_experts=1,
+        top_k=3,
+        score_func="sigmoid",
+        route_norm=True,
+        score_before_experts=score_before_experts,
+        use_grouped_mm=use_grouped_mm,
+    )
+    moe = cls(args, DIM, HIDDEN)
+    moe.init_weights(init_std=0.02)
+    return moe
+
+
+def _deepep_moe(mesh, **kwargs) -> DeepEPMoE:
+    moe = _build(DeepEPMoE, **kwargs)
+    style = DeepEPExpertParallel(score_before_experts=moe.score_before_experts)
+    parallelize_module(moe.experts, mesh, style)
+    return moe
+
+
+def _tokens(rank: int) -> torch.Tensor:
+    # uneven batches: ranks route different numbers of tokens
+    return torch.randn(1, 5 + 7 * rank, DIM, generator=torch.Generator().manual_seed(rank))
+
+
+def _grads(moe: MoE) -> dict[str, torch.Tensor]:
+    return {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad) for n, p in moe.named_parameters()}
+
+
+def _count_kernel_calls(monkeypatch_calls: dict[str, int]) -> None:
+    """Wrap the CPU kernels so every communication is counted."""
+    for name in ("dispatch", "combine", "cached_dispatch"):
+        kernel = getattr(cpu_kernels, name)
+
+        def counted(*args, _kernel=kernel, _name=name):
+            monkeypatch_calls[_name] += 1
+            return _kernel(*args)
+
+        setattr(cpu_kernels, name, counted)
+
+
+def _parity_with_standard_ep(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    for score_before_experts in (False, True):
+        reference = _build(MoE, score_before_experts)
+        parallelize_module(reference.experts, mesh, ExpertParallel())
+        moe = _deepep_moe(mesh, score_before_experts=score_before_experts)
+        x_ref, x = _tokens(rank).requires_grad_(), _tokens(rank).requires_grad_()
+        out_ref, out = reference(x_ref), moe(x)
+        assert moe.experts.deepep_hooks.states == []  # FIFO empty after every forward
+        upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+        (out_ref * upstream).sum().backward()
+        (out * upstream).sum().backward()
+        torch.testing.assert_close(out, out_ref)
+        torch.testing.assert_close(x.grad, x_ref.grad)
+        ref_grads = _grads(reference)
+        for name, grad in _grads(moe).items():  # includes the router gate: gradient of the routing weights
+            torch.testing.assert_close(grad, ref_grads[name], msg=name)
+
+
+def _checkpointing(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    calls = {"dispatch": 0, "combine": 0, "cached_dispatch": 0}
+    _count_kernel_calls(calls)
+    upstream = torch.randn(_tokens(rank).shape, generator=torch.Generator().manual_seed(7))
+
+    def run(wrap) -> tuple[dict, torch.Tensor, dict]:
+        moe = _deepep_moe(mesh)
+        x = _tokens(rank).requires_grad_()
+        for key in calls:
+            calls[key] = 0
+        (wrap(moe, x) * upstream).sum().backward()
+        assert moe.experts.deepep_hooks.states == []
+        return dict(calls), x.grad, _grads(moe)
+
+    def sac_policy(ctx, op, *args, **kwargs):
+        if op in (torch.ops.deepep.dispatch.default, torch.ops.deepep.combine.default):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    sac_context = functools.partial(create_selective_checkpoint_contexts, sac_policy)
+    plain = run(lambda m, x: m(x))
+    sac = run(lambda m, x: checkpoint(m, x, use_reentrant=False, context_fn=sac_context))
+    full = run(lambda m, x: checkpoint(m, x, use_reentrant=False))
+
+    # forward: dispatch + combine; backward: combine's backward (cached dispatch) + dispatch's backward (combine)
+    assert plain[0] == {"dispatch": 1, "combine": 2, "cached_dispatch": 1}, plain[0]
+    assert sac[0] == plain[0], f"SAC recompute communicated again: {sac[0]}"
+    assert full[0] == {"dispatch": 2, "combine": 3, "cached_dispatch": 1}, full[0]
+    for result in (sac, full):
+        torch.testing.assert_close(result[1], plain[1])
+        for name, grad in result[2].items():
+            torch.testing.assert_close(grad, plain[2][name], msg=name)
+
+
+def _no_handle_leaks(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    moe = _deepep_moe(mesh)
+    hooks = moe.experts.deepep_hooks
+    handles: list[weakref.ref] = []
+    original_postprocess = hooks.dispatcher.dispatch_postprocess
+
+    def tracking_postprocess(dispatched):
+        handles.append(weakref.ref(dispatched.handle[0]))
+        return original_postprocess(dispatched)
+
+    hooks.dispatcher.dispatch_postprocess = tracking_postprocess
+
+    def live_tensors() -> int:
+        gc.collect()
+        return sum(1 for obj in gc.get_objects() if torch.is_tensor(obj))
+
+    x = _tokens(rank)
+    with torch.no_grad():
+        for _ in range(5):
+            moe(x)
+        before = live_tensors()
+        for _ in range(1000):
+            moe(x)
+    with torch.inference_mode():
+        for _ in range(100):
+            moe(x)
+    assert live_tensors() == before
+    assert all(ref() is None for ref in handles)  # handles die with their forward
+
+    # training: the handle lives exactly as long as the autograd graph
+    out = moe(x.clone().requires_grad_())
+    assert handles[-1]() is not None
+    out.sum().backward()
+    del out
+    gc.collect()
+    assert handles[-1]() is None and hooks.states == []
+
+
+def _module_checks(rank: int, world_size: int) -> None:
+    _parity_with_standard_ep(rank, world_size)
+    _checkpointing(rank, world_size)
+    _no_handle_leaks(rank, world_size)
+    destroy_buffers()
+
+
+def test_deepep_moe_2_ranks_parity_checkpointing_and_no_leaks():
+    # one spawn for all module checks: starting processes costs more than the checks
+    run_distributed(_module_checks, 2)
+
+
+def _compiled_matches_eager(rank: int, world_size: int, backend: str) -> None:
+    torch._dynamo.config.capture_scalar_outputs = True
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    moe = _deepep_moe(mesh, use_grouped_mm=backend == "inductor")
+    x_eager, x_compiled = _tokens(rank).requires_grad_(), _tokens(rank).requires_grad_()
+    out_eager = moe(x_eager)
+    out_eager.sum().backward()
+    eager_grads = {name: grad.clone() for name, grad in _grads(moe).items()}
+    moe.zero_grad()
+
+    compiled = torch.compile(moe, fullgraph=True, backend=backend)  # fullgraph: any graph break raises
+    out = compiled(x_compiled)
+    out.sum().backward()
+    assert moe.experts.deepep_hooks.states == []
+    torch.testing.assert_close(out, out_eager)
+    torch.testing.assert_close(x_compiled.grad, x_eager.grad)
+    for name, grad in _grads(moe).items():
+        torch.testing.assert_close(grad, eager_grads[name], msg=name)
+    destroy_buffers()
+
+
+def test_compiled_deepep_moe_aot_eager_fullgraph_2_ranks():
+    run_distributed(_compiled_matches_eager, 2, "aot_eager")
+
+
+@pytest.mark.skipif(not os.environ.get("TORCHTITAN_SLOW_TESTS"), reason="inductor on CPU takes minutes")
+def test_compiled_deepep_moe_inductor_fullgraph_2_ranks():
+    run_distributed(_compiled_matches_eager, 2, "inductor")
+
+
+class _Dims:
+    def __init__(self, tp=1, etp=1, ep=2):
+        self.tp, self.etp, self.ep = tp, etp, ep
+
+
+def test_validate_deepep_config_rejects_tensor_parallel():
+    with pytest.raises(ValueError, match="tensor_parallel_degree=2"):
+        validate_deepep_config(_Dims(tp=2), device_type="cpu")
+    with pytest.raises(ValueError, match="expert_tensor_parallel_degree=2"):
+        validate_deepep_config(_Dims(tp=2, etp=2), device_type="cpu")
+    validate_deepep_config(_Dims(), device_type="cpu")
+
+
+def test_missing_deep_ep_raises_install_hint(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deep_ep", None)  # makes `import deep_ep` fail
+    with pytest.raises(ImportError, match="pip install sgl-deep-ep"):
+        import_deep_ep()
+    with pytest.raises(ImportError, match="build DeepEP from source"):
+        validate_deepep_config(_Dims(), device_type="cuda")
+
+
+def test_deepep_moe_without_expert_parallel_raises():
+    moe = _build(DeepEPMoE)
+    with pytest.raises(RuntimeError, match="DeepEPExpertParallel"):
+        moe(torch.randn(1, 4, DIM))

@@ -1,0 +1,216 @@
+"""One communication buffer per expert-parallel group, created at parallelize time.
+
+`torch.ops.deepep.*` cannot take a `ProcessGroup`, so ops receive the EP group's `group_name` and look the
+buffer up here. The registry holds buffers (long-lived, one per group), never dispatch handles: handles are
+tensors returned by `deepep::dispatch` and owned by autograd / the dispatch state.
+
+On CUDA an `EPBuffer` wraps a `deep_ep.Buffer` sized from DeepEP's config hints; on CPU it only carries the
+group (the gloo reference kernels need nothing else). Buffers are created or grown only by
+`get_or_create_buffer`, which `DeepEPExpertParallel._apply` calls: never inside forward, so never inside a
+checkpointed region.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.distributed.deepep.handle_layout import (
+    HandleLayout,
+    cpu_layout,
+    internode_layout,
+    intranode_layout,
+)
+
+__all__ = ["EPBuffer", "destroy_buffers", "get_buffer", "get_or_create_buffer", "import_deep_ep"]
+
+_DEEP_EP_INSTALL_HINT = (
+    "parallelism.expert_parallel_comm_backend='deepep' on CUDA needs the optional `deep_ep` package. Install it "
+    "with `pip install sgl-deep-ep` (wheel for torch 2.13 + CUDA 13), or build DeepEP from source "
+    "(https://github.com/deepseek-ai/DeepEP, v1.2.1). Otherwise set "
+    "--parallelism.expert_parallel_comm_backend standard."
+)
+
+# DeepEP v1 kernels: up to 8 NVLink peers per node; larger groups must be whole nodes of 8 GPUs.
+_NVL_PEERS = 8
+
+# The CUDA kernels put tokens on the wire in bf16 (DeepEP's combine kernel is bf16-only).
+WIRE_DTYPE = torch.bfloat16
+
+
+@dataclass
+class EPBuffer:
+    """The communication resources of one EP group."""
+
+    group: dist.ProcessGroup
+    group_name: str
+    rank: int
+    world_size: int
+    device_type: str
+    hidden_dim: int
+    """Largest hidden size the buffer was sized for."""
+    num_sms: int
+    layout: HandleLayout
+    """Which tensors the dispatch handle holds (CPU reference, DeepEP intranode or internode)."""
+    runtime: Any = None
+    """`deep_ep.Buffer` on CUDA, None on CPU."""
+    dispatch_config: Any = None
+    combine_config: Any = None
+    deep_ep: ModuleType | None = None
+
+    def check_hidden_dim(self, hidden_dim: int) -> None:
+        if hidden_dim > self.hidden_dim:
+            raise RuntimeError(
+                f"DeepEP buffer of group {self.group_name!r} was sized for hidden_dim {self.hidden_dim} but got "
+                f"tokens of hidden_dim {hidden_dim}; call get_or_create_buffer(group, {hidden_dim}) at "
+                "parallelize time (DeepEPExpertParallel does this for every experts module it is applied to)."
+            )
+
+
+_BUFFERS: dict[str, EPBuffer] = {}
+
+
+def import_deep_ep() -> ModuleType:
+    """`import deep_ep`, or one clear error telling how to install it (there is no fallback)."""
+    try:
+        import deep_ep
+    except ImportError as e:
+        raise ImportError(_DEEP_EP_INSTALL_HINT) from e
+    return deep_ep
+
+
+def get_buffer(group_name: str) -> EPBuffer:
+    """The buffer registered for an EP group; raises if parallelize did not create one."""
+    buffer = _BUFFERS.get(group_name)
+    if buffer is None:
+        raise RuntimeError(
+            f"no DeepEP buffer for process group {group_name!r}: apply DeepEPExpertParallel to the experts "
+            "module (or call torchtitan.distributed.deepep.get_or_create_buffer(group, hidden_dim)) before "
+            "running the deepep ops."
+        )
+    return buffer
+
+
+def get_or_create_buffer(
+    group: dist.ProcessGroup,
+    hidden_dim: int,
+    *,
+    device_type: str = "cuda",
+    num_sms: int = 24,
+) -> EPBuffer:
+    """Return the group's buffer, creating it (or growing it for a larger `hidden_dim` / new `num_sms`).
+
+    Collective over `group` on CUDA (DeepEP exchanges IPC handles), so every rank of the group must call it with
+    the same arguments. Call it at parallelize time only; growing destroys the old `deep_ep.Buffer`.
+    """
+    if num_sms <= 0 or num_sms % 2 != 0:
+        raise ValueError(f"deepep num_sms must be a positive even number, got {num_sms}.")
+    group_name = group.group_name
+    current = _BUFFERS.get(group_name)
+    if current is not None:
+        if current.device_type != device_type:
+            raise RuntimeError(
+                f"EP group {group_name!r} already has a {current.device_type} buffer; a group serves one device type."
+            )
+        if current.hidden_dim >= hidden_dim and current.num_sms == num_sms:
+            return current
+        hidden_dim = max(hidden_dim, current.hidden_dim)
+        _release(current)
+
+    if device_type == "cuda":
+        buffer = _create_cuda_buffer(group, hidden_dim, num_sms)
+    elif device_type == "cpu":
+        buffer = EPBuffer(
+            group=group,
+            group_name=group_name,
+            rank=group.rank(),
+            world_size=group.size(),
+            device_type="cpu",
+            hidden_dim=hidden_dim,
+            num_sms=num_sms,
+            layout=cpu_layout(group.size()),
+        )
+    else:
+        raise ValueError(f"deepep supports device types 'cuda' and 'cpu' (gloo reference), got {device_type!r}.")
+    _BUFFERS[group_name] = buffer
+    return buffer
+
+
+def destroy_buffers() -> None:
+    """Release every buffer (end of training, tests). Collective on CUDA."""
+    for buffer in list(_BUFFERS.values()):
+        _release(buffer)
+    _BUFFERS.clear()
+
+
+def _release(buffer: EPBuffer) -> None:
+    _BUFFERS.pop(buffer.group_name, None)
+    if buffer.runtime is not None:
+        torch.cuda.synchronize()
+        buffer.runtime.destroy()
+        buffer.runtime = None
+
+
+def _create_cuda_buffer(group: dist.ProcessGroup, hidden_dim: int, num_sms: int) -> EPBuffer:
+    deep_ep = import_deep_ep()
+    world_size = group.size()
+    num_rdma_ranks = _check_topology(group)
+
+    # Configs capture num_sms when built; keep them so a later set_num_sms elsewhere cannot change ours.
+    deep_ep.Buffer.set_num_sms(num_sms)
+    dispatch_config = deep_ep.Buffer.get_dispatch_config(world_size)
+    combine_config = deep_ep.Buffer.get_combine_config(world_size)
+    hidden_bytes = hidden_dim * WIRE_DTYPE.itemsize
+    num_nvl_bytes = max(
+        config.get_nvl_buffer_size_hint(hidden_bytes, world_size) for config in (dispatch_config, combine_config)
+    )
+    num_rdma_bytes = max(
+        config.get_rdma_buffer_size_hint(hidden_bytes, world_size) for config in (dispatch_config, combine_config)
+    )
+    # explicitly_destroy: the destructor would otherwise synchronize and barrier at an arbitrary GC point.
+    runtime = deep_ep.Buffer(group, num_nvl_bytes, num_rdma_bytes, explicitly_destroy=True)
+    layout = (
+        intranode_layout(world_size, num_sms)
+        if num_rdma_ranks == 1
+        else internode_layout(world_size, num_rdma_ranks, num_sms)
+    )
+    return EPBuffer(
+        group=group,
+        group_name=group.group_name,
+        rank=group.rank(),
+        world_size=world_size,
+        device_type="cuda",
+        hidden_dim=hidden_dim,
+        num_sms=num_sms,
+        layout=layout,
+        runtime=runtime,
+        dispatch_config=dispatch_config,
+        combine_config=combine_config,
+        deep_ep=deep_ep,
+    )
+
+
+def _check_topology(group: dist.ProcessGroup) -> int:
+    """Number of nodes the group spans; raises for layouts DeepEP v1 cannot serve."""
+    hosts: list[str | None] = [None] * group.size()
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    ranks_per_host: dict[str, int] = {}
+    for host in hosts:
+        ranks_per_host[host] = ranks_per_host.get(host, 0) + 1
+    if len(ranks_per_host) == 1:
+        if group.size() > _NVL_PEERS:
+            raise RuntimeError(f"DeepEP intranode supports at most {_NVL_PEERS} GPUs, the EP group has {group.size()}.")
+        return 1
+    node_contiguous = all(host == hosts[i - i % _NVL_PEERS] for i, host in enumerate(hosts))
+    if not node_contiguous or any(count != _NVL_PEERS for count in ranks_per_host.values()):
+        raise RuntimeError(
+            f"an EP group spanning nodes must hold exactly {_NVL_PEERS} GPUs of each node for DeepEP internode "
+            f"kernels (group ranks 8i..8i+7 on one node), got hosts {hosts}; use expert_parallel_degree <= "
+            f"{_NVL_PEERS} (intranode) or a multiple of {_NVL_PEERS} with whole nodes."
+        )
+    return len(ranks_per_host)

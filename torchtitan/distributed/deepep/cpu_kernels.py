@@ -1,0 +1,105 @@
+"""CPU reference kernels of `torch.ops.deepep.*` over torch.distributed (gloo all_to_all_single).
+
+They implement the DeepEP contract that the CUDA kernels are checked against:
+- dispatch sends each token once to every rank holding at least one of its top-k experts; received tokens are
+  ordered rank-major (source rank, then source token order); `recv_topk_idx` holds local expert ids or -1,
+  `recv_topk_weights` the matching weights (0 where masked).
+- combine sends each received token's output back and sums the contributions per source token (in fp32).
+- cached dispatch replays a dispatch's layout for new data (combine's backward).
+
+Host syncs (`.tolist()`) are fine here: this is the reference, not the hot path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.distributed.deepep.buffer import EPBuffer, get_buffer
+from torchtitan.distributed.deepep.permute import expert_major_slots
+
+__all__ = ["cached_dispatch", "combine", "dispatch"]
+
+
+def dispatch(
+    x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, group_name: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    buffer = _cpu_buffer(group_name, x)
+    num_ranks, num_local_experts = buffer.world_size, num_experts // buffer.world_size
+    num_tokens, top_k = topk_idx.shape
+
+    # (num_tokens, num_ranks): does the token have at least one expert on that rank?
+    valid = topk_idx >= 0
+    dst_rank = torch.where(valid, topk_idx // num_local_experts, num_ranks)  # invalid -> overflow column
+    is_token_in_rank = torch.zeros(num_tokens, num_ranks + 1, dtype=torch.bool)
+    is_token_in_rank.scatter_(1, dst_rank, True)
+    is_token_in_rank = is_token_in_rank[:, :num_ranks].contiguous()
+
+    # Send order: rank-major, then token order (nonzero on the transpose enumerates (rank, token) that way).
+    send_rank, send_token = is_token_in_rank.t().nonzero(as_tuple=True)
+    num_send_per_rank = is_token_in_rank.sum(0)
+    num_recv_per_rank = torch.empty_like(num_send_per_rank)
+    dist.all_to_all_single(num_recv_per_rank, num_send_per_rank, group=buffer.group)
+    send_splits, recv_splits = num_send_per_rank.tolist(), num_recv_per_rank.tolist()
+
+    local_idx = topk_idx[send_token] - (send_rank * num_local_experts).unsqueeze(1)
+    on_dst = valid[send_token] & (local_idx >= 0) & (local_idx < num_local_experts)
+    send_topk_idx = torch.where(on_dst, local_idx, -1)
+    send_topk_weights = torch.where(on_dst, topk_weights[send_token], 0.0).to(topk_weights.dtype)
+
+    def exchange(t: torch.Tensor) -> torch.Tensor:
+        out = t.new_empty((sum(recv_splits), *t.shape[1:]))
+        dist.all_to_all_single(out, t.contiguous(), recv_splits, send_splits, group=buffer.group)
+        return out
+
+    recv_x = exchange(x[send_token])
+    recv_topk_idx = exchange(send_topk_idx)
+    recv_topk_weights = exchange(send_topk_weights)
+    recv_src_idx = exchange(send_token)
+
+    masked = recv_topk_idx.reshape(-1)
+    num_recv_tokens_per_expert = torch.bincount(masked[masked >= 0], minlength=num_local_experts)
+    slots = expert_major_slots(recv_topk_idx, num_local_experts, int(num_recv_tokens_per_expert.sum()))
+    handle = [is_token_in_rank, num_recv_per_rank, recv_src_idx]
+    return recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, slots, handle
+
+
+def combine(
+    x: torch.Tensor, handle: list[torch.Tensor], group_name: str, topk_weights: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    buffer = _cpu_buffer(group_name, x)
+    is_token_in_rank, num_recv_per_rank, _ = handle
+    num_tokens = is_token_in_rank.shape[0]
+    _, send_token = is_token_in_rank.t().nonzero(as_tuple=True)
+    send_splits = is_token_in_rank.sum(0).tolist()
+    recv_splits = num_recv_per_rank.tolist()
+
+    def reduce_back(t: torch.Tensor) -> torch.Tensor:
+        back = t.new_empty((sum(send_splits), *t.shape[1:]))
+        dist.all_to_all_single(back, t.contiguous(), send_splits, recv_splits, group=buffer.group)
+        total = torch.zeros((num_tokens, *t.shape[1:]), dtype=torch.float32)
+        return total.index_add_(0, send_token, back.float()).to(t.dtype)
+
+    combined_x = reduce_back(x)
+    if topk_weights is None:
+        return combined_x, x.new_empty((num_tokens, 0), dtype=torch.float32)
+    return combined_x, reduce_back(topk_weights)
+
+
+def cached_dispatch(x: torch.Tensor, handle: list[torch.Tensor], group_name: str) -> torch.Tensor:
+    buffer = _cpu_buffer(group_name, x)
+    is_token_in_rank, num_recv_per_rank, _ = handle
+    _, send_token = is_token_in_rank.t().nonzero(as_tuple=True)
+    send_splits = is_token_in_rank.sum(0).tolist()
+    recv_splits = num_recv_per_rank.tolist()
+    out = x.new_empty((sum(recv_splits), x.shape[1]))
+    dist.all_to_all_single(out, x[send_token].contiguous(), recv_splits, send_splits, group=buffer.group)
+    return out
+
+
+def _cpu_buffer(group_name: str, x: torch.Tensor) -> EPBuffer:
+    buffer = get_buffer(group_name)
+    if buffer.device_type != "cpu":
+        raise RuntimeError(f"deepep group {group_name!r} has a {buffer.device_type} buffer but got CPU tensors.")
+    buffer.check_hidden_dim(x.shape[-1])
+    return buffer

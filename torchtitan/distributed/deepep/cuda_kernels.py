@@ -1,0 +1,112 @@
+"""CUDA kernels of `torch.ops.deepep.*`: DeepEP's high-throughput (normal) kernels through `deep_ep.Buffer`.
+
+Streams: every call captures an event on the current (compute) stream and hands it to DeepEP as
+`previous_event`, so DeepEP's communication stream waits for the producers of the inputs; the kernels run with
+`async_finish=True` on that stream, and before returning we make the compute stream wait on DeepEP's event
+(`current_stream_wait`). Outputs are allocated on the compute stream (`allocate_on_comm_stream=False`) and
+DeepEP records them on its stream, so the caching allocator cannot reuse them early. A custom op cannot return
+an event, so the wait happens inside the op; overlap comes from work queued on other streams (see `DeepEPMoE`).
+
+Tokens travel in bf16 (`WIRE_DTYPE`): DeepEP's combine kernel is bf16-only; other dtypes are cast on the way in
+and back on the way out. The non-cached dispatch syncs with the host inside DeepEP (it needs the received
+counts to allocate); combine and the cached dispatch do not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchtitan.distributed.deepep.buffer import WIRE_DTYPE, EPBuffer, get_buffer
+from torchtitan.distributed.deepep.permute import expert_major_slots
+
+__all__ = ["cached_dispatch", "combine", "dispatch"]
+
+
+def dispatch(
+    x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, group_name: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    buffer = _cuda_buffer(group_name, x)
+    runtime = buffer.runtime
+    num_local_experts = num_experts // buffer.world_size
+    topk_idx = topk_idx.to(torch.int64).contiguous()
+    topk_weights = topk_weights.to(torch.float32).contiguous()
+
+    previous_event = buffer.deep_ep.Buffer.capture()
+    num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, layout_event = (
+        runtime.get_dispatch_layout(
+            topk_idx, num_experts, previous_event=previous_event, async_finish=True, allocate_on_comm_stream=False
+        )
+    )
+    recv_x, recv_topk_idx, recv_topk_weights, num_recv_list, handle, event = runtime.dispatch(
+        _to_wire(x),
+        num_tokens_per_rank=num_tokens_per_rank,
+        num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+        is_token_in_rank=is_token_in_rank,
+        num_tokens_per_expert=num_tokens_per_expert,
+        topk_idx=topk_idx,
+        topk_weights=topk_weights,
+        config=buffer.dispatch_config,
+        previous_event=layout_event,
+        async_finish=True,
+        allocate_on_comm_stream=False,
+    )
+    event.current_stream_wait()
+
+    # DeepEP already synced the per-expert counts to the host; reuse them instead of syncing again.
+    num_recv_tokens_per_expert = torch.tensor(num_recv_list, dtype=torch.int64, device=x.device)
+    slots = expert_major_slots(recv_topk_idx, num_local_experts, sum(num_recv_list))
+    return (
+        recv_x.to(x.dtype),
+        recv_topk_idx,
+        recv_topk_weights,
+        num_recv_tokens_per_expert,
+        slots,
+        list(handle),
+    )
+
+
+def combine(
+    x: torch.Tensor, handle: list[torch.Tensor], group_name: str, topk_weights: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    buffer = _cuda_buffer(group_name, x)
+    if topk_weights is not None:
+        topk_weights = topk_weights.to(torch.float32).contiguous()
+    combined_x, combined_topk_weights, event = buffer.runtime.combine(
+        _to_wire(x),
+        tuple(handle),
+        topk_weights=topk_weights,
+        config=buffer.combine_config,
+        previous_event=buffer.deep_ep.Buffer.capture(),
+        async_finish=True,
+        allocate_on_comm_stream=False,
+    )
+    event.current_stream_wait()
+    if combined_topk_weights is None:
+        combined_topk_weights = x.new_empty((combined_x.shape[0], 0), dtype=torch.float32)
+    return combined_x.to(x.dtype), combined_topk_weights
+
+
+def cached_dispatch(x: torch.Tensor, handle: list[torch.Tensor], group_name: str) -> torch.Tensor:
+    buffer = _cuda_buffer(group_name, x)
+    recv_x, _, _, _, _, event = buffer.runtime.dispatch(
+        _to_wire(x),
+        handle=tuple(handle),
+        config=buffer.dispatch_config,
+        previous_event=buffer.deep_ep.Buffer.capture(),
+        async_finish=True,
+        allocate_on_comm_stream=False,
+    )
+    event.current_stream_wait()
+    return recv_x.to(x.dtype)
+
+
+def _to_wire(x: torch.Tensor) -> torch.Tensor:
+    return x.to(WIRE_DTYPE).contiguous()
+
+
+def _cuda_buffer(group_name: str, x: torch.Tensor) -> EPBuffer:
+    buffer = get_buffer(group_name)
+    if buffer.device_type != "cuda" or buffer.runtime is None:
+        raise RuntimeError(f"deepep group {group_name!r} has a {buffer.device_type} buffer but got CUDA tensors.")
+    buffer.check_hidden_dim(x.shape[-1])
+    return buffer

@@ -1,0 +1,92 @@
+"""`DeepEPTokenDispatcher`: the `TokenDispatcher` stages over `torch.ops.deepep.*`.
+
+    dispatch_preprocess   dtypes/contiguity DeepEP needs (int64 ids, fp32 weights)
+    token_dispatch        deepep::dispatch: each token once to every rank holding one of its experts
+    dispatch_postprocess  received copies -> local-expert-major rows (index_select by the op's permuted_slots)
+    combine_preprocess    back to received-token order, weighted sum over this rank's experts of each token
+    token_combine         deepep::combine: send back, sum per source token
+    combine_postprocess   nothing left to do (output is already (num_tokens, dim))
+
+No host syncs: the data-dependent sizes come out of the op (unbacked symbols under torch.compile).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from torchtitan.distributed.deepep import ops
+from torchtitan.distributed.token_dispatcher import DispatchState, TokenDispatcher
+
+__all__ = ["DeepEPDispatchState", "DeepEPDispatched", "DeepEPTokenDispatcher"]
+
+
+@dataclass
+class DeepEPDispatched:
+    """Output of the communication stage (see `ops.py` for shapes)."""
+
+    recv_x: torch.Tensor  # (num_recv, dim)
+    recv_topk_idx: torch.Tensor  # (num_recv, top_k) local expert ids, -1 elsewhere
+    recv_topk_weights: torch.Tensor  # (num_recv, top_k) fp32
+    tokens_per_local_expert: torch.Tensor  # (num_local_experts,) int64
+    permuted_slots: torch.Tensor  # (num_copies,) int64, flat (num_recv, top_k) slots, local-expert-major
+    handle: list[torch.Tensor]
+
+
+@dataclass
+class DeepEPDispatchState(DispatchState):
+    handle: list[torch.Tensor]
+    permuted_slots: torch.Tensor  # (num_copies,)
+    recv_topk_weights: torch.Tensor  # (num_recv, top_k) fp32
+    dtype: torch.dtype  # of the tokens
+
+
+class DeepEPTokenDispatcher(TokenDispatcher):
+    def __init__(self, group_name: str, num_experts: int, score_before_experts: bool = False):
+        self.group_name = group_name
+        self.num_experts = num_experts
+        self.score_before_experts = score_before_experts
+
+    def dispatch_preprocess(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return x.contiguous(), topk_idx.to(torch.int64).contiguous(), topk_weights.float().contiguous()
+
+    def token_dispatch(self, prepared: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> DeepEPDispatched:
+        x, topk_idx, topk_weights = prepared
+        return DeepEPDispatched(*ops.dispatch(x, topk_idx, topk_weights, self.num_experts, self.group_name))
+
+    def dispatch_postprocess(
+        self, dispatched: DeepEPDispatched
+    ) -> tuple[torch.Tensor, torch.Tensor, DeepEPDispatchState]:
+        top_k = dispatched.recv_topk_idx.shape[1]
+        slots = dispatched.permuted_slots
+        expert_input = dispatched.recv_x.index_select(0, slots // top_k)  # (num_copies, dim)
+        if self.score_before_experts:
+            weights = dispatched.recv_topk_weights.reshape(-1).index_select(0, slots).unsqueeze(-1)
+            expert_input = (expert_input.float() * weights).to(dispatched.recv_x.dtype)
+        state = DeepEPDispatchState(
+            handle=dispatched.handle,
+            permuted_slots=slots,
+            recv_topk_weights=dispatched.recv_topk_weights,
+            dtype=dispatched.recv_x.dtype,
+        )
+        return expert_input, dispatched.tokens_per_local_expert, state
+
+    def combine_preprocess(self, expert_output: torch.Tensor, state: DeepEPDispatchState) -> torch.Tensor:
+        num_recv, top_k = state.recv_topk_weights.shape
+        slots = state.permuted_slots
+        out = expert_output.float()  # (num_copies, dim)
+        if not self.score_before_experts:
+            out = out * state.recv_topk_weights.reshape(-1).index_select(0, slots).unsqueeze(-1)
+        # sum over this rank's experts of each received token, in fp32: (num_recv, dim)
+        per_token = out.new_zeros((num_recv, out.shape[1])).index_add(0, slots // top_k, out)
+        return per_token.to(state.dtype)
+
+    def token_combine(self, prepared: torch.Tensor, state: DeepEPDispatchState) -> torch.Tensor:
+        combined, _ = ops.combine(prepared, state.handle, self.group_name)
+        return combined
+
+    def combine_postprocess(self, combined: torch.Tensor, state: DeepEPDispatchState) -> torch.Tensor:
+        return combined

@@ -1,0 +1,191 @@
+"""`torch.ops.deepep.*`: expert-parallel token dispatch and combine with DeepEP semantics, as custom ops.
+
+    dispatch(x (T, H), topk_idx (T, K) int64, topk_weights (T, K) fp32, num_experts, group_name)
+        -> recv_x (N, H)               tokens this rank received, rank-major (source rank, then source order)
+           recv_topk_idx (N, K)        local expert ids, -1 where the expert lives on another rank
+           recv_topk_weights (N, K)    matching weights, 0 where masked
+           num_recv_tokens_per_expert (E_local,) int64
+           permuted_slots (M,) int64   flat slots `n * K + k` of the non-masked entries, local-expert-major
+           handle: list[Tensor]        the layout; pass it to combine (see handle_layout.py)
+    combine(x (N, H), handle, group_name, topk_weights (N, K) | None)
+        -> combined_x (T, H)           per source token, the sum of what every rank sent back
+           combined_topk_weights (T, K), or (T, 0) when topk_weights is None
+    cached_dispatch(x (T, H), handle, group_name) -> (N, H)   dispatch replaying the saved layout
+
+N and M are data dependent: the fake kernels give them unbacked symbolic sizes so `torch.compile` traces
+through. Process groups cannot be op arguments, so ops take the EP group's name and find its buffer in the
+registry of `buffer.py`. Autograd: dispatch's backward is a combine (also reducing the gradient of the routing
+weights); combine's backward is a cached dispatch of the saved layout (no host sync). The handle lives only as
+long as autograd or the caller holds it: nothing is cached across calls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchtitan.distributed.deepep import cpu_kernels, cuda_kernels
+from torchtitan.distributed.deepep.buffer import get_buffer
+
+__all__ = ["cached_dispatch", "combine", "dispatch"]
+
+_LIB = torch.library.Library("deepep", "DEF")
+_LIB.define(
+    "dispatch(Tensor x, Tensor topk_idx, Tensor topk_weights, int num_experts, str group_name) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])"
+)
+# topk_weights has no default: autograd of ops with list arguments needs every argument passed explicitly.
+_LIB.define("combine(Tensor x, Tensor[] handle, str group_name, Tensor? topk_weights) -> (Tensor, Tensor)")
+_LIB.define("cached_dispatch(Tensor x, Tensor[] handle, str group_name) -> Tensor")
+
+
+def dispatch(
+    x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, group_name: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    return torch.ops.deepep.dispatch(x, topk_idx, topk_weights, num_experts, group_name)
+
+
+def combine(
+    x: torch.Tensor, handle: list[torch.Tensor], group_name: str, topk_weights: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.deepep.combine(x, handle, group_name, topk_weights)
+
+
+def cached_dispatch(x: torch.Tensor, handle: list[torch.Tensor], group_name: str) -> torch.Tensor:
+    return torch.ops.deepep.cached_dispatch(x, handle, group_name)
+
+
+# Kernels. Looked up at call time so tests can wrap them (e.g. to count communication calls).
+
+
+def _dispatch_cpu(x, topk_idx, topk_weights, num_experts, group_name):
+    return cpu_kernels.dispatch(x, topk_idx, topk_weights, num_experts, group_name)
+
+
+def _dispatch_cuda(x, topk_idx, topk_weights, num_experts, group_name):
+    return cuda_kernels.dispatch(x, topk_idx, topk_weights, num_experts, group_name)
+
+
+def _combine_cpu(x, handle, group_name, topk_weights=None):
+    return cpu_kernels.combine(x, handle, group_name, topk_weights)
+
+
+def _combine_cuda(x, handle, group_name, topk_weights=None):
+    return cuda_kernels.combine(x, handle, group_name, topk_weights)
+
+
+def _cached_dispatch_cpu(x, handle, group_name):
+    return cpu_kernels.cached_dispatch(x, handle, group_name)
+
+
+def _cached_dispatch_cuda(x, handle, group_name):
+    return cuda_kernels.cached_dispatch(x, handle, group_name)
+
+
+_LIB.impl("dispatch", _dispatch_cpu, "CPU")
+_LIB.impl("dispatch", _dispatch_cuda, "CUDA")
+_LIB.impl("combine", _combine_cpu, "CPU")
+_LIB.impl("combine", _combine_cuda, "CUDA")
+_LIB.impl("cached_dispatch", _cached_dispatch_cpu, "CPU")
+_LIB.impl("cached_dispatch", _cached_dispatch_cuda, "CUDA")
+
+
+# Fake kernels: shapes only, data-dependent sizes as unbacked symbols.
+
+
+@torch.library.register_fake("deepep::dispatch", lib=_LIB)
+def _dispatch_fake(x, topk_idx, topk_weights, num_experts, group_name):
+    buffer = get_buffer(group_name)
+    ctx = torch.library.get_ctx()
+    num_recv = ctx.new_dynamic_size()
+    num_copies = ctx.new_dynamic_size()
+    num_tokens, top_k = topk_idx.shape
+    recv_x = x.new_empty((num_recv, x.shape[1]))
+    recv_topk_idx = x.new_empty((num_recv, top_k), dtype=torch.int64)
+    recv_topk_weights = x.new_empty((num_recv, top_k), dtype=torch.float32)
+    num_recv_tokens_per_expert = x.new_empty((num_experts // buffer.world_size,), dtype=torch.int64)
+    slots = x.new_empty((num_copies,), dtype=torch.int64)
+    handle = buffer.layout.fake_handle(num_tokens, num_recv, x.device)
+    return recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, slots, handle
+
+
+@torch.library.register_fake("deepep::combine", lib=_LIB)
+def _combine_fake(x, handle, group_name, topk_weights=None):
+    num_tokens = get_buffer(group_name).layout.num_tokens(handle)
+    combined_x = x.new_empty((num_tokens, x.shape[1]))
+    top_k = 0 if topk_weights is None else topk_weights.shape[1]
+    return combined_x, x.new_empty((num_tokens, top_k), dtype=torch.float32)
+
+
+@torch.library.register_fake("deepep::cached_dispatch", lib=_LIB)
+def _cached_dispatch_fake(x, handle, group_name):
+    num_recv = get_buffer(group_name).layout.num_recv(handle)
+    return x.new_empty((num_recv, x.shape[1]))
+
+
+# Autograd.
+
+
+def _dispatch_setup_context(ctx, inputs, output):
+    x, _, topk_weights, _, group_name = inputs
+    _, recv_topk_idx, _, _, _, handle = output
+    ctx.group_name = group_name
+    ctx.x_dtype = x.dtype
+    ctx.hidden_dim = x.shape[1]
+    ctx.weights_dtype = topk_weights.dtype
+    ctx.weights_need_grad = topk_weights.requires_grad
+    ctx.save_for_backward(recv_topk_idx, *handle)
+
+
+def _dispatch_backward(ctx, grad_recv_x, _g_idx, grad_recv_topk_weights, _g_counts, _g_slots, _g_handle):
+    recv_topk_idx, *handle = ctx.saved_tensors
+    if grad_recv_x is None:
+        grad_recv_x = recv_topk_idx.new_zeros((recv_topk_idx.shape[0], ctx.hidden_dim), dtype=ctx.x_dtype)
+    weights_grad_in = None
+    if ctx.weights_need_grad and grad_recv_topk_weights is not None:
+        # Only the rank holding an expert owns its weight; masked slots must not add to the sum.
+        weights_grad_in = torch.where(recv_topk_idx >= 0, grad_recv_topk_weights, 0.0).float().contiguous()
+    grad_x, grad_topk_weights = torch.ops.deepep.combine(
+        grad_recv_x.contiguous(), handle, ctx.group_name, weights_grad_in
+    )
+    grad_x = grad_x.to(ctx.x_dtype)
+    grad_topk_weights = None if weights_grad_in is None else grad_topk_weights.to(ctx.weights_dtype)
+    return grad_x, None, grad_topk_weights, None, None
+
+
+def _combine_setup_context(ctx, inputs, output):
+    x, handle, group_name, topk_weights = inputs
+    ctx.group_name = group_name
+    ctx.x_dtype = x.dtype
+    ctx.weights_need_grad = topk_weights is not None and topk_weights.requires_grad
+    ctx.save_for_backward(*handle)
+
+
+def _combine_backward(ctx, grad_combined_x, grad_combined_topk_weights):
+    if ctx.weights_need_grad:
+        raise RuntimeError(
+            "deepep::combine does not differentiate its topk_weights input (it is only used inside dispatch's "
+            "backward); apply routing weights before the combine instead."
+        )
+    handle = list(ctx.saved_tensors)
+    grad_x = torch.ops.deepep.cached_dispatch(grad_combined_x.contiguous(), handle, ctx.group_name)
+    return grad_x.to(ctx.x_dtype), [None] * len(handle), None, None
+
+
+def _cached_dispatch_setup_context(ctx, inputs, output):
+    x, handle, group_name = inputs
+    ctx.group_name = group_name
+    ctx.x_dtype = x.dtype
+    ctx.save_for_backward(*handle)
+
+
+def _cached_dispatch_backward(ctx, grad_recv_x):
+    handle = list(ctx.saved_tensors)
+    grad_x, _ = torch.ops.deepep.combine(grad_recv_x.contiguous(), handle, ctx.group_name, None)
+    return grad_x.to(ctx.x_dtype), [None] * len(handle), None
+
+
+torch.library.register_autograd("deepep::dispatch", _dispatch_backward, setup_context=_dispatch_setup_context, lib=_LIB)
+torch.library.register_autograd("deepep::combine", _combine_backward, setup_context=_combine_setup_context, lib=_LIB)
+torch.library.register_autograd(
+    "deepep::cached_dispatch", _cached_dispatch_backward, setup_context=_cached_dispatch_setup_context, lib=_LIB
+)
