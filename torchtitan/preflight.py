@@ -22,8 +22,8 @@ def check_job(argv: list[str], world_size: int) -> JobConfig:
 
     parallel_dims = ParallelDims.from_config(job_config.parallelism, world_size)
     model_args = get_model_args(job_config)
-    parallel_dims.validate_for_model(model_args, job_config.training)
-    check_batch_sizes(job_config, parallel_dims.dp_degree)
+    parallel_dims.validate_for_model(model_args, job_config.training.seq_len)
+    check_batch_sizes(job_config, parallel_dims.dp_size)
     return job_config
 
 

@@ -8,6 +8,7 @@ import gc
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -24,7 +25,6 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, get_model_args
 from torchtitan.models.deepseek_v3.parallelize import expert_bias_reduce_group, parallelize_deepseekv3
-from torchtitan.models.deepseek_v3.pipeline import pipeline_deepseekv3
 from torchtitan.models.moe.load_balance import build_expert_bias_hook
 from torchtitan.preflight import check_batch_sizes, check_job
 
@@ -50,8 +50,8 @@ class Trainer:
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         self.parallel_dims = ParallelDims.from_config(job_config.parallelism, world_size)
         self.model_args = get_model_args(job_config)
-        self.parallel_dims.validate_for_model(self.model_args, job_config.training)
-        self.grad_accum_steps = check_batch_sizes(job_config, self.parallel_dims.dp_degree)
+        self.parallel_dims.validate_for_model(self.model_args, job_config.training.seq_len)
+        self.grad_accum_steps = check_batch_sizes(job_config, self.parallel_dims.dp_size)
 
         self.device = _select_device()
         dist_utils.init_distributed(job_config.comm, self.device.type)
@@ -80,6 +80,8 @@ class Trainer:
         # micro-batching never change it. FSDP therefore sums gradients (divide factor 1, set in parallelize).
         self.loss_fn = RescaledLoss(build_loss_fn(job_config))
         if self.parallel_dims.pp_enabled:
+            from torchtitan.models.deepseek_v3.pipeline import pipeline_deepseekv3
+
             self.pp_schedule, self.model_parts, self.has_first_stage, self.has_last_stage = pipeline_deepseekv3(
                 model, self.parallel_dims, job_config, self.device, self.model_args, self.loss_fn
             )
@@ -155,7 +157,8 @@ class Trainer:
         loss.backward()
         return loss.detach()
 
-    def train_step(self, data_iterator: Iterator) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step(self, data_iterator: Iterator) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step; returns (global mean loss, grad norm, the lr this step used)."""
         self.optimizers.zero_grad()
         microbatches = self._next_microbatches(data_iterator)
         dp_group = self.parallel_dims.get_mesh("dp").get_group() if self.parallel_dims.dp_enabled else None
@@ -169,9 +172,10 @@ class Trainer:
             ep_enabled=self.parallel_dims.ep_enabled,
         )
         self.checkpointer.maybe_wait_for_staging()
+        lr = self.lr_schedulers.get_last_lr()
         self.optimizers.step()
         self.lr_schedulers.step()
-        return self._reduce_loss_for_logging(loss), grad_norm
+        return self._reduce_loss_for_logging(loss), grad_norm, lr
 
     def _reduce_loss_for_logging(self, loss: torch.Tensor) -> torch.Tensor:
         """Each rank holds its share of the global mean: sum shares over DP, then share the last PP stage's value."""
@@ -196,7 +200,7 @@ class Trainer:
                 step = self.train_state.step
                 if step % job_config.training.gc_freq == 0:
                     gc.collect(1)
-                loss, grad_norm = self.train_step(data_iterator)
+                loss, grad_norm, lr = self.train_step(data_iterator)
                 check_finite_loss(loss, step, self.rank)
                 if step == 1:
                     dist_utils.set_pg_timeouts(job_config.comm.train_timeout_seconds, self.parallel_dims.world_mesh)
@@ -205,7 +209,7 @@ class Trainer:
                         step,
                         loss=loss.item(),
                         grad_norm=float(grad_norm),
-                        lr=self.lr_schedulers.get_last_lr(),
+                        lr=lr,
                         total_steps=steps,
                     )
                 self.checkpointer.save(step, last_step=step == steps)
@@ -234,6 +238,7 @@ def _setup_single_process_env() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata noise on every start
     if "--help" in argv or "-h" in argv:
         print(format_help())
         return 0

@@ -14,6 +14,7 @@ These are torchtitan's formulas (the +1s keep the first warmup lr above zero and
 """
 
 import functools
+import logging
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -24,6 +25,8 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.job_config import JobConfig
 
 __all__ = ["LRSchedulersContainer", "build_lr_schedulers", "warmup_stable_decay_factor"]
+
+logger = logging.getLogger(__name__)
 
 
 class LRSchedulersContainer:
@@ -71,11 +74,14 @@ def build_lr_schedulers(optimizers: OptimizersContainer, job_config: JobConfig) 
     config = job_config.lr_scheduler
     training_steps = job_config.training.steps
     warmup_steps = int(config.warmup_steps)
-    if not 0 <= warmup_steps <= training_steps:
-        raise ValueError(
-            f"lr_scheduler.warmup_steps={warmup_steps} must be in [0, training.steps={training_steps}]; "
-            f"lower --lr_scheduler.warmup_steps"
+    if warmup_steps < 0:
+        raise ValueError(f"lr_scheduler.warmup_steps={warmup_steps} must be >= 0")
+    if warmup_steps > training_steps:
+        logger.warning(
+            f"lr_scheduler.warmup_steps={warmup_steps} > training.steps={training_steps}: warming up "
+            f"over all {training_steps} steps"
         )
+        warmup_steps = training_steps
     if config.decay_ratio is None:
         decay_steps = training_steps - warmup_steps
     else:
@@ -83,11 +89,12 @@ def build_lr_schedulers(optimizers: OptimizersContainer, job_config: JobConfig) 
             raise ValueError(f"lr_scheduler.decay_ratio={config.decay_ratio} must be in [0, 1] (or unset)")
         decay_steps = round(training_steps * config.decay_ratio)
         if warmup_steps + decay_steps > training_steps:
-            raise ValueError(
-                f"warmup ({warmup_steps}) + decay ({decay_steps} = round({training_steps} x "
-                f"{config.decay_ratio})) steps exceed training.steps={training_steps}; lower "
-                f"--lr_scheduler.warmup_steps or --lr_scheduler.decay_ratio"
+            # Short runs (smoke tests, benchmarks) keep the warmup and decay over what is left, as torchtitan does.
+            logger.warning(
+                f"warmup ({warmup_steps}) + decay ({decay_steps}) > training.steps={training_steps}: "
+                f"decaying over the last {training_steps - warmup_steps} steps"
             )
+            decay_steps = training_steps - warmup_steps
     if config.decay_type not in ("linear", "sqrt", "cosine"):
         raise ValueError(f"lr_scheduler.decay_type={config.decay_type!r}; use linear, sqrt or cosine")
     if not 0.0 <= config.min_lr_factor <= 1.0:

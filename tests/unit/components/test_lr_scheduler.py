@@ -104,11 +104,20 @@ def test_state_dict_round_trip_restores_step_and_lr():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"steps": 5, "warmup": 6}, "warmup_steps"),
-        ({"steps": 10, "warmup": 5, "decay_ratio": 0.8}, "exceed"),
+        ({"warmup": -1}, "warmup_steps"),
         ({"min_lr_factor": 1.5}, "min_lr_factor"),
     ],
 )
 def test_bad_schedule_config_is_rejected_with_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):
         make(**kwargs)
+
+
+def test_short_runs_clamp_warmup_and_decay_to_the_steps():
+    # warmup 6 > 5 steps: warm up over all 5 steps, the lr rises every step and never decays.
+    used, _ = lrs_used_by_steps(5, warmup=6)
+    assert used == sorted(used) and used[-1] < PEAK
+    # warmup 5 + decay 8 > 10 steps: decay over the last 5 steps down to min_lr_factor * PEAK = 0.
+    used, schedulers = lrs_used_by_steps(10, warmup=5, decay_ratio=0.8)
+    assert used[:5] == sorted(used[:5]) and used[5:] == sorted(used[5:], reverse=True)
+    assert max(used) > 0.8 * PEAK  # torchtitan-style ramps: (s+1)/(W+1) up, then down from there
