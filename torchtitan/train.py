@@ -242,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     if "--help" in argv or "-h" in argv:
         print(format_help())
         return 0
-    logging.basicConfig(level=logging.INFO, format="[rank%(rank)s] %(asctime)s %(levelname)s %(message)s")
-    _install_rank_in_log_records()
+    # torchrun's --tee prefixes each line with [rankN]; run_train.sh shows rank 0 only by default.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     _setup_single_process_env()
     try:
         # The same checks as run_train.sh's preflight, repeated on every rank for direct torchrun users.
@@ -257,18 +257,6 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
-
-
-def _install_rank_in_log_records() -> None:
-    rank = os.environ.get("RANK", "0")
-    old_factory = logging.getLogRecordFactory()
-
-    def factory(*args, **kwargs):
-        record = old_factory(*args, **kwargs)
-        record.rank = rank
-        return record
-
-    logging.setLogRecordFactory(factory)
 
 
 if __name__ == "__main__":
