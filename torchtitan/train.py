@@ -4,6 +4,7 @@ Order of work: validate config -> process groups + device mesh -> data -> model 
 parallelize (or split into pipeline stages) -> materialize + init -> optimizer, LR schedule, checkpoint -> loop.
 """
 
+import copy
 import gc
 import logging
 import os
@@ -23,6 +24,7 @@ from torchtitan.config import ConfigError, JobConfig, format_help
 from torchtitan.datasets import build_dataloader, build_tokenizer
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.weight_init import copy_from_unsharded_init
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, get_model_args
 from torchtitan.models.deepseek_v3.parallelize import expert_bias_reduce_group, parallelize_deepseekv3
 from torchtitan.models.moe.load_balance import build_expert_bias_hook
@@ -78,6 +80,9 @@ class Trainer:
         # loss = token-sum CE / valid tokens of the whole step (all micro-batches, all DP ranks): summed over
         # micro-batches and ranks it is exactly the full-batch mean, so accumulation, DP degree and PP
         # micro-batching never change it. FSDP therefore sums gradients (divide factor 1, set in parallelize).
+        # CPU: DTensor has no RNG tracker there, so sharded init would repeat values across ranks (weight_init.py).
+        unsharded_model = copy.deepcopy(model) if self.device.type == "cpu" else None
+
         self.loss_fn = RescaledLoss(build_loss_fn(job_config))
         if self.parallel_dims.pp_enabled:
             from torchtitan.models.deepseek_v3.pipeline import pipeline_deepseekv3
@@ -95,6 +100,9 @@ class Trainer:
             with torch.no_grad():
                 part.init_weights(buffer_device=self.device)
             part.train()
+        if unsharded_model is not None:
+            copy_from_unsharded_init(self.model_parts, unsharded_model, seed=job_config.debug.seed or 0)
+            del unsharded_model
 
         self.optimizers = build_optimizers(self.model_parts, job_config)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, job_config)
