@@ -24,6 +24,12 @@ def check_job(argv: list[str], world_size: int) -> JobConfig:
     model_args = get_model_args(job_config)
     parallel_dims.validate_for_model(model_args, job_config.training.seq_len)
     check_batch_sizes(job_config, parallel_dims.dp_size)
+    if job_config.parallelism.expert_parallel_comm_backend == "deepep":
+        import torch
+
+        from torchtitan.distributed.deepep import validate_deepep_config
+
+        validate_deepep_config(parallel_dims, device_type="cuda" if torch.cuda.is_available() else "cpu")
     return job_config
 
 
@@ -53,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     try:
         check_job(rest, args.world_size)
-    except (ConfigError, ValueError, FileNotFoundError) as err:
+    except (ConfigError, ValueError, FileNotFoundError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # The same checks as run_train.sh's preflight, repeated on every rank for direct torchrun users.
         job_config = check_job(argv, int(os.environ["WORLD_SIZE"]))
-    except (ConfigError, ValueError, FileNotFoundError) as err:
+    except (ConfigError, ValueError, FileNotFoundError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
