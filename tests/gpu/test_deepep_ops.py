@@ -89,8 +89,12 @@ def _check_backward_matches_cpu_reference(rank, world_size, cuda_group, cpu_grou
         (out * upstream.to(device)).sum().backward()
         return out.cpu(), xd.grad.cpu(), wd.grad.cpu()
 
-    for got, want in zip(run("cuda", cuda_group), run("cpu", cpu_group), strict=True):
-        torch.testing.assert_close(got, want, **BF16_TOL)  # the CUDA wire is bf16
+    # The CUDA wire is bf16 and the weight gradients are dot products over the hidden dim, which cancel for some
+    # entries: compare by relative norm error (bf16 operands land between 1e-3 and 1e-2), not element-wise.
+    for name, got, want in zip(("out", "x.grad", "weights.grad"), run("cuda", cuda_group), run("cpu", cpu_group),
+                               strict=True):
+        rel_err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        assert rel_err < 1e-2, f"{name}: relative error {rel_err:.2e} vs the CPU reference"
 
 
 def _moe_args() -> MoEArgs:
@@ -108,7 +112,7 @@ def _build(cls, mesh, style):
 
 def _forward_backward(moe, x, call=None):
     x = x.clone().requires_grad_()
-    out = (call or moe)(x)
+    out = (moe if call is None else call)(x)
     out.float().pow(2).sum().backward()
     grads = {n: p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for n, p in moe.named_parameters()}
     return out.detach(), x.grad, grads
