@@ -1,0 +1,76 @@
+"""Activation checkpointing: per-op SAC recomputes without communicating; every mode leaves gradients unchanged."""
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.unit.distributed._model_parity import batch, build_reference, job_config, loss_of, tiny_args
+from tests.unit.distributed._spawn import run_distributed
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
+
+
+class CountAllToAll(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.ops = {
+            torch.ops._c10d_functional.all_to_all_single.default,
+            torch.ops._c10d_functional_autograd.all_to_all_single.default,
+        }
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.ops:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _all_to_all_counts(rank: int, world_size: int) -> None:
+    reference = build_reference(tiny_args())
+    inputs, labels = batch()
+    inputs, labels = inputs.chunk(world_size)[rank], labels.chunk(world_size)[rank]
+    counts, grads = {}, {}
+    for mode, option in (("none", "op"), ("full", "op"), ("selective", "op")):
+        cfg = job_config(
+            parallelism__expert_parallel_degree=2,
+            activation_checkpoint__mode=mode,
+            activation_checkpoint__selective_ac_option=option,
+        )
+        dims = ParallelDims.from_config(cfg.parallelism, world_size)
+        dims.build_mesh("cpu")
+        model = parallelize_deepseekv3(copy.deepcopy(reference), dims, cfg)
+        counter = CountAllToAll()
+        with counter:
+            loss_of(model(inputs), labels, labels.numel()).backward()
+        counts[mode] = counter.calls
+        grads[mode] = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor() for n, p in
+                       model.named_parameters()}
+    moe_layers = 2  # tiny_args: 3 layers, the first dense
+    # forward: counts + tokens all-to-all at dispatch, tokens at combine; backward: the two token all-to-alls
+    assert counts["none"] == moe_layers * 5, counts
+    assert counts["selective"] == counts["none"], f"per-op SAC re-issued all-to-alls in recompute: {counts}"
+    assert counts["full"] == counts["none"] + moe_layers * 3, counts
+    for mode in ("full", "selective"):
+        for name, grad in grads["none"].items():
+            torch.testing.assert_close(grads[mode][name], grad, rtol=1e-5, atol=1e-7, msg=f"{mode} {name}")
+
+
+def test_op_sac_recompute_issues_no_all_to_all_and_keeps_gradients():
+    run_distributed(_all_to_all_counts, 2)
+
+
+def test_every_nth_block_is_wrapped():
+    model = build_reference(tiny_args())
+    apply_ac(model, SimpleNamespace(mode="selective", selective_ac_option="2"))
+    wrapped = [type(block).__name__ == "CheckpointWrapper" for block in model.layers.values()]
+    assert wrapped == [True, False, True]
+
+
+def test_bad_selective_option_names_the_fix():
+    model = build_reference(tiny_args())
+    with pytest.raises(ValueError, match="'op' or a positive integer"):
+        apply_ac(model, SimpleNamespace(mode="selective", selective_ac_option="sometimes"))

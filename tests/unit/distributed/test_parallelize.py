@@ -1,0 +1,72 @@
+"""parallelize_deepseekv3 under every supported layout gives the single-process loss and gradients (fp32, gloo)."""
+
+import torch
+
+from tests.unit.distributed._model_parity import (
+    build_reference,
+    check_parallel_matches,
+    job_config,
+    reference_loss_and_grads,
+    tiny_args,
+)
+from tests.unit.distributed._spawn import run_distributed
+
+CASES = {
+    "fsdp4": dict(parallelism__data_parallel_shard_degree=4),
+    "hsdp2x2_ep2": dict(parallelism__data_parallel_replicate_degree=2, parallelism__expert_parallel_degree=2),
+    "tp2_fsdp2_loss_parallel": dict(parallelism__tensor_parallel_degree=2),
+    "tp2_fsdp2_replicated_logits": dict(parallelism__tensor_parallel_degree=2, parallelism__enable_loss_parallel=False),
+    "ep2_fsdp4": dict(parallelism__expert_parallel_degree=2),
+    "ep4_fsdp4": dict(parallelism__expert_parallel_degree=4),
+    "tp2_ep2_borrowing_tp": dict(parallelism__tensor_parallel_degree=2, parallelism__expert_parallel_degree=2),
+    "tp2_ep4_borrowing_tp": dict(parallelism__tensor_parallel_degree=2, parallelism__expert_parallel_degree=4),
+    "tp2_ep2_etp2": dict(
+        parallelism__tensor_parallel_degree=2,
+        parallelism__expert_parallel_degree=2,
+        parallelism__expert_tensor_parallel_degree=2,
+    ),
+    "ep2_full_ac": dict(parallelism__expert_parallel_degree=2, activation_checkpoint__mode="full"),
+    "tp2_ep2_op_sac": dict(
+        parallelism__tensor_parallel_degree=2,
+        parallelism__expert_parallel_degree=2,
+        activation_checkpoint__mode="selective",
+        activation_checkpoint__selective_ac_option="op",
+    ),
+    "fsdp4_every_2nd_block_ac": dict(
+        activation_checkpoint__mode="selective", activation_checkpoint__selective_ac_option="2"
+    ),
+}
+Q_LORA_CASES = ["tp2_fsdp2_loss_parallel", "tp2_ep2_etp2"]
+
+
+def _all_layouts(rank: int, world_size: int) -> None:
+    for q_lora_rank, names in ((0, list(CASES)), (16, Q_LORA_CASES)):
+        reference = build_reference(tiny_args(q_lora_rank))
+        ref_loss, ref_grads = reference_loss_and_grads(reference)
+        for name in names:
+            try:
+                check_parallel_matches(reference, ref_loss, ref_grads, job_config(**CASES[name]), world_size)
+            except AssertionError as exc:
+                raise AssertionError(f"layout {name} (q_lora_rank={q_lora_rank}): {exc}") from None
+
+
+def _cpu_offload_trains(rank: int, world_size: int) -> None:
+    reference = build_reference(tiny_args())
+    ref_loss, ref_grads = reference_loss_and_grads(reference)
+    cfg = job_config(parallelism__expert_parallel_degree=2, training__enable_cpu_offload=True)
+    model = check_parallel_matches(reference, ref_loss, ref_grads, cfg, world_size)
+    before = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.step()
+    for name, param in model.named_parameters():
+        assert not torch.equal(param.detach().full_tensor(), before[name]), f"{name} did not update"
+        torch.testing.assert_close(param.detach().full_tensor(), before[name] - 0.1 * ref_grads[name], rtol=1e-4,
+                                   atol=1e-5)
+
+
+def test_every_layout_matches_single_process():
+    run_distributed(_all_layouts, 4)
+
+
+def test_cpu_offload_still_trains():
+    run_distributed(_cpu_offload_trains, 2)

@@ -1,0 +1,174 @@
+"""Activation checkpointing per transformer block: none, full, every Nth block, or per-op selective (SAC).
+
+Per-op SAC saves the outputs of expensive or communicating ops and recomputes the rest (norms, activations,
+elementwise ops, index ops) in backward:
+
+- matmuls (aten.mm, aten.bmm, aten._grouped_mm, aten.addmm) are all saved. torchtitan saves every other mm to trade
+  more recompute for memory; we save all of them (simpler, and the MoE's activations are dominated by the expert
+  GEMMs, which we do not want to run twice). The exception is the router gate matmul (bs*seq x dim x num_experts):
+  it is tiny and recomputed. Routing must not change on recompute, so the selection ops that consume it (topk, and
+  the stable sort that orders token copies expert-major) are saved: the recomputed forward reuses the original
+  expert choice and order even if the recomputed scores differed in the last bit.
+- attention kernels (SDPA variants, flex attention).
+- collectives: all-to-all (functional and autograd variants) and reduce-scatter, so recompute issues no
+  communication, and device-to-host copies (the all-to-all split sizes), so recompute adds no host sync.
+- aten.max (amax-like reductions that low-precision recipes reuse).
+- DeepEP's dispatch/combine custom ops when torchtitan.distributed.deepep registered them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+__all__ = ["apply_ac", "op_sac_save_list"]
+
+
+
+def op_sac_save_list() -> set[Any]:
+    """The ops whose outputs per-op SAC saves (those present in this torch build)."""
+    aten, ops = torch.ops.aten, torch.ops
+    candidates = [
+        lambda: aten.mm.default,
+        lambda: aten.bmm.default,
+        lambda: aten.addmm.default,
+        lambda: aten._grouped_mm.default,
+        lambda: aten._scaled_dot_product_efficient_attention.default,
+        lambda: aten._scaled_dot_product_flash_attention.default,
+        lambda: aten._scaled_dot_product_flash_attention_for_cpu.default,
+        lambda: aten._scaled_dot_product_cudnn_attention.default,
+        lambda: aten._scaled_dot_product_attention_math.default,
+        lambda: aten._scaled_dot_product_fused_attention_overrideable.default,
+        lambda: ops._c10d_functional.reduce_scatter_tensor.default,
+        lambda: ops._c10d_functional.all_to_all_single.default,
+        lambda: ops._c10d_functional_autograd.all_to_all_single.default,
+        lambda: ops._c10d_functional_autograd.reduce_scatter_tensor.default,
+        lambda: aten._local_scalar_dense.default,
+        lambda: aten.max.default,
+        lambda: aten.topk.default,
+        lambda: aten.sort.stable,
+        lambda: torch._higher_order_ops.flex_attention,
+        lambda: torch._higher_order_ops.inductor_compiled_code,
+    ]
+    save = set()
+    for candidate in candidates:
+        try:
+            save.add(candidate())
+        except (AttributeError, RuntimeError):  # op not in this torch build
+            continue
+    save |= _deepep_ops()
+    return save
+
+
+def _deepep_ops() -> set[Any]:
+    try:
+        import torchtitan.distributed.deepep  # noqa: F401  (registers torch.ops.deepep when present)
+    except ImportError:
+        return set()
+    if not hasattr(torch.ops, "deepep"):
+        return set()
+    ops = set()
+    for name in ("dispatch", "combine"):
+        try:
+            ops.add(getattr(torch.ops.deepep, name).default)
+        except (AttributeError, RuntimeError):
+            continue
+    return ops
+
+
+def apply_ac(model: nn.Module, ac_config: Any) -> None:
+    """Wrap `model.layers` blocks in non-reentrant checkpoint wrappers according to `ac_config`.
+
+    mode "none": nothing. "full": every block. "selective" with selective_ac_option "op": per-op SAC on every block;
+    with an integer N: full checkpointing of every Nth block (blocks 0, N, 2N, ... by position in this model part).
+    """
+    mode, option = ac_config.mode, str(ac_config.selective_ac_option)
+    if mode == "none":
+        return
+    if mode == "full":
+        wrap = partial(checkpoint_wrapper, preserve_rng_state=False)
+        _wrap_blocks(model, lambda position: True, wrap)
+        return
+    if mode != "selective":
+        raise ValueError(f"activation_checkpoint.mode={mode!r}: use none, full or selective")
+    if option == "op":
+        _ignore_profiler_ops_in_sac()
+        num_experts = _num_routed_experts(model)
+        context_fn = partial(_sac_contexts, op_sac_save_list(), num_experts)
+        wrap = partial(checkpoint_wrapper, context_fn=context_fn, preserve_rng_state=False)
+        _wrap_blocks(model, lambda position: True, wrap)
+        return
+    if not option.isdigit() or int(option) < 1:
+        raise ValueError(
+            f"activation_checkpoint.selective_ac_option={option!r}: use 'op' or a positive integer N "
+            "(checkpoint every Nth block)"
+        )
+    every = int(option)
+    _wrap_blocks(model, lambda position: position % every == 0, partial(checkpoint_wrapper, preserve_rng_state=False))
+
+
+def _ignore_profiler_ops_in_sac() -> None:
+    """SAC replays ops by (op, call index) during recompute, so every op must run as often in recompute as in
+    forward. FSDP2's hooks of the routed experts' unit (inside the block) open a different number of profiler
+    `record_function` ranges in recompute (e.g. FSDP::root_pre_forward) than in forward. Those ops carry no tensor
+    data; torch.utils.checkpoint.SAC_IGNORED_OPS is the set SAC passes through untracked, so add them to it."""
+    profiler = torch.ops.profiler
+    torch.utils.checkpoint.SAC_IGNORED_OPS.update(
+        {
+            profiler._record_function_enter.default,
+            profiler._record_function_enter_new.default,
+            profiler._record_function_exit.default,
+            profiler._record_function_exit._RecordFunction,
+        }
+    )
+
+
+def _wrap_blocks(model: nn.Module, selected: Callable[[int], bool], wrap: Callable[[nn.Module], nn.Module]) -> None:
+    for position, (name, block) in enumerate(list(model.layers.named_children())):
+        if selected(position):
+            model.layers.register_module(name, wrap(block))
+
+
+def _num_routed_experts(model: nn.Module) -> int | None:
+    for block in model.layers.values():
+        moe = getattr(block, "moe", None)
+        if moe is not None:
+            return moe.num_experts
+    return None
+
+
+def _sac_contexts(save_ops: set[Any], num_experts: int | None):
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if func in save_ops:
+            if num_experts is not None and _is_router_gate_matmul(func, args, num_experts):
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE
+        if func is torch.ops.aten._to_copy.default and _is_device_to_host(args, kwargs):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _is_router_gate_matmul(func: Any, args: tuple, num_experts: int) -> bool:
+    """The gate is nn.Linear(dim, num_experts): mm(x (N, dim), weight.t() (dim, num_experts))."""
+    if getattr(func, "_opname", None) not in ("mm", "addmm"):
+        return False
+    weight = args[-1]
+    return isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == num_experts
+
+
+def _is_device_to_host(args: tuple, kwargs: dict) -> bool:
+    target = kwargs.get("device")
+    return (
+        target is not None
+        and torch.device(target).type == "cpu"
+        and isinstance(args[0], torch.Tensor)
+        and args[0].device.type != "cpu"
+    )

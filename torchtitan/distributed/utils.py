@@ -1,0 +1,128 @@
+"""Process-group setup, determinism, and gradient clipping across the meshes of one model."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+__all__ = ["clip_grad_norm_", "device_type", "init_distributed", "set_determinism", "set_pg_timeouts"]
+
+
+def device_type() -> str:
+    """"cuda" when a GPU is visible, else "cpu"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(comm_config: Any, device_type: str) -> int:
+    """Initialize the default process group from torchrun's environment; returns the world size.
+
+    NCCL for CUDA tensors (plus gloo for CPU tensors, which CPU offload and host-side metadata need), gloo on CPU.
+    The timeout is `comm.init_timeout_seconds` until `set_pg_timeouts` switches to the training timeout.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if dist.is_initialized():
+        return dist.get_world_size()
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=comm_config.init_timeout_seconds))
+    return world_size
+
+
+def set_pg_timeouts(timeout_seconds: int, world_mesh: DeviceMesh) -> None:
+    """Apply the training timeout to every process group, after the first step (which may compile / warm up).
+
+    Barrier first so no rank still waits in a collective that was started under the long init timeout.
+    """
+    timeout = timedelta(seconds=timeout_seconds)
+    if world_mesh.device_type == "cuda":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+        torch.cuda.synchronize()
+    else:
+        dist.barrier()
+    # The mesh's submeshes created their own groups; the c10d registry holds all of them (default group included).
+    for group in list(dist.distributed_c10d._world.pg_map):
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def set_determinism(world_mesh: DeviceMesh | None, device: torch.device, seed: int | None, deterministic: bool) -> int:
+    """Seed every RNG identically on all ranks (so a full-model init is the same everywhere); returns the seed.
+
+    seed=None draws one on rank 0 and broadcasts it. deterministic=True turns on deterministic algorithms
+    (slower; needed for bitwise-reproducible runs on GPU).
+    """
+    if seed is None:
+        seed_tensor = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
+        if world_mesh is not None and world_mesh.size() > 1:
+            dist.broadcast(seed_tensor, src=0)
+        seed = int(seed_tensor.item())
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=False)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+    return seed
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    pp_mesh: DeviceMesh | None = None,
+    ep_enabled: bool = False,
+    norm_type: float = 2.0,
+) -> torch.Tensor:
+    """Clip gradients to a total norm over all parameters of all meshes (and all pipeline stages).
+
+    DTensor gradients on different meshes (dense params on (dp, tp), experts on (dp_shard_mod_ep, ep)) cannot be
+    stacked, so the norm is computed per (mesh, placements) group, made a plain tensor with full_tensor(), and the
+    groups are combined: total = (sum_g norm_g^p)^(1/p) (max for p=inf). With PP each rank holds one stage's
+    parameters, so the p-th powers (or maxima) are all-reduced over the pp mesh. `ep_enabled` needs no special path:
+    grouping by mesh covers expert parameters. Returns the total norm (before clipping) as a 0-dim tensor.
+    """
+    del ep_enabled  # grouping by mesh handles expert parameters; kept for the trainer's call signature
+    norm_type = float(norm_type)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for grad in grads:
+        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
+        groups.setdefault(key, []).append(grad)
+
+    group_norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        group_norms.append(norm.float())
+    if not group_norms:
+        total = torch.zeros((), dtype=torch.float32)
+    elif math.isinf(norm_type):
+        total = torch.stack([n.to(group_norms[0].device) for n in group_norms]).max()
+    else:
+        total = torch.stack([n.to(group_norms[0].device) for n in group_norms]).pow(norm_type).sum()
+
+    if pp_mesh is not None and pp_mesh.size() > 1:
+        total = total.to(pp_mesh.device_type)
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        dist.all_reduce(total, op=op, group=pp_mesh.get_group())
+    if not math.isinf(norm_type):
+        total = total.pow(1.0 / norm_type)
+
+    clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for grad in grads:
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        local.mul_(clip_coef.to(local.device, local.dtype))
+    return total

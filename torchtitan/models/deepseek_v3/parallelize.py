@@ -1,0 +1,340 @@
+"""Apply parallelisms to a DeepSeek-V3 model (or one pipeline stage of it), in this order:
+
+1. TP / SP on the dense parts (MLA projections, dense FFN, norms, embedding, output head)
+2. EP / ETP / TP on the MoE layers (ParallelStyles on `moe.experts`, layouts at the MoE boundary)
+3. activation checkpointing
+4. torch.compile per block
+5. FSDP2 / HSDP (routed experts in their own unit on the expert-FSDP mesh)
+
+Gradient reduction sums over data-parallel ranks (FSDP's division is turned off): the trainer's loss is already
+divided by the global number of valid tokens, so the sum of the ranks' gradients is the gradient of the global loss.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.expert_parallel import (
+    ExpertParallel,
+    ExpertTensorParallel,
+    NoParallel,
+    ReplicateOverTokenShards,
+    SyncGradColumns,
+    TensorParallel,
+)
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.utils import device_type
+
+__all__ = ["apply_fsdp", "apply_moe_parallel", "apply_tp", "expert_bias_reduce_group", "parallelize_deepseekv3"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_config: Any) -> nn.Module:
+    """Apply TP/SP -> EP/ETP -> AC -> compile -> FSDP2 in place; returns the model."""
+    parallelism = job_config.parallelism
+    if job_config.training.seq_len % parallel_dims.seq_len_divisor != 0:
+        raise ValueError(
+            f"training.seq_len ({job_config.training.seq_len}) must be divisible by tensor_parallel_degree "
+            f"({parallel_dims.tp}) for sequence parallelism; change seq_len or tensor_parallel_degree."
+        )
+    use_deepep = parallelism.expert_parallel_comm_backend == "deepep" and parallel_dims.ep_enabled
+    if use_deepep:
+        from torchtitan.distributed.deepep import validate_deepep_config
+
+        validate_deepep_config(parallel_dims, device_type=device_type())
+
+    if parallel_dims.tp_enabled:
+        apply_tp(model, parallel_dims.get_mesh("tp"), parallel_dims.loss_parallel_enabled)
+    if parallel_dims.tp_enabled or parallel_dims.ep_enabled:
+        apply_moe_parallel(model, parallel_dims, use_deepep, parallelism.deepep_num_sms)
+
+    apply_ac(model, job_config.activation_checkpoint)
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        apply_compile(model, job_config.compile)
+
+    if parallel_dims.dp_enabled or parallel_dims.ep_enabled:
+        dense_mesh = (
+            parallel_dims.get_mesh(["dp_replicate", "dp_shard"])
+            if parallel_dims.dp_replicate_enabled
+            else parallel_dims.get_mesh("dp_shard")
+        )
+        experts_mesh = (
+            parallel_dims.get_mesh(["dp_replicate", "dp_shard_mod_ep"])
+            if parallel_dims.dp_replicate_enabled
+            else parallel_dims.get_mesh("dp_shard_mod_ep")
+        )
+        apply_fsdp(
+            model,
+            dense_mesh,
+            experts_mesh if parallel_dims.ep_enabled else None,
+            param_dtype=_DTYPES[job_config.training.mixed_precision_param],
+            reduce_dtype=_DTYPES[job_config.training.mixed_precision_reduce],
+            reshard_after_forward_policy=parallelism.fsdp_reshard_after_forward,
+            pp_enabled=parallel_dims.pp_enabled,
+            cpu_offload=job_config.training.enable_cpu_offload,
+            ep_degree=parallel_dims.ep,
+        )
+    return model
+
+
+def expert_bias_reduce_group(parallel_dims: ParallelDims) -> dist.ProcessGroup | None:
+    """The group over which MoE token counts are summed before the expert-bias update.
+
+    Counts differ between batch ranks (dp). TP ranks route identical (all-gathered) tokens, so they are not reduced
+    over tp, except when EP borrows the tp ranks (etp == 1): then each tp rank routes its own sequence shard.
+    Pipeline stages hold different layers, so pp is never part of the group. None: nothing to reduce.
+    """
+    if parallel_dims.moe_tokens_sequence_sharded:
+        return parallel_dims.get_mesh("dp_tp").get_group()
+    mesh = parallel_dims.get_optional_mesh("dp")
+    return mesh.get_group() if mesh is not None else None
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+    """Tensor + sequence parallelism on everything except the MoE layers' insides.
+
+    Between blocks the hidden states are local sequence shards (Shard(1)); attention and the dense FFN all-gather
+    them, run column-/row-wise sharded projections (heads / hidden units split over tp) and reduce-scatter back.
+    """
+    top_plan: dict[str, Any] = {}
+    if model.tok_embeddings is not None:
+        top_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        top_plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        top_plan["output"] = ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    if top_plan:
+        parallelize_module(model, tp_mesh, top_plan)
+
+    for block in model.layers.values():
+        attention = block.attention
+        plan: dict[str, Any] = {
+            "attention_norm": SequenceParallel(),
+            # forward(x, freqs_cis, attention_mask): gather the sequence, keep the other inputs as they are
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None),
+                desired_input_layouts=(Replicate(), None, None),
+                use_local_output=True,
+            ),
+            # wkv_a's output is [c_kv | k_pe]; k_pe is shared by all heads, so its gradient is a partial sum
+            # over the tp ranks' heads and must be all-reduced (c_kv's is, by wkv_b's ColwiseParallel).
+            "attention.wkv_a": SyncGradColumns(start=attention.kv_lora_rank),
+            "attention.kv_norm": NoParallel(),
+            "attention.wkv_b": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+        }
+        if attention.q_lora_rank == 0:
+            plan["attention.wq"] = ColwiseParallel()
+        else:
+            plan.update(
+                {"attention.wq_a": NoParallel(), "attention.q_norm": NoParallel(), "attention.wq_b": ColwiseParallel()}
+            )
+        if not block.moe_enabled:
+            plan.update(
+                {
+                    "feed_forward": PrepareModuleInput(
+                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                    ),
+                    "feed_forward.w1": ColwiseParallel(),
+                    "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                    "feed_forward.w3": ColwiseParallel(),
+                }
+            )
+        parallelize_module(block, tp_mesh, plan)
+        # The model slices freqs_cis to the length of its (sequence-sharded) hidden states; attention runs on the
+        # all-gathered sequence and needs the rotary table for all positions. Registered after PrepareModuleInput's
+        # hook, so x is already gathered here. Slicing the model's buffer is a no-op when freqs_cis already fits.
+        attention.register_forward_pre_hook(partial(_full_sequence_freqs_cis, model))
+
+
+def _full_sequence_freqs_cis(model: nn.Module, module: nn.Module, args: tuple) -> tuple:
+    x, freqs_cis, *rest = args
+    if freqs_cis.shape[0] == x.shape[1]:
+        return args
+    return (x, model.freqs_cis[: x.shape[1]], *rest)
+
+
+def apply_moe_parallel(
+    model: nn.Module, parallel_dims: ParallelDims, use_deepep: bool = False, deepep_num_sms: int = 24
+) -> None:
+    """Layouts at the MoE boundary plus the experts' ParallelStyle.
+
+    | case                  | MoE input (from SP)  | router, shared experts          | routed experts              |
+    | tp, ep == 1           | all-gather: Replicate | gate replicated, shared TP     | TensorParallel (tp)         |
+    | tp == etp, ep > 1     | all-gather: Replicate | gate replicated, shared TP     | ExpertTensorParallel (ep,etp)|
+    | tp > 1, etp == 1, ep  | local sequence shard  | replicated weights, own tokens | ExpertParallel (ep)         |
+    | tp == 1, ep > 1       | plain tensor          | plain                          | ExpertParallel (ep)         |
+    With a Replicate input the MoE output is a partial sum over tp, reduce-scattered to the sequence shard.
+    """
+    tp_mesh = parallel_dims.get_optional_mesh("tp")
+    for block in model.layers.values():
+        if not block.moe_enabled:
+            continue
+        moe = block.moe
+        if tp_mesh is not None and parallel_dims.moe_tokens_sequence_sharded:
+            plan: dict[str, Any] = {
+                "moe": PrepareModuleInputOutput(
+                    input_layouts=(Shard(1),),
+                    desired_input_layouts=(Shard(1),),
+                    use_local_input=True,
+                    output_layouts=(Shard(1),),
+                    desired_output_layouts=(Shard(1),),
+                    use_local_output=True,
+                ),
+                "moe.router.gate": ReplicateOverTokenShards(),
+            }
+            if moe.shared_experts is not None:
+                plan["moe.shared_experts"] = ReplicateOverTokenShards()
+            parallelize_module(block, tp_mesh, plan)
+        elif tp_mesh is not None:
+            plan = {
+                "moe": PrepareModuleInputOutput(
+                    input_layouts=(Shard(1),),
+                    desired_input_layouts=(Replicate(),),
+                    use_local_input=True,
+                    output_layouts=(Partial(),),
+                    desired_output_layouts=(Shard(1),),
+                    use_local_output=True,
+                ),
+                "moe.router.gate": NoParallel(),
+            }
+            if moe.shared_experts is not None:
+                plan.update(
+                    {
+                        "moe.shared_experts.w1": ColwiseParallel(),
+                        "moe.shared_experts.w2": RowwiseParallel(output_layouts=Partial()),
+                        "moe.shared_experts.w3": ColwiseParallel(),
+                    }
+                )
+            parallelize_module(block, tp_mesh, plan)
+
+        if not parallel_dims.ep_enabled:
+            parallelize_module(moe.experts, tp_mesh, TensorParallel())
+        elif parallel_dims.etp_enabled:
+            parallelize_module(moe.experts, parallel_dims.get_mesh(["ep", "etp"]), ExpertTensorParallel())
+        elif use_deepep:
+            from torchtitan.distributed.deepep import DeepEPExpertParallel
+
+            style = DeepEPExpertParallel(num_sms=deepep_num_sms, score_before_experts=moe.score_before_experts)
+            parallelize_module(moe.experts, parallel_dims.get_mesh("ep"), style)
+        else:
+            parallelize_module(moe.experts, parallel_dims.get_mesh("ep"), ExpertParallel())
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    experts_mesh: DeviceMesh | None,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward_policy: str = "default",
+    pp_enabled: bool = False,
+    cpu_offload: bool = False,
+    ep_degree: int = 1,
+) -> None:
+    """FSDP2 (HSDP when dp_mesh is 2-D): embedding, each block, [norm, output], the root.
+
+    With EP (`experts_mesh` set), each MoE block's routed experts form their own unit on the expert-FSDP mesh (the
+    dp ranks EP did not take); the router and shared experts stay in the block's unit.
+    """
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    config: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp_policy}
+    if cpu_offload:
+        config["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    match reshard_after_forward_policy:
+        case "always":
+            reshard_after_forward = True
+        case "never":
+            reshard_after_forward = False
+        case "default":
+            # with PP, resharding would all-gather again for every micro-batch
+            reshard_after_forward = not pp_enabled
+        case _:
+            raise ValueError(
+                f"parallelism.fsdp_reshard_after_forward={reshard_after_forward_policy!r}: use default, always, never"
+            )
+
+    if model.tok_embeddings is not None:
+        fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard_after_forward)
+    blocks = list(model.layers.values())
+    for block in blocks:
+        if experts_mesh is not None and _inner(block).moe_enabled:
+            experts = _inner(block).moe.experts
+            # EP already split dim 0 (experts); when the FSDP ranks outnumber the local experts, shard dim 1 instead
+            # so no rank gets an empty shard.
+            local_experts = experts.num_experts // ep_degree
+            placement_fn = (lambda param: Shard(1)) if experts_mesh.size() > local_experts else None
+            fully_shard(
+                experts,
+                **{**config, "mesh": experts_mesh},
+                reshard_after_forward=reshard_after_forward,
+                shard_placement_fn=placement_fn,
+            )
+        fully_shard(block, **config, reshard_after_forward=reshard_after_forward)
+    if model.norm is not None and model.output is not None:
+        # the head runs last in forward and first in backward: keeping it unsharded saves an all-gather
+        keep_unsharded = reshard_after_forward_policy != "always"
+        fully_shard([model.norm, model.output], **config, reshard_after_forward=not keep_unsharded)
+    fully_shard(model, **config)
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # plain SUM (gloo has no PREMUL_SUM; a factor of 1 makes the post-division a no-op)
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+    if experts_mesh is not None:
+        _set_explicit_prefetch(model, blocks)
+
+
+def _set_explicit_prefetch(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """EP's dispatch copies split sizes to the host, which stalls the CPU thread that would issue FSDP's implicit
+    next-unit all-gather; name the next units (block and its experts unit) explicitly instead."""
+
+    def units(block: nn.Module) -> list[nn.Module]:
+        inner = _inner(block)
+        return [block, inner.moe.experts] if inner.moe_enabled else [block]
+
+    if not blocks:
+        return
+    if model.tok_embeddings is not None:
+        model.tok_embeddings.set_modules_to_forward_prefetch(units(blocks[0]))
+    for block, next_block in zip(blocks, blocks[1:], strict=False):
+        block.set_modules_to_forward_prefetch(units(next_block))
+    if model.norm is not None and model.output is not None:
+        blocks[-1].set_modules_to_forward_prefetch([model.norm])
+        model.norm.set_modules_to_backward_prefetch(units(blocks[-1]))
+    reversed_blocks = blocks[::-1]
+    for block, prev_block in zip(reversed_blocks, reversed_blocks[1:], strict=False):
+        block.set_modules_to_backward_prefetch(units(prev_block))
+    if model.tok_embeddings is not None:
+        blocks[0].set_modules_to_backward_prefetch([model.tok_embeddings])
+
+
+def _inner(block: nn.Module) -> nn.Module:
+    """The transformer block behind an activation-checkpoint wrapper."""
+    return getattr(block, "_checkpoint_wrapped_module", block)

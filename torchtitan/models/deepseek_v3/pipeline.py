@@ -1,0 +1,163 @@
+"""Pipeline parallelism: split DeepSeek-V3 into stages, parallelize each stage, build the schedule.
+
+Stages get contiguous layers; the embedding and the norm+output head each count as `input_weight` /
+`output_weight` layers when balancing (torchtitan's convention: weight 1 each). Each stage is a deep copy of the
+whole model with the other layers deleted and the missing top-level modules set to None (the model's forward
+skips None modules), so parameter names stay those of the full model (checkpoints are stage-independent).
+
+Loss scaling: the schedule calls `loss_fn(output, labels)` once per micro-batch and backpropagates each
+micro-batch loss separately, so gradients are the SUM over micro-batches (`scale_grads=False`). The trainer's
+loss_fn divides the token-sum cross-entropy by the global number of valid tokens of the whole step, so the sum
+over micro-batches (and over dp ranks) equals the non-PP loss and gradient exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    ScheduleDualPipeV,
+    ScheduleZBVZeroBubble,
+    get_schedule_class,
+)
+
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
+
+__all__ = ["module_names_per_stage", "pipeline_deepseekv3"]
+
+
+def pipeline_deepseekv3(
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    job_config: Any,
+    device: torch.device,
+    model_args: Any,
+    loss_fn: Callable,
+) -> tuple[Any, list[nn.Module], bool, bool]:
+    """Returns (schedule, model_parts of this rank, has_first_stage, has_last_stage).
+
+    `model` may be on the meta device (initialize each part afterwards) or already initialized (its weights are
+    copied into the stages).
+    """
+    parallelism = job_config.parallelism
+    pp_mesh = parallel_dims.get_mesh("pp")
+    schedule_class = get_schedule_class(parallelism.pipeline_parallel_schedule)
+    single_stage = issubclass(schedule_class, PipelineScheduleSingle)
+    num_layers = model_args.n_layers
+
+    if parallelism.pipeline_parallel_layers_per_stage is None:
+        stages_per_rank = 1 if single_stage else 2
+    else:
+        num_stages = math.ceil((num_layers + 2) / parallelism.pipeline_parallel_layers_per_stage)
+        if num_stages % parallel_dims.pp != 0:
+            raise ValueError(
+                f"pipeline_parallel_layers_per_stage={parallelism.pipeline_parallel_layers_per_stage} gives "
+                f"{num_stages} stages (n_layers {num_layers} + embedding + head), not divisible by "
+                f"pipeline_parallel_degree {parallel_dims.pp}; choose another layers_per_stage."
+            )
+        stages_per_rank = num_stages // parallel_dims.pp
+        if single_stage and stages_per_rank != 1:
+            raise ValueError(
+                f"schedule {parallelism.pipeline_parallel_schedule} runs one stage per rank but "
+                f"pipeline_parallel_layers_per_stage gives {stages_per_rank}; raise layers_per_stage or use an "
+                "interleaved schedule."
+            )
+        if not single_stage and stages_per_rank < 2:
+            raise ValueError(
+                f"schedule {parallelism.pipeline_parallel_schedule} needs >= 2 stages per rank; lower "
+                "pipeline_parallel_layers_per_stage."
+            )
+    num_stages = parallel_dims.pp * stages_per_rank
+    names_per_stage = module_names_per_stage(num_stages, num_layers)
+
+    local_batch_size = job_config.training.local_batch_size
+    microbatch_size = parallelism.pipeline_parallel_microbatch_size
+    if local_batch_size % microbatch_size != 0:
+        raise ValueError(
+            f"training.local_batch_size ({local_batch_size}) must be divisible by "
+            f"parallelism.pipeline_parallel_microbatch_size ({microbatch_size})."
+        )
+    n_microbatches = local_batch_size // microbatch_size
+
+    pp_rank, pp_size = pp_mesh.get_local_rank(), pp_mesh.size()
+    v_style = schedule_class in (ScheduleZBVZeroBubble, ScheduleDualPipeV)
+    stage_ids = _stage_ids_of_rank(pp_rank, pp_size, stages_per_rank, v_style)
+
+    stages, model_parts = [], []
+    for stage_id in stage_ids:
+        part = _split(model, names_per_stage[stage_id])
+        part = parallelize_deepseekv3(part, parallel_dims, job_config)
+        model_parts.append(part)
+        stages.append(PipelineStage(part, stage_id, num_stages, device, group=pp_mesh.get_group()))
+
+    schedule = schedule_class(
+        stages if issubclass(schedule_class, PipelineScheduleMulti) else stages[0],
+        n_microbatches=n_microbatches,
+        loss_fn=loss_fn,
+        scale_grads=False,
+    )
+    has_first = any(stage.is_first for stage in stages)
+    has_last = any(stage.is_last for stage in stages)
+    return schedule, model_parts, has_first, has_last
+
+
+def module_names_per_stage(
+    num_stages: int, num_layers: int, input_weight: int = 1, output_weight: int = 1
+) -> list[list[str]]:
+    """Top-level module names of each stage, balancing layer counts with the embedding / head weighted as layers.
+
+    >>> module_names_per_stage(2, 4)
+    [['tok_embeddings', 'layers.0', 'layers.1'], ['layers.2', 'layers.3', 'norm', 'output']]
+    """
+    effective = num_layers + input_weight + output_weight
+    if num_stages > effective or num_stages < 1:
+        raise ValueError(f"{num_stages} pipeline stages for {num_layers} layers: every stage needs a layer.")
+    base, extra = divmod(effective, num_stages)
+    names, next_layer = [], 0
+    for stage in range(num_stages):
+        budget = base + (1 if stage < extra else 0)
+        stage_names = []
+        if stage == 0:
+            stage_names.append("tok_embeddings")
+            budget -= input_weight
+        if stage == num_stages - 1:
+            budget -= output_weight
+            budget = num_layers - next_layer  # the last stage takes whatever is left
+        for _ in range(max(budget, 0)):
+            if next_layer < num_layers:
+                stage_names.append(f"layers.{next_layer}")
+                next_layer += 1
+        if stage == num_stages - 1:
+            stage_names += ["norm", "output"]
+        if not any(n.startswith("layers.") for n in stage_names) and 0 < stage < num_stages - 1:
+            raise ValueError(f"pipeline stage {stage} of {num_stages} would have no layer; use fewer stages.")
+        names.append(stage_names)
+    return names
+
+
+def _stage_ids_of_rank(pp_rank: int, pp_size: int, stages_per_rank: int, v_style: bool) -> list[int]:
+    """Loop style: rank r owns r, r + pp, ...; V style (zero-bubble V): r and 2*pp - 1 - r."""
+    if v_style:
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank + i * pp_size for i in range(stages_per_rank)]
+
+
+def _split(model: nn.Module, keep: list[str]) -> nn.Module:
+    part = copy.deepcopy(model)
+    keep_layers = {name.split(".", 1)[1] for name in keep if name.startswith("layers.")}
+    for layer_name in list(part.layers.keys()):
+        if layer_name not in keep_layers:
+            del part.layers[layer_name]
+    for name in ("tok_embeddings", "norm", "output"):
+        if name not in keep:
+            setattr(part, name, None)
+    return part
