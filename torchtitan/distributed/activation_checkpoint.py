@@ -14,6 +14,9 @@ elementwise ops, index ops) in backward:
   communication, and device-to-host copies (the all-to-all split sizes), so recompute adds no host sync.
 - aten.max (amax-like reductions that low-precision recipes reuse).
 - DeepEP's dispatch/combine custom ops when torchtitan.distributed.deepep registered them.
+Not saved: `inductor_compiled_code` (torchtitan saves it): dense blocks are compiled together with their checkpoint,
+and dynamo cannot trace a policy that refers to that higher-order op; compiled children inside an eager MoE-block
+checkpoint are therefore recomputed in backward (their matmuls are the only expensive part).
 """
 
 from __future__ import annotations
@@ -54,7 +57,6 @@ def op_sac_save_list() -> set[Any]:
         lambda: aten.topk.default,
         lambda: aten.sort.stable,
         lambda: torch._higher_order_ops.flex_attention,
-        lambda: torch._higher_order_ops.inductor_compiled_code,
     ]
     save = set()
     for candidate in candidates:

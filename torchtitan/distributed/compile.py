@@ -6,7 +6,9 @@ them cannot be traced into one graph:
   variable-size token buffers whose split sizes are copied to the host (data-dependent shapes around a collective),
   and FSDP2 wraps them in their own unit whose pre/post-forward hooks are graph breaks;
 - the MoE's own glue (`MoE.forward`: sorting token copies by expert, unsorting) runs eager between those pieces.
-Compiled inside an MoE block: attention, both norms, the router, the shared experts.
+Compiled inside an MoE block: attention, the router, the shared experts. The two norms stay eager: a bare
+`torch.nn` module compiled as its own root frame is on dynamo's skip list (fullgraph=True then finds no frame to
+compile), and an RMSNorm is one fused op anyway.
 A dense block wrapped by activation checkpointing is compiled together with its checkpoint (dynamo traces the
 checkpoint and its SAC policy); in MoE blocks the checkpoint stays eager around the compiled children.
 Modules are compiled in place (`nn.Module.compile`), so parameter names (FQNs) do not change.
@@ -34,10 +36,7 @@ def apply_compile(model: nn.Module, compile_config: Any) -> None:
         if not getattr(inner, "moe_enabled", False):
             block.compile(backend=backend, fullgraph=True)
             continue
-        for child_name, child in inner.named_children():
-            if child_name != "moe":
-                child.compile(backend=backend, fullgraph=True)
-                continue
-            for moe_child_name, moe_child in child.named_children():
-                if moe_child_name != "experts":
-                    moe_child.compile(backend=backend, fullgraph=True)
+        inner.attention.compile(backend=backend, fullgraph=True)
+        inner.moe.router.compile(backend=backend, fullgraph=True)
+        if inner.moe.shared_experts is not None:
+            inner.moe.shared_experts.compile(backend=backend, fullgraph=True)
