@@ -4,6 +4,7 @@ Order of work: validate config -> process groups + device mesh -> data -> model 
 parallelize (or split into pipeline stages) -> materialize + init -> optimizer, LR schedule, checkpoint -> loop.
 """
 
+import contextlib
 import copy
 import gc
 import logging
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import RescaledLoss, build_loss_fn, check_finite_loss, count_valid_tokens
@@ -146,6 +148,11 @@ class Trainer:
 
     def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One micro-batch; returns its (already globally scaled) loss, zero on non-last PP stages."""
+        # With TP + loss parallel the logits stay vocab-sharded: cross-entropy and its backward need loss_parallel.
+        with loss_parallel() if self.parallel_dims.loss_parallel_enabled else contextlib.nullcontext():
+            return self._forward_backward(tokens, labels)
+
+    def _forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.parallel_dims.pp_enabled:
             losses: list[torch.Tensor] = []
             targets = labels if self.has_last_stage else None
