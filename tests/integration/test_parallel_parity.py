@@ -41,7 +41,7 @@ LAYOUTS = {
          *_local_batch(4)],
     ),
     "tp2_sp_replicated_logits": (
-        2, ["--parallelism.tensor_parallel_degree", "2", *_local_batch(1)]
+        2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_loss_parallel=false", *_local_batch(1)]
     ),
     # vocab-sharded logits: the trainer must compute the loss under torch.distributed.tensor.parallel.loss_parallel()
     "tp2_sp_loss_parallel": (2, ["--parallelism.tensor_parallel_degree", "2", *_local_batch(1)]),
