@@ -26,7 +26,6 @@ def main() -> None:
     parser.add_argument("--ngpu", type=int, required=True)
     parser.add_argument("--config", default="./train_configs/deepseek_v3_16b.toml")
     parser.add_argument("--warmup-steps", type=int, default=5, help="first steps dropped (compile, allocator warm-up)")
-    parser.add_argument("--profile", action="store_true", help="record a torch.profiler summary of one step")
     args, train_args = parser.parse_known_args()
     train_args = [a for a in train_args if a != "--"]
 
