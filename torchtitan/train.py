@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.components.checkpoint import CheckpointManager
@@ -170,7 +171,9 @@ class Trainer:
         loss = self.loss_fn(logits, labels)
         del logits  # free the (bs, seqlen, vocab) activation before backward
         loss.backward()
-        return loss.detach()
+        loss = loss.detach()
+        # Under loss parallel the loss is a replicated DTensor; callers reduce and log plain tensors.
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     def train_step(self, data_iterator: Iterator) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step; returns (global mean loss, grad norm, the lr this step used)."""

@@ -142,7 +142,7 @@ class NoParallel(ParallelStyle):
         )
 
 
-class ReplicateOverTokenShards(ParallelStyle):
+class ReplicateOverTokenShards(NoParallel):
     """Weights replicated over the mesh, input = this rank's own tokens (sequence shard along dim 0).
 
     Used for the router gate and shared experts when EP borrows the tp ranks and the MoE layer runs on the local
@@ -152,18 +152,6 @@ class ReplicateOverTokenShards(ParallelStyle):
 
     def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         return (DTensor.from_local(inputs[0], mesh, (Shard(0),), run_check=False), *inputs[1:])
-
-    def _prepare_output(self, module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        return output.to_local() if isinstance(output, DTensor) else output
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(
-            module,
-            device_mesh,
-            partition_fn=_replicate_params,
-            input_fn=self._prepare_input,
-            output_fn=self._prepare_output,
-        )
 
 
 class SyncGradColumns(NoParallel):
