@@ -80,12 +80,12 @@ class Trainer:
         nparams, self.flops_per_token = self.model_args.get_nparams_and_flops(model, job_config.training.seq_len)
         logger.info(f"model {job_config.model.flavor}: {nparams:,} parameters, {self.flops_per_token:,.0f} FLOPs/token")
 
-        # loss = token-sum CE / valid tokens of the whole step (all micro-batches, all DP ranks): summed over
-        # micro-batches and ranks it is exactly the full-batch mean, so accumulation, DP degree and PP
-        # micro-batching never change it. FSDP therefore sums gradients (divide factor 1, set in parallelize).
         # CPU: DTensor has no RNG tracker there, so sharded init would repeat values across ranks (weight_init.py).
         unsharded_model = copy.deepcopy(model) if self.device.type == "cpu" else None
 
+        # loss = token-sum CE / valid tokens of the whole step (all micro-batches, all DP ranks): summed over
+        # micro-batches and ranks it is exactly the full-batch mean, so accumulation, DP degree and PP
+        # micro-batching never change it. FSDP therefore sums gradients (divide factor 1, set in parallelize).
         self.loss_fn = RescaledLoss(build_loss_fn(job_config))
         if self.parallel_dims.pp_enabled:
             from torchtitan.models.deepseek_v3.pipeline import pipeline_deepseekv3

@@ -72,3 +72,17 @@ def test_help_lists_every_field_and_exits_zero():
     assert proc.returncode == 0, proc.stderr
     for key in ("--training.local_batch_size", "--parallelism.expert_parallel_comm_backend", "--compile.enable"):
         assert key in proc.stdout
+
+
+def test_final_hf_export_loads_in_transformers(dump_folder):
+    import torch
+    import transformers  # dev dependency
+
+    args = [*FAST_ARGS, "--training.steps", "2", "--checkpoint.enable", "--checkpoint.last_save_in_hf"]
+    run_trainer(dump_folder, args)
+    export = dump_folder / "checkpoint" / "step-2"
+    assert (export / "config.json").is_file() and (export / "complete.json").is_file()
+    model = transformers.AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32)
+    tokens = torch.randint(0, 2048, (1, 16))
+    logits = model(tokens).logits
+    assert logits.shape == (1, 16, 2048) and torch.isfinite(logits).all()

@@ -27,7 +27,6 @@ import logging
 import os
 import pickle
 import random
-import re
 import shutil
 import time
 from concurrent.futures import Future
@@ -40,23 +39,26 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from torchtitan.components.checkpoint_folder import (
+    FORMAT_FULL,
+    FORMAT_HF,
+    FORMAT_MODEL_ONLY,
+    TMP_SUFFIX,
+    CheckpointError,
+    checkpoint_keys,
+    complete_checkpoints,
+    publish,
+    resolve_tmp_folders,
+    validate_checkpoint,
+    validate_foreign_dcp,
+)
 from torchtitan.config.job_config import JobConfig
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointError", "CheckpointManager", "ModelWrapper", "RngState", "validate_checkpoint"]
 
-MANIFEST_NAME = "complete.json"
-TMP_SUFFIX = ".tmp"
-FORMAT_FULL = "full"
-FORMAT_MODEL_ONLY = "model_only"
-FORMAT_HF = "hf"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 _EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or unreadable; the message names the folder and the fix."""
 
 
 class Stateful(Protocol):
@@ -144,7 +146,7 @@ class CheckpointManager:
         if self.enable:
             if self.rank == 0:
                 os.makedirs(self.folder, exist_ok=True)
-                _resolve_tmp_folders(self.folder)
+                resolve_tmp_folders(self.folder)
             self._barrier()
 
     # ---- save ----------------------------------------------------------------------------------------
@@ -214,34 +216,14 @@ class CheckpointManager:
             logger.info(f"checkpoint step {pending.step} saved (async)")
 
     def _publish(self, step: int, tmp_path: str, fmt: str) -> None:
-        """Rank 0: manifest, fsync, rename `step-N.tmp` -> `step-N`, then purge old checkpoints."""
-        files = {}
-        for root, _, names in os.walk(tmp_path):
-            for name in names:
-                full = os.path.join(root, name)
-                _fsync(full)
-                files[os.path.relpath(full, tmp_path)] = os.path.getsize(full)
-        if fmt != FORMAT_HF and ".metadata" not in files:
-            raise CheckpointError(f"save into {tmp_path} produced no .metadata; not publishing it")
-        manifest = {"step": step, "format": fmt, "files": files, "time": time.time()}
-        manifest_tmp = os.path.join(tmp_path, MANIFEST_NAME + TMP_SUFFIX)
-        with open(manifest_tmp, "w") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(manifest_tmp, os.path.join(tmp_path, MANIFEST_NAME))
-        _fsync(tmp_path)
-        final_path = os.path.join(self.folder, f"step-{step}")
-        if os.path.exists(final_path):
-            shutil.rmtree(final_path)
-        os.replace(tmp_path, final_path)
-        _fsync(self.folder)
+        """Rank 0: make `step-N` visible atomically, then purge old checkpoints."""
+        publish(self.folder, step, tmp_path, fmt)
         self._purge_old_checkpoints()
 
     def _purge_old_checkpoints(self) -> None:
         if self.keep_latest_k <= 0:
             return
-        complete = sorted(_complete_checkpoints(self.folder))
+        complete = sorted(complete_checkpoints(self.folder))
         for step in complete[: -self.keep_latest_k]:
             path = os.path.join(self.folder, f"step-{step}")
             logger.info(f"keep_latest_k={self.keep_latest_k}: deleting {path}")
@@ -266,6 +248,11 @@ class CheckpointManager:
             }
             os.makedirs(tmp_path, exist_ok=True)
             save_hf_safetensors(self._adapter().to_hf(full_state), tmp_path)
+            if self.model_args is not None:  # config.json makes the folder loadable by transformers as is
+                from torchtitan.models.deepseek_v3.state_dict_adapter import hf_config_from_model_args
+
+                with open(os.path.join(tmp_path, "config.json"), "w") as f:
+                    json.dump(hf_config_from_model_args(self.model_args), f, indent=2)
 
     # ---- load ----------------------------------------------------------------------------------------
 
@@ -288,7 +275,7 @@ class CheckpointManager:
         return False
 
     def _checkpoint_to_resume(self, step: int) -> str | None:
-        complete = _complete_checkpoints(self.folder) if os.path.isdir(self.folder) else {}
+        complete = complete_checkpoints(self.folder) if os.path.isdir(self.folder) else {}
         if step == -1:
             for candidate in sorted(complete, reverse=True):
                 manifest = validate_checkpoint(complete[candidate])
@@ -315,9 +302,9 @@ class CheckpointManager:
             self._load_hf(path)
             logger.info(f"initialized model from HF checkpoint {path} in {time.monotonic() - begin:.2f}s")
             return False
-        self._rank0_decides(lambda: _validate_foreign_dcp(path))
+        self._rank0_decides(lambda: validate_foreign_dcp(path))
         if self.config.initial_load_model_only:
-            keys = _checkpoint_keys(path)
+            keys = checkpoint_keys(path)
             if any(key.startswith("model.") for key in keys):
                 self._dcp_load({"model": self.model}, path)
             else:  # a model-only checkpoint written with the model at top level (torchtitan's own export)
@@ -358,7 +345,7 @@ class CheckpointManager:
 
     def _states_present_in(self, path: str) -> dict[str, Any]:
         """All states, minus per-rank ones this checkpoint has no entry for (another DP degree / world size)."""
-        keys = _checkpoint_keys(path)
+        keys = checkpoint_keys(path)
         states = self._states()
         for name in [n for n in states if n.startswith(("dataloader.", "rng."))]:
             if not any(key.startswith(name + ".") for key in keys):
@@ -476,98 +463,5 @@ class RngState:
             torch.cuda.set_rng_state(state["torch_cuda"])
 
 
-# ---- folder helpers --------------------------------------------------------------------------------
-
-
-def validate_checkpoint(path: str) -> dict[str, Any]:
-    """Return the manifest of complete checkpoint `path`; raise CheckpointError if files do not match it."""
-    reason = _manifest_problem(path)
-    if reason is not None:
-        raise CheckpointError(
-            f"checkpoint {path} is incomplete or corrupt: {reason}. Delete {path} to resume from the previous "
-            f"checkpoint, or choose another with --checkpoint.load_step"
-        )
-    with open(os.path.join(path, MANIFEST_NAME)) as f:
-        return json.load(f)
-
-
-def _manifest_problem(path: str) -> str | None:
-    manifest_path = os.path.join(path, MANIFEST_NAME)
-    if not os.path.isfile(manifest_path):
-        return f"no {MANIFEST_NAME} (the save did not finish)"
-    try:
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-        files, fmt = manifest["files"], manifest["format"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return f"unreadable {MANIFEST_NAME} ({err!r})"
-    if fmt != FORMAT_HF and ".metadata" not in files:
-        return "the manifest lists no .metadata"
-    for name, size in sorted(files.items()):
-        full = os.path.join(path, name)
-        if not os.path.isfile(full):
-            return f"{name} is missing"
-        actual = os.path.getsize(full)
-        if actual != size:
-            return f"{name} has {actual} bytes, the manifest says {size} (truncated or overwritten)"
-    return None
-
-
-def _validate_foreign_dcp(path: str) -> None:
-    """An initial_load_path: one of ours (manifest) is fully validated; any DCP folder needs `.metadata`."""
-    if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
-        validate_checkpoint(path)
-    elif not os.path.isfile(os.path.join(path, ".metadata")):
-        raise CheckpointError(
-            f"checkpoint.initial_load_path {path} is not a DCP checkpoint folder (no .metadata); for HF safetensors "
-            f"set --checkpoint.initial_load_in_hf"
-        )
-
-
-def _checkpoint_keys(path: str) -> set[str]:
-    try:
-        return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
-    except Exception as err:
-        raise CheckpointError(
-            f"cannot read {path}/.metadata ({err!r}); delete {path} or choose another with --checkpoint.load_step"
-        ) from err
-
-
-def _complete_checkpoints(folder: str) -> dict[int, str]:
-    """{step: path} of `step-N` folders that have a manifest (validated when loaded)."""
-    complete = {}
-    for name in os.listdir(folder):
-        match = _STEP_DIR.match(name)
-        path = os.path.join(folder, name)
-        if match and os.path.isfile(os.path.join(path, MANIFEST_NAME)):
-            complete[int(match.group(1))] = path
-    return complete
-
-
-def _resolve_tmp_folders(folder: str) -> None:
-    """Startup, rank 0: finish renames that a crash interrupted after the manifest; delete other `.tmp` folders."""
-    for name in sorted(os.listdir(folder)):
-        if not (name.endswith(TMP_SUFFIX) and _STEP_DIR.match(name[: -len(TMP_SUFFIX)])):
-            continue
-        tmp_path = os.path.join(folder, name)
-        final_path = tmp_path[: -len(TMP_SUFFIX)]
-        if _manifest_problem(tmp_path) is None and not os.path.exists(final_path):
-            logger.warning(f"{tmp_path} is complete but was not renamed (crash); renaming it to {final_path}")
-            os.replace(tmp_path, final_path)
-        else:
-            logger.warning(f"removing {tmp_path}: a save that did not finish")
-            shutil.rmtree(tmp_path, ignore_errors=True)
-    _fsync(folder)
-
-
 def _is_pipeline_stage(model_part: nn.Module) -> bool:
     return any(hasattr(model_part, name) and getattr(model_part, name) is None for name in ("tok_embeddings", "output"))
-
-
-def _fsync(path: str) -> None:
-    """fsync a file or a directory (a directory's fsync makes renames inside it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

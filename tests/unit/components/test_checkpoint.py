@@ -8,7 +8,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
-from torchtitan.components.checkpoint import MANIFEST_NAME, CheckpointError, CheckpointManager
+from torchtitan.components.checkpoint import CheckpointError, CheckpointManager
+from torchtitan.components.checkpoint_folder import MANIFEST_NAME
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config.job_config import JobConfig
