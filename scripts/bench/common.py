@@ -47,3 +47,22 @@ def median(values: list[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def cuda_time_ms(fn, warmup: int, iters: int, barrier: bool = False) -> float:
+    """Median milliseconds of `fn()` by CUDA events after `warmup` calls; `barrier` lines ranks up per iteration."""
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if barrier:
+            dist.barrier()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return median(times)

@@ -18,24 +18,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scripts.bench.common import median, write_result  # noqa: E402
+from scripts.bench.common import cuda_time_ms, write_result  # noqa: E402
 from torchtitan.distributed.deepep import ops  # noqa: E402
 from torchtitan.distributed.deepep.buffer import get_or_create_buffer  # noqa: E402
-
-
-def time_ms(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        dist.barrier()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return median(times)
 
 
 def main() -> None:
@@ -63,10 +48,12 @@ def main() -> None:
     topk_weights, topk_idx = scores.topk(args.top_k, dim=-1)
     with torch.no_grad():
         recv_x, _, _, _, _, handle = ops.dispatch(x, topk_idx, topk_weights, args.num_experts, group_name)
-        dispatch_ms = time_ms(
-            lambda: ops.dispatch(x, topk_idx, topk_weights, args.num_experts, group_name), 5, args.iters
+        dispatch_ms = cuda_time_ms(
+            lambda: ops.dispatch(x, topk_idx, topk_weights, args.num_experts, group_name), 5, args.iters, barrier=True
         )
-        combine_ms = time_ms(lambda: ops.combine(recv_x, handle, group_name, None), 5, args.iters)
+        combine_ms = cuda_time_ms(
+            lambda: ops.combine(recv_x, handle, group_name, None), 5, args.iters, barrier=True
+        )
     recv_bytes = recv_x.numel() * recv_x.element_size()
     rates = torch.tensor([recv_bytes / 1e6 / dispatch_ms, recv_bytes / 1e6 / combine_ms], device=device)
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)

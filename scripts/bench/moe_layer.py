@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scripts.bench.common import MEASURED_H200_BF16_TFLOPS, median, write_result  # noqa: E402
+from scripts.bench.common import MEASURED_H200_BF16_TFLOPS, cuda_time_ms, write_result  # noqa: E402
 from torchtitan.models.moe.args import MoEArgs  # noqa: E402
 from torchtitan.models.moe.moe import build_moe  # noqa: E402
 
@@ -59,20 +59,6 @@ def build_layer(layer: dict, backend: str, ep_mesh, device: torch.device, num_sm
     return moe
 
 
-def time_ms(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layer", choices=sorted(LAYERS), required=True)
@@ -105,8 +91,8 @@ def main() -> None:
             moe(x).backward(grad)
 
         torch.cuda.reset_peak_memory_stats()
-        fwd_ms = time_ms(forward, args.warmup, args.iters)
-        fwd_bwd_ms = time_ms(forward_backward, args.warmup, args.iters)
+        fwd_ms = cuda_time_ms(forward, args.warmup, args.iters)
+        fwd_bwd_ms = cuda_time_ms(forward_backward, args.warmup, args.iters)
         peak_gib = torch.cuda.max_memory_allocated() / 2**30
         stats = torch.tensor([fwd_ms, fwd_bwd_ms, peak_gib], device=device)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank is the layer's time
