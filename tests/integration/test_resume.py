@@ -65,22 +65,28 @@ def test_killed_run_restarts_from_latest_complete_checkpoint(tmp_path):
         assert got[step] == expected[step], step
 
 
-def test_checkpoint_reshards_from_fsdp_x_ep_to_fsdp(tmp_path):
-    """Saved with FSDP=2 x EP=2, resumed with plain 2-way FSDP: the continuation matches the original layout's."""
-    args = [*FAST_ARGS, *CKPT_ARGS, "--training.global_batch_size", "8",
-            "--parallelism.data_parallel_shard_degree", "2"]
-    ep_layout = ["--parallelism.expert_parallel_degree", "2"]
+@pytest.mark.parametrize(
+    "nproc, layout",
+    [(2, ["--parallelism.data_parallel_shard_degree", "2"]), (1, [])],
+    ids=["to-fsdp2", "to-single-process"],
+)
+def test_checkpoint_reshards_from_fsdp_x_ep(tmp_path, nproc, layout):
+    """Saved with FSDP=2 x EP=2, resumed with plain FSDP=2 or in one process (the dataloader position reshards
+    too): the continuation matches the original layout's."""
+    args = [*FAST_ARGS, *CKPT_ARGS, "--training.global_batch_size", "8"]
     saved = tmp_path / "saved"
-    run_trainer(saved, [*args, *ep_layout, "--training.steps", "8"], nproc=2)
+    fsdp_ep = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2"]
+    run_trainer(saved, [*args, *fsdp_ep, "--training.local_batch_size", "4", "--training.steps", "8"], nproc=2)
     reference = read_losses(saved)
 
     resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    (resumed / "checkpoint").mkdir()
+    (resumed / "checkpoint").mkdir(parents=True)
     (saved / "checkpoint" / "step-5").rename(resumed / "checkpoint" / "step-5")
-    run_trainer(resumed, [*args, "--training.steps", "8"], nproc=2)
+    local_batch = str(8 // nproc)
+    run_trainer(resumed, [*args, *layout, "--training.local_batch_size", local_batch, "--training.steps", "8"],
+                nproc=nproc)
     got = read_losses(resumed)
     assert sorted(got) == [6, 7, 8]  # resumed from step 5, no re-training from scratch
     for step in (6, 7, 8):
-        # Same math, different communication pattern: fp32 sums in another order.
+        # Same math and data, different communication pattern: fp32 sums in another order.
         assert got[step] == pytest.approx(reference[step], rel=1e-5), (step, got[step], reference[step])

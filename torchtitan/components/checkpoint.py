@@ -344,9 +344,16 @@ class CheckpointManager:
         return states
 
     def _states_present_in(self, path: str) -> dict[str, Any]:
-        """All states, minus per-rank ones this checkpoint has no entry for (another DP degree / world size)."""
+        """All states, minus per-rank ones this checkpoint has no entry for (another DP degree / world size).
+
+        A dataloader entry missing for this DP rank is read from DP rank 0's: the dataloader reshards its
+        position (every DP layout has consumed the same global samples).
+        """
         keys = checkpoint_keys(path)
         states = self._states()
+        own_key = f"dataloader.dp_rank_{self.dp_rank}"
+        if own_key in states and not any(key.startswith(own_key + ".") for key in keys):
+            states["dataloader.dp_rank_0"] = states.pop(own_key)
         for name in [n for n in states if n.startswith(("dataloader.", "rng."))]:
             if not any(key.startswith(name + ".") for key in keys):
                 logger.warning(f"{path} has no {name} (saved with another layout); it keeps its fresh state")

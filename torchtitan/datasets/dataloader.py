@@ -11,6 +11,8 @@ from torchtitan.datasets.tokenizer import Tokenizer
 
 # Identity entries recorded in the state but not compared on load: the corpus may move to another folder.
 INFORMATIONAL_IDENTITY_KEYS = ("dataset",)
+# Entries that may change when a checkpoint is resumed with another data-parallel layout (see _reshard).
+LAYOUT_IDENTITY_KEYS = ("dp_world_size", "local_batch_size")
 
 
 class ParallelAwareDataloader(StatefulDataLoader):
@@ -19,7 +21,11 @@ class ParallelAwareDataloader(StatefulDataLoader):
     `state_dict()` is `{"dp_world_size": W, "dp_rank_<r>": pickled {"identity", "loader"}}`: the per-rank key
     keeps ranks' states apart when a distributed checkpoint merges them (DCP deduplicates equal keys), and
     the identity (hash of the token stream, tokenizer fingerprint, seq_len, local batch size, dp world size) makes
-    a resume with different data or layout fail loudly instead of silently training on other samples.
+    a resume with different data fail loudly instead of silently training on other samples.
+
+    A state saved with another data-parallel degree (any saved rank's entry will do) is resharded: the sample
+    stream is global, so after S optimizer steps every layout has consumed the same S x global_batch samples,
+    and each of this run's ranks continues at its share of them.
     """
 
     def __init__(
@@ -42,20 +48,19 @@ class ParallelAwareDataloader(StatefulDataLoader):
         return {"dp_world_size": self.dp_world_size, self._rank_key: pickle.dumps(rank_state)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved_world_size = state_dict.get("dp_world_size")
-        if saved_world_size != self.dp_world_size:
-            raise ValueError(
-                f"dataloader state was saved with dp_world_size={saved_world_size}, this run has "
-                f"{self.dp_world_size}; resume with the same data-parallel degree"
-            )
-        if self._rank_key not in state_dict:
+        same_layout = state_dict.get("dp_world_size") == self.dp_world_size
+        rank_keys = sorted(key for key in state_dict if key.startswith("dp_rank_"))
+        if same_layout and self._rank_key not in state_dict:
             raise ValueError(f"dataloader state has no entry for {self._rank_key} (keys: {sorted(state_dict)})")
-        rank_state = pickle.loads(state_dict[self._rank_key])
+        if not rank_keys:
+            raise ValueError(f"dataloader state holds no rank entry (keys: {sorted(state_dict)})")
+        rank_state = pickle.loads(state_dict[self._rank_key if same_layout else rank_keys[0]])
         saved_identity = rank_state["identity"]
+        ignored = INFORMATIONAL_IDENTITY_KEYS + (() if same_layout else LAYOUT_IDENTITY_KEYS)
         mismatched = {
             name: (saved_identity.get(name), value)
             for name, value in self.identity.items()
-            if name not in INFORMATIONAL_IDENTITY_KEYS and saved_identity.get(name) != value
+            if name not in ignored and saved_identity.get(name) != value
         }
         if mismatched:
             details = ", ".join(f"{name}: saved {saved!r}, now {now!r}" for name, (saved, now) in mismatched.items())
@@ -63,7 +68,33 @@ class ParallelAwareDataloader(StatefulDataLoader):
                 f"dataloader state does not match this run ({details}); resume with the same dataset, "
                 "tokenizer, --training.seq_len, --training.local_batch_size and data-parallel degree"
             )
-        super().load_state_dict(rank_state["loader"])
+        loader_state = rank_state["loader"]
+        if not same_layout:
+            loader_state = self._reshard(loader_state, saved_identity)
+        super().load_state_dict(loader_state)
+
+    def _reshard(self, loader_state: dict[str, Any], saved_identity: dict[str, Any]) -> dict[str, Any]:
+        """A loader state of another dp degree -> this rank's position over the same consumed global samples."""
+        if "dataset_state" not in loader_state or self.num_workers != 0:
+            raise ValueError(
+                "resuming the dataloader with another data-parallel degree needs num_workers=0 in both runs"
+            )
+        consumed = loader_state["dataset_state"]["samples_yielded"] * saved_identity["dp_world_size"]
+        per_micro_step = self.dp_world_size * self.batch_size
+        if consumed % per_micro_step:
+            raise ValueError(
+                f"the checkpoint's {consumed} consumed samples do not split into whole batches of "
+                f"{self.dp_world_size} ranks x {self.batch_size}; resume with the saved layout"
+            )
+        local = consumed // self.dp_world_size
+        batches = local // self.batch_size
+        return {
+            **loader_state,
+            "dataset_state": {**loader_state["dataset_state"], "samples_yielded": local},
+            "_sampler_iter_state": {"samples_yielded": local},
+            "_sampler_iter_yielded": batches,
+            "_num_yielded": batches,
+        }
 
 
 def build_dataloader(

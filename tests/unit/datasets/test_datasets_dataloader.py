@@ -83,9 +83,9 @@ def test_state_is_keyed_by_rank_and_stamped_with_identity(tokenizer, make_job_co
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"dp_world_size": 4}, "dp_world_size"),
         ({"seq_len": 32}, "seq_len"),
         ({"local_batch_size": 3}, "local_batch_size"),
+        ({"dp_world_size": 4}, "whole batches"),  # 1 step x 2 ranks x 8 samples do not split over 4 x 8
     ],
 )
 def test_loading_state_from_a_different_layout_is_an_error(tokenizer, make_job_config, change, message):
@@ -116,3 +116,20 @@ def test_state_loads_when_the_same_corpus_moved_folder(tokenizer, make_job_confi
     resumed = build_dataloader(make_job_config(moved), tokenizer, 0, 1)
     resumed.load_state_dict(state)
     assert_same_batches(take(resumed, 2), take(iterator, 2))
+
+
+@pytest.mark.parametrize("world_size, local_batch_size, rank", [(1, 4, 0), (4, 1, 2), (4, 1, 3)])
+def test_state_reshards_to_another_data_parallel_degree(tokenizer, make_job_config, world_size, local_batch_size,
+                                                        rank):
+    """Saved by rank 1 of 2 ranks x batch 2 after 3 steps (12 global samples); resumed by another layout with the
+    same global batch, each rank continues exactly where a straight run of that layout would be."""
+    saved = build_dataloader(make_job_config(local_batch_size=2), tokenizer, 1, 2)
+    take(saved, 3)
+    state = saved.state_dict()
+
+    job_config = make_job_config(local_batch_size=local_batch_size)
+    steps_done = 12 // (world_size * local_batch_size)
+    straight = take(build_dataloader(job_config, tokenizer, rank, world_size), steps_done + 2)
+    resumed = build_dataloader(job_config, tokenizer, rank, world_size)
+    resumed.load_state_dict(state)
+    assert_same_batches(take(resumed, 2), straight[-2:])
