@@ -1,13 +1,12 @@
 import json
 import os
 import random
-import socket
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
+from tests.unit.distributed._spawn import run_distributed
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager
 from torchtitan.components.checkpoint_folder import MANIFEST_NAME
 from torchtitan.components.lr_scheduler import build_lr_schedulers
@@ -367,44 +366,33 @@ def test_hf_export_without_adapter_or_model_args_fails_at_construction(tmp_path)
 # ---- 2-rank FSDP save, 1-rank load ------------------------------------------------------------------
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _fsdp_save_worker(rank, world_size, port, dump_folder):
+def _fsdp_save_worker(rank, world_size, dump_folder):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        torch.manual_seed(0)
-        model = TinyModel()
-        fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
-        run = Run(make_config(dump_folder), model=model, dp_rank=rank)
-        torch.manual_seed(100 + rank)  # different data per DP rank
-        run.dataloader.position = 1000 * rank
-        run.train(2)
+    torch.manual_seed(0)
+    model = TinyModel()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    run = Run(make_config(dump_folder), model=model, dp_rank=rank)
+    torch.manual_seed(100 + rank)  # different data per DP rank
+    run.dataloader.position = 1000 * rank
+    run.train(2)
 
-        def full(tensor):
-            return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    def full(tensor):
+        return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
-        reference = {
-            "params": {k: full(v) for k, v in model.state_dict().items()},
-            "exp_avg": {k: full(v) for k, v in run.optimizers.state_dict().items() if k.endswith(".exp_avg")},
-        }
-        if rank == 0:
-            torch.save(reference, os.path.join(dump_folder, "reference.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    reference = {
+        "params": {k: full(v) for k, v in model.state_dict().items()},
+        "exp_avg": {k: full(v) for k, v in run.optimizers.state_dict().items() if k.endswith(".exp_avg")},
+    }
+    if rank == 0:
+        torch.save(reference, os.path.join(dump_folder, "reference.pt"))
+    dist.barrier()
 
 
 def test_two_rank_fsdp_checkpoint_loads_resharded_into_one_rank(tmp_path):
-    mp.spawn(_fsdp_save_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    run_distributed(_fsdp_save_worker, 2, str(tmp_path))
     assert listing(tmp_path) == ["step-2"]
     files = json.loads((folder(tmp_path) / "step-2" / MANIFEST_NAME).read_text())["files"]
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(files)

@@ -2,15 +2,13 @@
 
 import dataclasses
 import functools
-import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from tests.unit.distributed._spawn import run_distributed
 from torchtitan.models.moe.args import MoEArgs
 from torchtitan.models.moe.load_balance import build_expert_bias_hook, update_expert_bias
 from torchtitan.models.moe.moe import MoE
@@ -133,50 +131,44 @@ def test_hook_runs_before_optimizer_step_and_moves_bias_towards_balance():
     assert moe.tokens_per_expert.sum() == 0
 
 
-def _two_rank_worker(rank: int, init_file: str) -> None:
+def _two_rank_worker(rank: int, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Replicate
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    layers = torch.nn.ModuleList([make_moe(num_experts=4), make_moe(num_experts=4)])
+    fully_shard(layers[0], mesh=mesh)
+    assert isinstance(layers[0].router.gate.weight, DTensor)
+    assert not isinstance(layers[0].expert_bias, DTensor)  # FSDP2 leaves buffers plain
+    assert not isinstance(layers[0].tokens_per_expert, DTensor)
+    # replicated DTensor buffers (should a parallel plan make them so) are updated through their local tensor
+    for name in ("expert_bias", "tokens_per_expert"):
+        setattr(layers[1], name, DTensor.from_local(getattr(layers[1], name), mesh, [Replicate()]))
+    layers[1](torch.randn(1, 3, DIM)).sum().backward()  # routing and counting accept the DTensor buffers
+
+    # rank 0 saw [4, 0, 0, 0], rank 1 saw [0, 0, 1, 3]: global [4, 0, 1, 3], mean 2 -> signs [-1, 1, 1, -1]
+    local = [[4.0, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, 3.0]][rank]
+    for layer in layers:
+        counts = layer.tokens_per_expert
+        (counts.to_local() if isinstance(counts, DTensor) else counts).copy_(torch.tensor(local))
+
+    calls = []
+    original_all_reduce = dist.all_reduce
+    dist.all_reduce = lambda *args, **kwargs: calls.append(1) or original_all_reduce(*args, **kwargs)
     try:
-        mesh = init_device_mesh("cpu", (2,))
-        layers = torch.nn.ModuleList([make_moe(num_experts=4), make_moe(num_experts=4)])
-        fully_shard(layers[0], mesh=mesh)
-        assert isinstance(layers[0].router.gate.weight, DTensor)
-        assert not isinstance(layers[0].expert_bias, DTensor)  # FSDP2 leaves buffers plain
-        assert not isinstance(layers[0].tokens_per_expert, DTensor)
-        # replicated DTensor buffers (should a parallel plan make them so) are updated through their local tensor
-        for name in ("expert_bias", "tokens_per_expert"):
-            setattr(layers[1], name, DTensor.from_local(getattr(layers[1], name), mesh, [Replicate()]))
-        layers[1](torch.randn(1, 3, DIM)).sum().backward()  # routing and counting accept the DTensor buffers
-
-        # rank 0 saw [4, 0, 0, 0], rank 1 saw [0, 0, 1, 3]: global [4, 0, 1, 3], mean 2 -> signs [-1, 1, 1, -1]
-        local = [[4.0, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, 3.0]][rank]
-        for layer in layers:
-            counts = layer.tokens_per_expert
-            (counts.to_local() if isinstance(counts, DTensor) else counts).copy_(torch.tensor(local))
-
-        calls = []
-        original_all_reduce = dist.all_reduce
-        dist.all_reduce = lambda *args, **kwargs: calls.append(1) or original_all_reduce(*args, **kwargs)
-        try:
-            update_expert_bias(layers, reduce_group=dist.group.WORLD)
-        finally:
-            dist.all_reduce = original_all_reduce
-
-        assert len(calls) == 1, "one all-reduce for all layers"
-        for layer in layers:
-            bias, counts = (
-                t.to_local() if isinstance(t, DTensor) else t for t in (layer.expert_bias, layer.tokens_per_expert)
-            )
-            assert bias.tolist() == pytest.approx([-0.1, 0.1, 0.1, -0.1])
-            assert counts.sum() == 0
+        update_expert_bias(layers, reduce_group=dist.group.WORLD)
     finally:
-        dist.destroy_process_group()
+        dist.all_reduce = original_all_reduce
+
+    assert len(calls) == 1, "one all-reduce for all layers"
+    for layer in layers:
+        bias, counts = (
+            t.to_local() if isinstance(t, DTensor) else t for t in (layer.expert_bias, layer.tokens_per_expert)
+        )
+        assert bias.tolist() == pytest.approx([-0.1, 0.1, 0.1, -0.1])
+        assert counts.sum() == 0
 
 
 def test_bias_update_all_reduces_counts_across_ranks():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_two_rank_worker, args=(os.path.join(tmp, "init"),), nprocs=2, start_method="spawn")
+    run_distributed(_two_rank_worker, 2)
