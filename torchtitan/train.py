@@ -164,10 +164,7 @@ class Trainer:
             if self.has_last_stage:
                 return torch.stack(losses).sum().detach()
             return torch.zeros((), device=self.device)
-        document_ids = self._document_ids(tokens)
-        logits = self.model_parts[0](tokens, document_ids=document_ids) if document_ids is not None else (
-            self.model_parts[0](tokens)
-        )
+        logits = self.model_parts[0](tokens, document_ids=self._document_ids(tokens))
         loss = self.loss_fn(logits, labels)
         del logits  # free the (bs, seqlen, vocab) activation before backward
         loss.backward()

@@ -66,3 +66,14 @@ def cuda_time_ms(fn, warmup: int, iters: int, barrier: bool = False) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return median(times)
+
+
+def init_nccl_from_torchrun() -> torch.device:
+    """This torchrun rank's GPU, with the default NCCL process group bound to it."""
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    dist.init_process_group("nccl", device_id=device)
+    return device

@@ -10,7 +10,6 @@ reported as the minimum over ranks of the median over iterations.
 """
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scripts.bench.common import cuda_time_ms, write_result  # noqa: E402
+from scripts.bench.common import cuda_time_ms, init_nccl_from_torchrun, write_result  # noqa: E402
 from torchtitan.distributed.deepep import ops  # noqa: E402
 from torchtitan.distributed.deepep.buffer import get_or_create_buffer  # noqa: E402
 
@@ -33,10 +32,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args()
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank)
-    dist.init_process_group("nccl", device_id=device)
+    device = init_nccl_from_torchrun()
     group = dist.group.WORLD
     ep = dist.get_world_size()
     get_or_create_buffer(group, args.hidden, device_type="cuda", num_sms=args.num_sms)

@@ -9,7 +9,6 @@ One JSON per (layer, backend, ep, tokens) goes to $BENCH_OUT or benchmarks/resul
 """
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scripts.bench.common import MEASURED_H200_BF16_TFLOPS, cuda_time_ms, write_result  # noqa: E402
+from scripts.bench.common import MEASURED_H200_BF16_TFLOPS, cuda_time_ms, init_nccl_from_torchrun, write_result  # noqa: E402
 from torchtitan.models.moe.args import MoEArgs  # noqa: E402
 from torchtitan.models.moe.moe import build_moe  # noqa: E402
 
@@ -69,10 +68,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank)
-    dist.init_process_group("nccl", device_id=device)
+    device = init_nccl_from_torchrun()
     ep = dist.get_world_size()
     ep_mesh = init_device_mesh("cuda", (ep,), mesh_dim_names=("ep",))
     layer = LAYERS[args.layer]
