@@ -47,17 +47,22 @@ def main() -> None:
         dispatch_ms = cuda_time_ms(
             lambda: ops.dispatch(x, topk_idx, topk_weights, args.num_experts, group_name), 5, args.iters, barrier=True
         )
-        combine_ms = cuda_time_ms(
-            lambda: ops.combine(recv_x, handle, group_name, None), 5, args.iters, barrier=True
-        )
+        combine_ms = cuda_time_ms(lambda: ops.combine(recv_x, handle, group_name, None), 5, args.iters, barrier=True)
     recv_bytes = recv_x.numel() * recv_x.element_size()
     rates = torch.tensor([recv_bytes / 1e6 / dispatch_ms, recv_bytes / 1e6 / combine_ms], device=device)
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)
     if dist.get_rank() == 0:
         result = dict(
-            ep=ep, num_tokens=args.num_tokens, hidden=args.hidden, num_experts=args.num_experts, top_k=args.top_k,
-            num_sms=args.num_sms, dispatch_ms=dispatch_ms, combine_ms=combine_ms,
-            dispatch_gbps=rates[0].item(), combine_gbps=rates[1].item(),
+            ep=ep,
+            num_tokens=args.num_tokens,
+            hidden=args.hidden,
+            num_experts=args.num_experts,
+            top_k=args.top_k,
+            num_sms=args.num_sms,
+            dispatch_ms=dispatch_ms,
+            combine_ms=combine_ms,
+            dispatch_gbps=rates[0].item(),
+            combine_gbps=rates[1].item(),
             formula="recv_x bytes (num_recv_tokens*hidden*2, bf16) / time; min over ranks of the median",
         )
         write_result(result, f"deepep_bandwidth_ep{ep}")

@@ -26,15 +26,21 @@ def main() -> None:
         sys.exit(f"different step counts: {len(losses_a)} vs {len(losses_b)}")
     diffs = [abs(x - y) for x, y in zip(losses_a, losses_b, strict=True)]
     result = dict(
-        name=args.name, runs=[r["name"] for r in runs], commands=[r["command"] for r in runs],
-        steps=len(diffs), max_abs_diff=max(diffs),
+        name=args.name,
+        runs=[r["name"] for r in runs],
+        commands=[r["command"] for r in runs],
+        steps=len(diffs),
+        max_abs_diff=max(diffs),
         max_rel_diff=max(d / abs(y) for d, y in zip(diffs, losses_b, strict=True)),
-        losses_a=losses_a, losses_b=losses_b,
+        losses_a=losses_a,
+        losses_b=losses_b,
     )
     write_result(result, f"parity_{args.name}")
-    print(f"{args.name}: {len(diffs)} steps, max |loss diff| {result['max_abs_diff']:.3e} "
-          f"(rel {result['max_rel_diff']:.2e}); first {losses_a[0]:.4f}/{losses_b[0]:.4f}, "
-          f"last {losses_a[-1]:.4f}/{losses_b[-1]:.4f}")
+    print(
+        f"{args.name}: {len(diffs)} steps, max |loss diff| {result['max_abs_diff']:.3e} "
+        f"(rel {result['max_rel_diff']:.2e}); first {losses_a[0]:.4f}/{losses_b[0]:.4f}, "
+        f"last {losses_a[-1]:.4f}/{losses_b[-1]:.4f}"
+    )
 
 
 if __name__ == "__main__":

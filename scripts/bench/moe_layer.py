@@ -18,7 +18,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scripts.bench.common import MEASURED_H200_BF16_TFLOPS, cuda_time_ms, init_nccl_from_torchrun, write_result  # noqa: E402
+from scripts.bench.common import (  # noqa: E402
+    MEASURED_H200_BF16_TFLOPS,
+    cuda_time_ms,
+    init_nccl_from_torchrun,
+    profile_summary,
+    write_result,
+)
+from torchtitan.distributed.compile import compile_moe  # noqa: E402
 from torchtitan.models.moe.args import MoEArgs  # noqa: E402
 from torchtitan.models.moe.moe import build_moe  # noqa: E402
 
@@ -37,8 +44,12 @@ def matmul_bound_ms(layer: dict, tokens: int) -> tuple[float, float]:
 
 def build_layer(layer: dict, backend: str, ep_mesh, device: torch.device, num_sms: int):
     moe_args = MoEArgs(
-        num_experts=layer["num_experts"], num_shared_experts=layer["num_shared"], top_k=layer["top_k"],
-        score_func=layer["score_func"], route_norm=True, force_load_balance=True,
+        num_experts=layer["num_experts"],
+        num_shared_experts=layer["num_shared"],
+        top_k=layer["top_k"],
+        score_func=layer["score_func"],
+        route_norm=True,
+        force_load_balance=True,
     )
     moe = build_moe(moe_args, layer["dim"], layer["moe_inter"], comm_backend=backend, ep_degree=ep_mesh.size())
     moe.to(device)
@@ -66,6 +77,8 @@ def main() -> None:
     parser.add_argument("--num-sms", type=int, default=24)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--compile", action="store_true", help="compile the layer as the trainer does (inductor)")
+    parser.add_argument("--profile", action="store_true", help="add a torch.profiler kernel summary of fwd+bwd")
     args = parser.parse_args()
 
     device = init_nccl_from_torchrun()
@@ -73,6 +86,9 @@ def main() -> None:
     ep_mesh = init_device_mesh("cuda", (ep,), mesh_dim_names=("ep",))
     layer = LAYERS[args.layer]
     moe = build_layer(layer, args.backend, ep_mesh, device, args.num_sms)
+    if args.compile:
+        compile_moe(moe, "inductor")
+    mode = "compile" if args.compile else "eager"
 
     for tokens in args.tokens:
         torch.manual_seed(dist.get_rank())
@@ -94,17 +110,27 @@ def main() -> None:
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank is the layer's time
         bound_fwd, bound_fwd_bwd = matmul_bound_ms(layer, tokens)
         result = dict(
-            layer=args.layer, backend=args.backend, ep=ep, tokens_per_rank=tokens, **layer,
-            fwd_ms=stats[0].item(), fwd_bwd_ms=stats[1].item(), peak_memory_gib=stats[2].item(),
-            bound_fwd_ms=bound_fwd, bound_fwd_bwd_ms=bound_fwd_bwd,
+            layer=args.layer,
+            backend=args.backend,
+            mode=mode,
+            ep=ep,
+            tokens_per_rank=tokens,
+            **layer,
+            fwd_ms=stats[0].item(),
+            fwd_bwd_ms=stats[1].item(),
+            peak_memory_gib=stats[2].item(),
+            bound_fwd_ms=bound_fwd,
+            bound_fwd_bwd_ms=bound_fwd_bwd,
             bound_formula="2*3*dim*moe_inter*tokens*(top_k+num_shared) FLOPs fwd, x3 fwd+bwd, at "
             f"{MEASURED_H200_BF16_TFLOPS} TFLOP/s",
             timing=f"median of {args.iters} iterations after {args.warmup} warm-up, CUDA events, max over ranks",
         )
+        if args.profile:
+            result["profile_fwd_bwd_rank0"] = profile_summary(forward_backward)
         if dist.get_rank() == 0:
-            write_result(result, f"moe_layer_{args.layer}_{args.backend}_ep{ep}_t{tokens}")
+            write_result(result, f"moe_layer_{args.layer}_{args.backend}_{mode}_ep{ep}_t{tokens}")
             print(
-                f"{args.layer} {args.backend} ep={ep} tokens={tokens}: fwd {result['fwd_ms']:.2f} ms, "
+                f"{args.layer} {args.backend} {mode} ep={ep} tokens={tokens}: fwd {result['fwd_ms']:.2f} ms, "
                 f"fwd+bwd {result['fwd_bwd_ms']:.2f} ms (bound {bound_fwd_bwd:.2f} ms, "
                 f"{result['fwd_bwd_ms'] / bound_fwd_bwd:.2f}x), peak {result['peak_memory_gib']:.1f} GiB",
                 flush=True,

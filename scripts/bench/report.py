@@ -1,6 +1,6 @@
 """Regenerate benchmarks/README.md (tables) and benchmarks/e2e_tokens_per_sec.png from benchmarks/results/*.json.
 
-    python scripts/bench/report.py        # needs matplotlib for the plot
+python scripts/bench/report.py        # needs matplotlib for the plot
 """
 
 import json

@@ -126,8 +126,7 @@ def validate(job_config: JobConfig) -> None:
     dp_shard = par.data_parallel_shard_degree
     _require(
         dp_shard == -1 or dp_shard >= 1,
-        f"parallelism.data_parallel_shard_degree must be -1 (use the remaining ranks) or >= 1, "
-        f"got {dp_shard}",
+        f"parallelism.data_parallel_shard_degree must be -1 (use the remaining ranks) or >= 1, got {dp_shard}",
     )
     _require(
         par.expert_tensor_parallel_degree in (1, par.tensor_parallel_degree),
@@ -317,9 +316,7 @@ def _negated_bool_key(name: str, arg: str) -> str | None:
         spec = _fields().get(key)
         if spec is not None and key != name:
             if spec.type is not bool:
-                raise ConfigError(
-                    f"{arg!r}: only booleans have a --no- form; {key} is {_type_name(spec.type)}"
-                )
+                raise ConfigError(f"{arg!r}: only booleans have a --no- form; {key} is {_type_name(spec.type)}")
             return key
     return None
 
@@ -365,9 +362,7 @@ def _load_toml(path: str) -> dict[str, Any]:
     values = {}
     for section, table in data.items():
         if not isinstance(table, dict):
-            raise ConfigError(
-                f"top-level key {section!r} in {path} is not inside a [section]; {_suggestion(section)}"
-            )
+            raise ConfigError(f"top-level key {section!r} in {path} is not inside a [section]; {_suggestion(section)}")
         if section not in sections:
             match = _closest(section, sections)
             hint = f"did you mean [{match}]?" if match else f"valid sections: {', '.join(sorted(sections))}"
@@ -404,9 +399,7 @@ def _from_toml(spec: _Field, value: Any, path: str) -> Any:
         ok = False
     if not ok:
         hint = "; write it without quotes" if isinstance(value, str) and inner in (int, float, bool) else ""
-        raise ConfigError(
-            f"{where} expects {_type_name(spec.type)}, got {value!r} ({type(value).__name__}){hint}"
-        )
+        raise ConfigError(f"{where} expects {_type_name(spec.type)}, got {value!r} ({type(value).__name__}){hint}")
     return value
 
 

@@ -33,7 +33,6 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 __all__ = ["apply_ac", "op_sac_save_list"]
 
 
-
 def op_sac_save_list() -> set[Any]:
     """The ops whose outputs per-op SAC saves (those present in this torch build)."""
     aten, ops = torch.ops.aten, torch.ops

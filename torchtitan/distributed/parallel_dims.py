@@ -180,14 +180,16 @@ class ParallelDims:
         meshes[("dp_replicate", "dp_shard_mod_ep")] = sparse["dp_replicate", "dp_shard_mod_ep"]
         if self.moe_tokens_sequence_sharded:
             # MoE layers see different tokens on each tp rank; expert-load counts reduce over dp x tp.
-            meshes["dp_tp"] = world._unflatten(
-                0, (self.pp, self.world_size // self.pp), ("pp", "dp_tp")
-            )["dp_tp"]
+            meshes["dp_tp"] = world._unflatten(0, (self.pp, self.world_size // self.pp), ("pp", "dp_tp"))["dp_tp"]
         self._meshes = {(k,) if isinstance(k, str) else k: v for k, v in meshes.items()}
         self._world_mesh = world
         expected = {
-            "pp": self.pp, "dp": self.dp_replicate * self.dp_shard, "dp_shard": self.dp_shard,
-            "tp": self.tp, "ep": self.ep, "dp_shard_mod_ep": self.dp_shard_mod_ep,
+            "pp": self.pp,
+            "dp": self.dp_replicate * self.dp_shard,
+            "dp_shard": self.dp_shard,
+            "tp": self.tp,
+            "ep": self.ep,
+            "dp_shard_mod_ep": self.dp_shard_mod_ep,
         }
         for name, size in expected.items():
             assert self._meshes[(name,)].size() == size, (name, self._meshes[(name,)].size(), size)

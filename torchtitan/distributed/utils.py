@@ -17,7 +17,7 @@ __all__ = ["clip_grad_norm_", "device_type", "init_distributed", "set_determinis
 
 
 def device_type() -> str:
-    """"cuda" when a GPU is visible, else "cpu"."""
+    """ "cuda" when a GPU is visible, else "cpu"."""
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -19,7 +19,42 @@ import torch
 from torchtitan.distributed.deepep import ops
 from torchtitan.distributed.token_dispatcher import DispatchState, TokenDispatcher
 
-__all__ = ["DeepEPDispatchState", "DeepEPDispatched", "DeepEPTokenDispatcher"]
+__all__ = [
+    "DeepEPDispatchState",
+    "DeepEPDispatched",
+    "DeepEPTokenDispatcher",
+    "gather_expert_input",
+    "sum_per_received_token",
+]
+
+
+def gather_expert_input(
+    recv_x: torch.Tensor, permuted_slots: torch.Tensor, top_k: int, recv_topk_weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """recv_x (num_recv, dim), permuted_slots (num_copies,) flat `row * top_k + k` slots -> the copies in
+    local-expert-major order (num_copies, dim), scaled by their routing weight if `recv_topk_weights` is given."""
+    expert_input = recv_x.index_select(0, permuted_slots // top_k)
+    if recv_topk_weights is not None:
+        weights = recv_topk_weights.reshape(-1).index_select(0, permuted_slots).unsqueeze(-1)
+        expert_input = (expert_input.float() * weights).to(recv_x.dtype)
+    return expert_input
+
+
+def sum_per_received_token(
+    expert_output: torch.Tensor,
+    permuted_slots: torch.Tensor,
+    recv_topk_weights: torch.Tensor,
+    apply_weights: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """expert_output (num_copies, dim) local-expert-major -> (num_recv, dim) in `dtype`: for each received token
+    the fp32 sum of its copies' outputs, weighted by `recv_topk_weights` (num_recv, top_k) if `apply_weights`."""
+    num_recv, top_k = recv_topk_weights.shape
+    out = expert_output.float()
+    if apply_weights:
+        out = out * recv_topk_weights.reshape(-1).index_select(0, permuted_slots).unsqueeze(-1)
+    per_token = out.new_zeros((num_recv, out.shape[1])).index_add(0, permuted_slots // top_k, out)
+    return per_token.to(dtype)
 
 
 @dataclass
@@ -43,6 +78,10 @@ class DeepEPDispatchState(DispatchState):
 
 
 class DeepEPTokenDispatcher(TokenDispatcher):
+    gather_expert_input = staticmethod(gather_expert_input)
+    sum_per_received_token = staticmethod(sum_per_received_token)
+    """The local stages' computations; `apply_compile` swaps in compiled copies shared by all layers."""
+
     def __init__(self, group_name: str, num_experts: int, score_before_experts: bool = False):
         self.group_name = group_name
         self.num_experts = num_experts
@@ -61,28 +100,20 @@ class DeepEPTokenDispatcher(TokenDispatcher):
         self, dispatched: DeepEPDispatched
     ) -> tuple[torch.Tensor, torch.Tensor, DeepEPDispatchState]:
         top_k = dispatched.recv_topk_idx.shape[1]
-        slots = dispatched.permuted_slots
-        expert_input = dispatched.recv_x.index_select(0, slots // top_k)  # (num_copies, dim)
-        if self.score_before_experts:
-            weights = dispatched.recv_topk_weights.reshape(-1).index_select(0, slots).unsqueeze(-1)
-            expert_input = (expert_input.float() * weights).to(dispatched.recv_x.dtype)
+        weights = dispatched.recv_topk_weights if self.score_before_experts else None
+        expert_input = self.gather_expert_input(dispatched.recv_x, dispatched.permuted_slots, top_k, weights)
         state = DeepEPDispatchState(
             handle=dispatched.handle,
-            permuted_slots=slots,
+            permuted_slots=dispatched.permuted_slots,
             recv_topk_weights=dispatched.recv_topk_weights,
             dtype=dispatched.recv_x.dtype,
         )
         return expert_input, dispatched.tokens_per_local_expert, state
 
     def combine_preprocess(self, expert_output: torch.Tensor, state: DeepEPDispatchState) -> torch.Tensor:
-        num_recv, top_k = state.recv_topk_weights.shape
-        slots = state.permuted_slots
-        out = expert_output.float()  # (num_copies, dim)
-        if not self.score_before_experts:
-            out = out * state.recv_topk_weights.reshape(-1).index_select(0, slots).unsqueeze(-1)
-        # sum over this rank's experts of each received token, in fp32: (num_recv, dim)
-        per_token = out.new_zeros((num_recv, out.shape[1])).index_add(0, slots // top_k, out)
-        return per_token.to(state.dtype)
+        return self.sum_per_received_token(
+            expert_output, state.permuted_slots, state.recv_topk_weights, not self.score_before_experts, state.dtype
+        )
 
     def token_combine(self, prepared: torch.Tensor, state: DeepEPDispatchState) -> torch.Tensor:
         combined, _ = ops.combine(prepared, state.handle, self.group_name)

@@ -13,46 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 
-class GroupedExperts(nn.Module):
-    """w1 (E, hidden, dim), w2 (E, dim, hidden), w3 (E, hidden, dim).
-
-    forward(x (T, dim) expert-major, num_tokens_per_expert (E_local,) int) -> (T, dim).
-    Contract: sum(num_tokens_per_expert) <= T; rows past the sum belong to no expert and their output is unspecified.
-
-    `use_grouped_mm=True` computes in bf16 (what `torch._grouped_mm` supports, also under torch.compile) and
-    returns x.dtype; `use_grouped_mm=False` is a per-expert loop in x.dtype (reference; syncs with the host).
-    Under expert parallelism the weights are DTensors sharded on dim 0; forward uses the local shard.
-    """
-
-    token_group_alignment: int = 8
-    """Rows each expert's group is padded to a multiple of: 8 for bf16; set 16 (fp8) or 32 (mxfp8) if needed."""
-
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
-        super().__init__()
-        if use_grouped_mm and (dim % 8 or hidden_dim % 8):
-            raise ValueError(
-                f"grouped_mm needs 16-byte aligned rows: dim={dim} and hidden_dim={hidden_dim} must be multiples "
-                "of 8 (or set use_grouped_mm=False)"
-            )
-        self.num_experts = num_experts
-        self.use_grouped_mm = use_grouped_mm
-        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-
-    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
-        if self.use_grouped_mm:
-            return _run_experts_grouped_mm(x, num_tokens_per_expert, w1, w2, w3, self.token_group_alignment)
-        return _run_experts_for_loop(x, num_tokens_per_expert, w1, w2, w3)
-
-    def init_weights(self, init_std: float) -> None:
-        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.w2, mean=0.0, std=init_std)
-        nn.init.trunc_normal_(self.w3, mean=0.0, std=init_std)
-
-
-def _run_experts_grouped_mm(
+def run_experts_grouped_mm(
     x: torch.Tensor,
     num_tokens_per_expert: torch.Tensor,
     w1: torch.Tensor,
@@ -75,6 +36,48 @@ def _run_experts_grouped_mm(
     h = h * torch._grouped_mm(x_padded, w3.transpose(-2, -1), offs=offsets)
     out_padded = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)  # (T_pad, dim)
     return out_padded.index_select(0, row_to_padded).to(x.dtype)  # (T, dim)
+
+
+class GroupedExperts(nn.Module):
+    """w1 (E, hidden, dim), w2 (E, dim, hidden), w3 (E, hidden, dim).
+
+    forward(x (T, dim) expert-major, num_tokens_per_expert (E_local,) int) -> (T, dim).
+    Contract: sum(num_tokens_per_expert) <= T; rows past the sum belong to no expert and their output is unspecified.
+
+    `use_grouped_mm=True` computes in bf16 (what `torch._grouped_mm` supports, also under torch.compile) and
+    returns x.dtype; `use_grouped_mm=False` is a per-expert loop in x.dtype (reference; syncs with the host).
+    Under expert parallelism the weights are DTensors sharded on dim 0; forward uses the local shard.
+    """
+
+    token_group_alignment: int = 8
+    """Rows each expert's group is padded to a multiple of: 8 for bf16; set 16 (fp8) or 32 (mxfp8) if needed."""
+
+    run_grouped_mm = staticmethod(run_experts_grouped_mm)
+    """The grouped-GEMM computation; `apply_compile` swaps in one compiled copy shared by all layers."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
+        super().__init__()
+        if use_grouped_mm and (dim % 8 or hidden_dim % 8):
+            raise ValueError(
+                f"grouped_mm needs 16-byte aligned rows: dim={dim} and hidden_dim={hidden_dim} must be multiples "
+                "of 8 (or set use_grouped_mm=False)"
+            )
+        self.num_experts = num_experts
+        self.use_grouped_mm = use_grouped_mm
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        if self.use_grouped_mm:
+            return self.run_grouped_mm(x, num_tokens_per_expert, w1, w2, w3, self.token_group_alignment)
+        return _run_experts_for_loop(x, num_tokens_per_expert, w1, w2, w3)
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.w2, mean=0.0, std=init_std)
+        nn.init.trunc_normal_(self.w3, mean=0.0, std=init_std)
 
 
 def padded_group_layout(

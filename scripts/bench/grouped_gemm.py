@@ -1,0 +1,97 @@
+"""What the routed experts can reach on one GPU: the grouped-GEMM SwiGLU of one EP rank, alone.
+
+    python scripts/bench/grouped_gemm.py --layer 671b --ep 4 --tokens 8192
+
+With balanced routing each EP rank computes tokens * top_k token copies spread evenly over its E / ep experts.
+Times (CUDA events, median) and achieved TFLOP/s for: the three bare `torch._grouped_mm` calls, and
+`run_experts_grouped_mm` (padding + SwiGLU + unpadding) eager and compiled, forward and forward+backward.
+This separates the GEMM rate from everything else in the MoE layer benchmark (routing, permutation, DeepEP).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from scripts.bench.common import cuda_time_ms, profile_summary, write_result  # noqa: E402
+from scripts.bench.moe_layer import LAYERS  # noqa: E402
+from torchtitan.models.moe.experts import run_experts_grouped_mm  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layer", choices=sorted(LAYERS), required=True)
+    parser.add_argument("--ep", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    layer = LAYERS[args.layer]
+    dim, hidden = layer["dim"], layer["moe_inter"]
+    local_experts = layer["num_experts"] // args.ep
+    rows = args.tokens * layer["top_k"]
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+
+    def param(*shape):
+        return (torch.randn(*shape, device=device, dtype=torch.bfloat16) * 0.02).requires_grad_()
+
+    w1, w3, w2 = param(local_experts, hidden, dim), param(local_experts, hidden, dim), param(local_experts, dim, hidden)
+    x = torch.randn(rows, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+    counts = torch.full((local_experts,), rows // local_experts, device=device, dtype=torch.int64)
+    offsets = counts.cumsum(0).to(torch.int32)
+
+    def bare(x=x):
+        h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
+        h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+
+    compiled = torch.compile(run_experts_grouped_mm, fullgraph=True)
+    variants = {
+        "bare_grouped_mm": bare,
+        "experts_eager": lambda: run_experts_grouped_mm(x, counts, w1, w2, w3, 8),
+        "experts_compiled": lambda: compiled(x, counts, w1, w2, w3, 8),
+    }
+    fwd_flops = 2 * 3 * dim * hidden * rows
+    result = dict(
+        layer=args.layer,
+        ep=args.ep,
+        tokens_per_rank=args.tokens,
+        local_experts=local_experts,
+        rows=rows,
+        dim=dim,
+        moe_inter=hidden,
+        fwd_tflop=fwd_flops / 1e12,
+    )
+    for name, fn in variants.items():
+
+        def fwd(fn=fn):
+            with torch.no_grad():
+                fn()
+
+        def fwd_bwd(fn=fn):
+            fn().backward(grad)
+
+        fwd_ms = cuda_time_ms(fwd, 5, 20)
+        fwd_bwd_ms = cuda_time_ms(fwd_bwd, 5, 20)
+        result[name] = dict(
+            fwd_ms=fwd_ms,
+            fwd_bwd_ms=fwd_bwd_ms,
+            fwd_tflops=fwd_flops / fwd_ms / 1e9,
+            fwd_bwd_tflops=3 * fwd_flops / fwd_bwd_ms / 1e9,
+        )
+        if args.profile:
+            result[name]["profile_fwd_bwd"] = profile_summary(fwd_bwd, top=12)
+        print(
+            f"{args.layer} ep={args.ep} {name}: fwd {fwd_ms:.2f} ms ({result[name]['fwd_tflops']:.0f} TFLOP/s), "
+            f"fwd+bwd {fwd_bwd_ms:.2f} ms ({result[name]['fwd_bwd_tflops']:.0f} TFLOP/s)",
+            flush=True,
+        )
+    write_result(result, f"grouped_gemm_{args.layer}_ep{args.ep}_t{args.tokens}")
+
+
+if __name__ == "__main__":
+    main()
