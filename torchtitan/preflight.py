@@ -24,6 +24,7 @@ def check_job(argv: list[str], world_size: int) -> JobConfig:
     model_args = get_model_args(job_config)
     parallel_dims.validate_for_model(model_args, job_config.training.seq_len)
     check_batch_sizes(job_config, parallel_dims.dp_size)
+    check_profiling(job_config)
     if job_config.parallelism.expert_parallel_comm_backend == "deepep":
         import torch
 
@@ -51,6 +52,21 @@ def check_batch_sizes(job_config: JobConfig, dp_degree: int) -> int:
             f"parallelism.pipeline_parallel_microbatch_size ({pp.pipeline_parallel_microbatch_size})"
         )
     return global_batch_size // per_step
+
+
+def check_profiling(job_config: JobConfig) -> None:
+    import torch
+
+    from torchtitan.tools.profiling import MIN_PROFILE_FREQ
+
+    profiling = job_config.profiling
+    if (profiling.enable_profiling or profiling.enable_memory_snapshot) and profiling.profile_freq < MIN_PROFILE_FREQ:
+        raise ConfigError(
+            f"profiling.profile_freq={profiling.profile_freq}: use >= {MIN_PROFILE_FREQ} (the profiler warms up for "
+            f"{MIN_PROFILE_FREQ - 1} steps before the step it records)"
+        )
+    if profiling.enable_memory_snapshot and not torch.cuda.is_available():
+        raise ConfigError("profiling.enable_memory_snapshot records the CUDA allocator; no GPU here: drop the flag")
 
 
 def main(argv: list[str] | None = None) -> int:

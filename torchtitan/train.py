@@ -32,6 +32,7 @@ from torchtitan.models.deepseek_v3 import DeepSeekV3Model, get_model_args
 from torchtitan.models.deepseek_v3.parallelize import expert_bias_reduce_group, parallelize_deepseekv3
 from torchtitan.models.moe.load_balance import build_expert_bias_hook
 from torchtitan.preflight import check_batch_sizes, check_job
+from torchtitan.tools.profiling import StepProfiler
 
 logger = logging.getLogger("torchtitan")
 
@@ -209,6 +210,7 @@ class Trainer:
         gc.collect(1)
         steps = job_config.training.steps
         logger.info(f"training from step {self.train_state.step + 1} to {steps}")
+        profiler = StepProfiler(job_config.profiling, job_config.job.dump_folder, self.rank, self.device)
         try:
             while self.train_state.step < steps:
                 self.train_state.step += 1
@@ -216,6 +218,7 @@ class Trainer:
                 if step % job_config.training.gc_freq == 0:
                     gc.collect(1)
                 loss, grad_norm, lr = self.train_step(data_iterator)
+                profiler.step(step)
                 check_finite_loss(loss, step, self.rank)
                 if step == 1:
                     dist_utils.set_pg_timeouts(job_config.comm.train_timeout_seconds, self.parallel_dims.world_mesh)
@@ -229,6 +232,7 @@ class Trainer:
                     )
                 self.checkpointer.save(step, last_step=step == steps)
         finally:
+            profiler.close()
             gc.enable()
             self.metrics.close()
             self.checkpointer.close()

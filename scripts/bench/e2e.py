@@ -26,12 +26,18 @@ def main() -> None:
     parser.add_argument("--ngpu", type=int, required=True)
     parser.add_argument("--config", default="./train_configs/deepseek_v3_16b.toml")
     parser.add_argument("--warmup-steps", type=int, default=5, help="first steps dropped (compile, allocator warm-up)")
+    parser.add_argument(
+        "--profile-step", type=int, default=0, help="record this step with torch.profiler, add rank 0's op summary"
+    )
     args, train_args = parser.parse_known_args()
     train_args = [a for a in train_args if a != "--"]
 
     dump = Path(tempfile.mkdtemp(prefix=f"bench_{args.name}_"))
     env = {**os.environ, "CONFIG_FILE": args.config, "NGPU": str(args.ngpu), "LOG_RANK": "0"}
-    cmd = ["bash", "run_train.sh", "--job.dump_folder", str(dump), "--metrics.log_freq", "1", *train_args]
+    profiling = []
+    if args.profile_step:
+        profiling = ["--profiling.enable_profiling", "--profiling.profile_freq", str(args.profile_step)]
+    cmd = ["bash", "run_train.sh", "--job.dump_folder", str(dump), "--metrics.log_freq", "1", *train_args, *profiling]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     log_tail = (proc.stdout + proc.stderr)[-6000:]
     result = {"name": args.name, "ngpu": args.ngpu, "train_args": train_args, "returncode": proc.returncode}
@@ -44,7 +50,9 @@ def main() -> None:
         sys.exit(proc.returncode)
 
     records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    steady = [r for r in records if r["step"] > args.warmup_steps]
+    # the profiler traces the recorded step and the 3 before it (warm-up): slower, not steady-state steps
+    traced = range(args.profile_step - 3, args.profile_step + 1) if args.profile_step else range(0)
+    steady = [r for r in records if r["step"] > args.warmup_steps and r["step"] not in traced]
     if not steady:
         sys.exit(f"no steady-state steps: ran {len(records)} steps, warm-up drops {args.warmup_steps}")
     result.update(
@@ -57,6 +65,9 @@ def main() -> None:
         last_loss=records[-1]["loss"],
         losses=[r["loss"] for r in records],
     )
+    if args.profile_step:
+        summary = dump / "profile_traces" / f"iteration_{args.profile_step}" / "rank0_summary.json"
+        result["profile_rank0"] = json.loads(summary.read_text())
     path = write_result(result, f"e2e_{args.name}")
     print(json.dumps({k: result[k] for k in ("name", "tokens_per_sec_per_gpu", "mfu_pct", "peak_memory_gib")}))
     print(f"wrote {path}")

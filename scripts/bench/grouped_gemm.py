@@ -73,6 +73,8 @@ def main() -> None:
                 fn()
 
         def fwd_bwd(fn=fn):
+            for t in (x, w1, w2, w3):
+                t.grad = None  # as after zero_grad(set_to_none=True): no gradient accumulation adds
             fn().backward(grad)
 
         fwd_ms = cuda_time_ms(fwd, 5, 20)

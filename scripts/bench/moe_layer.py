@@ -100,6 +100,9 @@ def main() -> None:
                 moe(x)
 
         def forward_backward(x=x, grad=grad):
+            # fresh gradients each call, as after the trainer's zero_grad(set_to_none=True): no accumulation adds
+            moe.zero_grad(set_to_none=True)
+            x.grad = None
             moe(x).backward(grad)
 
         torch.cuda.reset_peak_memory_stats()

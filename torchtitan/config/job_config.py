@@ -260,10 +260,10 @@ class Profiling:
     """Trace folder, relative to job.dump_folder."""
 
     profile_freq: int = 10
-    """Profile every N steps."""
+    """Record one step every N steps (N >= 4: the profiler warms up for the 3 steps before it)."""
 
     enable_memory_snapshot: bool = False
-    """Dump CUDA memory snapshots."""
+    """Record the CUDA allocator history and dump a snapshot every profile_freq steps (GPU only)."""
 
 
 @dataclass

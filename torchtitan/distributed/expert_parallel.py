@@ -30,6 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from torchtitan.models.moe.row_gather import gather_rows
+
 __all__ = [
     "ExpertParallel",
     "ExpertTensorParallel",
@@ -210,7 +212,7 @@ def dispatch_tokens(
         received_counts = received_counts.view(ep, -1)  # (ep, L)
         expert_major_index = permute_rank_major_to_expert_major(received_counts, sum(output_splits))
     received = all_to_all_single_autograd(routed_input, output_splits, input_splits, group)
-    received = received[expert_major_index]
+    received = gather_rows(received, expert_major_index, unique=True)
     local_counts = received_counts.sum(0).to(counts_dtype)
     return received, local_counts, _DispatchState(input_splits, output_splits, expert_major_index)
 

@@ -18,6 +18,7 @@ import torch
 
 from torchtitan.distributed.deepep import ops
 from torchtitan.distributed.token_dispatcher import DispatchState, TokenDispatcher
+from torchtitan.models.moe.row_gather import gather_rows
 
 __all__ = [
     "DeepEPDispatchState",
@@ -33,7 +34,7 @@ def gather_expert_input(
 ) -> torch.Tensor:
     """recv_x (num_recv, dim), permuted_slots (num_copies,) flat `row * top_k + k` slots -> the copies in
     local-expert-major order (num_copies, dim), scaled by their routing weight if `recv_topk_weights` is given."""
-    expert_input = recv_x.index_select(0, permuted_slots // top_k)
+    expert_input = gather_rows(recv_x, permuted_slots // top_k, unique=False)
     if recv_topk_weights is not None:
         weights = recv_topk_weights.reshape(-1).index_select(0, permuted_slots).unsqueeze(-1)
         expert_input = (expert_input.float() * weights).to(recv_x.dtype)

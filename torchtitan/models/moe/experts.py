@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan.models.moe.row_gather import gather_rows
+
 
 def run_experts_grouped_mm(
     x: torch.Tensor,
@@ -26,7 +28,7 @@ def run_experts_grouped_mm(
     row_to_padded, offsets = padded_group_layout(num_tokens_per_expert, num_rows, num_experts, alignment)
 
     # (T_pad, dim), T_pad = T + E * alignment is a static upper bound of the padded size; padding rows are zero.
-    # Every gradient that reaches the grouped GEMMs is dense (index_select's backward is a scatter into zeros),
+    # Every gradient that reaches the grouped GEMMs is dense (the unpadding gather's backward is a scatter into zeros),
     # which the GEMM backward needs (it rejects the stride-0 gradients of e.g. `out.sum()`).
     padded_rows = num_rows + num_experts * alignment
     x_padded = x.new_zeros(padded_rows, dim, dtype=torch.bfloat16).index_copy(0, row_to_padded, x.bfloat16())
@@ -35,7 +37,7 @@ def run_experts_grouped_mm(
     h = F.silu(torch._grouped_mm(x_padded, w1.transpose(-2, -1), offs=offsets))  # (T_pad, hidden)
     h = h * torch._grouped_mm(x_padded, w3.transpose(-2, -1), offs=offsets)
     out_padded = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)  # (T_pad, dim)
-    return out_padded.index_select(0, row_to_padded).to(x.dtype)  # (T, dim)
+    return gather_rows(out_padded, row_to_padded, unique=True).to(x.dtype)  # (T, dim)
 
 
 class GroupedExperts(nn.Module):

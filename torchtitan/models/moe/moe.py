@@ -20,6 +20,7 @@ from torchtitan.models.moe.load_balance import (
     sequence_balance_loss,
 )
 from torchtitan.models.moe.router import TokenChoiceTopKRouter
+from torchtitan.models.moe.row_gather import gather_rows
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class MoE(nn.Module):
         token_order[r] of the flattened (N, k) choices, i.e. token token_order[r] // k.
         """
         token_order = torch.argsort(selected_experts.view(-1), stable=True)  # (N * k,)
-        routed_input = x[token_order // self.top_k]  # (N * k, dim)
+        routed_input = gather_rows(x, token_order // self.top_k, unique=False)  # (N * k, dim)
         if self.score_before_experts:
             weights = top_scores.view(-1)[token_order].unsqueeze(-1)  # (N * k, 1) fp32
             routed_input = (routed_input.float() * weights).to(x.dtype)
