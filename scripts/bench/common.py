@@ -17,10 +17,13 @@ MEASURED_H200_BF16_TFLOPS = 790.0
 
 
 def git_commit() -> str:
+    """$GIT_COMMIT when set (device copies of the tree may carry a stale .git), else the checkout's HEAD."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, text=True).strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("GIT_COMMIT", "unknown")
+        return "unknown"
 
 
 def environment() -> dict:

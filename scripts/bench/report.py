@@ -34,16 +34,32 @@ def e2e_table(results: list[dict]) -> list[str]:
 
 def moe_table(results: list[dict]) -> list[str]:
     rows = [
-        "| layer | backend | EP | tokens/rank | fwd (ms) | fwd+bwd (ms) | matmul bound (ms) | x bound "
+        "| layer | backend | mode | EP | tokens/rank | fwd (ms) | fwd+bwd (ms) | matmul bound (ms) | x bound "
         "| peak mem (GiB) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    results = sorted(results, key=lambda r: (r["layer"], r["ep"], r["tokens_per_rank"], r["backend"], r["mode"]))
     for r in results:
         rows.append(
-            f"| {r['layer']} | {r['backend']} | {r['ep']} | {r['tokens_per_rank']} | {r['fwd_ms']:.2f} | "
+            f"| {r['layer']} | {r['backend']} | {r['mode']} | {r['ep']} | {r['tokens_per_rank']} | {r['fwd_ms']:.2f} | "
             f"{r['fwd_bwd_ms']:.2f} | {r['bound_fwd_bwd_ms']:.2f} | {r['fwd_bwd_ms'] / r['bound_fwd_bwd_ms']:.2f} | "
             f"{r['peak_memory_gib']:.1f} |"
         )
+    return rows
+
+
+def grouped_gemm_table(results: list[dict]) -> list[str]:
+    rows = [
+        "| layer | EP | rows (tokens x top_k) | local experts | variant | fwd (ms) | fwd+bwd (ms) | fwd+bwd TFLOP/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        for variant in ("bare_grouped_mm", "experts_eager", "experts_compiled"):
+            v = r[variant]
+            rows.append(
+                f"| {r['layer']} | {r['ep']} | {r['rows']} | {r['local_experts']} | {variant} | {v['fwd_ms']:.2f} | "
+                f"{v['fwd_bwd_ms']:.2f} | {v['fwd_bwd_tflops']:.0f} |"
+            )
     return rows
 
 
@@ -80,6 +96,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main() -> None:
     e2e, moe, bw = load("e2e_"), load("moe_layer_"), load("deepep_bandwidth_")
+    gemm = load("grouped_gemm_")
     lines = [
         "# Benchmarks",
         "",
@@ -98,6 +115,13 @@ def main() -> None:
         *moe_table(moe),
         "",
     ]
+    if gemm:
+        lines += [
+            "## Routed experts alone: grouped GEMM SwiGLU on one GPU (one EP rank's share)",
+            "",
+            *grouped_gemm_table(gemm),
+            "",
+        ]
     if bw:
         lines += ["## DeepEP dispatch/combine bandwidth", "", *bandwidth_table(bw), ""]
     notes = BENCH_DIR / "NOTES.md"
