@@ -20,6 +20,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.bench.common import REPO_ROOT, median, write_result  # noqa: E402
 
 
+def run_settings(config_file: str, train_args: list[str], ngpu: int) -> dict:
+    """The settings a run resolves to (TOML < CLI), as explicit result fields."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    job = ConfigManager().parse_args(["--job.config_file", config_file, *train_args])
+    par = job.parallelism
+    dims = ParallelDims.from_config(par, ngpu)  # resolves dp_shard = -1
+    return {
+        "model_flavor": job.model.flavor,
+        "parallel": {name: getattr(dims, name) for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "etp")},
+        "ep_backend": par.expert_parallel_comm_backend,
+        "compile": job.compile.enable,
+        "activation_checkpoint": job.activation_checkpoint.mode
+        + (
+            f":{job.activation_checkpoint.selective_ac_option}" if job.activation_checkpoint.mode == "selective" else ""
+        ),
+        "tokens_per_gpu_per_step": job.training.local_batch_size * job.training.seq_len,
+        "balanced_routing": job.debug.moe_force_load_balance,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--name", required=True)
@@ -40,7 +62,13 @@ def main() -> None:
     cmd = ["bash", "run_train.sh", "--job.dump_folder", str(dump), "--metrics.log_freq", "1", *train_args, *profiling]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     log_tail = (proc.stdout + proc.stderr)[-6000:]
-    result = {"name": args.name, "ngpu": args.ngpu, "train_args": train_args, "returncode": proc.returncode}
+    result = {
+        "name": args.name,
+        "ngpu": args.ngpu,
+        **run_settings(args.config, train_args, args.ngpu),
+        "train_args": train_args,
+        "returncode": proc.returncode,
+    }
     command = f"CONFIG_FILE={args.config} NGPU={args.ngpu} ./run_train.sh " + shlex.join(train_args)
     os.environ["BENCH_COMMAND"] = command
     if proc.returncode != 0:

@@ -20,14 +20,18 @@ def load(prefix: str) -> list[dict]:
 
 def e2e_table(results: list[dict]) -> list[str]:
     rows = [
-        "| run | GPUs | tokens/s/GPU | TFLOPS/GPU | MFU | peak mem (GiB) | last loss | device | commit |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| run | flavor | GPUs (FSDP x EP) | backend | compile | AC | tokens/GPU/step | tokens/s/GPU | TFLOPS/GPU "
+        "| MFU | peak mem (GiB) | last loss | device | commit |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
+        par = r["parallel"]
         rows.append(
-            f"| {r['name']} | {r['ngpu']} | {r['tokens_per_sec_per_gpu']:,.0f} | {r['tflops_per_gpu']:.1f} | "
-            f"{r['mfu_pct']:.1f}% | {r['peak_memory_gib']:.1f} | {r['last_loss']:.3f} | {r['device_name']} | "
-            f"{r['git_commit'][:8]} |"
+            f"| {r['name']} | {r['model_flavor']} | {r['ngpu']} ({par['dp_shard']} x {par['ep']}) | "
+            f"{r['ep_backend']} | "
+            f"{'yes' if r['compile'] else 'no'} | {r['activation_checkpoint']} | {r['tokens_per_gpu_per_step']:,} | "
+            f"{r['tokens_per_sec_per_gpu']:,.0f} | {r['tflops_per_gpu']:.1f} | {r['mfu_pct']:.1f}% | "
+            f"{r['peak_memory_gib']:.1f} | {r['last_loss']:.3f} | {r['device_name']} | {r['git_commit'][:8]} |"
         )
     return rows
 

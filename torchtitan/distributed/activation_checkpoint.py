@@ -15,8 +15,10 @@ elementwise ops, index ops) in backward:
 - aten.max (amax-like reductions that low-precision recipes reuse).
 - DeepEP's dispatch/combine custom ops when torchtitan.distributed.deepep registered them.
 Not saved: `inductor_compiled_code` (torchtitan saves it): dense blocks are compiled together with their checkpoint,
-and dynamo cannot trace a policy that refers to that higher-order op; compiled children inside an eager MoE-block
-checkpoint are therefore recomputed in backward (their matmuls are the only expensive part).
+and dynamo cannot trace a policy that refers to that higher-order op; the compiled pieces inside an eager MoE-block
+checkpoint (attention, router, shared experts, the routed experts' grouped GEMMs, DeepEP's local stages) are
+therefore recomputed in backward, while the dispatch/combine outputs are saved. Saving those regions too (with
+`torch._inductor.config.wrap_inductor_compiled_regions` and a MoE-block-only policy) is the next step.
 """
 
 from __future__ import annotations
