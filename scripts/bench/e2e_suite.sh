@@ -2,7 +2,7 @@
 # The end-to-end GPU benchmark sets of benchmarks/README.md (deep_ep importable). Each set's ratios come from runs
 # of one invocation, on one machine:
 #   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh ep4      # 4 GPUs: 16B-class, the ratio matrix
-#   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh ep2      # 2 GPUs: 16B-class, standard vs deepep
+#   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh ep2      # 2 GPUs: the same matrix
 #   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh parity   # 4 GPUs: 50-step loss parity, debug model
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,19 +19,20 @@ run16() {
     --metrics.enable_tensorboard=false --parallelism.expert_parallel_degree "$ngpu" "$@" | tail -1
 }
 
+# standard vs deepep, eager vs compile, per-op SAC vs full AC: every ratio of the README from this one set
+matrix() {
+  local n=$1
+  run16 "$n" deepep_compile_sac
+  run16 "$n" standard_compile_sac --parallelism.expert_parallel_comm_backend standard
+  run16 "$n" deepep_eager_sac --compile.enable=false
+  run16 "$n" deepep_compile_fullac --activation_checkpoint.mode full
+  run16 "$n" deepep_eager_fullac --compile.enable=false --activation_checkpoint.mode full
+  run16 "$n" standard_eager_sac --parallelism.expert_parallel_comm_backend standard --compile.enable=false
+}
+
 case "${1:?usage: e2e_suite.sh ep4|ep2|parity}" in
-ep4)
-  run16 4 deepep_compile_sac
-  run16 4 standard_compile_sac --parallelism.expert_parallel_comm_backend standard
-  run16 4 deepep_eager_sac --compile.enable=false
-  run16 4 deepep_compile_fullac --activation_checkpoint.mode full
-  run16 4 deepep_eager_fullac --compile.enable=false --activation_checkpoint.mode full
-  run16 4 standard_eager_sac --parallelism.expert_parallel_comm_backend standard --compile.enable=false
-  ;;
-ep2)
-  run16 2 deepep_compile_sac
-  run16 2 standard_compile_sac --parallelism.expert_parallel_comm_backend standard
-  ;;
+ep4) matrix 4 ;;
+ep2) matrix 2 ;;
 parity)
   D=(--config ./train_configs/deepseek_v3_debugmodel.toml --warmup-steps 3 -- --training.steps 50
      --parallelism.expert_parallel_degree 4 --training.mixed_precision_param bfloat16)
