@@ -83,11 +83,11 @@ def init_nccl_from_torchrun() -> torch.device:
 
 
 def profile_summary(fn, iters: int = 3, top: int = 25) -> list[dict]:
-    """torch.profiler over `iters` calls of `fn()`: the `top` CUDA kernels/ops by total device time, per call.
-
-    Each row: name, device_ms_per_iter, calls_per_iter, pct (of the summed self device time of all rows).
-    """
+    """torch.profiler over `iters` calls of `fn()`: the trainer's op/kernel summary (`kernel_summary`), where one
+    "step" is one call of `fn`."""
     from torch.profiler import ProfilerActivity, profile
+
+    from torchtitan.tools.profiling import kernel_summary
 
     fn()  # outside the trace: lazy init, autotuning
     torch.cuda.synchronize()
@@ -95,15 +95,4 @@ def profile_summary(fn, iters: int = 3, top: int = 25) -> list[dict]:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    total = sum(e.self_device_time_total for e in events) or 1.0
-    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    return [
-        {
-            "name": e.key[:160],
-            "device_ms_per_iter": e.self_device_time_total / 1e3 / iters,
-            "calls_per_iter": e.count / iters,
-            "pct": 100.0 * e.self_device_time_total / total,
-        }
-        for e in events[:top]
-    ]
+    return kernel_summary(prof, steps=iters, top=top)

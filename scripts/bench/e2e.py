@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.bench.common import REPO_ROOT, median, write_result  # noqa: E402
+from torchtitan.tools.profiling import MIN_PROFILE_FREQ  # noqa: E402
 
 
 def run_settings(config_file: str, train_args: list[str], ngpu: int) -> dict:
@@ -78,8 +79,8 @@ def main() -> None:
         sys.exit(proc.returncode)
 
     records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    # the profiler traces the recorded step and the 3 before it (warm-up): slower, not steady-state steps
-    traced = range(args.profile_step - 3, args.profile_step + 1) if args.profile_step else range(0)
+    # the profiler traces the recorded step and its warm-up steps before it: slower, not steady-state steps
+    traced = range(args.profile_step - MIN_PROFILE_FREQ + 1, args.profile_step + 1) if args.profile_step else range(0)
     steady = [r for r in records if r["step"] > args.warmup_steps and r["step"] not in traced]
     if not steady:
         sys.exit(f"no steady-state steps: ran {len(records)} steps, warm-up drops {args.warmup_steps}")

@@ -16,42 +16,27 @@ __all__ = ["gather_rows"]
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor, unique: bool) -> torch.Tensor:
     """x (R, ...), index (M,) int64 -> x[index] (M, ...). `unique`: index has no repeated entries (not checked)."""
-    if unique:
-        return _GatherUniqueRows.apply(x, index)
-    return _GatherRows.apply(x, index)
-
-
-class _GatherUniqueRows(torch.autograd.Function):
-    @staticmethod
-    def forward(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        return x.index_select(0, index)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        x, index = inputs
-        ctx.save_for_backward(index)
-        ctx.num_rows = x.shape[0]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (index,) = ctx.saved_tensors
-        return grad.new_zeros((ctx.num_rows, *grad.shape[1:])).index_copy(0, index, grad), None
+    return _GatherRows.apply(x, index, unique)
 
 
 class _GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def forward(x: torch.Tensor, index: torch.Tensor, unique: bool) -> torch.Tensor:
         return x.index_select(0, index)
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        x, index = inputs
+        x, index, unique = inputs
         ctx.save_for_backward(index)
         ctx.num_rows = x.shape[0]
+        ctx.unique = unique
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (index,) = ctx.saved_tensors
+        shape = (ctx.num_rows, *grad.shape[1:])
+        if ctx.unique:
+            return grad.new_zeros(shape).index_copy(0, index, grad), None, None
         accumulate = torch.promote_types(grad.dtype, torch.float32)  # fp32, or fp64 for fp64
-        summed = grad.new_zeros((ctx.num_rows, *grad.shape[1:]), dtype=accumulate)
-        return summed.index_add(0, index, grad.to(accumulate)).to(grad.dtype), None
+        summed = grad.new_zeros(shape, dtype=accumulate).index_add(0, index, grad.to(accumulate))
+        return summed.to(grad.dtype), None, None
