@@ -4,7 +4,7 @@ Reference: https://github.com/deepseek-ai/DeepSeek-V3/blob/main/inference/model.
 configs/config_{16B,236B,671B}.json.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from torch import nn
@@ -118,10 +118,6 @@ class DeepSeekV3ModelArgs:
         return nparams, 6 * active + self.attention_flops_per_token(seq_len)
 
 
-def _moe(**kwargs) -> MoEArgs:
-    return MoEArgs(**kwargs)
-
-
 deepseekv3_flavors: dict[str, DeepSeekV3ModelArgs] = {
     # Tiny model for CPU tests and the shipped corpus / tokenizer (vocab 2048).
     "debugmodel": DeepSeekV3ModelArgs(
@@ -132,31 +128,13 @@ deepseekv3_flavors: dict[str, DeepSeekV3ModelArgs] = {
         n_layers=6,
         n_dense_layers=1,
         n_heads=16,
-        moe_args=_moe(num_experts=8, num_shared_experts=2, top_k=3, score_func="softmax", route_norm=False),
+        moe_args=MoEArgs(num_experts=8, num_shared_experts=2, top_k=3, score_func="softmax", route_norm=False),
         q_lora_rank=0,
         kv_lora_rank=512,
         qk_nope_head_dim=128,
         qk_rope_head_dim=64,
         v_head_dim=128,
         mscale=0.70,
-    ),
-    # debugmodel with document-masked (block-causal) attention for packed sequences.
-    "debugmodel_flex": DeepSeekV3ModelArgs(
-        vocab_size=2048,
-        dim=256,
-        inter_dim=1024,
-        moe_inter_dim=256,
-        n_layers=6,
-        n_dense_layers=1,
-        n_heads=16,
-        moe_args=_moe(num_experts=8, num_shared_experts=2, top_k=3, score_func="softmax", route_norm=False),
-        q_lora_rank=0,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        mscale=0.70,
-        attn_mask_type="block_causal",
     ),
     # DeepSeek-V2-Lite / Moonlight shape (~15.7B total, ~2.7B active with vocab 102400).
     "16B": DeepSeekV3ModelArgs(
@@ -167,54 +145,11 @@ deepseekv3_flavors: dict[str, DeepSeekV3ModelArgs] = {
         n_layers=27,
         n_dense_layers=1,
         n_heads=16,
-        moe_args=_moe(num_experts=64, num_shared_experts=2, top_k=6, score_func="softmax", route_norm=False),
+        moe_args=MoEArgs(num_experts=64, num_shared_experts=2, top_k=6, score_func="softmax", route_norm=False),
         q_lora_rank=0,
         kv_lora_rank=512,
         max_seq_len=163840,
         mscale=0.707,
-    ),
-    # GPU benchmark: the 16B layer shape cut to 8 layers (1 dense + 7 MoE): ~4.6B total / ~1.1B active params.
-    # fp32 params + grads + AdamW states (16 B/param) are ~74 GB, so FSDP x EP over 2-4 H200s holds it with room
-    # for activations at seq_len 4096. Trained from scratch, so no YaRN (max_seq_len == original_seq_len).
-    "16B_bench4": DeepSeekV3ModelArgs(
-        vocab_size=102400,
-        dim=2048,
-        inter_dim=10944,
-        moe_inter_dim=1408,
-        n_layers=8,
-        n_dense_layers=1,
-        n_heads=16,
-        moe_args=_moe(num_experts=64, num_shared_experts=2, top_k=6, score_func="softmax", route_norm=False),
-        q_lora_rank=0,
-        kv_lora_rank=512,
-        max_seq_len=4096,
-        mscale=0.707,
-    ),
-    # GPU benchmark: the 671B layer shape (dim 7168, 256 experts, sigmoid group-limited routing) cut to 3 layers
-    # (1 dense + 2 MoE): ~25B total / ~3.6B active params, ~400 GB of fp32 training state, so it needs FSDP x EP
-    # over 8 H200s. Exercises DeepSeek-V3's real routing and expert sizes.
-    "671B_bench8": DeepSeekV3ModelArgs(
-        vocab_size=129280,
-        dim=7168,
-        inter_dim=18432,
-        moe_inter_dim=2048,
-        n_layers=3,
-        n_dense_layers=1,
-        n_heads=128,
-        moe_args=_moe(
-            num_experts=256,
-            num_shared_experts=1,
-            top_k=8,
-            score_func="sigmoid",
-            route_norm=True,
-            route_scale=2.5,
-            num_expert_groups=8,
-            num_limited_groups=4,
-        ),
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        max_seq_len=4096,
-        mscale=1.0,
     ),
     # DeepSeek-V2 shape (~236B total, ~21B active).
     "236B": DeepSeekV3ModelArgs(
@@ -225,7 +160,7 @@ deepseekv3_flavors: dict[str, DeepSeekV3ModelArgs] = {
         n_layers=60,
         n_dense_layers=1,
         n_heads=128,
-        moe_args=_moe(
+        moe_args=MoEArgs(
             num_experts=160,
             num_shared_experts=2,
             top_k=6,
@@ -249,7 +184,7 @@ deepseekv3_flavors: dict[str, DeepSeekV3ModelArgs] = {
         n_layers=61,
         n_dense_layers=3,
         n_heads=128,
-        moe_args=_moe(
+        moe_args=MoEArgs(
             num_experts=256,
             num_shared_experts=1,
             top_k=8,
@@ -265,3 +200,15 @@ deepseekv3_flavors: dict[str, DeepSeekV3ModelArgs] = {
         mscale=1.0,
     ),
 }
+
+# Variants of the presets above (dataclasses.replace: the same shape with the named fields changed).
+# debugmodel with document-masked (block-causal) attention for packed sequences.
+deepseekv3_flavors["debugmodel_flex"] = replace(deepseekv3_flavors["debugmodel"], attn_mask_type="block_causal")
+# GPU benchmark: the 16B layer shape cut to 8 layers (1 dense + 7 MoE): ~4.6B total / ~1.1B active params.
+# fp32 params + grads + AdamW states (16 B/param) are ~74 GB, so FSDP x EP over 2-4 H200s holds it with room
+# for activations at seq_len 4096. Trained from scratch, so no YaRN (max_seq_len == original_seq_len).
+deepseekv3_flavors["16B_bench4"] = replace(deepseekv3_flavors["16B"], n_layers=8, max_seq_len=4096)
+# GPU benchmark: the 671B layer shape (dim 7168, 256 experts, sigmoid group-limited routing) cut to 3 layers
+# (1 dense + 2 MoE): ~25B total / ~3.6B active params, ~400 GB of fp32 training state, so it needs FSDP x EP
+# over 8 H200s. Exercises DeepSeek-V3's real routing and expert sizes.
+deepseekv3_flavors["671B_bench8"] = replace(deepseekv3_flavors["671B"], n_layers=3, n_dense_layers=1, max_seq_len=4096)
