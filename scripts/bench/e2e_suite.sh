@@ -3,6 +3,7 @@
 # of one invocation, on one machine:
 #   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh ep4      # 4 GPUs: 16B-class, the ratio matrix
 #   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh ep2      # 2 GPUs: the same matrix
+#   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh ep4full  # 4 GPUs: the full 27-layer 16B flavor
 #   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh parity   # 4 GPUs: 50-step loss parity, debug model
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -10,14 +11,17 @@ R="python3 scripts/bench/e2e.py"
 P="python3 scripts/bench/loss_parity.py"
 OUT_DIR=${BENCH_OUT:-benchmarks/results}
 
-# 16B shape with 8 layers (flavor 16B_bench4) and the job's own batch (4 x 4096 tokens per GPU), FSDP x EP,
-# balanced routing; step 12 is profiled (rank 0's op summary goes into the JSON) and left out of the median.
-run16() {
-  local ngpu=$1 name=$2; shift 2
-  timeout 240 $R --name "16b8L_ep${ngpu}_$name" --ngpu "$ngpu" --warmup-steps 4 --profile-step 12 -- \
-    --model.flavor 16B_bench4 --training.steps 16 --debug.moe_force_load_balance --checkpoint.enable=false \
+# The 16B job (train_configs/deepseek_v3_16b.toml) with its own batch (4 x 4096 tokens per GPU), FSDP x EP over
+# all GPUs, balanced routing; step 12 is profiled (rank 0's op summary goes into the JSON) and left out of the
+# median. run16 uses flavor 16B_bench4 (the 16B shape cut to 8 layers), run16full the full 27-layer flavor.
+run_16b() {
+  local ngpu=$1 flavor=$2 name=$3; shift 3
+  timeout 300 $R --name "${name}" --ngpu "$ngpu" --warmup-steps 4 --profile-step 12 -- \
+    --model.flavor "$flavor" --training.steps 16 --debug.moe_force_load_balance --checkpoint.enable=false \
     --metrics.enable_tensorboard=false --parallelism.expert_parallel_degree "$ngpu" "$@" | tail -1
 }
+run16() { local ngpu=$1 name=$2; shift 2; run_16b "$ngpu" 16B_bench4 "16b8L_ep${ngpu}_$name" "$@"; }
+run16full() { local ngpu=$1 name=$2; shift 2; run_16b "$ngpu" 16B "16b_ep${ngpu}_$name" "$@"; }
 
 # standard vs deepep, eager vs compile, per-op SAC vs full AC: every ratio of the README from this one set
 matrix() {
@@ -30,9 +34,14 @@ matrix() {
   run16 "$n" standard_eager_sac --parallelism.expert_parallel_comm_backend standard --compile.enable=false
 }
 
-case "${1:?usage: e2e_suite.sh ep4|ep2|parity}" in
+case "${1:?usage: e2e_suite.sh ep4|ep2|ep4full|parity}" in
 ep4) matrix 4 ;;
 ep2) matrix 2 ;;
+ep4full)
+  run16full 4 deepep_compile_sac
+  run16full 4 standard_compile_sac --parallelism.expert_parallel_comm_backend standard
+  run16full 4 deepep_compile_fullac --activation_checkpoint.mode full
+  ;;
 parity)
   D=(--config ./train_configs/deepseek_v3_debugmodel.toml --warmup-steps 3 -- --training.steps 50
      --parallelism.expert_parallel_degree 4 --training.mixed_precision_param bfloat16)
@@ -48,5 +57,5 @@ parity)
   $P --name dbg50_ep4_compile_fullac "$OUT_DIR/e2e_dbg50_ep4_standard_compile_fullac.json" \
     "$OUT_DIR/e2e_dbg50_ep4_deepep_compile_fullac.json"
   ;;
-*) echo "unknown set $1: use ep4, ep2 or parity" >&2; exit 2 ;;
+*) echo "unknown set $1: use ep4, ep2, ep4full or parity" >&2; exit 2 ;;
 esac
