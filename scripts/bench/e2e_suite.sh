@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The end-to-end GPU benchmark sets of benchmarks/README.md (deep_ep importable). Each set's ratios come from runs
 # of one invocation, on one machine:
-#   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh ep4      # 4 GPUs: 16B-class, the ratio matrix
+#   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh ep4      # 4 GPUs: 16B-class, the ratio matrix + no AC
 #   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh ep2      # 2 GPUs: the same matrix
 #   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh ep4full  # 4 GPUs: the full 27-layer 16B flavor
 #   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh parity   # 4 GPUs: 50-step loss parity, debug model
@@ -35,7 +35,11 @@ matrix() {
 }
 
 case "${1:?usage: e2e_suite.sh ep4|ep2|ep4full|parity}" in
-ep4) matrix 4 ;;
+ep4)
+  matrix 4
+  # no activation checkpointing: what saving more under SAC could gain at most, and its memory
+  run16 4 deepep_compile_noac --activation_checkpoint.mode none
+  ;;
 ep2) matrix 2 ;;
 ep4full)
   run16full 4 deepep_compile_sac
