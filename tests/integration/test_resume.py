@@ -26,15 +26,15 @@ CKPT_ARGS = ["--checkpoint.enable", "--checkpoint.interval", "5"]
     ids=["single-process", "fsdp4-ep2"],
 )
 def test_resume_is_bitwise_identical(tmp_path, nproc, layout):
-    # decay_ratio 0: warmup then constant lr, so a 5-step and a 10-step run share their first 5 lr values (with
+    # decay_ratio 0: warmup then constant lr, so a 3-step and a 6-step run share their first 3 lr values (with
     # decay, the schedule depends on training.steps; the killed-run test below covers the same-command case).
-    args = [*FAST_ARGS, *layout, *CKPT_ARGS, "--lr_scheduler.decay_ratio", "0"]
+    args = [*FAST_ARGS, *layout, "--checkpoint.enable", "--checkpoint.interval", "3", "--lr_scheduler.decay_ratio", "0"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_trainer(straight, [*args, "--training.steps", "10"], nproc=nproc)
-    run_trainer(resumed, [*args, "--training.steps", "5"], nproc=nproc)
-    assert sorted(read_losses(resumed)) == [1, 2, 3, 4, 5]
-    # A fresh process, the same command with more steps: picks up step-5 and continues.
-    run_trainer(resumed, [*args, "--training.steps", "10"], nproc=nproc)
+    run_trainer(straight, [*args, "--training.steps", "6"], nproc=nproc)
+    run_trainer(resumed, [*args, "--training.steps", "3"], nproc=nproc)
+    assert sorted(read_losses(resumed)) == [1, 2, 3]
+    # A fresh process, the same command with more steps: picks up step-3 and continues.
+    run_trainer(resumed, [*args, "--training.steps", "6"], nproc=nproc)
     expected, got = read_losses(straight), read_losses(resumed)
     assert got == expected  # bitwise on CPU: same data order, RNG and optimizer state
 
