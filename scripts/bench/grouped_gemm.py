@@ -18,7 +18,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.bench.common import cuda_time_ms, profile_summary, write_result  # noqa: E402
 from scripts.bench.moe_layer import LAYERS  # noqa: E402
-from torchtitan.models.moe.experts import run_experts_grouped_mm  # noqa: E402
+from torchtitan.models.moe.experts import GroupedExperts, run_experts_grouped_mm  # noqa: E402
 
 
 def main() -> None:
@@ -50,10 +50,11 @@ def main() -> None:
         return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
 
     compiled = torch.compile(run_experts_grouped_mm, fullgraph=True)
+    alignment = GroupedExperts.token_group_alignment
     variants = {
         "bare_grouped_mm": bare,
-        "experts_eager": lambda: run_experts_grouped_mm(x, counts, w1, w2, w3, 8),
-        "experts_compiled": lambda: compiled(x, counts, w1, w2, w3, 8),
+        "experts_eager": lambda: run_experts_grouped_mm(x, counts, w1, w2, w3, alignment),
+        "experts_compiled": lambda: compiled(x, counts, w1, w2, w3, alignment),
     }
     fwd_flops = 2 * 3 * dim * hidden * rows
     result = dict(

@@ -36,8 +36,7 @@ def gather_expert_input(
     local-expert-major order (num_copies, dim), scaled by their routing weight if `recv_topk_weights` is given."""
     expert_input = gather_rows(recv_x, permuted_slots // top_k, unique=False)
     if recv_topk_weights is not None:
-        weights = recv_topk_weights.reshape(-1).index_select(0, permuted_slots).unsqueeze(-1)
-        expert_input = (expert_input.float() * weights).to(recv_x.dtype)
+        expert_input = (expert_input.float() * _copy_weights(recv_topk_weights, permuted_slots)).to(recv_x.dtype)
     return expert_input
 
 
@@ -53,9 +52,14 @@ def sum_per_received_token(
     num_recv, top_k = recv_topk_weights.shape
     out = expert_output.float()
     if apply_weights:
-        out = out * recv_topk_weights.reshape(-1).index_select(0, permuted_slots).unsqueeze(-1)
+        out = out * _copy_weights(recv_topk_weights, permuted_slots)
     per_token = out.new_zeros((num_recv, out.shape[1])).index_add(0, permuted_slots // top_k, out)
     return per_token.to(dtype)
+
+
+def _copy_weights(recv_topk_weights: torch.Tensor, permuted_slots: torch.Tensor) -> torch.Tensor:
+    """(num_recv, top_k) fp32 routing weights -> (num_copies, 1), the weight of each local-expert-major copy."""
+    return recv_topk_weights.reshape(-1).index_select(0, permuted_slots).unsqueeze(-1)
 
 
 @dataclass
@@ -81,7 +85,7 @@ class DeepEPDispatchState(DispatchState):
 class DeepEPTokenDispatcher(TokenDispatcher):
     gather_expert_input = staticmethod(gather_expert_input)
     sum_per_received_token = staticmethod(sum_per_received_token)
-    """The local stages' computations; `apply_compile` swaps in compiled copies shared by all layers."""
+    """The local stages' computations; `compile_moe` swaps in compiled copies shared by all layers."""
 
     def __init__(self, group_name: str, num_experts: int, score_before_experts: bool = False):
         self.group_name = group_name

@@ -55,7 +55,7 @@ class GroupedExperts(nn.Module):
     """Rows each expert's group is padded to a multiple of: 8 for bf16; set 16 (fp8) or 32 (mxfp8) if needed."""
 
     run_grouped_mm = staticmethod(run_experts_grouped_mm)
-    """The grouped-GEMM computation; `apply_compile` swaps in one compiled copy shared by all layers."""
+    """The grouped-GEMM computation; `compile_moe` swaps in one compiled copy shared by all layers."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
         super().__init__()
