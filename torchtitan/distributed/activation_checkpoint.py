@@ -23,6 +23,7 @@ therefore recomputed in backward, while the dispatch/combine outputs are saved. 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -31,6 +32,8 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from torchtitan.distributed.compile import recompile_guard_contexts
 
 __all__ = ["apply_ac", "op_sac_save_list"]
 
@@ -90,22 +93,20 @@ def apply_ac(model: nn.Module, ac_config: Any) -> None:
 
     mode "none": nothing. "full": every block. "selective" with selective_ac_option "op": per-op SAC on every block;
     with an integer N: full checkpointing of every Nth block (blocks 0, N, 2N, ... by position in this model part).
+    MoE blocks also get the recompile guard of `compile.recompile_guard_contexts` (their compiled regions run
+    inside an eager checkpoint; dense blocks are compiled together with theirs).
     """
     mode, option = ac_config.mode, str(ac_config.selective_ac_option)
     if mode == "none":
         return
     if mode == "full":
-        wrap = partial(checkpoint_wrapper, preserve_rng_state=False)
-        _wrap_blocks(model, lambda position: True, wrap)
+        _wrap_blocks(model, lambda position: True, sac_save_ops=None)
         return
     if mode != "selective":
         raise ValueError(f"activation_checkpoint.mode={mode!r}: use none, full or selective")
     if option == "op":
         _ignore_profiler_ops_in_sac()
-        num_experts = _num_routed_experts(model)
-        context_fn = partial(_sac_contexts, op_sac_save_list(), num_experts)
-        wrap = partial(checkpoint_wrapper, context_fn=context_fn, preserve_rng_state=False)
-        _wrap_blocks(model, lambda position: True, wrap)
+        _wrap_blocks(model, lambda position: True, sac_save_ops=op_sac_save_list())
         return
     if not option.isdigit() or int(option) < 1:
         raise ValueError(
@@ -113,7 +114,7 @@ def apply_ac(model: nn.Module, ac_config: Any) -> None:
             "(checkpoint every Nth block)"
         )
     every = int(option)
-    _wrap_blocks(model, lambda position: position % every == 0, partial(checkpoint_wrapper, preserve_rng_state=False))
+    _wrap_blocks(model, lambda position: position % every == 0, sac_save_ops=None)
 
 
 def _ignore_profiler_ops_in_sac() -> None:
@@ -132,10 +133,36 @@ def _ignore_profiler_ops_in_sac() -> None:
     )
 
 
-def _wrap_blocks(model: nn.Module, selected: Callable[[int], bool], wrap: Callable[[nn.Module], nn.Module]) -> None:
+def _wrap_blocks(model: nn.Module, selected: Callable[[int], bool], sac_save_ops: set[Any] | None) -> None:
+    """Checkpoint the selected blocks; per-op SAC when `sac_save_ops` is given, else whole-block recompute."""
+    num_experts = _num_routed_experts(model)
     for position, (name, block) in enumerate(list(model.layers.named_children())):
-        if selected(position):
-            model.layers.register_module(name, wrap(block))
+        if not selected(position):
+            continue
+        guard_name = f"layers.{name}" if getattr(block, "moe_enabled", False) else None
+        # dynamo traces a dense block's checkpoint: pass no context_fn unless there is something to run in it
+        kwargs = {}
+        if sac_save_ops is not None or guard_name is not None:
+            kwargs["context_fn"] = partial(_checkpoint_contexts, sac_save_ops, num_experts, guard_name)
+        model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False, **kwargs))
+
+
+def _checkpoint_contexts(sac_save_ops: set[Any] | None, num_experts: int | None, guard_name: str | None):
+    """checkpoint's context_fn: (forward, recompute) contexts of SAC and, for MoE blocks, the recompile guard."""
+    contexts = [_sac_contexts(sac_save_ops, num_experts)] if sac_save_ops is not None else []
+    if guard_name is not None:
+        contexts.append(recompile_guard_contexts(guard_name))
+    if len(contexts) == 1:
+        return contexts[0]
+    return _stacked(c[0] for c in contexts), _stacked(c[1] for c in contexts)
+
+
+@contextlib.contextmanager
+def _stacked(managers):
+    with contextlib.ExitStack() as stack:
+        for manager in managers:
+            stack.enter_context(manager)
+        yield
 
 
 def _num_routed_experts(model: nn.Module) -> int | None:

@@ -7,11 +7,12 @@ two things in them cannot be traced into one graph:
   collective), and FSDP2 wraps it in its own unit whose pre/post-forward hooks are graph breaks. What runs inside
   it is compiled: the grouped-GEMM SwiGLU with its padding (`GroupedExperts.run_grouped_mm`) and, with DeepEP,
   the dispatcher's local stages around the communication (gather into expert-major rows; the weighted sum per
-  received token). Each is one compiled function shared by every layer (same code, same guards, one cache entry).
+  received token). Each is one `CompiledRegion` shared by every layer, with its token-row dims dynamic from the
+  first call (see `CompiledRegion` for why that matters under activation checkpointing).
 - the MoE's own glue (`MoE.forward`: sorting token copies by expert, unsorting) runs eager between those pieces.
-Also compiled inside an MoE block: attention, the router, the shared experts. The two norms stay eager: a bare
-`torch.nn` module compiled as its own root frame is on dynamo's skip list (fullgraph=True then finds no frame to
-compile), and an RMSNorm is one fused op anyway.
+Also compiled inside an MoE block: attention, the router's expert selection, the shared experts (all see a fixed
+number of tokens). The two norms stay eager: a bare `torch.nn` module compiled as its own root frame is on
+dynamo's skip list (fullgraph=True then finds no frame to compile), and an RMSNorm is one fused op anyway.
 A dense block wrapped by activation checkpointing is compiled together with its checkpoint (dynamo traces the
 checkpoint and its SAC policy); in MoE blocks the checkpoint stays eager around the compiled children.
 Modules are compiled in place (`nn.Module.compile`), so parameter names (FQNs) do not change.
@@ -19,15 +20,24 @@ Modules are compiled in place (`nn.Module.compile`), so parameter names (FQNs) d
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch import nn
+from torch._dynamo.utils import counters, get_compilation_metrics
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-__all__ = ["apply_compile", "compile_moe"]
+__all__ = [
+    "CompiledRegion",
+    "RecompiledDuringCheckpointError",
+    "apply_compile",
+    "compile_moe",
+    "graphs_compiled",
+    "recompile_guard_contexts",
+]
 
 
 def apply_compile(model: nn.Module, compile_config: Any) -> None:
@@ -47,19 +57,114 @@ def compile_moe(moe: nn.Module, backend: str) -> None:
     # Token counts become Python ints in the expert-parallel dispatch; let dynamo capture them as unbacked symbols
     # instead of breaking the graph wherever such a count is read.
     torch._dynamo.config.capture_scalar_outputs = True
-    moe.router.compile(backend=backend, fullgraph=True)
+    # MoE.route calls the router's two methods, not router.forward. Only the selection (top-k, group masking,
+    # counting: many small ops on fixed shapes) is compiled; the scoring is one linear layer plus a sigmoid.
+    moe.router.select_experts = torch.compile(moe.router.select_experts, backend=backend, fullgraph=True)
     if moe.shared_experts is not None:
         moe.shared_experts.compile(backend=backend, fullgraph=True)
     experts = moe.experts
-    experts.run_grouped_mm = _compiled(type(experts).run_grouped_mm, backend)
+    # (x (rows, dim), counts, w1, w2, w3, alignment): the rows vary
+    experts.run_grouped_mm = _region(type(experts).run_grouped_mm, backend, {0: 0})
     hooks = getattr(experts, "deepep_hooks", None)  # DeepEPExpertParallel applied (avoids importing DeepEP here)
     if hooks is not None:
         dispatcher = hooks.dispatcher
-        dispatcher.gather_expert_input = _compiled(type(dispatcher).gather_expert_input, backend)
-        dispatcher.sum_per_received_token = _compiled(type(dispatcher).sum_per_received_token, backend)
+        # (recv_x (recv, dim), permuted_slots (copies,), top_k, recv_topk_weights (recv, top_k) | None)
+        dispatcher.gather_expert_input = _region(type(dispatcher).gather_expert_input, backend, {0: 0, 1: 0, 3: 0})
+        # (expert_output (copies, dim), permuted_slots (copies,), recv_topk_weights (recv, top_k), ...)
+        dispatcher.sum_per_received_token = _region(
+            type(dispatcher).sum_per_received_token, backend, {0: 0, 1: 0, 2: 0}
+        )
 
 
-@functools.cache
-def _compiled(fn: Callable, backend: str) -> Callable:
-    """One compiled wrapper per (function, backend), so all layers share its cache entries."""
-    return torch.compile(fn, backend=backend, fullgraph=True)
+class CompiledRegion:
+    """A function compiled once for all MoE layers, whose token-row dims are dynamic from its first call.
+
+    Why: with the router's own routing every layer and step sees another number of token rows. Left to automatic
+    dynamic shapes, dynamo compiles a static graph at the first size and a second, dynamic graph at the next one.
+    An activation-checkpoint recompute of an earlier layer then runs the newer graph while its forward ran the
+    older one; the two save different tensors, and backward fails with a CheckpointError. Marking the row dims
+    dynamic before every call, and compiling them size-oblivious (0 or 1 rows do not specialize a new graph),
+    gives one graph for every row count.
+
+    `token_dims` maps a positional argument's index to its row dim (None arguments are skipped). `num_graphs`
+    counts the graphs this region compiled (the activation-checkpoint guard reads it).
+    """
+
+    def __init__(self, fn: Callable, backend: str, token_dims: dict[int, int]):
+        self.name = fn.__name__
+        self.token_dims = token_dims
+        self.num_graphs = 0
+        self._compiled = torch.compile(fn, backend=backend, fullgraph=True)
+
+    def __call__(self, *args: Any) -> Any:
+        for index, dim in self.token_dims.items():
+            if args[index] is not None:
+                torch._dynamo.mark_dynamic(args[index], dim)
+        before = graphs_compiled()
+        with fx_config.patch(backed_size_oblivious=True):
+            out = self._compiled(*args)
+        self.num_graphs += graphs_compiled() - before
+        return out
+
+
+# (function, backend) -> its region. One per pair so every layer shares the same compiled graph and guards.
+_REGIONS: dict[tuple[Callable, str], CompiledRegion] = {}
+
+
+def _region(fn: Callable, backend: str, token_dims: dict[int, int]) -> CompiledRegion:
+    if (fn, backend) not in _REGIONS:
+        _REGIONS[fn, backend] = CompiledRegion(fn, backend, token_dims)
+    return _REGIONS[fn, backend]
+
+
+def graphs_compiled() -> int:
+    """Graphs dynamo has compiled in this process (all frames): the trainer logs the per-step difference."""
+    return counters["stats"]["unique_graphs"]
+
+
+class RecompiledDuringCheckpointError(RuntimeError):
+    """A compiled region compiled a new graph between a checkpointed block's forward and its recompute."""
+
+
+def recompile_guard_contexts(block_name: str) -> tuple[contextlib.AbstractContextManager, ...]:
+    """(forward, recompute) contexts for `torch.utils.checkpoint`'s `context_fn` of an MoE block.
+
+    The recompute must run the graphs its forward ran. If a `CompiledRegion` compiled a graph after the block's
+    forward (or while recomputing it), dynamo may pick that graph for the recompute, whose saved tensors need not
+    match the forward's: this raises one error naming the block, the region and dynamo's recompile reason instead
+    of a metadata mismatch deep in autograd.
+    """
+    forward_graphs: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def forward() -> Iterator[None]:
+        yield
+        forward_graphs.update(_graphs_per_region())
+
+    @contextlib.contextmanager
+    def recompute() -> Iterator[None]:
+        _check_no_recompile(block_name, forward_graphs, "before")
+        try:
+            yield
+        finally:
+            _check_no_recompile(block_name, forward_graphs, "during")
+
+    return forward(), recompute()
+
+
+def _graphs_per_region() -> dict[str, int]:
+    return {region.name: region.num_graphs for region in _REGIONS.values()}
+
+
+def _check_no_recompile(block_name: str, forward_graphs: dict[str, int], when: str) -> None:
+    changed = [name for name, graphs in _graphs_per_region().items() if graphs != forward_graphs.get(name, 0)]
+    if not changed:
+        return
+    reasons = {m.co_name: m.recompile_reason for m in get_compilation_metrics() if m.co_name in changed}
+    details = "; ".join(f"{name}: {reasons.get(name) or 'reason not recorded'}" for name in changed)
+    raise RecompiledDuringCheckpointError(
+        f"compiled MoE region(s) {', '.join(changed)} compiled a new graph {when} the activation-checkpoint "
+        f"recompute of {block_name}, so the recompute could replay another graph than its forward ran "
+        f"(dynamo's recompile reason: {details}). Find what changed between calls with TORCH_LOGS=recompiles, "
+        "or train without --compile.enable or without activation checkpointing."
+    )
