@@ -26,6 +26,7 @@ from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config import ConfigError, JobConfig, format_help
 from torchtitan.datasets import build_dataloader, build_tokenizer
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.compile import graphs_compiled
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.weight_init import copy_from_unsharded_init
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, get_model_args
@@ -211,6 +212,7 @@ class Trainer:
         steps = job_config.training.steps
         logger.info(f"training from step {self.train_state.step + 1} to {steps}")
         profiler = StepProfiler(job_config.profiling, job_config.job.dump_folder, self.rank, self.device)
+        graphs_at_last_log = graphs_compiled()
         try:
             while self.train_state.step < steps:
                 self.train_state.step += 1
@@ -229,7 +231,9 @@ class Trainer:
                         grad_norm=float(grad_norm),
                         lr=lr,
                         total_steps=steps,
+                        graphs_compiled=graphs_compiled() - graphs_at_last_log,
                     )
+                    graphs_at_last_log = graphs_compiled()
                 self.checkpointer.save(step, last_step=step == steps)
         finally:
             profiler.close()

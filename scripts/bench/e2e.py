@@ -4,7 +4,8 @@
         --model.flavor 16B_bench4 --parallelism.expert_parallel_degree 4 ...
 
 Writes benchmarks/results/e2e_<name>.json (or $BENCH_OUT) with median tokens/s per GPU, TFLOPS, MFU,
-peak memory and the last loss, read from the run's metrics.jsonl.
+peak memory, the losses, the graphs torch.compile compiled per step (recompiles after warm-up should be 0) and the
+routing ("natural": the router's own; "balanced": forced round-robin), read from the run's metrics.jsonl.
 """
 
 import argparse
@@ -14,6 +15,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -39,7 +41,7 @@ def run_settings(config_file: str, train_args: list[str], ngpu: int) -> dict:
             f":{job.activation_checkpoint.selective_ac_option}" if job.activation_checkpoint.mode == "selective" else ""
         ),
         "tokens_per_gpu_per_step": job.training.local_batch_size * job.training.seq_len,
-        "balanced_routing": job.debug.moe_force_load_balance,
+        "routing": "balanced" if job.debug.moe_force_load_balance else "natural",
     }
 
 
@@ -61,7 +63,9 @@ def main() -> None:
     if args.profile_step:
         profiling = ["--profiling.enable_profiling", "--profiling.profile_freq", str(args.profile_step)]
     cmd = ["bash", "run_train.sh", "--job.dump_folder", str(dump), "--metrics.log_freq", "1", *train_args, *profiling]
+    start = time.time()
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    wall_s = time.time() - start
     log_tail = (proc.stdout + proc.stderr)[-6000:]
     result = {
         "name": args.name,
@@ -69,6 +73,7 @@ def main() -> None:
         **run_settings(args.config, train_args, args.ngpu),
         "train_args": train_args,
         "returncode": proc.returncode,
+        "wall_s": round(wall_s, 1),
     }
     command = f"CONFIG_FILE={args.config} NGPU={args.ngpu} ./run_train.sh " + shlex.join(train_args)
     os.environ["BENCH_COMMAND"] = command
@@ -93,12 +98,15 @@ def main() -> None:
         peak_memory_gib=max(r["memory_gib"] for r in steady),
         last_loss=records[-1]["loss"],
         losses=[r["loss"] for r in records],
+        graphs_compiled_per_step=[r.get("graphs_compiled", 0) for r in records],
+        recompiles_after_warmup=sum(r.get("graphs_compiled", 0) for r in records if r["step"] > args.warmup_steps),
     )
     if args.profile_step:
         summary = dump / "profile_traces" / f"iteration_{args.profile_step}" / "rank0_summary.json"
         result["profile_rank0"] = json.loads(summary.read_text())
     path = write_result(result, f"e2e_{args.name}")
-    print(json.dumps({k: result[k] for k in ("name", "tokens_per_sec_per_gpu", "mfu_pct", "peak_memory_gib")}))
+    keys = ("name", "tokens_per_sec_per_gpu", "mfu_pct", "peak_memory_gib", "recompiles_after_warmup", "wall_s")
+    print(json.dumps({k: result[k] for k in keys}))
     print(f"wrote {path}")
 
 

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The end-to-end GPU benchmark sets of benchmarks/README.md (deep_ep importable). Each set's ratios come from runs
-# of one invocation, on one machine:
-#   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh ep4      # 4 GPUs: 16B-class, the ratio matrix + no AC
-#   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh ep2      # 2 GPUs: the same matrix
-#   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh ep4full  # 4 GPUs: the full 27-layer 16B flavor
-#   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh parity   # 4 GPUs: 50-step loss parity, debug model
+# of one invocation, on one machine. Routing is the router's own (natural) unless a run's name ends in _balanced
+# (forced round-robin, --debug.moe_force_load_balance).
+#   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh ep2 [deepep|standard]  # 2 GPUs: the natural matrix
+#   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh ep4 [deepep|standard]  # 4 GPUs: the same
+#   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh balanced2|balanced4    # forced-balance references
+#   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh ep4full                # the full 27-layer 16B flavor
+#   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh parity                 # 4 GPUs: 50-step loss parity
+#   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh layers2|layers4        # MoE layer: balanced vs Zipf
+# The matrix takes an optional backend so it can be split over two calls of one held machine (10-minute limit).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 R="python3 scripts/bench/e2e.py"
@@ -12,35 +16,60 @@ P="python3 scripts/bench/loss_parity.py"
 OUT_DIR=${BENCH_OUT:-benchmarks/results}
 
 # The 16B job (train_configs/deepseek_v3_16b.toml) with its own batch (4 x 4096 tokens per GPU), FSDP x EP over
-# all GPUs, balanced routing; step 12 is profiled (rank 0's op summary goes into the JSON) and left out of the
-# median. run16 uses flavor 16B_bench4 (the 16B shape cut to 8 layers), run16full the full 27-layer flavor.
+# all GPUs; 14 steps, the first 4 dropped as warm-up. PROFILE_STEP=N records step N (rank 0's op summary goes into
+# the JSON; steps N-3..N leave the median). run16 uses flavor 16B_bench4 (the 16B shape cut to 8 layers),
+# run16full the full 27-layer flavor.
 run_16b() {
   local ngpu=$1 flavor=$2 name=$3; shift 3
-  timeout 300 $R --name "${name}" --ngpu "$ngpu" --warmup-steps 4 --profile-step 12 -- \
-    --model.flavor "$flavor" --training.steps 16 --debug.moe_force_load_balance --checkpoint.enable=false \
+  local profile=()
+  [[ -n "${PROFILE_STEP:-}" ]] && profile=(--profile-step "$PROFILE_STEP")
+  timeout 300 $R --name "${name}" --ngpu "$ngpu" --warmup-steps 4 "${profile[@]}" -- \
+    --model.flavor "$flavor" --training.steps 14 --checkpoint.enable=false \
     --metrics.enable_tensorboard=false --parallelism.expert_parallel_degree "$ngpu" "$@" | tail -1
 }
 run16() { local ngpu=$1 name=$2; shift 2; run_16b "$ngpu" 16B_bench4 "16b8L_ep${ngpu}_$name" "$@"; }
 run16full() { local ngpu=$1 name=$2; shift 2; run_16b "$ngpu" 16B "16b_ep${ngpu}_$name" "$@"; }
 
-# standard vs deepep, eager vs compile, per-op SAC vs full AC: every ratio of the README from this one set
+# backend x (compile, eager) x (per-op SAC, full AC, none), natural routing
 matrix() {
-  local n=$1
-  run16 "$n" deepep_compile_sac
-  run16 "$n" standard_compile_sac --parallelism.expert_parallel_comm_backend standard
-  run16 "$n" deepep_eager_sac --compile.enable=false
-  run16 "$n" deepep_compile_fullac --activation_checkpoint.mode full
-  run16 "$n" deepep_eager_fullac --compile.enable=false --activation_checkpoint.mode full
-  run16 "$n" standard_eager_sac --parallelism.expert_parallel_comm_backend standard --compile.enable=false
+  local n=$1 backends=${2:-"deepep standard"}
+  local -A compile=([compile]="--compile.enable" [eager]="--compile.enable=false")
+  local -A ac=([sac]="--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op"
+               [fullac]="--activation_checkpoint.mode full" [noac]="--activation_checkpoint.mode none")
+  for b in $backends; do
+    for c in compile eager; do
+      for a in sac fullac noac; do
+        # shellcheck disable=SC2086
+        run16 "$n" "${b}_${c}_${a}" --parallelism.expert_parallel_comm_backend "$b" ${compile[$c]} ${ac[$a]}
+      done
+    done
+  done
 }
 
-case "${1:?usage: e2e_suite.sh ep4|ep2|ep4full|parity}" in
-ep4)
-  matrix 4
-  # no activation checkpointing: what saving more under SAC could gain at most, and its memory
-  run16 4 deepep_compile_noac --activation_checkpoint.mode none
-  ;;
-ep2) matrix 2 ;;
+balanced() {
+  local n=$1
+  run16 "$n" deepep_compile_sac_balanced --debug.moe_force_load_balance
+  run16 "$n" standard_compile_sac_balanced --debug.moe_force_load_balance \
+    --parallelism.expert_parallel_comm_backend standard
+}
+
+layers() {
+  local n=$1
+  for layer in 16b 671b; do
+    for routing in balanced zipf; do
+      timeout 240 torchrun --nproc-per-node "$n" scripts/bench/moe_layer.py --layer "$layer" --backend deepep \
+        --tokens 8192 --compile --routing "$routing"
+    done
+  done
+}
+
+case "${1:?usage: e2e_suite.sh ep2|ep4 [backend] | balanced2|balanced4 | ep4full | parity | layers2|layers4}" in
+ep2) matrix 2 "${2:-}" ;;
+ep4) matrix 4 "${2:-}" ;;
+balanced2) balanced 2 ;;
+balanced4) balanced 4 ;;
+layers2) layers 2 ;;
+layers4) layers 4 ;;
 ep4full)
   run16full 4 deepep_compile_sac
   run16full 4 standard_compile_sac --parallelism.expert_parallel_comm_backend standard
@@ -61,5 +90,5 @@ parity)
   $P --name dbg50_ep4_compile_fullac "$OUT_DIR/e2e_dbg50_ep4_standard_compile_fullac.json" \
     "$OUT_DIR/e2e_dbg50_ep4_deepep_compile_fullac.json"
   ;;
-*) echo "unknown set $1: use ep4, ep2, ep4full or parity" >&2; exit 2 ;;
+*) echo "unknown set $1: see the usage at the top of this script" >&2; exit 2 ;;
 esac

@@ -2,8 +2,11 @@
 
     torchrun --nproc-per-node 4 scripts/bench/moe_layer.py --layer 671b --backend deepep --tokens 8192
 
-Routing is forced round-robin (`force_load_balance`) so every expert gets the same load and the matmul bound below
-is exact. The bound counts only the expert matmuls at the measured H200 bf16 rate:
+Routing (`--routing`): `balanced` forces round-robin (`force_load_balance`), so every expert gets the same load and
+the matmul bound below is exact; `zipf` gives the skewed load of a real router: each token's top-k distinct experts
+are drawn from a Zipf(s) distribution over a random expert order (`--zipf-exponent`), fixed per token count so
+every timed iteration sees the same load, and the JSON records the max/mean expert load. The bound counts only
+the expert matmuls at the measured H200 bf16 rate:
     FLOPs(fwd) = 2 * 3 * dim * moe_inter * tokens * (top_k + num_shared),  fwd+bwd = 3 x fwd.
 One JSON per (layer, backend, ep, tokens) goes to $BENCH_OUT or benchmarks/results/.
 """
@@ -42,14 +45,14 @@ def matmul_bound_ms(layer: dict, tokens: int) -> tuple[float, float]:
     return fwd_ms, 3 * fwd_ms
 
 
-def build_layer(layer: dict, backend: str, ep_mesh, device: torch.device, num_sms: int):
+def build_layer(layer: dict, backend: str, ep_mesh, device: torch.device, num_sms: int, balanced: bool):
     moe_args = MoEArgs(
         num_experts=layer["num_experts"],
         num_shared_experts=layer["num_shared"],
         top_k=layer["top_k"],
         score_func=layer["score_func"],
         route_norm=True,
-        force_load_balance=True,
+        force_load_balance=balanced,
     )
     moe = build_moe(moe_args, layer["dim"], layer["moe_inter"], comm_backend=backend, ep_degree=ep_mesh.size())
     moe.to(device)
@@ -69,6 +72,32 @@ def build_layer(layer: dict, backend: str, ep_mesh, device: torch.device, num_sm
     return moe
 
 
+def zipf_routing(num_tokens: int, num_experts: int, top_k: int, exponent: float, device: torch.device) -> torch.Tensor:
+    """(num_tokens, top_k) distinct expert ids per token, expert of popularity rank r drawn with p ~ 1 / r^s.
+
+    Seeded identically on every rank (one global popularity order); tokens differ per rank by a rank offset."""
+    gen = torch.Generator().manual_seed(0)
+    popularity = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** exponent
+    probs = torch.empty(num_experts, dtype=torch.float64)
+    probs[torch.randperm(num_experts, generator=gen)] = popularity / popularity.sum()
+    gen.manual_seed(1 + dist.get_rank())
+    return torch.multinomial(probs.expand(num_tokens, -1), top_k, replacement=False, generator=gen).to(device)
+
+
+def use_fixed_routing(moe, selected_experts: torch.Tensor) -> None:
+    """Route every call to `selected_experts`; the gate values still come from the router's scores (so the gate
+    gets gradients and the backward does the same work as in training)."""
+    router = moe.router
+
+    def select_experts(scores: torch.Tensor, expert_bias: torch.Tensor | None = None):
+        top_scores = scores.gather(1, selected_experts)
+        top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20) * router.route_scale
+        counts = torch.bincount(selected_experts.reshape(-1), minlength=router.num_experts)
+        return top_scores, selected_experts, counts
+
+    router.select_experts = select_experts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layer", choices=sorted(LAYERS), required=True)
@@ -79,21 +108,36 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--compile", action="store_true", help="compile the layer as the trainer does (inductor)")
     parser.add_argument("--profile", action="store_true", help="add a torch.profiler kernel summary of fwd+bwd")
+    parser.add_argument("--routing", choices=["balanced", "zipf"], default="balanced")
+    parser.add_argument("--zipf-exponent", type=float, default=1.0)
     args = parser.parse_args()
 
     device = init_nccl_from_torchrun()
     ep = dist.get_world_size()
     ep_mesh = init_device_mesh("cuda", (ep,), mesh_dim_names=("ep",))
     layer = LAYERS[args.layer]
-    moe = build_layer(layer, args.backend, ep_mesh, device, args.num_sms)
+    moe = build_layer(layer, args.backend, ep_mesh, device, args.num_sms, balanced=args.routing == "balanced")
     if args.compile:
         compile_moe(moe, "inductor")
     mode = "compile" if args.compile else "eager"
+    routing_tag = "" if args.routing == "balanced" else f"_zipf{args.zipf_exponent:g}"
 
     for tokens in args.tokens:
         torch.manual_seed(dist.get_rank())
         x = torch.randn(1, tokens, layer["dim"], device=device, dtype=torch.bfloat16, requires_grad=True)
         grad = torch.randn_like(x)
+        routing = {"routing": args.routing}
+        if args.routing == "zipf":
+            selected = zipf_routing(tokens, layer["num_experts"], layer["top_k"], args.zipf_exponent, device)
+            use_fixed_routing(moe, selected)
+            load = torch.bincount(selected.reshape(-1), minlength=layer["num_experts"]).float()
+            dist.all_reduce(load)
+            per_rank = load.view(ep, -1).sum(1)
+            routing.update(
+                zipf_exponent=args.zipf_exponent,
+                max_over_mean_expert_load=(load.max() / load.mean()).item(),
+                max_over_mean_rank_load=(per_rank.max() / per_rank.mean()).item(),
+            )
 
         def forward(x=x):
             with torch.no_grad():
@@ -118,6 +162,7 @@ def main() -> None:
             mode=mode,
             ep=ep,
             tokens_per_rank=tokens,
+            **routing,
             **layer,
             fwd_ms=stats[0].item(),
             fwd_bwd_ms=stats[1].item(),
@@ -131,9 +176,10 @@ def main() -> None:
         if args.profile:
             result["profile_fwd_bwd_rank0"] = profile_summary(forward_backward)
         if dist.get_rank() == 0:
-            write_result(result, f"moe_layer_{args.layer}_{args.backend}_{mode}_ep{ep}_t{tokens}")
+            write_result(result, f"moe_layer_{args.layer}_{args.backend}_{mode}_ep{ep}_t{tokens}{routing_tag}")
             print(
-                f"{args.layer} {args.backend} {mode} ep={ep} tokens={tokens}: fwd {result['fwd_ms']:.2f} ms, "
+                f"{args.layer} {args.backend} {mode} {args.routing} ep={ep} tokens={tokens}: "
+                f"fwd {result['fwd_ms']:.2f} ms, "
                 f"fwd+bwd {result['fwd_bwd_ms']:.2f} ms (bound {bound_fwd_bwd:.2f} ms, "
                 f"{result['fwd_bwd_ms'] / bound_fwd_bwd:.2f}x), peak {result['peak_memory_gib']:.1f} GiB",
                 flush=True,

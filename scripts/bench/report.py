@@ -18,34 +18,48 @@ def load(prefix: str) -> list[dict]:
     return [r for r in results if r.get("returncode", 0) == 0]
 
 
+def routing(result: dict) -> str:
+    """'natural' (the router's own) or 'balanced' (forced round-robin); results before the field was added were all
+    forced-balanced (`balanced_routing` in e2e results, nothing in layer results)."""
+    if "routing" in result:
+        return result["routing"]
+    return "balanced" if result.get("balanced_routing", True) else "natural"
+
+
 def e2e_table(results: list[dict]) -> list[str]:
     rows = [
-        "| run | flavor | GPUs (FSDP x EP) | backend | compile | AC | tokens/GPU/step | tokens/s/GPU | TFLOPS/GPU "
-        "| MFU | peak mem (GiB) | last loss | device | commit |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| run | flavor | GPUs (FSDP x EP) | backend | compile | AC | routing | tokens/GPU/step | tokens/s/GPU "
+        "| TFLOPS/GPU | MFU | peak mem (GiB) | recompiles after warm-up | last loss | device | commit |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         par = r["parallel"]
         rows.append(
             f"| {r['name']} | {r['model_flavor']} | {r['ngpu']} ({par['dp_shard']} x {par['ep']}) | "
             f"{r['ep_backend']} | "
-            f"{'yes' if r['compile'] else 'no'} | {r['activation_checkpoint']} | {r['tokens_per_gpu_per_step']:,} | "
+            f"{'yes' if r['compile'] else 'no'} | {r['activation_checkpoint']} | {routing(r)} | "
+            f"{r['tokens_per_gpu_per_step']:,} | "
             f"{r['tokens_per_sec_per_gpu']:,.0f} | {r['tflops_per_gpu']:.1f} | {r['mfu_pct']:.1f}% | "
-            f"{r['peak_memory_gib']:.1f} | {r['last_loss']:.3f} | {r['device_name']} | {r['git_commit'][:8]} |"
+            f"{r['peak_memory_gib']:.1f} | {r.get('recompiles_after_warmup', 'n/a')} | {r['last_loss']:.3f} | "
+            f"{r['device_name']} | {r['git_commit'][:8]} |"
         )
     return rows
 
 
 def moe_table(results: list[dict]) -> list[str]:
     rows = [
-        "| layer | backend | mode | EP | tokens/rank | fwd (ms) | fwd+bwd (ms) | matmul bound (ms) | x bound "
-        "| peak mem (GiB) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| layer | backend | mode | routing (max/mean expert load) | EP | tokens/rank | fwd (ms) | fwd+bwd (ms) "
+        "| matmul bound (ms) | x bound | peak mem (GiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    results = sorted(results, key=lambda r: (r["layer"], r["ep"], r["tokens_per_rank"], r["backend"], r["mode"]))
+    results = sorted(
+        results, key=lambda r: (r["layer"], r["ep"], r["tokens_per_rank"], r["backend"], r["mode"], routing(r))
+    )
     for r in results:
+        load = f" ({r['max_over_mean_expert_load']:.1f})" if "max_over_mean_expert_load" in r else ""
         rows.append(
-            f"| {r['layer']} | {r['backend']} | {r['mode']} | {r['ep']} | {r['tokens_per_rank']} | {r['fwd_ms']:.2f} | "
+            f"| {r['layer']} | {r['backend']} | {r['mode']} | {routing(r)}{load} | {r['ep']} | "
+            f"{r['tokens_per_rank']} | {r['fwd_ms']:.2f} | "
             f"{r['fwd_bwd_ms']:.2f} | {r['bound_fwd_bwd_ms']:.2f} | {r['fwd_bwd_ms'] / r['bound_fwd_bwd_ms']:.2f} | "
             f"{r['peak_memory_gib']:.1f} |"
         )

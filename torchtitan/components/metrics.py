@@ -151,8 +151,12 @@ class MetricsProcessor:
         grad_norm: float,
         lr: float | None = None,
         total_steps: int | None = None,
+        graphs_compiled: int = 0,
     ) -> dict[str, Any]:
-        """Log one step's metrics (window = steps since the previous call); returns the jsonl record."""
+        """Log one step's metrics (window = steps since the previous call); returns the jsonl record.
+
+        graphs_compiled: graphs torch.compile compiled in the window (0 after warm-up; more means recompiles).
+        """
         now = time.perf_counter()
         if self._last_log_step is None:
             # First call: assume the window started at the previous log boundary (exact for fresh runs and
@@ -186,6 +190,7 @@ class MetricsProcessor:
             "mfu": mfu,
             "memory_gib": memory.max_reserved_gib if memory else None,
             "lr": lr,
+            "graphs_compiled": graphs_compiled,
             "time": time.time(),
         }
         if self.is_logging_rank:
@@ -203,7 +208,7 @@ class MetricsProcessor:
     def _write_tensorboard(self, record: dict[str, Any], memory: MemoryStats | None) -> None:
         if self.tb_writer is None:
             return
-        scalars = {k: record[k] for k in ("loss", "grad_norm", "tps", "tflops", "mfu", "lr")}
+        scalars = {k: record[k] for k in ("loss", "grad_norm", "tps", "tflops", "mfu", "lr", "graphs_compiled")}
         scalars["memory_gib"] = record["memory_gib"]
         scalars["memory_pct"] = memory.max_reserved_pct if memory else None
         for tag, value in scalars.items():
@@ -232,6 +237,8 @@ def format_metrics_line(
         f"step: {record['step']}  loss: {record['loss']:.4f}  grad_norm: {record['grad_norm']:.4f}  "
         f"memory: {memory_text}  tps: {record['tps']:,.0f}  tflops: {record['tflops']:.2f}  mfu: {mfu_text}"
     )
+    if record.get("graphs_compiled"):
+        line += f"  compiled: {record['graphs_compiled']} graphs"
     progress = []
     if total_steps is not None:
         progress.append(f"step {record['step']}/{total_steps}")

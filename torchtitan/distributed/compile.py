@@ -35,6 +35,7 @@ __all__ = [
     "RecompiledDuringCheckpointError",
     "apply_compile",
     "compile_moe",
+    "compiled_region",
     "graphs_compiled",
     "recompile_guard_contexts",
 ]
@@ -64,14 +65,16 @@ def compile_moe(moe: nn.Module, backend: str) -> None:
         moe.shared_experts.compile(backend=backend, fullgraph=True)
     experts = moe.experts
     # (x (rows, dim), counts, w1, w2, w3, alignment): the rows vary
-    experts.run_grouped_mm = _region(type(experts).run_grouped_mm, backend, {0: 0})
+    experts.run_grouped_mm = compiled_region(type(experts).run_grouped_mm, backend, {0: 0})
     hooks = getattr(experts, "deepep_hooks", None)  # DeepEPExpertParallel applied (avoids importing DeepEP here)
     if hooks is not None:
         dispatcher = hooks.dispatcher
         # (recv_x (recv, dim), permuted_slots (copies,), top_k, recv_topk_weights (recv, top_k) | None)
-        dispatcher.gather_expert_input = _region(type(dispatcher).gather_expert_input, backend, {0: 0, 1: 0, 3: 0})
+        dispatcher.gather_expert_input = compiled_region(
+            type(dispatcher).gather_expert_input, backend, {0: 0, 1: 0, 3: 0}
+        )
         # (expert_output (copies, dim), permuted_slots (copies,), recv_topk_weights (recv, top_k), ...)
-        dispatcher.sum_per_received_token = _region(
+        dispatcher.sum_per_received_token = compiled_region(
             type(dispatcher).sum_per_received_token, backend, {0: 0, 1: 0, 2: 0}
         )
 
@@ -111,7 +114,8 @@ class CompiledRegion:
 _REGIONS: dict[tuple[Callable, str], CompiledRegion] = {}
 
 
-def _region(fn: Callable, backend: str, token_dims: dict[int, int]) -> CompiledRegion:
+def compiled_region(fn: Callable, backend: str, token_dims: dict[int, int]) -> CompiledRegion:
+    """The `CompiledRegion` of `fn` for `backend`, created on first use and shared afterwards."""
     if (fn, backend) not in _REGIONS:
         _REGIONS[fn, backend] = CompiledRegion(fn, backend, token_dims)
     return _REGIONS[fn, backend]
