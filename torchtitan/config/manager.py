@@ -12,11 +12,10 @@ import functools
 import inspect
 import sys
 import textwrap
+import tomllib
 import types
 from collections.abc import Iterable
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
-
-import tomli
 
 from torchtitan.config.job_config import JobConfig
 
@@ -350,12 +349,12 @@ def _load_toml(path: str) -> dict[str, Any]:
     """Read and type-check a TOML file; every key must be `[section] field = value` of a known field."""
     try:
         with open(path, "rb") as f:
-            data = tomli.load(f)
+            data = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path!r} (from --job.config_file)") from None
     except OSError as err:
         raise ConfigError(f"cannot read config file {path!r}: {err.strerror}") from None
-    except tomli.TOMLDecodeError as err:
+    except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config file {path!r} is not valid TOML: {err}") from None
 
     sections = {spec.section for spec in _fields().values()}

@@ -30,16 +30,16 @@ import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
-import pyarrow.ipc
-import pyarrow.parquet as pq
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.datasets.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 TINYCORPUS_PATH = Path(__file__).resolve().parents[1] / "assets" / "tinycorpus" / "austen_chapters.jsonl.gz"
 DOCUMENT_SUFFIXES = (".jsonl", ".jsonl.gz", ".txt", ".txt.gz", ".parquet", ".arrow")
@@ -209,6 +209,8 @@ def read_documents(path: Path) -> list[str]:
         with _open_text(path) as f:
             return [f.read()]
     if name.endswith(".parquet"):
+        import pyarrow.parquet as pq  # only Parquet/Arrow corpora need pyarrow
+
         columns = pq.read_schema(path).names
         if TEXT_FIELD not in columns:
             raise ValueError(f"{path} has no {TEXT_FIELD!r} column (columns: {columns})")
@@ -243,7 +245,10 @@ def _saved_hf_dataset_dict_files(folder: Path, dataset_path: str) -> list[Path]:
     return _saved_hf_dataset_files(folder / "train", dataset_path)
 
 
-def _read_arrow(path: Path) -> pa.Table:
+def _read_arrow(path: Path) -> "pa.Table":
+    import pyarrow as pa
+    import pyarrow.ipc
+
     # `datasets.save_to_disk` writes the IPC stream format; plain Arrow files use the IPC file format.
     data = path.read_bytes()
     try:
@@ -252,7 +257,7 @@ def _read_arrow(path: Path) -> pa.Table:
         return pa.ipc.open_file(io.BytesIO(data)).read_all()
 
 
-def _text_column(table: pa.Table, path: Path) -> list[str]:
+def _text_column(table: "pa.Table", path: Path) -> list[str]:
     if TEXT_FIELD not in table.column_names:
         raise ValueError(f"{path} has no {TEXT_FIELD!r} column (columns: {table.column_names})")
     return [text for text in table.column(TEXT_FIELD).to_pylist() if text is not None]
