@@ -19,8 +19,16 @@ CKPT_ARGS = ["--checkpoint.enable", "--checkpoint.interval", "5"]
         (1, []),
         (
             4,
-            ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.expert_parallel_degree", "2",
-             "--training.global_batch_size", "8", "--training.local_batch_size", "2"],
+            [
+                "--parallelism.data_parallel_shard_degree",
+                "4",
+                "--parallelism.expert_parallel_degree",
+                "2",
+                "--training.global_batch_size",
+                "8",
+                "--training.local_batch_size",
+                "2",
+            ],
         ),
     ],
     ids=["single-process", "fsdp4-ep2"],
@@ -46,11 +54,23 @@ def test_killed_run_restarts_from_latest_complete_checkpoint(tmp_path):
 
     dump = tmp_path / "killed"
     cmd = [
-        sys.executable, "-m", "torchtitan.train", "--job.config_file", str(DEBUG_CONFIG),
-        "--job.dump_folder", str(dump), *args,
+        sys.executable,
+        "-m",
+        "torchtitan.train",
+        "--job.config_file",
+        str(DEBUG_CONFIG),
+        "--job.dump_folder",
+        str(dump),
+        *args,
     ]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
     deadline = time.time() + 300
     while not (dump / "checkpoint" / "step-10").exists():
         assert proc.poll() is None, "trainer exited before its second checkpoint"
@@ -83,10 +103,47 @@ def test_checkpoint_reshards_from_fsdp_x_ep(tmp_path, nproc, layout):
     (resumed / "checkpoint").mkdir(parents=True)
     (saved / "checkpoint" / "step-5").rename(resumed / "checkpoint" / "step-5")
     local_batch = str(8 // nproc)
-    run_trainer(resumed, [*args, *layout, "--training.local_batch_size", local_batch, "--training.steps", "8"],
-                nproc=nproc)
+    run_trainer(
+        resumed, [*args, *layout, "--training.local_batch_size", local_batch, "--training.steps", "8"], nproc=nproc
+    )
     got = read_losses(resumed)
     assert sorted(got) == [6, 7, 8]  # resumed from step 5, no re-training from scratch
     for step in (6, 7, 8):
         # Same math and data, different communication pattern: fp32 sums in another order.
         assert got[step] == pytest.approx(reference[step], rel=1e-5), (step, got[step], reference[step])
+
+
+def test_model_only_last_save_with_keep_latest_1_resumes_through_run_train_sh(tmp_path):
+    """keep_latest_k=1 + a model-only final export: rerunning the job with more steps continues from the last
+    resumable checkpoint (step 2), not from step 1 (the export used to count as the newest checkpoint). The issue's
+    10-then-14 steps with interval 5, scaled down to 4-then-6 with interval 2."""
+    dump = tmp_path / "outputs"
+    args = [
+        *FAST_ARGS,
+        *CKPT_ARGS,
+        "--checkpoint.keep_latest_k",
+        "1",
+        "--checkpoint.last_save_model_only",
+        "--job.dump_folder",
+        str(dump),
+    ]
+    env = {**os.environ, "CONFIG_FILE": str(DEBUG_CONFIG), "NGPU": "1", "PYTHON": sys.executable}
+
+    def launch(steps: int) -> subprocess.CompletedProcess:
+        proc = subprocess.run(
+            ["bash", "run_train.sh", *args, "--training.steps", str(steps)],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    launch(4)
+    assert sorted(os.listdir(dump / "checkpoint")) == ["exports", "step-2"]
+    second = launch(6)
+    assert "resumed from" in second.stdout + second.stderr and "step-2" in second.stdout + second.stderr
+    assert "training from step 3 to 6" in second.stdout + second.stderr
+    assert sorted(os.listdir(dump / "checkpoint")) == ["exports", "step-4"]

@@ -2,14 +2,17 @@
 
 Layout under `<job.dump_folder>/<checkpoint.folder>/`:
 
-    step-40/            a complete checkpoint: DCP files (`.metadata`, `__<rank>_0.distcp`) + `complete.json`
+    step-40/            a resumable checkpoint: DCP files (`.metadata`, `__<rank>_0.distcp`) + `complete.json`
     step-50.tmp/        a save in progress (or interrupted); never loaded
+    exports/step-60/    the last step's model-only or HF export (`last_save_model_only` / `last_save_in_hf`)
 
-A save writes `step-N.tmp/`; once every rank has written (DCP's coordinator writes `.metadata` only after all
-ranks reported), rank 0 writes the manifest `complete.json` (file names and sizes), renames the folder to
-`step-N/` and fsyncs. Only `step-N/` folders with a manifest are loaded. At startup, `.tmp` folders are removed
-(or, if their manifest is already complete, renamed into place). A checkpoint whose files do not match its
-manifest, that lacks `.metadata`, or that DCP fails to read raises `CheckpointError` naming the folder and the fix.
+A save writes `step-N.tmp/`; every rank records crc32 checksums of the files it wrote; once every rank has written
+(DCP's coordinator writes `.metadata` only after all ranks reported), rank 0 writes the manifest `complete.json`
+(file names, sizes, checksums), moves the folder into place and fsyncs. Only resumable `step-N/` folders with a
+manifest are resumed from, and `keep_latest_k` counts only those (an export never pushes one out). Before a resume
+every rank verifies the checksums of its share of the files. A checkpoint whose files do not match its manifest,
+that lacks `.metadata`, or that DCP fails to read raises `CheckpointError` naming the folder and the command that
+resumes from the previous one; nothing falls back silently.
 
 What a full checkpoint holds (DCP keys):
     model             get_model_state_dict of every model part (DTensors: resharded on load by DCP)
@@ -47,10 +50,14 @@ from torchtitan.components.checkpoint_folder import (
     CheckpointError,
     checkpoint_keys,
     complete_checkpoints,
+    corrupt_files,
+    exports,
     publish,
     resolve_tmp_folders,
+    unfinished_checkpoints,
     validate_checkpoint,
     validate_foreign_dcp,
+    write_rank_checksums,
 )
 from torchtitan.config.job_config import JobConfig
 
@@ -168,10 +175,14 @@ class CheckpointManager:
             fmt = FORMAT_HF
         elif last_step and self.config.last_save_model_only:
             dcp.save({"model": self._export_model_state_dict()}, checkpoint_id=tmp_path, process_group=self.pg)
+            write_rank_checksums(tmp_path, self.rank)
             fmt = FORMAT_MODEL_ONLY
         elif self.config.async_mode == "async" and not last_step:
-            # DCP stages (copies) the state to CPU memory before returning; only the write runs in the background.
+            # DCP stages (copies) the state to CPU memory before returning; only the write runs in the background,
+            # and so does this rank's checksumming of what it wrote.
             future = dcp.async_save(self._states(), checkpoint_id=tmp_path, process_group=self.pg)
+            rank = self.rank
+            future.add_done_callback(lambda done: done.exception() or write_rank_checksums(tmp_path, rank))
             self._pending = _PendingSave(curr_step, tmp_path, future)
             logger.info(
                 f"checkpoint step {curr_step}: staged in {time.monotonic() - begin:.2f}s, writing in background"
@@ -179,6 +190,7 @@ class CheckpointManager:
             return
         else:
             dcp.save(self._states(), checkpoint_id=tmp_path, process_group=self.pg)
+            write_rank_checksums(tmp_path, self.rank)
             fmt = FORMAT_FULL
         self._barrier()
         if self.rank == 0:
@@ -217,7 +229,7 @@ class CheckpointManager:
 
     def _publish(self, step: int, tmp_path: str, fmt: str) -> None:
         """Rank 0: make `step-N` visible atomically, then purge old checkpoints."""
-        publish(self.folder, step, tmp_path, fmt)
+        publish(self.folder, step, tmp_path, fmt, num_ranks=self.world_size)
         self._purge_old_checkpoints()
 
     def _purge_old_checkpoints(self) -> None:
@@ -267,6 +279,7 @@ class CheckpointManager:
             path = self._rank0_decides(lambda: self._checkpoint_to_resume(step))
             if path is not None:
                 begin = time.monotonic()
+                self._verify_checksums(path)
                 self._dcp_load(self._states_present_in(path), path)
                 logger.info(f"resumed from {path} in {time.monotonic() - begin:.2f}s")
                 return True
@@ -275,26 +288,63 @@ class CheckpointManager:
         return False
 
     def _checkpoint_to_resume(self, step: int) -> str | None:
-        complete = complete_checkpoints(self.folder) if os.path.isdir(self.folder) else {}
+        if not os.path.isdir(self.folder):
+            return None
+        complete = complete_checkpoints(self.folder)
+        for path in unfinished_checkpoints(self.folder):
+            logger.warning(
+                f"skipping {path} for resume: it has no complete.json (the save did not finish, or the "
+                "manifest was deleted)"
+            )
         if step == -1:
-            for candidate in sorted(complete, reverse=True):
-                manifest = validate_checkpoint(complete[candidate])
-                if manifest["format"] == FORMAT_FULL:
-                    return complete[candidate]
-                logger.info(f"skipping {complete[candidate]} for resume: it is a {manifest['format']} export")
+            if complete:
+                latest = max(complete)
+                validate_checkpoint(complete[latest])
+                return complete[latest]
+            found = exports(self.folder)
+            if found and not self.config.initial_load_path:
+                raise CheckpointError(
+                    f"{self.folder} holds exports ({', '.join(found)}) but no resumable checkpoint, so this run "
+                    f"cannot continue that training. To start from the newest export's weights (fresh optimizer and "
+                    f"data), add --checkpoint.initial_load_path {found[-1]} --checkpoint.initial_load_model_only; "
+                    f"to start over, use another --job.dump_folder"
+                )
             return None
         if step not in complete:
+            hint = ""
+            if any(path.endswith(f"step-{step}") for path in exports(self.folder)):
+                hint = (
+                    f" (step-{step} is a weights-only export: start from it with --checkpoint.initial_load_path "
+                    f"{os.path.join(self.folder, 'exports', f'step-{step}')} --checkpoint.initial_load_model_only)"
+                )
             raise CheckpointError(
-                f"no complete checkpoint step-{step} in {self.folder} (complete steps: {sorted(complete)}); set "
-                f"--checkpoint.load_step to one of them, or -1 for the latest"
+                f"no resumable checkpoint step-{step} in {self.folder} (resumable steps: {sorted(complete)}){hint}; "
+                f"set --checkpoint.load_step to one of them, or -1 for the latest"
             )
-        manifest = validate_checkpoint(complete[step])
-        if manifest["format"] != FORMAT_FULL:
-            raise CheckpointError(
-                f"{complete[step]} is a {manifest['format']} export without optimizer/data state; to start from "
-                f"its weights use --checkpoint.initial_load_path {complete[step]}"
-            )
+        validate_checkpoint(complete[step])
         return complete[step]
+
+    def _verify_checksums(self, path: str) -> None:
+        """Every rank checks the crc32 of its share of the files; any mismatch stops all ranks with the fix."""
+        with open(os.path.join(path, "complete.json")) as f:
+            manifest = json.load(f)
+        bad = corrupt_files(path, manifest, self.rank, self.world_size)
+        if self.pg is not None and self.world_size > 1:
+            gathered: list[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, bad, group=self.pg)
+            bad = sorted(name for names in gathered for name in names)
+        if not bad:
+            return
+        older = sorted(s for s in complete_checkpoints(self.folder) if s < manifest["step"])
+        fix = (
+            f"resume from the previous checkpoint with --checkpoint.load_step {older[-1]}"
+            if older
+            else "no older checkpoint is left: delete it to start over"
+        )
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: {', '.join(bad)} no longer match(es) the checksum written with it. "
+            f"Nothing was loaded; {fix} (and delete {path})"
+        )
 
     def _load_initial(self, path: str) -> bool:
         begin = time.monotonic()

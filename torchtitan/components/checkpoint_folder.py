@@ -1,9 +1,13 @@
 """The on-disk life of a checkpoint folder: atomic publish, manifest validation, discovery, crash cleanup.
 
-    step-40/            a complete checkpoint: its files + `complete.json` (file names and sizes)
+    step-40/            a resumable (full) checkpoint: its files + `complete.json` (name, bytes, crc32 per file)
     step-50.tmp/        a save in progress (or interrupted); never loaded
+    exports/step-60/    a model-only or HF export: weights only, never resumed from, never counted by retention
 
-Only `publish` makes a checkpoint visible: manifest written and fsynced, then `step-N.tmp` renamed to `step-N`.
+Only `publish` makes a checkpoint visible: manifest written and fsynced, then `step-N.tmp` renamed into place.
+Checksums: every rank writes `checksums.rank<r>.json` for the DCP files it wrote (crc32, streamed) right after
+writing them, so no single rank reads the whole checkpoint; `publish` merges them into the manifest. On resume each
+rank verifies its share of the files (`corrupt_files`).
 """
 
 import json
@@ -12,6 +16,7 @@ import os
 import re
 import shutil
 import time
+import zlib
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
@@ -23,21 +28,57 @@ TMP_SUFFIX = ".tmp"
 FORMAT_FULL = "full"
 FORMAT_MODEL_ONLY = "model_only"
 FORMAT_HF = "hf"
+EXPORTS_DIR = "exports"
+_EXPORT_FORMATS = (FORMAT_MODEL_ONLY, FORMAT_HF)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_CHECKSUMS = re.compile(r"^checksums\.rank(\d+)\.json$")
+_CHUNK_BYTES = 16 << 20
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or unreadable; the message names the folder and the fix."""
 
 
-def publish(folder: str, step: int, tmp_path: str, fmt: str) -> str:
-    """Rank 0, after every rank wrote: manifest, fsync, rename `step-N.tmp` -> `step-N`; returns the final path."""
+def write_rank_checksums(tmp_path: str, rank: int) -> None:
+    """Each rank, once its DCP files are written: crc32 of its own files (`__<rank>_*`; rank 0 also `.metadata`)."""
+    names = [name for name in os.listdir(tmp_path) if name.startswith(f"__{rank}_")]
+    if rank == 0 and os.path.isfile(os.path.join(tmp_path, ".metadata")):
+        names.append(".metadata")
+    sums = {name: file_crc32(os.path.join(tmp_path, name)) for name in names}
+    sidecar = os.path.join(tmp_path, f"checksums.rank{rank}.json")
+    with open(sidecar + TMP_SUFFIX, "w") as f:
+        json.dump(sums, f)
+    os.replace(sidecar + TMP_SUFFIX, sidecar)
+
+
+def file_crc32(path: str) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def publish(folder: str, step: int, tmp_path: str, fmt: str, num_ranks: int = 1, wait_s: float = 600.0) -> str:
+    """Rank 0, after every rank wrote: manifest, fsync, rename `step-N.tmp` into place; returns the final path.
+
+    Waits up to `wait_s` for the checksum files of `num_ranks` ranks (async saves write them in the background).
+    """
+    _wait_for_checksums(tmp_path, num_ranks if fmt != FORMAT_HF else 0, wait_s)
+    checksums: dict[str, str] = {}
+    for name in os.listdir(tmp_path):
+        if _CHECKSUMS.match(name):
+            with open(os.path.join(tmp_path, name)) as f:
+                checksums.update(json.load(f))
+            os.remove(os.path.join(tmp_path, name))
     files = {}
     for root, _, names in os.walk(tmp_path):
         for name in names:
             full = os.path.join(root, name)
             fsync(full)
-            files[os.path.relpath(full, tmp_path)] = os.path.getsize(full)
+            relative = os.path.relpath(full, tmp_path)
+            crc = checksums.get(relative) or file_crc32(full)  # files no rank summed: HF exports, extras
+            files[relative] = {"bytes": os.path.getsize(full), "crc32": crc}
     if fmt != FORMAT_HF and ".metadata" not in files:
         raise CheckpointError(f"save into {tmp_path} produced no .metadata; not publishing it")
     manifest = {"step": step, "format": fmt, "files": files, "time": time.time()}
@@ -48,10 +89,29 @@ def publish(folder: str, step: int, tmp_path: str, fmt: str) -> str:
         os.fsync(f.fileno())
     os.replace(manifest_tmp, os.path.join(tmp_path, MANIFEST_NAME))
     fsync(tmp_path)
-    final_path = os.path.join(folder, f"step-{step}")
+    return _move_into_place(folder, step, tmp_path, fmt)
+
+
+def _wait_for_checksums(tmp_path: str, num_ranks: int, wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = {int(m.group(1)) for m in map(_CHECKSUMS.match, os.listdir(tmp_path)) if m}
+        missing = sorted(set(range(num_ranks)) - found)
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"save into {tmp_path}: ranks {missing} wrote no checksums in {wait_s:.0f}s")
+        time.sleep(0.05)
+
+
+def _move_into_place(folder: str, step: int, tmp_path: str, fmt: str) -> str:
+    parent = folder if fmt == FORMAT_FULL else os.path.join(folder, EXPORTS_DIR)
+    os.makedirs(parent, exist_ok=True)
+    final_path = os.path.join(parent, f"step-{step}")
     if os.path.exists(final_path):
         shutil.rmtree(final_path)
     os.replace(tmp_path, final_path)
+    fsync(parent)
     fsync(folder)
     return final_path
 
@@ -80,7 +140,8 @@ def manifest_problem(path: str) -> str | None:
         return f"unreadable {MANIFEST_NAME} ({err!r})"
     if fmt != FORMAT_HF and ".metadata" not in files:
         return "the manifest lists no .metadata"
-    for name, size in sorted(files.items()):
+    for name, entry in sorted(files.items()):
+        size = entry["bytes"] if isinstance(entry, dict) else entry  # older manifests: name -> bytes
         full = os.path.join(path, name)
         if not os.path.isfile(full):
             return f"{name} is missing"
@@ -88,6 +149,16 @@ def manifest_problem(path: str) -> str | None:
         if actual != size:
             return f"{name} has {actual} bytes, the manifest says {size} (truncated or overwritten)"
     return None
+
+
+def corrupt_files(path: str, manifest: dict[str, Any], rank: int, num_ranks: int) -> list[str]:
+    """The files of this rank's share (every num_ranks-th, in name order) whose crc32 differs from the manifest."""
+    entries = sorted(manifest["files"].items())[rank::num_ranks]
+    bad = []
+    for name, entry in entries:
+        if isinstance(entry, dict) and file_crc32(os.path.join(path, name)) != entry["crc32"]:
+            bad.append(name)
+    return bad
 
 
 def validate_foreign_dcp(path: str) -> None:
@@ -111,14 +182,50 @@ def checkpoint_keys(path: str) -> set[str]:
 
 
 def complete_checkpoints(folder: str) -> dict[int, str]:
-    """{step: path} of `step-N` folders that have a manifest (validated when loaded)."""
+    """{step: path} of the resumable `step-N` folders that have a manifest (validated when loaded).
+
+    Exports are not among them: they live in `exports/`, and an older layout's export at top level is told apart
+    by its manifest's format."""
     complete = {}
     for name in os.listdir(folder):
         match = _STEP_DIR.match(name)
         path = os.path.join(folder, name)
-        if match and os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+        # an unreadable manifest stays a candidate, so loading it reports the damage instead of skipping it
+        if match and os.path.isfile(os.path.join(path, MANIFEST_NAME)) and _format(path) not in _EXPORT_FORMATS:
             complete[int(match.group(1))] = path
     return complete
+
+
+def unfinished_checkpoints(folder: str) -> list[str]:
+    """`step-N` folders without a manifest: a save that never finished, or a deleted `complete.json`."""
+    return sorted(
+        os.path.join(folder, name)
+        for name in os.listdir(folder)
+        if _STEP_DIR.match(name) and not os.path.isfile(os.path.join(folder, name, MANIFEST_NAME))
+    )
+
+
+def exports(folder: str) -> list[str]:
+    """Export folders (model-only / HF), newest last: `exports/step-N` and older top-level ones."""
+    found = []
+    exports_dir = os.path.join(folder, EXPORTS_DIR)
+    for parent in (folder, exports_dir):
+        if not os.path.isdir(parent):
+            continue
+        for name in os.listdir(parent):
+            path = os.path.join(parent, name)
+            if _STEP_DIR.match(name) and os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+                if parent == exports_dir or _format(path) in _EXPORT_FORMATS:
+                    found.append((int(name.split("-")[1]), path))
+    return [path for _, path in sorted(found)]
+
+
+def _format(path: str) -> str | None:
+    try:
+        with open(os.path.join(path, MANIFEST_NAME)) as f:
+            return json.load(f).get("format")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def resolve_tmp_folders(folder: str) -> None:
@@ -128,9 +235,10 @@ def resolve_tmp_folders(folder: str) -> None:
             continue
         tmp_path = os.path.join(folder, name)
         final_path = tmp_path[: -len(TMP_SUFFIX)]
+        step = int(name[len("step-") : -len(TMP_SUFFIX)])
         if manifest_problem(tmp_path) is None and not os.path.exists(final_path):
-            logger.warning(f"{tmp_path} is complete but was not renamed (crash); renaming it to {final_path}")
-            os.replace(tmp_path, final_path)
+            logger.warning(f"{tmp_path} is complete but was not moved into place (crash); finishing that")
+            _move_into_place(folder, step, tmp_path, _format(tmp_path))
         else:
             logger.warning(f"removing {tmp_path}: a save that did not finish")
             shutil.rmtree(tmp_path, ignore_errors=True)

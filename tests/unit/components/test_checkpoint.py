@@ -177,7 +177,7 @@ def test_load_step_picks_an_older_checkpoint_and_missing_step_names_the_fix(tmp_
     resumed = Run(make_config(tmp_path))
     assert resumed.manager.load(step=2) is True
     assert_same_params(resumed.params(), step2) and resumed.train_state.step == 2
-    with pytest.raises(CheckpointError, match=r"no complete checkpoint step-3 .*complete steps: \[2, 4\]"):
+    with pytest.raises(CheckpointError, match=r"no resumable checkpoint step-3 .*resumable steps: \[2, 4\]"):
         Run(make_config(tmp_path)).manager.load(step=3)
 
 
@@ -276,6 +276,28 @@ def test_corrupt_checkpoint_raises_naming_folder_and_fix(tmp_path, how, reason):
     assert resumed.manager.load(step=2) is True and resumed.train_state.step == 2
 
 
+def test_same_size_corruption_of_a_data_file_is_caught_by_its_checksum(tmp_path):
+    run = Run(make_config(tmp_path))
+    run.train(4)
+    data = next(p for p in (folder(tmp_path) / "step-4").iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2 : len(raw) // 2 + 64] = b"\xff" * 64  # same size: the manifest's byte count still matches
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=rf"step-4 is corrupt: {data.name}.*--checkpoint.load_step 2"):
+        Run(make_config(tmp_path)).manager.load()
+    assert (folder(tmp_path) / "step-4").exists()  # nothing is deleted or skipped behind the user's back
+
+
+def test_deleted_manifest_is_skipped_with_a_warning_naming_it(tmp_path, caplog):
+    run = Run(make_config(tmp_path))
+    run.train(4)
+    (folder(tmp_path) / "step-4" / MANIFEST_NAME).unlink()
+    resumed = Run(make_config(tmp_path))
+    with caplog.at_level("WARNING"):
+        assert resumed.manager.load() is True and resumed.train_state.step == 2
+    assert any("step-4" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+
+
 # ---- async -----------------------------------------------------------------------------------------
 
 
@@ -309,7 +331,7 @@ def test_last_save_model_only_in_export_dtype_initializes_another_run(tmp_path):
     run = Run(config)
     run.train(10)
     final = run.params()
-    manifest = json.loads((folder(tmp_path) / "step-10" / MANIFEST_NAME).read_text())
+    manifest = json.loads((folder(tmp_path) / "exports" / "step-10" / MANIFEST_NAME).read_text())
     assert manifest["format"] == "model_only"
 
     # Resuming in the same folder skips the export and continues from the last full checkpoint.
@@ -317,11 +339,32 @@ def test_last_save_model_only_in_export_dtype_initializes_another_run(tmp_path):
     assert resumed.manager.load() is True and resumed.train_state.step == 8
 
     other = tmp_path / "other"
-    config = make_config(other, initial_load_path=str(folder(tmp_path) / "step-10"))
+    config = make_config(other, initial_load_path=str(folder(tmp_path) / "exports" / "step-10"))
     fresh = Run(config, seed=5)
     assert fresh.manager.load() is False and fresh.train_state.step == 0
     for key, value in fresh.params().items():
         torch.testing.assert_close(value, final[key].to(torch.bfloat16).float(), rtol=0, atol=0)
+
+
+def test_export_never_pushes_the_resumable_checkpoint_out_and_resume_continues(tmp_path):
+    """keep_latest_k=1 with a model-only last save: 10 steps (interval 5), then the same job with 14 steps."""
+    config = make_config(tmp_path, keep_latest_k=1, last_save_model_only=True, interval=5)
+    Run(config).train(10)
+    assert listing(tmp_path) == ["exports", "step-5"]
+    config = make_config(tmp_path, keep_latest_k=1, last_save_model_only=True, interval=5)
+    config.training.steps = 14
+    resumed = Run(config)
+    assert resumed.manager.load() is True and resumed.train_state.step == 5
+    resumed.train(9)
+    assert listing(tmp_path) == ["exports", "step-10"]  # step-14 went to exports/, step-10 is the one kept
+    assert sorted(os.listdir(folder(tmp_path) / "exports")) == ["step-10", "step-14"]
+
+
+def test_exports_without_a_resumable_checkpoint_stop_with_the_fix(tmp_path):
+    config = make_config(tmp_path, last_save_model_only=True, interval=100)
+    Run(config).train(10)  # only the last step is saved, as an export
+    with pytest.raises(CheckpointError, match=r"no resumable checkpoint.*--checkpoint.initial_load_path .*exports"):
+        Run(make_config(tmp_path, last_save_model_only=True, interval=100)).manager.load()
 
 
 def test_last_save_in_hf_goes_through_adapter_and_hf_io(tmp_path, monkeypatch):
@@ -349,7 +392,7 @@ def test_last_save_in_hf_goes_through_adapter_and_hf_io(tmp_path, monkeypatch):
 
     run = Run(make_config(tmp_path, last_save_in_hf=True, export_dtype="bfloat16"), state_dict_adapter=PrefixAdapter())
     run.train(10)
-    assert json.loads((folder(tmp_path) / "step-10" / MANIFEST_NAME).read_text())["format"] == "hf"
+    assert json.loads((folder(tmp_path) / "exports" / "step-10" / MANIFEST_NAME).read_text())["format"] == "hf"
     assert written["model.output.weight"].dtype == torch.bfloat16
 
     config = make_config(tmp_path / "other", initial_load_path="unused", initial_load_in_hf=True)
