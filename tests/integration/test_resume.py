@@ -120,7 +120,9 @@ def test_model_only_last_save_with_keep_latest_1_resumes_through_run_train_sh(tm
     dump = tmp_path / "outputs"
     args = [
         *FAST_ARGS,
-        *CKPT_ARGS,
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
         "--checkpoint.keep_latest_k",
         "1",
         "--checkpoint.last_save_model_only",
