@@ -43,5 +43,5 @@ if [[ "$LOG_RANK" != "all" ]]; then
 fi
 
 # shellcheck disable=SC2086
-exec "$PYTHON" -m torch.distributed.run --nproc-per-node "$NGPU" "${RDZV[@]}" "${FILTER[@]}" ${TORCHRUN_ARGS:-} \
+exec "$PYTHON" -m torchtitan.launch --nproc-per-node "$NGPU" "${RDZV[@]}" "${FILTER[@]}" ${TORCHRUN_ARGS:-} \
   -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"

@@ -5,8 +5,11 @@ N processes; the trainer runs the same checks again on every rank.
 """
 
 import argparse
+import os
 import sys
+import tempfile
 
+from torchtitan.components.run_lock import DumpFolderBusyError, check_dump_folder_free
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 
 
@@ -25,6 +28,10 @@ def check_job(argv: list[str], world_size: int) -> JobConfig:
     parallel_dims.validate_for_model(model_args, job_config.training.seq_len)
     check_batch_sizes(job_config, parallel_dims.dp_size)
     check_profiling(job_config)
+    check_dump_folder(job_config.job.dump_folder)
+    from torchtitan.datasets.text_datasets import check_corpus
+
+    check_corpus(job_config.training.dataset, job_config.training.dataset_path)
     if job_config.parallelism.expert_parallel_comm_backend == "deepep":
         import torch
 
@@ -54,6 +61,18 @@ def check_batch_sizes(job_config: JobConfig, dp_degree: int) -> int:
     return global_batch_size // per_step
 
 
+def check_dump_folder(dump_folder: str) -> None:
+    """The dump folder (checkpoints, metrics, traces) must be creatable and writable before anything trains."""
+    try:
+        os.makedirs(dump_folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=dump_folder, prefix=".write_test_"):
+            pass
+    except OSError as err:
+        raise ConfigError(
+            f"--job.dump_folder {dump_folder!r} is not writable ({err.strerror}); choose another --job.dump_folder"
+        ) from None
+
+
 def check_profiling(job_config: JobConfig) -> None:
     import torch
 
@@ -74,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, required=True)
     args, rest = parser.parse_known_args(argv)
     try:
-        check_job(rest, args.world_size)
-    except (ConfigError, ValueError, FileNotFoundError, ImportError) as err:
+        job_config = check_job(rest, args.world_size)
+        # Only here, before launch: on the ranks, global rank 0 already holds the lock while the others check.
+        check_dump_folder_free(job_config.job.dump_folder)
+    except (ConfigError, ValueError, FileNotFoundError, ImportError, DumpFolderBusyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -18,13 +18,15 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.checkpoint import CheckpointError, CheckpointManager
 from torchtitan.components.loss import RescaledLoss, build_loss_fn, check_finite_loss, count_valid_tokens
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.run_lock import DumpFolderBusyError, acquire_dump_folder, exit_with_parent
 from torchtitan.config import ConfigError, JobConfig, format_help
 from torchtitan.datasets import build_dataloader, build_tokenizer
+from torchtitan.datasets.text_datasets import DatasetError
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.compile import graphs_compiled
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -55,6 +57,8 @@ class Trainer:
     def __init__(self, job_config: JobConfig) -> None:
         self.job_config = job_config
         world_size = int(os.environ.get("WORLD_SIZE", 1))
+        # Held by global rank 0 until the process ends: a second run on this folder is refused, not interleaved.
+        self._dump_folder_lock = acquire_dump_folder(job_config.job.dump_folder) if _global_rank() == 0 else None
         self.parallel_dims = ParallelDims.from_config(job_config.parallelism, world_size)
         self.model_args = get_model_args(job_config)
         self.parallel_dims.validate_for_model(self.model_args, job_config.training.seq_len)
@@ -242,6 +246,10 @@ class Trainer:
             self.checkpointer.close()
 
 
+def _global_rank() -> int:
+    return int(os.environ.get("RANK", 0))
+
+
 def _select_device() -> torch.device:
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -268,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     # torchrun's --tee prefixes each line with [rankN]; run_train.sh shows rank 0 only by default.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     _setup_single_process_env()
+    exit_with_parent()
     try:
         # The same checks as run_train.sh's preflight, repeated on every rank for direct torchrun users.
         job_config = check_job(argv, int(os.environ["WORLD_SIZE"]))
@@ -276,6 +285,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         Trainer(job_config).train()
+    except (DatasetError, CheckpointError, FloatingPointError, DumpFolderBusyError) as err:
+        # The user's data, folder or hyperparameters: one line with the fix, no traceback.
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130  # Ctrl-C: the launcher (torchtitan.launch) prints the one line saying where training stopped
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

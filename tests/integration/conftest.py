@@ -34,7 +34,7 @@ def run_trainer(
 ) -> subprocess.CompletedProcess:
     """Run `torchrun -m torchtitan.train` with the debug config; return the finished process."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "torchtitan.launch",
         f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
         "-m", "torchtitan.train",
         "--job.config_file", str(DEBUG_CONFIG),

@@ -1,5 +1,6 @@
 """The trainer from the command line: it learns, it runs data parallel, and bad input fails in one line."""
 
+import json
 import os
 import re
 import subprocess
@@ -86,3 +87,57 @@ def test_final_hf_export_loads_in_transformers(dump_folder):
     tokens = torch.randint(0, 2048, (1, 16))
     logits = model(tokens).logits
     assert logits.shape == (1, 16, 2048) and torch.isfinite(logits).all()
+
+
+def _bad_corpus(tmp_path, kind: str) -> tuple[str, str]:
+    """(the --training.dataset_path or dataset flags' value, text the one error line must contain)."""
+    good = "".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(3))
+    path = tmp_path / "corpus.jsonl"
+    if kind == "malformed-jsonl":
+        path.write_text(good + "{not json\n")
+        return str(path), f"{path}:4: not a JSON object"
+    if kind == "text-not-string":
+        path.write_text(good + json.dumps({"text": 42}) + "\n")
+        return str(path), f"{path}:4: 'text' is a int, not a string"
+    if kind == "not-utf8":
+        path = tmp_path / "corpus.txt"
+        path.write_bytes(b"caf\xe9 au lait\n")
+        return str(path), f"{path}: not UTF-8 text"
+    if kind == "empty":
+        path.write_text("")
+        return str(path), "the corpus is empty"
+    if kind == "missing":
+        return str(tmp_path / "nowhere.jsonl"), "nowhere.jsonl' does not exist"
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["malformed-jsonl", "text-not-string", "not-utf8", "empty", "missing"])
+def test_bad_dataset_is_one_error_line_before_launch(tmp_path, kind):
+    dataset_path, expected = _bad_corpus(tmp_path, kind)
+    proc = _run_launcher(["--training.dataset_path", dataset_path, "--job.dump_folder", str(tmp_path / "out")])
+    _assert_one_error_line_before_launch(proc, expected)
+
+
+def test_unknown_dataset_and_unwritable_dump_folder_are_one_error_line(tmp_path):
+    proc = _run_launcher(["--training.dataset", "c4", "--job.dump_folder", str(tmp_path / "out")])
+    _assert_one_error_line_before_launch(proc, "unknown --training.dataset='c4'")
+    (tmp_path / "a_file").write_text("")
+    proc = _run_launcher(["--job.dump_folder", str(tmp_path / "a_file" / "outputs")])
+    _assert_one_error_line_before_launch(proc, "is not writable")
+
+
+def _assert_one_error_line_before_launch(proc: subprocess.CompletedProcess, expected: str) -> None:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode != 0
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], proc.stderr[-2000:]
+    assert "[rank" not in proc.stdout + proc.stderr  # torchrun never started a worker
+
+
+def test_bad_record_past_the_preflight_sample_is_one_error_line(dump_folder, tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(150)) + "[1, 2]\n")
+    proc = run_trainer(dump_folder, [*FAST_ARGS, "--training.dataset_path", str(path)], check=False)
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if "error: " in line]
+    assert len(errors) == 1 and f"{path}:151: JSON object has no 'text' field" in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

@@ -149,7 +149,7 @@ def tokenize_corpus(files: list[Path], tokenizer: Tokenizer) -> tuple[torch.Tens
     else:
         documents = [doc for f in files for doc in read_documents(f) if doc]
         if not documents:
-            raise ValueError(f"no non-empty documents in {[str(f) for f in files]}")
+            raise DatasetError(f"no non-empty documents in {', '.join(map(str, files))}: the corpus is empty")
         token_lists = tokenizer.encode_batch(documents, add_bos=True, add_eos=True)
         token_stream = torch.cat([torch.tensor(ids, dtype=torch.int64) for ids in token_lists])
         if len(_TOKENIZED_CORPORA) >= _MAX_CACHED_CORPORA:
@@ -158,11 +158,25 @@ def tokenize_corpus(files: list[Path], tokenizer: Tokenizer) -> tuple[torch.Tens
     return _TOKENIZED_CORPORA[key]
 
 
+class DatasetError(ValueError):
+    """A corpus file that cannot be read as documents; the message names the file (and line) and the fix."""
+
+
+def check_corpus(dataset: str, dataset_path: str | None, records_per_file: int = 100) -> None:
+    """Preflight: every corpus file exists, has a known format, and its first records decode to text.
+
+    Reads at most `records_per_file` documents of each file (the trainer reads them all, and a bad record further
+    in fails there with the same one-line message)."""
+    files = resolve_corpus_files(dataset, dataset_path)
+    if not any(read_documents(path, limit=records_per_file) for path in files):
+        raise DatasetError(f"no non-empty documents in {', '.join(map(str, files))}: the corpus is empty")
+
+
 def resolve_corpus_files(dataset: str, dataset_path: str | None) -> list[Path]:
     """The document files of `training.dataset` / `training.dataset_path`, in reading order."""
     if dataset_path is None:
         if dataset != "tinycorpus":
-            raise ValueError(
+            raise DatasetError(
                 f"unknown --training.dataset={dataset!r}: the only built-in dataset is 'tinycorpus'; "
                 "for anything else set --training.dataset_path to a local file or folder"
             )
@@ -173,7 +187,7 @@ def resolve_corpus_files(dataset: str, dataset_path: str | None) -> list[Path]:
         raise FileNotFoundError(f"--training.dataset_path={dataset_path!r} does not exist")
     if path.is_file():
         if not _has_document_suffix(path):
-            raise ValueError(
+            raise DatasetError(
                 f"--training.dataset_path={dataset_path!r}: unsupported file type; "
                 f"expected one of {', '.join(DOCUMENT_SUFFIXES)}, a folder of them, or a saved HF dataset"
             )
@@ -184,40 +198,67 @@ def resolve_corpus_files(dataset: str, dataset_path: str | None) -> list[Path]:
         return _saved_hf_dataset_files(path, dataset_path)
     files = sorted(p for p in path.rglob("*") if p.is_file() and _has_document_suffix(p))
     if not files:
-        raise ValueError(
+        raise DatasetError(
             f"--training.dataset_path={dataset_path!r} is a folder with no {', '.join(DOCUMENT_SUFFIXES)} files "
             "and no saved HF dataset (state.json / dataset_info.json)"
         )
     return files
 
 
-def read_documents(path: Path) -> list[str]:
-    """Documents of one corpus file (format chosen by suffix, see the module docstring)."""
+def read_documents(path: Path, limit: int | None = None) -> list[str]:
+    """Documents of one corpus file (format chosen by suffix, see the module docstring); the first `limit` only
+    if given. Undecodable content raises DatasetError naming the file and line."""
     name = path.name
-    if name.endswith((".jsonl", ".jsonl.gz")):
-        documents = []
-        with _open_text(path) as f:
-            for line_number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                record = json.loads(line)
-                if TEXT_FIELD not in record:
-                    raise ValueError(f"{path}:{line_number}: JSON object has no {TEXT_FIELD!r} field")
-                documents.append(record[TEXT_FIELD])
-        return documents
-    if name.endswith((".txt", ".txt.gz")):
-        with _open_text(path) as f:
-            return [f.read()]
-    if name.endswith(".parquet"):
-        import pyarrow.parquet as pq  # only Parquet/Arrow corpora need pyarrow
+    try:
+        if name.endswith((".jsonl", ".jsonl.gz")):
+            return _read_jsonl(path, limit)
+        if name.endswith((".txt", ".txt.gz")):
+            with _open_text(path) as f:
+                return [f.read()]
+        if name.endswith(".parquet"):
+            import pyarrow.parquet as pq  # only Parquet/Arrow corpora need pyarrow
 
-        columns = pq.read_schema(path).names
-        if TEXT_FIELD not in columns:
-            raise ValueError(f"{path} has no {TEXT_FIELD!r} column (columns: {columns})")
-        return _text_column(pq.read_table(path, columns=[TEXT_FIELD]), path)
-    if name.endswith(".arrow"):
-        return _text_column(_read_arrow(path), path)
-    raise ValueError(f"unsupported corpus file {path}; expected one of {', '.join(DOCUMENT_SUFFIXES)}")
+            columns = pq.read_schema(path).names
+            if TEXT_FIELD not in columns:
+                raise DatasetError(f"{path} has no {TEXT_FIELD!r} column (columns: {columns})")
+            return _text_column(pq.read_table(path, columns=[TEXT_FIELD]), path)[:limit]
+        if name.endswith(".arrow"):
+            return _text_column(_read_arrow(path), path)[:limit]
+    except UnicodeDecodeError as err:
+        raise DatasetError(
+            f"{path}: not UTF-8 text (invalid byte 0x{err.object[err.start]:02x}); convert the file to UTF-8"
+        ) from None
+    except (OSError, EOFError) as err:
+        if isinstance(err, FileNotFoundError):
+            raise
+        raise DatasetError(f"{path}: cannot be read ({err}); check the file (a truncated download?)") from None
+    raise DatasetError(f"unsupported corpus file {path}; expected one of {', '.join(DOCUMENT_SUFFIXES)}")
+
+
+def _read_jsonl(path: Path, limit: int | None) -> list[str]:
+    documents: list[str] = []
+    with _open_text(path) as f:
+        for line_number, line in enumerate(f, start=1):
+            if limit is not None and len(documents) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DatasetError(
+                    f"{path}:{line_number}: not a JSON object ({err.msg} at column {err.colno}); fix or remove the line"
+                ) from None
+            if not isinstance(record, dict) or TEXT_FIELD not in record:
+                raise DatasetError(f"{path}:{line_number}: JSON object has no {TEXT_FIELD!r} field")
+            text = record[TEXT_FIELD]
+            if not isinstance(text, str):
+                raise DatasetError(
+                    f"{path}:{line_number}: {TEXT_FIELD!r} is a {type(text).__name__}, not a string; every record's "
+                    f"{TEXT_FIELD!r} must be the document text"
+                )
+            documents.append(text)
+    return documents
 
 
 def _saved_hf_dataset_files(folder: Path, dataset_path: str) -> list[Path]:
@@ -259,8 +300,11 @@ def _read_arrow(path: Path) -> "pa.Table":
 
 def _text_column(table: "pa.Table", path: Path) -> list[str]:
     if TEXT_FIELD not in table.column_names:
-        raise ValueError(f"{path} has no {TEXT_FIELD!r} column (columns: {table.column_names})")
-    return [text for text in table.column(TEXT_FIELD).to_pylist() if text is not None]
+        raise DatasetError(f"{path} has no {TEXT_FIELD!r} column (columns: {table.column_names})")
+    texts = [text for text in table.column(TEXT_FIELD).to_pylist() if text is not None]
+    if texts and not isinstance(texts[0], str):
+        raise DatasetError(f"{path}: column {TEXT_FIELD!r} holds {type(texts[0]).__name__}, not strings")
+    return texts
 
 
 def _open_text(path: Path):

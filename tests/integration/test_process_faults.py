@@ -1,0 +1,94 @@
+"""Process faults through run_train.sh: a busy dump folder, a killed launcher, Ctrl-C."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.integration.conftest import DEBUG_CONFIG, FAST_ARGS, REPO_ROOT
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "CONFIG_FILE": str(DEBUG_CONFIG), "NGPU": "1", "PYTHON": sys.executable}
+
+
+def _start_long_run(dump: Path) -> subprocess.Popen:
+    """run_train.sh in its own process group (as a terminal job is), training until stopped."""
+    args = [*FAST_ARGS, "--training.steps", "100000", "--job.dump_folder", str(dump)]
+    launcher = subprocess.Popen(
+        ["bash", "run_train.sh", *args], cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 180
+    while not (dump / "metrics.jsonl").is_file() or not (dump / "metrics.jsonl").read_text():
+        assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the run logged no step in 180 s"
+        time.sleep(0.5)
+    return launcher
+
+
+def _trainer_pids(dump: Path) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "torchtitan.train" in cmdline and str(dump) in cmdline and "torchtitan.launch" not in cmdline:
+                pids.append(int(entry.name))
+    return pids
+
+
+def _wait_gone(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [pid for pid in alive if Path(f"/proc/{pid}").exists() and not _is_zombie(pid)]
+    return alive
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_busy_dump_folder_is_refused_and_kill_9_of_the_launcher_ends_its_workers(tmp_path):
+    dump = tmp_path / "outputs"
+    launcher = _start_long_run(dump)
+    try:
+        second = subprocess.run(
+            ["bash", "run_train.sh", *FAST_ARGS, "--job.dump_folder", str(dump)], cwd=REPO_ROOT, env=_env(),
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        lines = [line for line in second.stderr.splitlines() if line.strip()]
+        assert second.returncode != 0 and len(lines) == 1, second.stderr[-2000:]
+        assert lines[0].startswith("error: another training run") and str(dump) in lines[0]
+
+        workers = _trainer_pids(dump)
+        assert workers
+        os.killpg(launcher.pid, signal.SIGKILL)
+        assert _wait_gone(workers, 10) == [], "workers outlived their killed launcher"
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        for pid in _trainer_pids(dump):
+            os.kill(pid, signal.SIGKILL)
+        launcher.communicate()
+
+
+def test_ctrl_c_ends_with_one_line_and_exit_code_130(tmp_path):
+    dump = tmp_path / "outputs"
+    launcher = _start_long_run(dump)
+    workers = _trainer_pids(dump)
+    os.killpg(launcher.pid, signal.SIGINT)  # what a terminal sends the foreground job on Ctrl-C
+    _, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1].startswith("interrupted: training stopped after step ")
+    assert _wait_gone(workers, 10) == []

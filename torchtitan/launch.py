@@ -1,0 +1,62 @@
+"""`python -m torchtitan.launch [torchrun flags] -m torchtitan.train ...`: torchrun that ends in one line.
+
+torchrun reports a failed worker with its own Python traceback and a failure table, after whatever the worker
+printed. The trainer already prints a user error (bad data, a corrupt checkpoint, a non-finite loss) as one
+`error:` line, and a bug as its traceback; so this launcher adds one line that names the rank and exit code, and
+turns Ctrl-C into one line and exit code 130. run_train.sh uses it in place of `python -m torch.distributed.run`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from torch.distributed import run
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+INTERRUPTED_EXIT_CODE = 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        run.main(argv)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        code = failure.exitcode
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        print(f"training failed: rank {rank} {how} (its message is above)", file=sys.stderr)
+        return code if code > 0 else 1
+    except (KeyboardInterrupt, SignalException):
+        print(
+            f"interrupted: training stopped{_where_it_stopped(sys.argv[1:] if argv is None else argv)}", file=sys.stderr
+        )
+        return INTERRUPTED_EXIT_CODE
+    return 0
+
+
+def _where_it_stopped(argv: list[str]) -> str:
+    """' after step N; ...' from the run's metrics.jsonl and checkpoint folder (empty if they cannot be read)."""
+    try:
+        from torchtitan.components.checkpoint_folder import complete_checkpoints
+        from torchtitan.config import ConfigManager
+
+        job = ConfigManager().parse_args(argv[argv.index("torchtitan.train") + 1 :])
+        with open(os.path.join(job.job.dump_folder, "metrics.jsonl")) as f:
+            last_step = json.loads(f.readlines()[-1])["step"]
+        folder = os.path.join(job.job.dump_folder, job.checkpoint.folder)
+        checkpoints = complete_checkpoints(folder) if job.checkpoint.enable and os.path.isdir(folder) else {}
+    except Exception:  # a summary line must never turn an interrupt into a traceback
+        return ""
+    if not checkpoints:
+        return f" after step {last_step}; no checkpoint was saved (enable --checkpoint.enable to be able to resume)"
+    latest = max(checkpoints)
+    return (
+        f" after step {last_step}; the latest complete checkpoint is {checkpoints[latest]}: run the same "
+        "command again to resume from it"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
