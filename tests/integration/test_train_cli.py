@@ -81,7 +81,7 @@ def test_final_hf_export_loads_in_transformers(dump_folder):
 
     args = [*FAST_ARGS, "--training.steps", "2", "--checkpoint.enable", "--checkpoint.last_save_in_hf"]
     run_trainer(dump_folder, args)
-    export = dump_folder / "checkpoint" / "step-2"
+    export = dump_folder / "checkpoint" / "exports" / "step-2"
     assert (export / "config.json").is_file() and (export / "complete.json").is_file()
     model = transformers.AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32)
     tokens = torch.randint(0, 2048, (1, 16))

@@ -167,7 +167,7 @@ class Checkpoint:
     """Save every N steps (and at the last step)."""
 
     keep_latest_k: int = 0
-    """Keep only the newest K complete checkpoints; 0 keeps all."""
+    """Keep only the newest K complete resumable checkpoints (exports are never counted or deleted); 0 keeps all."""
 
     load_step: int = -1
     """Step to resume from; -1 = the latest complete checkpoint."""
@@ -185,10 +185,10 @@ class Checkpoint:
     """initial_load_path is a Hugging Face safetensors folder."""
 
     last_save_model_only: bool = False
-    """The final save holds only the model (smaller, for export)."""
+    """The final save holds only the model (smaller, for export), written to `<folder>/exports/step-N`."""
 
     last_save_in_hf: bool = False
-    """The final save is written as Hugging Face safetensors."""
+    """The final save is written as Hugging Face safetensors, to `<folder>/exports/step-N`."""
 
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the model in a model-only final save."""
