@@ -119,8 +119,7 @@ def test_state_loads_when_the_same_corpus_moved_folder(tokenizer, make_job_confi
 
 
 @pytest.mark.parametrize("world_size, local_batch_size, rank", [(1, 4, 0), (4, 1, 2), (4, 1, 3)])
-def test_state_reshards_to_another_data_parallel_degree(tokenizer, make_job_config, world_size, local_batch_size,
-                                                        rank):
+def test_state_reshards_to_another_data_parallel_degree(tokenizer, make_job_config, world_size, local_batch_size, rank):
     """Saved by rank 1 of 2 ranks x batch 2 after 3 steps (12 global samples); resumed by another layout with the
     same global batch, each rank continues exactly where a straight run of that layout would be."""
     saved = build_dataloader(make_job_config(local_batch_size=2), tokenizer, 1, 2)

@@ -60,8 +60,9 @@ def _cpu_offload_trains(rank: int, world_size: int) -> None:
     optimizer.step()
     for name, param in model.named_parameters():
         assert not torch.equal(param.detach().full_tensor(), before[name]), f"{name} did not update"
-        torch.testing.assert_close(param.detach().full_tensor(), before[name] - 0.1 * ref_grads[name], rtol=1e-4,
-                                   atol=1e-5)
+        torch.testing.assert_close(
+            param.detach().full_tensor(), before[name] - 0.1 * ref_grads[name], rtol=1e-4, atol=1e-5
+        )
 
 
 def test_every_layout_matches_single_process():
@@ -70,3 +71,16 @@ def test_every_layout_matches_single_process():
 
 def test_cpu_offload_still_trains():
     run_distributed(_cpu_offload_trains, 2)
+
+
+def test_fp32_params_warn_once_that_grouped_mm_experts_stay_bf16(caplog):
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model
+    from torchtitan.models.deepseek_v3.parallelize import _warn_if_experts_stay_bf16
+
+    with torch.device("meta"):
+        model = DeepSeekV3Model(tiny_args())
+    with caplog.at_level("WARNING"):
+        _warn_if_experts_stay_bf16(model, "float32", use_deepep=True)
+        _warn_if_experts_stay_bf16(model, "bfloat16", use_deepep=True)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and "mixed_precision_param=float32" in messages[0] and "DeepEP" in messages[0]

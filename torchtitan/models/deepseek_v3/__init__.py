@@ -2,10 +2,13 @@
 
 import copy
 import json
+import logging
 
 from .args import DeepSeekV3ModelArgs, deepseekv3_flavors
 from .model import DeepSeekV3Model
 from .state_dict_adapter import DeepSeekV3StateDictAdapter, model_args_from_hf_config
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "DeepSeekV3Model",
@@ -19,7 +22,8 @@ __all__ = [
 def get_model_args(job_config) -> DeepSeekV3ModelArgs:
     """Model args for a JobConfig: `model.hf_config_path` (a HF config.json) if set, else `model.flavor`.
 
-    max_seq_len is raised to training.seq_len if shorter; debug.moe_force_load_balance is copied into moe_args.
+    max_seq_len is raised to training.seq_len if shorter (with a warning when that switches YaRN on);
+    debug.moe_force_load_balance is copied into moe_args.
     """
     if job_config.model.hf_config_path:
         with open(job_config.model.hf_config_path) as f:
@@ -29,6 +33,14 @@ def get_model_args(job_config) -> DeepSeekV3ModelArgs:
         if flavor not in deepseekv3_flavors:
             raise ValueError(f"unknown model.flavor {flavor!r}; choose one of {sorted(deepseekv3_flavors)}")
         args = copy.deepcopy(deepseekv3_flavors[flavor])
-    args.max_seq_len = max(args.max_seq_len, job_config.training.seq_len)
+    seq_len = job_config.training.seq_len
+    if seq_len > args.max_seq_len:
+        if args.max_seq_len <= args.original_seq_len < seq_len:
+            logger.warning(
+                f"training.seq_len={seq_len} exceeds the model's original context ({args.original_seq_len}): "
+                f"max_seq_len is raised to {seq_len}, which turns on YaRN RoPE scaling (rope_factor "
+                f"{args.rope_factor}); use a shorter --training.seq_len to train without it"
+            )
+        args.max_seq_len = seq_len
     args.moe_args.force_load_balance = job_config.debug.moe_force_load_balance
     return args

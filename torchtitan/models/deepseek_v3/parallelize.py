@@ -12,6 +12,7 @@ divided by the global number of valid tokens, so the sum of the ranks' gradients
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 from typing import Any
 
@@ -43,6 +44,8 @@ from torchtitan.distributed.expert_parallel import (
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.utils import device_type
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["apply_fsdp", "apply_moe_parallel", "apply_tp", "expert_bias_reduce_group", "parallelize_deepseekv3"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -57,6 +60,7 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
             f"({parallel_dims.tp}) for sequence parallelism; change seq_len or tensor_parallel_degree."
         )
     use_deepep = parallelism.expert_parallel_comm_backend == "deepep" and parallel_dims.ep_enabled
+    _warn_if_experts_stay_bf16(model, job_config.training.mixed_precision_param, use_deepep)
     if use_deepep:
         from torchtitan.distributed.deepep import validate_deepep_config
 
@@ -94,6 +98,22 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
             ep_degree=parallel_dims.ep,
         )
     return model
+
+
+def _warn_if_experts_stay_bf16(model: nn.Module, param_dtype: str, use_deepep: bool) -> None:
+    """torch._grouped_mm (and its compile path) takes bf16 only, and DeepEP sends bf16: with other parameter
+    dtypes the routed experts still compute in bf16. Say so once instead of changing precision silently."""
+    uses_grouped_mm = any(
+        getattr(getattr(block, "moe", None), "experts", None) is not None and block.moe.experts.use_grouped_mm
+        for block in model.layers.values()
+    )
+    if param_dtype == "bfloat16" or not (uses_grouped_mm or use_deepep):
+        return
+    what = "the routed experts' grouped GEMMs" + (" and DeepEP's token exchange" if use_deepep else "")
+    logger.warning(
+        f"training.mixed_precision_param={param_dtype}: {what} still run in bfloat16 (the only dtype "
+        "torch._grouped_mm and DeepEP take); the rest of the model uses the parameter dtype"
+    )
 
 
 def expert_bias_reduce_group(parallel_dims: ParallelDims) -> dist.ProcessGroup | None:

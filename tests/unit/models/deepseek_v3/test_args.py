@@ -87,3 +87,17 @@ def test_get_model_args_from_hf_config(tmp_path):
         "sigmoid",
         4,
     )
+
+
+def test_raising_max_seq_len_past_the_original_context_warns_that_yarn_turns_on(caplog):
+    job_config = JobConfig()
+    job_config.model.flavor = "debugmodel"  # max_seq_len = original_seq_len = 4096: YaRN off
+    job_config.training.seq_len = 8192
+    with caplog.at_level("WARNING"):
+        get_model_args(job_config)
+    assert any("turns on YaRN" in r.getMessage() and "--training.seq_len" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    job_config.training.seq_len = 2048
+    with caplog.at_level("WARNING"):
+        get_model_args(job_config)
+    assert not caplog.records
