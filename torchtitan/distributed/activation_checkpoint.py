@@ -35,7 +35,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from torchtitan.distributed.compile import recompile_guard_contexts
 
-__all__ = ["apply_ac", "op_sac_save_list"]
+__all__ = ["apply_ac", "op_sac_save_list", "per_op_sac_contexts"]
 
 
 def op_sac_save_list() -> set[Any]:
@@ -115,6 +115,11 @@ def apply_ac(model: nn.Module, ac_config: Any) -> None:
         )
     every = int(option)
     _wrap_blocks(model, lambda position: position % every == 0, sac_save_ops=None)
+
+
+def per_op_sac_contexts(num_experts: int | None):
+    """The (forward, recompute) contexts per-op SAC runs a block under: a `context_fn` for torch.utils.checkpoint."""
+    return _sac_contexts(op_sac_save_list(), num_experts)
 
 
 def _ignore_profiler_ops_in_sac() -> None:

@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 from tests.unit.distributed._spawn import run_distributed
+from torchtitan.distributed.activation_checkpoint import per_op_sac_contexts
 from torchtitan.distributed.deepep import DeepEPExpertParallel, cpu_kernels, destroy_buffers, validate_deepep_config
 from torchtitan.distributed.deepep.buffer import import_deep_ep
 from torchtitan.distributed.expert_parallel import ExpertParallel
@@ -100,12 +101,8 @@ def _checkpointing(rank: int, world_size: int) -> None:
         assert moe.experts.deepep_hooks.states == []
         return dict(calls), x.grad, _grads(moe)
 
-    def sac_policy(ctx, op, *args, **kwargs):
-        if op in (torch.ops.deepep.dispatch.default, torch.ops.deepep.combine.default):
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    sac_context = functools.partial(create_selective_checkpoint_contexts, sac_policy)
+    # the trainer's per-op SAC policy (activation_checkpoint.py), not a test-only one
+    sac_context = functools.partial(per_op_sac_contexts, _deepep_moe(mesh).num_experts)
     plain = run(lambda m, x: m(x))
     sac = run(lambda m, x: checkpoint(m, x, use_reentrant=False, context_fn=sac_context))
     full = run(lambda m, x: checkpoint(m, x, use_reentrant=False))
