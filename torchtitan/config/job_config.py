@@ -34,6 +34,10 @@ class Model:
     hf_config_path: str | None = None
     """Optional Hugging Face config.json; when set, model args are read from it instead of `flavor`."""
 
+    attn_mask_type: Literal["flavor", "causal", "block_causal"] = "flavor"
+    """Attention mask: `causal`, or `block_causal` (packed documents attend only within themselves; a new document
+    starts at every BOS token; flex attention). `flavor` keeps the flavor's own (causal, but debugmodel_flex)."""
+
 
 @dataclass
 class Optimizer:

@@ -1,5 +1,6 @@
 """`build_dataloader`: a resumable StatefulDataLoader over this rank's share of the packed sample stream."""
 
+import logging
 import pickle
 from typing import Any
 
@@ -13,6 +14,9 @@ from torchtitan.datasets.tokenizer import Tokenizer
 INFORMATIONAL_IDENTITY_KEYS = ("dataset",)
 # Entries that may change when a checkpoint is resumed with another data-parallel layout (see _reshard).
 LAYOUT_IDENTITY_KEYS = ("dp_world_size", "local_batch_size")
+
+
+logger = logging.getLogger(__name__)
 
 
 class ParallelAwareDataloader(StatefulDataLoader):
@@ -70,6 +74,17 @@ class ParallelAwareDataloader(StatefulDataLoader):
             )
         loader_state = rank_state["loader"]
         if not same_layout:
+            saved_per_step = saved_identity["dp_world_size"] * saved_identity["local_batch_size"]
+            now_per_step = self.dp_world_size * self.batch_size
+            if saved_per_step != now_per_step:
+                logger.warning(
+                    f"resuming with data-parallel degree {self.dp_world_size} x local batch {self.batch_size} (the "
+                    f"checkpoint was saved with {saved_identity['dp_world_size']} x "
+                    f"{saved_identity['local_batch_size']}): the data continues where it stopped, but each "
+                    f"micro-batch step now reads {now_per_step} sequences instead of {saved_per_step}; unless "
+                    "--training.global_batch_size fixes the global batch, it changes by "
+                    f"{now_per_step / saved_per_step:g}x (and with it the effective learning rate)"
+                )
             loader_state = self._reshard(loader_state, saved_identity)
         super().load_state_dict(loader_state)
 

@@ -132,3 +132,13 @@ def test_state_reshards_to_another_data_parallel_degree(tokenizer, make_job_conf
     resumed = build_dataloader(job_config, tokenizer, rank, world_size)
     resumed.load_state_dict(state)
     assert_same_batches(take(resumed, 2), straight[-2:])
+
+
+def test_resuming_with_a_larger_global_micro_batch_warns(tokenizer, make_job_config, caplog):
+    saved = build_dataloader(make_job_config(local_batch_size=2), tokenizer, 0, 1)
+    take(saved, 2)
+    state = saved.state_dict()
+    resumed = build_dataloader(make_job_config(local_batch_size=2), tokenizer, 0, 2)
+    with caplog.at_level("WARNING"):
+        resumed.load_state_dict(state)
+    assert any("changes by 2x" in r.getMessage() for r in caplog.records)

@@ -23,7 +23,7 @@ def get_model_args(job_config) -> DeepSeekV3ModelArgs:
     """Model args for a JobConfig: `model.hf_config_path` (a HF config.json) if set, else `model.flavor`.
 
     max_seq_len is raised to training.seq_len if shorter (with a warning when that switches YaRN on);
-    debug.moe_force_load_balance is copied into moe_args.
+    debug.moe_force_load_balance is copied into moe_args; model.attn_mask_type overrides the flavor's mask.
     """
     if job_config.model.hf_config_path:
         with open(job_config.model.hf_config_path) as f:
@@ -43,4 +43,6 @@ def get_model_args(job_config) -> DeepSeekV3ModelArgs:
             )
         args.max_seq_len = seq_len
     args.moe_args.force_load_balance = job_config.debug.moe_force_load_balance
+    if job_config.model.attn_mask_type != "flavor":
+        args.attn_mask_type = job_config.model.attn_mask_type
     return args

@@ -101,3 +101,14 @@ def test_raising_max_seq_len_past_the_original_context_warns_that_yarn_turns_on(
     with caplog.at_level("WARNING"):
         get_model_args(job_config)
     assert not caplog.records
+
+
+def test_block_causal_switch_applies_to_any_flavor():
+    job_config = JobConfig()
+    job_config.model.flavor = "16B"
+    assert get_model_args(job_config).attn_mask_type == "causal"
+    job_config.model.attn_mask_type = "block_causal"
+    assert get_model_args(job_config).attn_mask_type == "block_causal"
+    job_config.model.flavor = "debugmodel_flex"
+    job_config.model.attn_mask_type = "causal"
+    assert get_model_args(job_config).attn_mask_type == "causal"
