@@ -33,6 +33,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.weight_init import copy_from_unsharded_init
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, get_model_args
 from torchtitan.models.deepseek_v3.parallelize import expert_bias_reduce_group, parallelize_deepseekv3
+from torchtitan.models.moe import MoE
 from torchtitan.models.moe.load_balance import build_expert_bias_hook
 from torchtitan.preflight import check_batch_sizes, check_job
 from torchtitan.tools.profiling import StepProfiler
@@ -102,6 +103,12 @@ class Trainer:
         else:
             self.model_parts = [parallelize_deepseekv3(model, self.parallel_dims, job_config)]
             self.has_first_stage = self.has_last_stage = True
+
+        tokens_per_step = self.grad_accum_steps * job_config.training.local_batch_size * self.parallel_dims.dp_size
+        for part in self.model_parts:
+            for module in part.modules():
+                if isinstance(module, MoE):
+                    module.tokens_per_optimizer_step = tokens_per_step * job_config.training.seq_len
 
         init_device = "cpu" if job_config.training.enable_cpu_offload else self.device
         for part in self.model_parts:

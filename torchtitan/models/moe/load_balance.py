@@ -14,8 +14,9 @@ Complementary sequence-wise balance loss (optional, `seq_aux_loss_coeff` = alpha
     L_Bal = alpha * sum_i f_i P_i,   f_i = E / (K T) * sum_t 1[expert i selected by token t],
     P_i = 1/T sum_t s'_{i,t},        s'_{i,t} = s_{i,t} / sum_j s_{j,t},        T = tokens of one sequence,
 averaged over the sequences of the batch. It is added to the gradient only (DeepSeek-V2's AddAuxiliaryLoss):
-the forward values are untouched and the trainer's loss code does not see it. Note that the trainer's loss
-scaling (gradient accumulation, token-count normalization) does not apply to it.
+the forward values are untouched and the trainer's loss code does not see it. Each micro-batch's L_Bal is
+weighted by its share of the optimizer step's tokens (`MoE.tokens_per_optimizer_step`, set by the trainer), so
+gradient accumulation and data parallelism never scale alpha.
 """
 
 from collections.abc import Callable, Iterable

@@ -48,6 +48,11 @@ class MoE(nn.Module):
         )
         # Aux-loss-free balancing state. expert_bias is always used for selection (it may come from a checkpoint);
         # load_balance_coeff=None only stops updating it. Both are updated outside the forward (load_balance.py).
+        self.tokens_per_optimizer_step: int | None = None
+        """Tokens of one optimizer step over all ranks and micro-batches (set by the trainer). The sequence aux
+        loss of a micro-batch is weighted by its share of them, so the step's total is alpha x the mean over the
+        step whatever the data-parallel degree and accumulation, like the globally normalized cross-entropy
+        (FSDP sums the ranks' gradients). None: unweighted (one micro-batch, one rank)."""
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=True)
 
@@ -78,6 +83,8 @@ class MoE(nn.Module):
                 aux_loss = self.seq_aux_loss_coeff * sequence_balance_loss(
                     scores.view(bs, slen, -1), selected_experts.view(bs, slen, -1), self.top_k, self.num_experts
                 )
+                if self.tokens_per_optimizer_step is not None:
+                    aux_loss = aux_loss * (bs * slen / self.tokens_per_optimizer_step)
                 top_scores = add_aux_loss_to_backward(top_scores, aux_loss)
             if self.load_balance_coeff is not None:
                 top_scores = count_tokens_in_backward(

@@ -172,3 +172,23 @@ def _two_rank_worker(rank: int, world_size: int) -> None:
 
 def test_bias_update_all_reduces_counts_across_ranks():
     run_distributed(_two_rank_worker, 2)
+
+
+def _aux_gate_grad(moe: MoE, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+    """The router gate's gradient from the sequence aux loss alone (the routed output is multiplied by 0)."""
+    moe.zero_grad(set_to_none=True)
+    for x in micro_batches:
+        (moe(x) * 0.0).sum().backward()
+    return moe.router.gate.weight.grad.clone()
+
+
+def test_seq_aux_loss_gradient_does_not_grow_with_accumulation():
+    """4 sequences in one micro-batch or in two accumulated micro-batches of 2: the same optimizer step, so the same
+    aux gradient (each micro-batch's loss is weighted by its share of the step's tokens)."""
+    moe = make_moe(seq_aux_loss_coeff=0.01, load_balance_coeff=None, use_grouped_mm=False)
+    x = torch.randn(4, 8, moe.router.gate.in_features, generator=torch.Generator().manual_seed(0))
+    moe.tokens_per_optimizer_step = x.shape[0] * x.shape[1]
+    whole = _aux_gate_grad(moe, [x])
+    accumulated = _aux_gate_grad(moe, [x[:2], x[2:]])
+    assert whole.abs().sum() > 0
+    torch.testing.assert_close(accumulated, whole)
