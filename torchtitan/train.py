@@ -253,6 +253,15 @@ class Trainer:
             self.checkpointer.close()
 
 
+def _release_deepep_buffers() -> None:
+    """After a finished run, before the process groups go: DeepEP's destroy() is collective on CUDA. (After an
+    error it is skipped: a rank that died would leave the others waiting in it.)"""
+    if "torchtitan.distributed.deepep" in sys.modules:
+        from torchtitan.distributed.deepep import destroy_buffers
+
+        destroy_buffers()
+
+
 def _global_rank() -> int:
     return int(os.environ.get("RANK", 0))
 
@@ -292,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         Trainer(job_config).train()
+        _release_deepep_buffers()
     except (DatasetError, CheckpointError, FloatingPointError, DumpFolderBusyError) as err:
         # The user's data, folder or hyperparameters: one line with the fix, no traceback.
         print(f"error: {err}", file=sys.stderr)

@@ -28,6 +28,9 @@ from torchtitan.distributed.deepep.dispatcher import DeepEPDispatchState, DeepEP
 
 __all__ = ["DEEPEP_HOOKS_ATTR", "DeepEPExpertParallel", "DeepEPExpertsHooks", "validate_deepep_config"]
 
+DEEPEP_EP_SIZES = (2, 4, 8, 16, 24, 32, 64, 128, 144, 160)
+"""EP sizes DeepEP v1 has dispatch/combine configs for (`deep_ep.Buffer.get_dispatch_config`); others assert."""
+
 DEEPEP_HOOKS_ATTR = "deepep_hooks"
 """Attribute of an experts module that DeepEPExpertParallel was applied to (checked by DeepEPMoE)."""
 
@@ -91,6 +94,12 @@ def validate_deepep_config(parallel_dims, device_type: str = "cuda") -> None:
         raise ValueError(
             f"expert_parallel_comm_backend='deepep' does not support tensor_parallel_degree={parallel_dims.tp} / "
             f"expert_tensor_parallel_degree={parallel_dims.etp}; set both to 1 (use FSDP + EP), or use "
+            "--parallelism.expert_parallel_comm_backend standard."
+        )
+    if parallel_dims.ep > 1 and parallel_dims.ep not in DEEPEP_EP_SIZES:
+        raise ValueError(
+            f"expert_parallel_degree={parallel_dims.ep}: DeepEP has kernel configs only for EP sizes "
+            f"{', '.join(map(str, DEEPEP_EP_SIZES))}; pick one of them, or use "
             "--parallelism.expert_parallel_comm_backend standard."
         )
     if device_type == "cuda" and parallel_dims.ep > 1:

@@ -206,6 +206,12 @@ def test_validate_deepep_config_rejects_tensor_parallel():
     validate_deepep_config(_Dims(), device_type="cpu")
 
 
+def test_validate_deepep_config_rejects_ep_sizes_deepep_has_no_config_for():
+    with pytest.raises(ValueError, match=r"expert_parallel_degree=6: DeepEP has kernel configs only for EP sizes 2, 4"):
+        validate_deepep_config(_Dims(ep=6), device_type="cpu")
+    validate_deepep_config(_Dims(ep=8), device_type="cpu")
+
+
 def test_missing_deep_ep_raises_install_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_ep", None)  # makes `import deep_ep` fail
     with pytest.raises(ImportError, match="pip install sgl-deep-ep"):
