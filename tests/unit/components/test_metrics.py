@@ -87,7 +87,18 @@ def test_jsonl_gets_one_flushed_record_per_logged_step(tmp_path):
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()  # readable before close(): flushed
     records = [json.loads(line) for line in lines]
     assert [r["step"] for r in records] == [2, 4]
-    assert set(records[0]) == {"step", "loss", "grad_norm", "tps", "tflops", "mfu", "memory_gib", "lr", "time"}
+    assert set(records[0]) == {
+        "step",
+        "loss",
+        "grad_norm",
+        "tps",
+        "tflops",
+        "mfu",
+        "memory_gib",
+        "lr",
+        "graphs_compiled",
+        "time",
+    }
     assert records[1]["loss"] == 2.0 and records[1]["lr"] == 1e-3
     processor.close()
 
@@ -143,3 +154,11 @@ def test_unknown_device_falls_back_with_warning(caplog):
 
 def test_memory_monitor_is_none_on_cpu():
     assert DeviceMemoryMonitor(torch.device("cpu")).get_peak_stats() is None
+
+
+def test_console_line_names_graphs_compiled_only_when_there_were_some():
+    from torchtitan.components.metrics import format_metrics_line
+
+    record = {"step": 3, "loss": 1.0, "grad_norm": 0.5, "tps": 10.0, "tflops": 0.1, "mfu": None, "lr": None}
+    assert "compiled" not in format_metrics_line({**record, "graphs_compiled": 0}, None)
+    assert "compiled: 2 graphs" in format_metrics_line({**record, "graphs_compiled": 2}, None)
