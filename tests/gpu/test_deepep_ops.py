@@ -91,9 +91,8 @@ def _check_backward_matches_cpu_reference(rank, world_size, cuda_group, cpu_grou
 
     # The CUDA wire is bf16 and the weight gradients are dot products over the hidden dim, which cancel for some
     # entries: compare by relative norm error (bf16 operands land between 1e-3 and 1e-2), not element-wise.
-    for name, got, want in zip(
-        ("out", "x.grad", "weights.grad"), run("cuda", cuda_group), run("cpu", cpu_group), strict=True
-    ):
+    for name, got, want in zip(("out", "x.grad", "weights.grad"), run("cuda", cuda_group), run("cpu", cpu_group),
+                               strict=True):
         rel_err = ((got.float() - want.float()).norm() / want.float().norm()).item()
         assert rel_err < 1e-2, f"{name}: relative error {rel_err:.2e} vs the CPU reference"
 

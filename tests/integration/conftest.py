@@ -14,16 +14,11 @@ DEBUG_CONFIG = REPO_ROOT / "train_configs" / "deepseek_v3_debugmodel.toml"
 
 # Small enough that a step takes well under a second on 2 CPU cores, large enough to exercise every path.
 FAST_ARGS = [
-    "--training.seq_len",
-    "32",
-    "--training.local_batch_size",
-    "4",
-    "--training.global_batch_size",
-    "4",
-    "--metrics.log_freq",
-    "1",
-    "--training.mixed_precision_param",
-    "float32",
+    "--training.seq_len", "32",
+    "--training.local_batch_size", "4",
+    "--training.global_batch_size", "4",
+    "--metrics.log_freq", "1",
+    "--training.mixed_precision_param", "float32",
     "--debug.deterministic",
 ]
 
@@ -37,20 +32,14 @@ def _free_port() -> int:
 def run_trainer(
     dump_folder: Path, args: list[str], nproc: int = 1, timeout: int = 600, check: bool = True
 ) -> subprocess.CompletedProcess:
-    """Run `torchrun -m torchtitan.train` with the debug config; return the finished process."""
+    """Run `torchrun -m torchtitan.train` (through torchtitan.launch, as run_train.sh does) with the debug config;
+    return the finished process."""
     cmd = [
-        sys.executable,
-        "-m",
-        "torchtitan.launch",
-        f"--nproc-per-node={nproc}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={_free_port()}",
-        "-m",
-        "torchtitan.train",
-        "--job.config_file",
-        str(DEBUG_CONFIG),
-        "--job.dump_folder",
-        str(dump_folder),
+        sys.executable, "-m", "torchtitan.launch",
+        f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+        "-m", "torchtitan.train",
+        "--job.config_file", str(DEBUG_CONFIG),
+        "--job.dump_folder", str(dump_folder),
         *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else "2", "PYTHONUNBUFFERED": "1"}

@@ -18,19 +18,13 @@ from tests.integration.conftest import read_losses, run_trainer
 
 STEPS = 6
 COMMON = [
-    "--training.seq_len",
-    "64",
-    "--training.global_batch_size",
-    "8",
-    "--training.steps",
-    str(STEPS),
-    "--training.mixed_precision_param",
-    "float32",
-    "--metrics.log_freq",
-    "1",
+    "--training.seq_len", "64",
+    "--training.global_batch_size", "8",
+    "--training.steps", str(STEPS),
+    "--training.mixed_precision_param", "float32",
+    "--metrics.log_freq", "1",
     "--debug.deterministic",
-    "--activation_checkpoint.mode",
-    "none",
+    "--activation_checkpoint.mode", "none",
     "--checkpoint.enable=false",
 ]
 
@@ -43,17 +37,11 @@ LAYOUTS = {
     "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2", *_local_batch(2)]),
     "hsdp2x2": (
         4,
-        [
-            "--parallelism.data_parallel_replicate_degree",
-            "2",
-            "--parallelism.data_parallel_shard_degree",
-            "2",
-            *_local_batch(4),
-        ],
+        ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+         *_local_batch(4)],
     ),
     "tp2_sp_replicated_logits": (
-        2,
-        ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_loss_parallel=false", *_local_batch(1)],
+        2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_loss_parallel=false", *_local_batch(1)]
     ),
     # vocab-sharded logits: the trainer must compute the loss under torch.distributed.tensor.parallel.loss_parallel()
     "tp2_sp_loss_parallel": (2, ["--parallelism.tensor_parallel_degree", "2", *_local_batch(1)]),
@@ -61,81 +49,39 @@ LAYOUTS = {
     "ep4_fsdp4": (4, ["--parallelism.expert_parallel_degree", "4", *_local_batch(4)]),
     "tp2_ep2_etp2": (
         4,
-        [
-            "--parallelism.tensor_parallel_degree",
-            "2",
-            "--parallelism.expert_parallel_degree",
-            "2",
-            "--parallelism.expert_tensor_parallel_degree",
-            "2",
-            *_local_batch(2),
-        ],
+        ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
+         "--parallelism.expert_tensor_parallel_degree", "2",
+         *_local_batch(2)],
     ),
     "pp2_1f1b": (
         2,
-        [
-            "--parallelism.pipeline_parallel_degree",
-            "2",
-            "--parallelism.pipeline_parallel_schedule",
-            "1F1B",
-            "--parallelism.pipeline_parallel_microbatch_size",
-            "2",
-            *_local_batch(1),
-        ],
+        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
+         "--parallelism.pipeline_parallel_microbatch_size", "2", *_local_batch(1)],
     ),
     "pp2_interleaved_1f1b": (
         2,
-        [
-            "--parallelism.pipeline_parallel_degree",
-            "2",
-            "--parallelism.pipeline_parallel_schedule",
-            "Interleaved1F1B",
-            "--parallelism.pipeline_parallel_microbatch_size",
-            "2",
-            *_local_batch(1),
-        ],
+        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+         "--parallelism.pipeline_parallel_microbatch_size", "2", *_local_batch(1)],
     ),
     "fsdp2_full_ac": (
-        2,
-        ["--parallelism.data_parallel_shard_degree", "2", "--activation_checkpoint.mode", "full", *_local_batch(2)],
+        2, ["--parallelism.data_parallel_shard_degree", "2", "--activation_checkpoint.mode", "full", *_local_batch(2)]
     ),
     "ep2_op_sac": (
         2,
-        [
-            "--parallelism.expert_parallel_degree",
-            "2",
-            "--activation_checkpoint.mode",
-            "selective",
-            "--activation_checkpoint.selective_ac_option",
-            "op",
-            *_local_batch(2),
-        ],
+        ["--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "selective",
+         "--activation_checkpoint.selective_ac_option", "op", *_local_batch(2)],
     ),
     # aot_eager: the same graphs as inductor without C++ codegen, so the test does not need a compiler toolchain
     "ep2_compile_aot_eager": (
         2,
-        [
-            "--parallelism.expert_parallel_degree",
-            "2",
-            "--compile.enable",
-            "--compile.backend",
-            "aot_eager",
-            *_local_batch(2),
-        ],
+        ["--parallelism.expert_parallel_degree", "2", "--compile.enable", "--compile.backend", "aot_eager",
+         *_local_batch(2)],
     ),
     "pp2_dp2_ep2": (
         4,
-        [
-            "--parallelism.pipeline_parallel_degree",
-            "2",
-            "--parallelism.data_parallel_shard_degree",
-            "2",
-            "--parallelism.expert_parallel_degree",
-            "2",
-            "--parallelism.pipeline_parallel_microbatch_size",
-            "2",
-            *_local_batch(2),
-        ],
+        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+         "--parallelism.expert_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
+         *_local_batch(2)],
     ),
 }
 

@@ -36,10 +36,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any) -> None:
         errors = ctx.SimpleQueue()
         try:
             mp.start_processes(
-                _worker,
-                args=(world_size, os.path.join(tmp, "init"), fn, args, errors),
-                nprocs=world_size,
-                start_method="spawn",
+                _worker, args=(world_size, os.path.join(tmp, "init"), fn, args, errors),
+                nprocs=world_size, start_method="spawn",
             )
         except mp.ProcessRaisedException as exc:
             details = [] if errors.empty() else [errors.get()]

@@ -47,9 +47,8 @@ def _all_to_all_counts(rank: int, world_size: int) -> None:
         with counter:
             loss_of(model(inputs), labels, labels.numel()).backward()
         counts[mode] = counter.calls
-        grads[mode] = {
-            n.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor() for n, p in model.named_parameters()
-        }
+        grads[mode] = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor() for n, p in
+                       model.named_parameters()}
     moe_layers = 2  # tiny_args: 3 layers, the first dense
     # forward: counts + tokens all-to-all at dispatch, tokens at combine; backward: the two token all-to-alls
     assert counts["none"] == moe_layers * 5, counts
