@@ -46,6 +46,7 @@ from torchtitan.components.checkpoint_folder import (
     FORMAT_FULL,
     FORMAT_HF,
     FORMAT_MODEL_ONLY,
+    MANIFEST_NAME,
     TMP_SUFFIX,
     CheckpointError,
     checkpoint_keys,
@@ -311,12 +312,13 @@ class CheckpointManager:
                 )
             return None
         if step not in complete:
-            hint = ""
-            if any(path.endswith(f"step-{step}") for path in exports(self.folder)):
-                hint = (
-                    f" (step-{step} is a weights-only export: start from it with --checkpoint.initial_load_path "
-                    f"{os.path.join(self.folder, 'exports', f'step-{step}')} --checkpoint.initial_load_model_only)"
-                )
+            export = next((path for path in exports(self.folder) if os.path.basename(path) == f"step-{step}"), None)
+            hint = (
+                f" (step-{step} is a weights-only export: start from it with --checkpoint.initial_load_path "
+                f"{export} --checkpoint.initial_load_model_only)"
+                if export
+                else ""
+            )
             raise CheckpointError(
                 f"no resumable checkpoint step-{step} in {self.folder} (resumable steps: {sorted(complete)}){hint}; "
                 f"set --checkpoint.load_step to one of them, or -1 for the latest"
@@ -326,7 +328,7 @@ class CheckpointManager:
 
     def _verify_checksums(self, path: str) -> None:
         """Every rank checks the crc32 of its share of the files; any mismatch stops all ranks with the fix."""
-        with open(os.path.join(path, "complete.json")) as f:
+        with open(os.path.join(path, MANIFEST_NAME)) as f:
             manifest = json.load(f)
         bad = corrupt_files(path, manifest, self.rank, self.world_size)
         if self.pg is not None and self.world_size > 1:

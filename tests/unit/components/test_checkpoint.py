@@ -337,6 +337,9 @@ def test_last_save_model_only_in_export_dtype_initializes_another_run(tmp_path):
     # Resuming in the same folder skips the export and continues from the last full checkpoint.
     resumed = Run(make_config(tmp_path, last_save_model_only=True))
     assert resumed.manager.load() is True and resumed.train_state.step == 8
+    export = folder(tmp_path) / "exports" / "step-10"
+    with pytest.raises(CheckpointError, match=rf"weights-only export: .*--checkpoint.initial_load_path {export} "):
+        Run(make_config(tmp_path)).manager.load(step=10)
 
     other = tmp_path / "other"
     config = make_config(other, initial_load_path=str(folder(tmp_path) / "exports" / "step-10"))

@@ -43,6 +43,7 @@ from torchtitan.distributed.expert_parallel import (
 )
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.utils import device_type
+from torchtitan.models.moe.experts import GroupedExperts
 
 logger = logging.getLogger(__name__)
 
@@ -103,10 +104,7 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
 def _warn_if_experts_stay_bf16(model: nn.Module, param_dtype: str, use_deepep: bool) -> None:
     """torch._grouped_mm (and its compile path) takes bf16 only, and DeepEP sends bf16: with other parameter
     dtypes the routed experts still compute in bf16. Say so once instead of changing precision silently."""
-    uses_grouped_mm = any(
-        getattr(getattr(block, "moe", None), "experts", None) is not None and block.moe.experts.use_grouped_mm
-        for block in model.layers.values()
-    )
+    uses_grouped_mm = any(isinstance(m, GroupedExperts) and m.use_grouped_mm for m in model.modules())
     if param_dtype == "bfloat16" or not (uses_grouped_mm or use_deepep):
         return
     what = "the routed experts' grouped GEMMs" + (" and DeepEP's token exchange" if use_deepep else "")
