@@ -74,7 +74,9 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
 
     apply_ac(model, job_config.activation_checkpoint)
     if job_config.compile.enable and "model" in job_config.compile.components:
-        apply_compile(model, job_config.compile)
+        ac = job_config.activation_checkpoint
+        per_op_sac = ac.mode == "selective" and str(ac.selective_ac_option) == "op"
+        apply_compile(model, job_config.compile, per_op_sac=per_op_sac)
 
     if parallel_dims.dp_enabled or parallel_dims.ep_enabled:
         dense_mesh = (
