@@ -12,7 +12,7 @@ PYTHON=${PYTHON:-python}
 
 for arg in "$@"; do
   if [[ "$arg" == "--help" || "$arg" == "-h" ]]; then
-    exec "$PYTHON" -m torchtitan.train --help
+    exec "$PYTHON" -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"  # help with this job's values
   fi
 done
 

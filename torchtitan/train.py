@@ -24,7 +24,7 @@ from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.components.run_lock import DumpFolderBusyError, acquire_dump_folder, exit_with_parent
-from torchtitan.config import ConfigError, JobConfig, format_help
+from torchtitan.config import ConfigError, JobConfig, help_for
 from torchtitan.datasets import build_dataloader, build_tokenizer
 from torchtitan.datasets.text_datasets import DatasetError
 from torchtitan.distributed import utils as dist_utils
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata noise on every start
     if "--help" in argv or "-h" in argv:
-        print(format_help())
+        print(help_for(argv))
         return 0
     # torchrun's --tee prefixes each line with [rankN]; run_train.sh shows rank 0 only by default.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

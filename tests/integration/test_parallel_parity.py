@@ -1,7 +1,8 @@
 """Every parallelism layout trains the debug model with the same per-step losses as one process.
 
-Runs `torchrun -m torchtitan.train` on CPU/gloo with fp32 parameters and deterministic algorithms, the same global
-batch (8 sequences of 64 tokens) and seed, and compares metrics.jsonl losses with the 1-process run.
+Runs `torchrun -m torchtitan.train` on CPU/gloo (flavor debugmodel_tiny) with fp32 parameters and deterministic
+algorithms, the same global batch (8 sequences of 64 tokens) and seed, and compares metrics.jsonl losses with the
+1-process run.
 
 Tolerance: everything is fp32, but the layouts reduce in different orders (FSDP reduce-scatter, TP all-reduce,
 all-to-all reordering of expert tokens) and the routed experts' grouped GEMMs run in bf16 (GroupedExperts) where
@@ -18,6 +19,7 @@ from tests.integration.conftest import read_losses, run_trainer
 
 STEPS = 6
 COMMON = [
+    "--model.flavor", "debugmodel_tiny",
     "--training.seq_len", "64",
     "--training.global_batch_size", "8",
     "--training.steps", str(STEPS),

@@ -12,7 +12,9 @@ from tests.integration.conftest import DEBUG_CONFIG, FAST_ARGS, REPO_ROOT, read_
 
 
 def test_debugmodel_loss_falls(dump_folder):
-    run_trainer(dump_folder, [*FAST_ARGS, "--training.steps", "20", "--lr_scheduler.warmup_steps", "2"])
+    # the shipped debug model itself (the README's quick start), not the test suite's smaller flavor
+    args = [*FAST_ARGS, "--model.flavor", "debugmodel", "--training.steps", "20", "--lr_scheduler.warmup_steps", "2"]
+    run_trainer(dump_folder, args)
     losses = read_losses(dump_folder)
     assert sorted(losses) == list(range(1, 21))
     assert losses[20] < losses[1] - 1.0, losses

@@ -26,7 +26,8 @@ class Model:
     """Model family; only `deepseek_v3` is implemented."""
 
     flavor: str = "debugmodel"
-    """Model size preset: debugmodel, 16B, 236B, 671B (see torchtitan/models/deepseek_v3/args.py)."""
+    """Model size preset: debugmodel, 16B, 236B, 671B; variants debugmodel_flex, debugmodel_tiny (the CPU tests' model),
+    16B_bench4, 671B_bench8 (see torchtitan/models/deepseek_v3/args.py)."""
 
     tokenizer_path: str = "torchtitan/assets/tokenizer/tokenizer.json"
     """Path to a `tokenizers` JSON file; the shipped one matches debugmodel's vocab of 2048."""

@@ -51,7 +51,7 @@ class ConfigManager:
         """
         argv = sys.argv[1:] if argv is None else list(argv)
         if any(arg in _HELP_FLAGS for arg in argv):
-            text = format_help()
+            text = help_for(argv)
             print(text)
             raise HelpRequested(text)
 
@@ -66,8 +66,12 @@ class ConfigManager:
         return config
 
 
-def format_help() -> str:
-    """Every field as `--section.field  (type, default: X)  doc`, grouped by section."""
+def format_help(job: JobConfig | None = None, source: str = "") -> str:
+    """Every field as `--section.field  (type, default: X)  doc`, grouped by section.
+
+    With `job` (the config a command line resolves to), fields whose value differs from the default also show
+    it: `(type, default: X, this job: Y)`, so `--help` after a TOML file and flags says what that job will use.
+    """
     lines = [
         "usage: python -m torchtitan.train [--job.config_file PATH] [--section.field VALUE ...]",
         "",
@@ -75,13 +79,41 @@ def format_help() -> str:
         "Values: --a.b VALUE or --a.b=VALUE. Booleans: --a.flag, --a.no-flag, --a.flag=false.",
         "Lists: repeat the flag or pass a comma list. Fields typed `X | None`: pass `none` for None.",
     ]
+    if job is not None:
+        lines.append(f"'this job': the value from {source}, shown where it differs from the default.")
     section = None
     for spec in _fields().values():
         if spec.section != section:
             section = spec.section
             lines += ["", f"[{section}]"]
-        lines.append(f"  --{spec.key}  ({_type_name(spec.type)}, default: {_show(spec.default)})  {spec.doc}")
+        shown = f"default: {_show(spec.default)}"
+        if job is not None:
+            value = getattr(getattr(job, spec.section), spec.name)
+            if value != spec.default:
+                shown += f", this job: {_show(value)}"
+        lines.append(f"  --{spec.key}  ({_type_name(spec.type)}, {shown})  {spec.doc}")
     return "\n".join(lines)
+
+
+def help_for(argv: list[str]) -> str:
+    """`format_help` for a command line: the values its TOML file and flags resolve to (before validation).
+
+    A command line that does not parse still gets the plain help, with the error on top.
+    """
+    args = [arg for arg in argv if arg not in _HELP_FLAGS]
+    if not args:
+        return format_help()
+    try:
+        overrides = _parse_cli(args)
+        job = JobConfig()
+        config_file = overrides.get("job.config_file")
+        if config_file is not None:
+            _apply(job, _load_toml(config_file))
+        _apply(job, overrides)
+    except ConfigError as err:
+        return f"error: {err}\n\n{format_help()}"
+    source = " + ".join(filter(None, [config_file, "flags" if set(overrides) - {"job.config_file"} else ""]))
+    return format_help(job, source)
 
 
 def validate(job_config: JobConfig) -> None:

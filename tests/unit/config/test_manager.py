@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from torchtitan.config import ConfigError, ConfigManager, HelpRequested, JobConfig, format_help
+from torchtitan.config import ConfigError, ConfigManager, HelpRequested, JobConfig, format_help, help_for
 from torchtitan.config.manager import validate
 
 
@@ -348,3 +348,21 @@ def test_validate_runs_on_toml_values(tmp_path):
 
 def test_validate_accepts_defaults():
     validate(JobConfig())
+
+
+def test_help_shows_the_values_a_toml_file_and_flags_resolve_to(tmp_path):
+    toml = tmp_path / "job.toml"
+    toml.write_text('[training]\nsteps = 30\n[model]\nflavor = "16B"\n')
+    text = help_for(["--job.config_file", str(toml), "--help", "--training.seq_len", "512"])
+    lines = {line.split("  (")[0].strip(): line for line in text.splitlines() if line.startswith("  --")}
+    assert "(int, default: 10000, this job: 30)" in lines["--training.steps"]
+    assert "(str, default: debugmodel, this job: 16B)" in lines["--model.flavor"]
+    assert "this job: 512" in lines["--training.seq_len"]
+    assert "this job" not in lines["--training.local_batch_size"]  # unchanged: the default only
+    assert str(toml) in text
+
+
+def test_help_for_a_bad_command_line_names_the_error_and_still_lists_fields():
+    text = help_for(["--help", "--bogus.key", "1"])
+    assert text.startswith("error: unknown config key 'bogus.key'")
+    assert "--training.steps  (int, default: 10000)" in text

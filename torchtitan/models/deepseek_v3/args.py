@@ -204,6 +204,22 @@ deepseekv3_flavors: dict[str, DeepSeekV3ModelArgs] = {
 # Variants of the presets above (dataclasses.replace: the same shape with the named fields changed).
 # debugmodel with document-masked (block-causal) attention for packed sequences.
 deepseekv3_flavors["debugmodel_flex"] = replace(deepseekv3_flavors["debugmodel"], attn_mask_type="block_causal")
+# debugmodel shrunk for the CPU test suite: the same structure (MLA, 1 dense + 3 MoE layers, 8 experts top-3 with 2
+# shared) at ~1.6M parameters, so a training step takes ~0.1 s on one core instead of ~2 s (most of debugmodel's step
+# is its bf16 grouped GEMMs, which CPUs without bf16 instructions run slowly). Still splits into 4 pipeline stages and
+# over EP=4 / TP=2.
+deepseekv3_flavors["debugmodel_tiny"] = replace(
+    deepseekv3_flavors["debugmodel"],
+    dim=128,
+    inter_dim=256,
+    moe_inter_dim=64,
+    n_layers=4,
+    n_heads=4,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+)
 # GPU benchmark: the 16B layer shape cut to 8 layers (1 dense + 7 MoE): ~4.6B total / ~1.1B active params.
 # fp32 params + grads + AdamW states (16 B/param) are ~74 GB, so FSDP x EP over 2-4 H200s holds it with room
 # for activations at seq_len 4096. Trained from scratch, so no YaRN (max_seq_len == original_seq_len).

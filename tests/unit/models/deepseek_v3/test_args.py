@@ -10,9 +10,8 @@ from .conftest import tiny_args
 
 
 def test_flavors_have_published_shapes():
-    assert {"debugmodel", "debugmodel_flex", "16B", "236B", "671B", "16B_bench4", "671B_bench8"} <= set(
-        deepseekv3_flavors
-    )
+    expected = {"debugmodel", "debugmodel_flex", "debugmodel_tiny", "16B", "236B", "671B", "16B_bench4", "671B_bench8"}
+    assert expected <= set(deepseekv3_flavors)
     assert deepseekv3_flavors["debugmodel_flex"].attn_mask_type == "block_causal"
     v3 = deepseekv3_flavors["671B"]
     assert (v3.dim, v3.n_layers, v3.n_dense_layers, v3.n_heads, v3.q_lora_rank) == (7168, 61, 3, 128, 1536)
