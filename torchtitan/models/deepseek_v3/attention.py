@@ -6,20 +6,34 @@ c_kv -> kv_norm -> wkv_b -> per head [k_nope | v]. RoPE touches only q_pe and k_
 k = [k_nope | k_pe], so the qk head dim (nope + rope, 192) differs from the v head dim (128); SDPA allows that.
 """
 
+from typing import TYPE_CHECKING, Union
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from .args import DeepSeekV3ModelArgs
 from .rope import apply_rotary_emb, softmax_scale
 
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
 # None: plain causal attention; BlockMask: block-causal via flex_attention (CUDA);
 # bool tensor (bs, 1, seqlen, seqlen), True = may attend: block-causal via SDPA (CPU).
-AttentionMask = BlockMask | torch.Tensor | None
+AttentionMask = Union["BlockMask", torch.Tensor, None]
 
-# flex_attention is only fast when compiled; compilation happens lazily at the first CUDA call.
-_compiled_flex_attention = torch.compile(flex_attention)
+# flex_attention and its compiled form, loaded by the first `build_attention_mask` that makes a BlockMask: the
+# import pulls in much of inductor (over a second per process), which causal attention never needs.
+_flex_attention = None
+_compiled_flex_attention = None  # flex_attention is only fast compiled; compilation happens at the first CUDA call
+
+
+def _load_flex_attention() -> None:
+    global _flex_attention, _compiled_flex_attention
+    if _flex_attention is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _flex_attention, _compiled_flex_attention = flex_attention, torch.compile(flex_attention)
 
 
 class MLA(nn.Module):
@@ -86,10 +100,10 @@ def attend(
     """q, k: (bs, n_heads, seqlen, qk_head_dim); v: (bs, n_heads, seqlen, v_head_dim)."""
     if attention_mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    if isinstance(attention_mask, BlockMask):
-        flex = _compiled_flex_attention if q.is_cuda else flex_attention
-        return flex(q, k, v, block_mask=attention_mask, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=scale)
+    if isinstance(attention_mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=scale)
+    flex = _compiled_flex_attention if q.is_cuda else _flex_attention  # a BlockMask: flex was loaded with it
+    return flex(q, k, v, block_mask=attention_mask, scale=scale)
 
 
 def build_attention_mask(document_ids: torch.Tensor | None, use_flex: bool | None = None) -> AttentionMask:
@@ -112,6 +126,9 @@ def build_attention_mask(document_ids: torch.Tensor | None, use_flex: bool | Non
     def block_causal(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
 
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    _load_flex_attention()
     # _compile on CUDA: builds the block mask without materializing a dense (bs, seqlen, seqlen) mask
     return create_block_mask(
         block_causal,
