@@ -315,12 +315,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_code = main()
-    # Everything is closed by now (metrics, checkpoints, process groups). Skip interpreter finalization: rarely
-    # (seen ~1 in 15 gloo runs) a C++ destructor at exit calls std::terminate ("terminate called without an active
-    # exception", no Python frame left), which turned finished runs into exit code -6. Errors raised by main()
-    # never reach this line and exit normally with their traceback.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)
+    sys.exit(main())

@@ -149,7 +149,7 @@ def tokenize_corpus(files: list[Path], tokenizer: Tokenizer) -> tuple[torch.Tens
     else:
         documents = [doc for f in files for doc in read_documents(f) if doc]
         if not documents:
-            raise DatasetError(f"no non-empty documents in {', '.join(map(str, files))}: the corpus is empty")
+            raise _empty_corpus_error(files)
         token_lists = tokenizer.encode_batch(documents, add_bos=True, add_eos=True)
         token_stream = torch.cat([torch.tensor(ids, dtype=torch.int64) for ids in token_lists])
         if len(_TOKENIZED_CORPORA) >= _MAX_CACHED_CORPORA:
@@ -168,8 +168,12 @@ def check_corpus(dataset: str, dataset_path: str | None, records_per_file: int =
     Reads at most `records_per_file` documents of each file (the trainer reads them all, and a bad record further
     in fails there with the same one-line message)."""
     files = resolve_corpus_files(dataset, dataset_path)
-    if not any(read_documents(path, limit=records_per_file) for path in files):
-        raise DatasetError(f"no non-empty documents in {', '.join(map(str, files))}: the corpus is empty")
+    if not any(doc for path in files for doc in read_documents(path, limit=records_per_file)):
+        raise _empty_corpus_error(files)
+
+
+def _empty_corpus_error(files: list[Path]) -> DatasetError:
+    return DatasetError(f"no non-empty documents in {', '.join(map(str, files))}: the corpus is empty")
 
 
 def resolve_corpus_files(dataset: str, dataset_path: str | None) -> list[Path]:

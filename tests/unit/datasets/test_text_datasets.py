@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from torchtitan.datasets.text_datasets import (
+    DatasetError,
     PackedTextDataset,
     build_text_dataset,
+    check_corpus,
     read_documents,
     resolve_corpus_files,
     tokenize_corpus,
@@ -165,6 +167,13 @@ def test_empty_documents_are_skipped(tmp_path, tokenizer):
 
 
 # ---- errors ----
+
+
+def test_preflight_rejects_a_corpus_of_only_empty_documents(tmp_path):
+    # the trainer skips empty documents, so the preflight must not count them as a corpus
+    (tmp_path / "d.jsonl").write_text('{"text": ""}\n{"text": ""}\n')
+    with pytest.raises(DatasetError, match="the corpus is empty"):
+        check_corpus("tinycorpus", str(tmp_path / "d.jsonl"))
 
 
 def test_missing_dataset_path_names_the_config_key(tmp_path):
