@@ -104,10 +104,16 @@ def _wait_for_checksums(tmp_path: str, num_ranks: int, wait_s: float) -> None:
         time.sleep(0.05)
 
 
-def _move_into_place(folder: str, step: int, tmp_path: str, fmt: str) -> str:
+def _final_path(folder: str, step: int, fmt: str) -> str:
+    """Where a finished save of `fmt` lives: `step-N` for a resumable checkpoint, `exports/step-N` for an export."""
     parent = folder if fmt == FORMAT_FULL else os.path.join(folder, EXPORTS_DIR)
+    return os.path.join(parent, f"step-{step}")
+
+
+def _move_into_place(folder: str, step: int, tmp_path: str, fmt: str) -> str:
+    final_path = _final_path(folder, step, fmt)
+    parent = os.path.dirname(final_path)
     os.makedirs(parent, exist_ok=True)
-    final_path = os.path.join(parent, f"step-{step}")
     if os.path.exists(final_path):
         shutil.rmtree(final_path)
     os.replace(tmp_path, final_path)
@@ -234,9 +240,9 @@ def resolve_tmp_folders(folder: str) -> None:
         if not (name.endswith(TMP_SUFFIX) and _STEP_DIR.match(name[: -len(TMP_SUFFIX)])):
             continue
         tmp_path = os.path.join(folder, name)
-        final_path = tmp_path[: -len(TMP_SUFFIX)]
         step = int(name[len("step-") : -len(TMP_SUFFIX)])
-        if manifest_problem(tmp_path) is None and not os.path.exists(final_path):
+        complete = manifest_problem(tmp_path) is None
+        if complete and not os.path.exists(_final_path(folder, step, _format(tmp_path))):
             logger.warning(f"{tmp_path} is complete but was not moved into place (crash); finishing that")
             _move_into_place(folder, step, tmp_path, _format(tmp_path))
         else:

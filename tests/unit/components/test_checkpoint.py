@@ -362,6 +362,13 @@ def test_export_never_pushes_the_resumable_checkpoint_out_and_resume_continues(t
     assert listing(tmp_path) == ["exports", "step-10"]  # step-14 went to exports/, step-10 is the one kept
     assert sorted(os.listdir(folder(tmp_path) / "exports")) == ["step-10", "step-14"]
 
+    # A crash after the export step-10 was complete, before its rename, while a full checkpoint step-10 exists:
+    # the next start finishes the export's move into exports/ (it is not mistaken for the full one).
+    os.rename(folder(tmp_path) / "exports" / "step-10", folder(tmp_path) / "step-10.tmp")
+    Run(make_config(tmp_path, keep_latest_k=1, last_save_model_only=True, interval=5))
+    assert listing(tmp_path) == ["exports", "step-10"]
+    assert sorted(os.listdir(folder(tmp_path) / "exports")) == ["step-10", "step-14"]
+
 
 def test_exports_without_a_resumable_checkpoint_stop_with_the_fix(tmp_path):
     config = make_config(tmp_path, last_save_model_only=True, interval=100)
