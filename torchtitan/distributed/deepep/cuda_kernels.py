@@ -52,8 +52,12 @@ def dispatch(
     )
     event.current_stream_wait()
 
-    # DeepEP already synced the per-expert counts to the host; reuse them instead of syncing again.
-    num_recv_tokens_per_expert = torch.tensor(num_recv_list, dtype=torch.int64, device=x.device)
+    # DeepEP already synced the per-expert counts to the host; reuse them instead of syncing again. The copy to the
+    # device goes from pinned memory without blocking: a pageable copy would hold the host until the compute stream
+    # reached it, i.e. until this dispatch had finished on the GPU, so the host could not queue the experts ahead.
+    num_recv_tokens_per_expert = torch.tensor(num_recv_list, dtype=torch.int64, pin_memory=True).to(
+        x.device, non_blocking=True
+    )
     slots = expert_major_slots(recv_topk_idx, num_local_experts, sum(num_recv_list))
     return (
         recv_x.to(x.dtype),
