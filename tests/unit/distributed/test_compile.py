@@ -50,14 +50,14 @@ def _inductor_kernels_per_step(ac_mode: str) -> tuple[int, torch.Tensor, dict[st
 
 
 @pytest.mark.skipif(not hasattr(torch._higher_order_ops, "inductor_compiled_code"), reason="needs torch >= 2.10")
-def test_per_op_sac_saves_compiled_moe_block_regions(monkeypatch):
+def test_per_op_sac_saves_compiled_moe_block_regions():
     # The regions this tiny model compiles in its MoE block (attention, router selection, shared experts; its
     # experts are the uncompiled fp32 loop) must not run again in backward under per-op SAC: the generated kernels
     # that run in a step are those of a step without activation checkpointing (a recompute would add each
     # region's forward kernels once more).
-    monkeypatch.setattr(torch._inductor.config.cpp, "enable_kernel_profile", True)
-    plain_kernels, plain_loss, plain_grads = _inductor_kernels_per_step("none")
-    sac_kernels, sac_loss, sac_grads = _inductor_kernels_per_step("selective")
+    with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):  # each kernel a profiler event
+        plain_kernels, plain_loss, plain_grads = _inductor_kernels_per_step("none")
+        sac_kernels, sac_loss, sac_grads = _inductor_kernels_per_step("selective")
     assert plain_kernels > 0
     assert sac_kernels == plain_kernels
     torch.testing.assert_close(sac_loss, plain_loss)
