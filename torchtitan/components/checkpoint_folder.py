@@ -242,9 +242,10 @@ def resolve_tmp_folders(folder: str) -> None:
         tmp_path = os.path.join(folder, name)
         step = int(name[len("step-") : -len(TMP_SUFFIX)])
         complete = manifest_problem(tmp_path) is None
-        if complete and not os.path.exists(_final_path(folder, step, _format(tmp_path))):
+        fmt = _format(tmp_path) if complete else None
+        if complete and not os.path.exists(_final_path(folder, step, fmt)):
             logger.warning(f"{tmp_path} is complete but was not moved into place (crash); finishing that")
-            _move_into_place(folder, step, tmp_path, _format(tmp_path))
+            _move_into_place(folder, step, tmp_path, fmt)
         else:
             logger.warning(f"removing {tmp_path}: a save that did not finish")
             shutil.rmtree(tmp_path, ignore_errors=True)

@@ -55,15 +55,20 @@ class ConfigManager:
             print(text)
             raise HelpRequested(text)
 
-        overrides = _parse_cli(argv)
-        config = JobConfig()
-        config_file = overrides.get("job.config_file")
-        if config_file is not None:
-            _apply(config, _load_toml(config_file))
-        _apply(config, overrides)
+        config = _resolve(_parse_cli(argv))
         validate(config)
         self.config = config
         return config
+
+
+def _resolve(overrides: dict[str, Any]) -> JobConfig:
+    """Defaults, then the TOML file named by `job.config_file` (if any), then the CLI `overrides`."""
+    config = JobConfig()
+    config_file = overrides.get("job.config_file")
+    if config_file is not None:
+        _apply(config, _load_toml(config_file))
+    _apply(config, overrides)
+    return config
 
 
 def format_help(job: JobConfig | None = None, source: str = "") -> str:
@@ -105,14 +110,11 @@ def help_for(argv: list[str]) -> str:
         return format_help()
     try:
         overrides = _parse_cli(args)
-        job = JobConfig()
-        config_file = overrides.get("job.config_file")
-        if config_file is not None:
-            _apply(job, _load_toml(config_file))
-        _apply(job, overrides)
+        job = _resolve(overrides)
     except ConfigError as err:
         return f"error: {err}\n\n{format_help()}"
-    source = " + ".join(filter(None, [config_file, "flags" if set(overrides) - {"job.config_file"} else ""]))
+    flags = "flags" if set(overrides) - {"job.config_file"} else ""
+    source = " + ".join(filter(None, [overrides.get("job.config_file"), flags]))
     return format_help(job, source)
 
 
