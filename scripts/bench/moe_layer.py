@@ -68,7 +68,7 @@ def build_layer(layer: dict, backend: str, ep_mesh, device: torch.device, num_sm
             from torchtitan.distributed.expert_parallel import ExpertParallel
 
             style = ExpertParallel()
-        parallelize_module(moe.experts, ep_mesh, style)
+        parallelize_module(moe, ep_mesh, style)
     return moe
 
 

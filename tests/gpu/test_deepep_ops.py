@@ -106,7 +106,7 @@ def _build(cls, mesh, style):
     moe = cls(_moe_args(), HIDDEN, 256)
     moe.init_weights(init_std=0.02)
     moe.cuda()
-    parallelize_module(moe.experts, mesh, style)
+    parallelize_module(moe, mesh, style)
     return moe
 
 
@@ -143,7 +143,6 @@ def _check_moe_block_eager_compiled_and_overlap(rank, world_size, cuda_group, cp
         torch.testing.assert_close(got[1], want[1], **tol, msg=label)
         for name, grad in got[2].items():
             torch.testing.assert_close(grad, want[2][name], **tol, msg=f"{label}: {name}")
-    assert moe.experts.deepep_hooks.states == []
 
 
 def _check_forward_only_memory_is_flat(rank, world_size, cuda_group, cpu_group):

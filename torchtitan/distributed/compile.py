@@ -2,14 +2,14 @@
 
 Dense blocks compile whole with fullgraph=True. MoE blocks compile their parts instead (`compile_moe`), because
 two things in them cannot be traced into one graph:
-- the routed experts module (`moe.experts`) is called eager: under expert parallelism its dispatch/combine hooks
-  exchange variable-size token buffers whose split sizes are copied to the host (data-dependent shapes around a
-  collective), and FSDP2 wraps it in its own unit whose pre/post-forward hooks are graph breaks. What runs inside
-  it is compiled: the grouped-GEMM SwiGLU with its padding (`GroupedExperts.run_grouped_mm`) and, with DeepEP,
-  the dispatcher's local stages around the communication (gather into expert-major rows; the weighted sum per
-  received token). Each is one `CompiledRegion` shared by every layer, with its token-row dims dynamic from the
-  first call (see `CompiledRegion` for why that matters under activation checkpointing).
-- the MoE's own glue (`MoE.forward`: sorting token copies by expert, unsorting) runs eager between those pieces.
+- the token exchange (`moe.dispatcher`) runs eager: under expert parallelism it exchanges variable-size token
+  buffers whose split sizes are copied to the host (data-dependent shapes around a collective), and the routed
+  experts module is its own FSDP2 unit whose pre/post-forward hooks are graph breaks. What runs around the
+  communication is compiled: the grouped-GEMM SwiGLU with its padding (`GroupedExperts.run_grouped_mm`) and, with
+  DeepEP, the dispatcher's local stages (gather into expert-major rows; the weighted sum per received token).
+  Each is one `CompiledRegion` shared by every layer, with its token-row dims dynamic from the first call (see
+  `CompiledRegion` for why that matters under activation checkpointing).
+- the other dispatchers' local stages (sorting token copies by expert, unsorting) run eager.
 Also compiled inside an MoE block: attention, the router's expert selection, the shared experts (all see a fixed
 number of tokens). The two norms stay eager: a bare `torch.nn` module compiled as its own root frame is on
 dynamo's skip list (fullgraph=True then finds no frame to compile), and an RMSNorm is one fused op anyway.
@@ -95,9 +95,8 @@ def compile_moe(moe: nn.Module, backend: str, saved_options: dict[str, Any] | No
     experts = moe.experts
     # (x (rows, dim), counts, w1, w2, w3, alignment): the rows vary
     experts.run_grouped_mm = compiled_region(type(experts).run_grouped_mm, backend, {0: 0})
-    hooks = getattr(experts, "deepep_hooks", None)  # DeepEPExpertParallel applied (avoids importing DeepEP here)
-    if hooks is not None:
-        dispatcher = hooks.dispatcher
+    dispatcher = moe.dispatcher
+    if dispatcher.backend == "deepep":
         # (recv_x (recv, dim), permuted_slots (copies,), top_k, recv_topk_weights (recv, top_k) | None)
         dispatcher.gather_expert_input = compiled_region(
             type(dispatcher).gather_expert_input, backend, {0: 0, 1: 0, 3: 0}

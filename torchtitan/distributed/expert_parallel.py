@@ -1,21 +1,15 @@
-"""ParallelStyles for the routed experts (`GroupedExperts`) and the other parts of an MoE layer.
+"""ParallelStyles for the MoE layer: the routed experts' sharding plus the token dispatcher, and the other parts.
 
-`GroupedExperts.forward(routed_input, num_tokens_per_expert)` takes token copies sorted expert-major:
-routed_input (T, dim), num_tokens_per_expert (E,). The styles here wrap that call with hooks installed by
-`distribute_module`, so the experts module itself never changes:
+The expert styles are applied to an `MoE` module. Each shards `moe.experts` and installs `moe.dispatcher`, the
+`TokenDispatcher` that moves token copies to the ranks holding their experts and back (see
+`models/moe/token_dispatcher.py`); the experts module itself never changes and no hooks rewrite its arguments.
 
-- `ExpertParallel` (ep mesh): weights Shard(0) (each rank owns E / ep experts). Input hook = dispatch:
-  all-to-all of the per-expert counts, host copy of the split sizes, variable-size all-to-all of the tokens
-  (rank-major on arrival), permutation to local-expert-major. Output hook = combine: inverse permutation and
-  the reverse all-to-all.
+- `ExpertParallel` (ep mesh): weights Shard(0) (each rank owns E / ep experts); `AllToAllTokenDispatcher`.
 - `ExpertTensorParallel` ([ep, etp] mesh): EP across ranks plus TP inside each expert: w1/w3 [Shard(0), Shard(1)]
   (column-wise), w2 [Shard(0), Shard(2)] (row-wise). Tokens are identical on the etp ranks, so the expert output
   is a partial sum over etp, reduced by the MoE module's output layout (reduce-scatter to the sequence shard).
-- `TensorParallel` (tp mesh, ep == 1): TP inside experts, no dispatch.
-
-State between dispatch and combine (split sizes, permutation) is kept on a stack in the style object: dispatch
-pushes, combine pops. The experts' forward runs dispatch and combine back to back, so pairs always nest, also under
-activation recomputation and pipeline micro-batches.
+- `TensorParallel` (tp mesh, ep == 1): TP inside experts, no token exchange.
+- DeepEP: `DeepEPExpertParallel` in `distributed/deepep/`.
 """
 
 from __future__ import annotations
@@ -25,95 +19,163 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+from torch.distributed._functional_collectives import (
+    AsyncCollectiveTensor,
+    all_to_all_single,
+    all_to_all_single_autograd,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from torchtitan.models.moe.row_gather import gather_rows
+from torchtitan.models.moe.token_dispatcher import LocalDispatchState, LocalTokenDispatcher, expert_major_order
 
 __all__ = [
+    "AllToAllTokenDispatcher",
     "ExpertParallel",
     "ExpertTensorParallel",
     "NoParallel",
     "ReplicateOverTokenShards",
-    "TensorParallel",
     "SyncGradColumns",
-    "permute_rank_major_to_expert_major",
+    "TensorParallel",
 ]
 
 
+def _sum_grad_over(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Identity in forward; all-reduces x's gradient over `mesh` in backward. For tokens replicated over TP ranks
+    whose gradient each rank computes only for its hidden shard of the experts (a partial sum)."""
+    return DTensor.from_local(x, mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
+
+
+class TensorParallelTokenDispatcher(LocalTokenDispatcher):
+    """ep == 1, experts sharded over tp on the hidden dim: all tokens stay here; their gradient is summed over tp."""
+
+    def __init__(self, num_experts: int, score_before_experts: bool, tp_mesh: DeviceMesh):
+        super().__init__(num_experts, score_before_experts)
+        self.tp_mesh = tp_mesh
+
+    def dispatch_preprocess(self, x, topk_idx, topk_weights):
+        rows, counts, state = super().dispatch_preprocess(x, topk_idx, topk_weights)
+        return _sum_grad_over(rows, self.tp_mesh), counts, state
+
+
 @dataclass
-class _DispatchState:
-    input_splits: list[int]  # tokens this rank sends to each ep rank
-    output_splits: list[int]  # tokens this rank receives from each ep rank
-    expert_major_index: torch.Tensor  # (received,): position in the rank-major buffer of each expert-major row
+class AllToAllDispatchState(LocalDispatchState):
+    input_splits: list[int]  # rows this rank sends to each ep rank
+    output_splits: list[int]  # rows this rank receives from each ep rank
+    local_order: torch.Tensor  # (received,): rank-major row of each local-expert-major row
+
+
+class AllToAllTokenDispatcher(LocalTokenDispatcher):
+    """Expert parallelism with variable-size all-to-alls (`torch.distributed`, any backend).
+
+    dispatch_preprocess   sort token copies by global expert (= by destination rank), count them per expert
+    token_dispatch        all-to-all of the counts, one host copy of the split sizes, all-to-all of the rows
+    dispatch_postprocess  received rows (rank-major) -> local-expert-major
+    combine_preprocess    back to rank-major
+    token_combine         the reverse all-to-all
+    combine_postprocess   unsort, weight, sum over top-k (as without EP)
+
+    etp_mesh: the experts are also tensor-parallel over these ranks (`ExpertTensorParallel`).
+    """
+
+    backend = "standard"
+
+    def __init__(
+        self, num_experts: int, score_before_experts: bool, ep_mesh: DeviceMesh, etp_mesh: DeviceMesh | None = None
+    ):
+        super().__init__(num_experts, score_before_experts)
+        self.group = ep_mesh.get_group()
+        self.ep = ep_mesh.size()
+        self.etp_mesh = etp_mesh
+
+    def dispatch_preprocess(self, x, topk_idx, topk_weights):
+        rows, counts, state = super().dispatch_preprocess(x, topk_idx, topk_weights)
+        if self.etp_mesh is not None:
+            rows = _sum_grad_over(rows, self.etp_mesh)
+        return rows, counts, state
+
+    def token_dispatch(self, prepared):
+        rows, counts, state = prepared
+        with torch.no_grad():
+            # (ep * L,): row r = counts this rank receives from ep rank r for each of its L local experts
+            received_counts = _wait(all_to_all_single(counts, None, None, group=self.group))
+            # one host sync for both split lists: a variable-size all-to-all needs them on the host
+            splits = torch.stack([counts.view(self.ep, -1).sum(1), received_counts.view(self.ep, -1).sum(1)]).cpu()
+            input_splits, output_splits = splits.tolist()
+        received = _wait(all_to_all_single_autograd(rows, output_splits, input_splits, self.group))
+        return received, received_counts.view(self.ep, -1), state, input_splits, output_splits
+
+    def dispatch_postprocess(self, dispatched):
+        received, received_counts, state, input_splits, output_splits = dispatched
+        ep, num_local = received_counts.shape
+        # local expert id of every received row (rank-major: source rank, then expert)
+        local_ids = torch.repeat_interleave(
+            torch.arange(num_local, device=received.device).repeat(ep),
+            received_counts.reshape(-1),
+            output_size=received.shape[0],
+        )
+        local_order = expert_major_order(local_ids, num_local)
+        expert_input = gather_rows(received, local_order, unique=True)
+        all_to_all_state = AllToAllDispatchState(
+            state.token_order, state.topk_weights, input_splits, output_splits, local_order
+        )
+        return expert_input, received_counts.sum(0), all_to_all_state
+
+    def combine_preprocess(self, expert_output, state):
+        return torch.empty_like(expert_output).index_copy(0, state.local_order, expert_output)
+
+    def token_combine(self, prepared, state):
+        return _wait(all_to_all_single_autograd(prepared, state.input_splits, state.output_splits, self.group))
+
+
+def _wait(tensor: torch.Tensor) -> torch.Tensor:
+    """Wait for a functional collective here, on the current stream, rather than at its first use."""
+    return tensor.wait() if isinstance(tensor, AsyncCollectiveTensor) else tensor
 
 
 class ExpertParallel(ParallelStyle):
-    """Experts sharded on dim 0 over the ep mesh; tokens exchanged with all-to-all before and after."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._states: list[_DispatchState] = []
-
-    def _partition_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        for param_name, param in module.named_parameters(recurse=False):
-            module.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
-
-    def _dispatch(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
-        routed_input, num_tokens_per_expert = inputs
-        routed_input, local_counts, state = dispatch_tokens(routed_input, num_tokens_per_expert, mesh)
-        self._states.append(state)
-        return routed_input, local_counts
-
-    def _combine(self, module: nn.Module, routed_output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        return combine_tokens(routed_output, self._states.pop(), mesh)
+    """On an `MoE`: experts sharded on dim 0 over the ep mesh; tokens exchanged with all-to-all."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(
-            module, device_mesh, partition_fn=self._partition_fn, input_fn=self._dispatch, output_fn=self._combine
-        )
+        _check_experts_divisible(module, device_mesh.size())
+        _distribute_experts(module.experts, device_mesh, {"w1": [Shard(0)], "w2": [Shard(0)], "w3": [Shard(0)]})
+        module.dispatcher = AllToAllTokenDispatcher(module.num_experts, module.score_before_experts, device_mesh)
+        return module
 
 
-class ExpertTensorParallel(ExpertParallel):
-    """EP x TP on the experts over a 2-D [ep, etp] mesh."""
+class ExpertTensorParallel(ParallelStyle):
+    """On an `MoE`: EP x TP on the experts over a 2-D [ep, etp] mesh."""
 
-    def _partition_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_experts_divisible(module, device_mesh["ep"].size())
         # w1, w3: (E, hidden, dim) column-wise on hidden; w2: (E, dim, hidden) row-wise on hidden.
         placements = {"w1": [Shard(0), Shard(1)], "w2": [Shard(0), Shard(2)], "w3": [Shard(0), Shard(1)]}
-        for param_name, param in module.named_parameters(recurse=False):
-            dist_param = distribute_tensor(param, mesh, placements[param_name])
-            module.register_parameter(param_name, nn.Parameter(dist_param))
-
-    def _dispatch(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
-        routed_input, num_tokens_per_expert = inputs
-        # The tokens are replicated over etp, but each etp rank's gradient for them is a partial sum over its
-        # hidden shard: declaring the gradient Partial all-reduces it over etp in backward.
-        routed_input = DTensor.from_local(routed_input, mesh["etp"], (Replicate(),)).to_local(
-            grad_placements=(Partial(),)
+        _distribute_experts(module.experts, device_mesh, placements)
+        module.dispatcher = AllToAllTokenDispatcher(
+            module.num_experts, module.score_before_experts, device_mesh["ep"], etp_mesh=device_mesh["etp"]
         )
-        return super()._dispatch(module, (routed_input, num_tokens_per_expert), mesh["ep"])
-
-    def _combine(self, module: nn.Module, routed_output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        return super()._combine(module, routed_output, mesh["ep"])
+        return module
 
 
 class TensorParallel(ParallelStyle):
-    """TP inside the experts when ep == 1: every rank holds all experts' hidden shard; output is partial."""
-
-    def _partition_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        placements = {"w1": [Shard(1)], "w2": [Shard(2)], "w3": [Shard(1)]}
-        for param_name, param in module.named_parameters(recurse=False):
-            module.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, placements[param_name])))
-
-    def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-        routed_input, num_tokens_per_expert = inputs
-        routed_input = DTensor.from_local(routed_input, mesh, (Replicate(),)).to_local(grad_placements=(Partial(),))
-        return routed_input, num_tokens_per_expert
+    """On an `MoE`, ep == 1: every rank holds all experts' hidden shard; the experts' output is partial."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, partition_fn=self._partition_fn, input_fn=self._prepare_input)
+        _distribute_experts(module.experts, device_mesh, {"w1": [Shard(1)], "w2": [Shard(2)], "w3": [Shard(1)]})
+        module.dispatcher = TensorParallelTokenDispatcher(module.num_experts, module.score_before_experts, device_mesh)
+        return module
+
+
+def _distribute_experts(experts: nn.Module, mesh: DeviceMesh, placements: dict[str, list]) -> None:
+    for name, param in experts.named_parameters(recurse=False):
+        experts.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, placements[name])))
+
+
+def _check_experts_divisible(moe: nn.Module, ep: int) -> None:
+    if moe.num_experts % ep != 0:
+        raise ValueError(f"{moe.num_experts} experts cannot be split evenly over {ep} expert-parallel ranks.")
 
 
 class NoParallel(ParallelStyle):
@@ -191,51 +253,3 @@ class _AllReduceGradColumns(torch.autograd.Function):
 def _replicate_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
     for param_name, param in module.named_parameters(recurse=False):
         module.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
-
-
-def dispatch_tokens(
-    routed_input: torch.Tensor, num_tokens_per_expert: torch.Tensor, mesh: DeviceMesh
-) -> tuple[torch.Tensor, torch.Tensor, _DispatchState]:
-    """routed_input (T, dim) expert-major over all E experts -> (received (R, dim) local-expert-major,
-    tokens per local expert (E / ep,), state for `combine_tokens`)."""
-    ep = mesh.size()
-    group = mesh.get_group()
-    counts_dtype = num_tokens_per_expert.dtype
-    with torch.no_grad():
-        counts = num_tokens_per_expert.to(torch.int64)
-        # (ep * L,): row r = counts this rank receives from ep rank r for each of its L local experts
-        received_counts = all_to_all_single(counts, None, None, group=group)
-        received_counts = torch.ops._c10d_functional.wait_tensor(received_counts)
-        # one host sync for both split lists; variable-size all-to-all needs them on the host
-        splits = torch.stack([counts.view(ep, -1).sum(1), received_counts.view(ep, -1).sum(1)]).cpu()
-        input_splits, output_splits = splits.tolist()
-        received_counts = received_counts.view(ep, -1)  # (ep, L)
-        expert_major_index = permute_rank_major_to_expert_major(received_counts, sum(output_splits))
-    received = all_to_all_single_autograd(routed_input, output_splits, input_splits, group)
-    received = gather_rows(received, expert_major_index, unique=True)
-    local_counts = received_counts.sum(0).to(counts_dtype)
-    return received, local_counts, _DispatchState(input_splits, output_splits, expert_major_index)
-
-
-def combine_tokens(routed_output: torch.Tensor, state: _DispatchState, mesh: DeviceMesh) -> torch.Tensor:
-    """Inverse of `dispatch_tokens`: (R, dim) local-expert-major -> (T, dim) in the caller's original order."""
-    rank_major = torch.empty_like(routed_output).index_copy(0, state.expert_major_index, routed_output)
-    return all_to_all_single_autograd(rank_major, state.input_splits, state.output_splits, mesh.get_group())
-
-
-def permute_rank_major_to_expert_major(counts: torch.Tensor, total: int) -> torch.Tensor:
-    """counts (ep, L): tokens from source rank r for local expert e, laid out rank-major (r0e0, r0e1, ..., r1e0, ...).
-
-    Returns index (total = sum(counts),) such that `buffer[index]` is expert-major (e0r0, e0r1, ..., e1r0, ...).
-    """
-    ep, num_local = counts.shape
-    flat = counts.reshape(-1)
-    segment_starts = torch.cumsum(flat, 0) - flat  # start of each (r, e) segment in the rank-major buffer
-    expert_major = torch.arange(ep * num_local, device=counts.device).view(ep, num_local).t().reshape(-1)
-    lengths = flat[expert_major]
-    starts = segment_starts[expert_major]
-    # position j of expert-major segment s maps to starts[s] + j
-    out_starts = torch.cumsum(lengths, 0) - lengths
-    positions = torch.arange(total, device=counts.device)
-    offset_in_segment = positions - torch.repeat_interleave(out_starts, lengths, output_size=total)
-    return torch.repeat_interleave(starts, lengths, output_size=total) + offset_in_segment

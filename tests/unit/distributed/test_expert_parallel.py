@@ -7,8 +7,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from tests.unit.distributed._spawn import run_distributed
-from torchtitan.distributed.expert_parallel import ExpertParallel, permute_rank_major_to_expert_major
+from torchtitan.distributed.expert_parallel import ExpertParallel
 from torchtitan.models.moe import MoE, MoEArgs
+from torchtitan.models.moe.token_dispatcher import expert_major_order
 
 DIM, HIDDEN, TOKENS_PER_RANK = 16, 32, 12
 
@@ -33,7 +34,7 @@ def _ep_matches_single_process(rank: int, world_size: int, use_grouped_mm: bool)
     ref_out.pow(2).sum().backward()
 
     moe = _build_moe(use_grouped_mm)
-    parallelize_module(moe.experts, mesh["ep"], ExpertParallel())
+    parallelize_module(moe, mesh["ep"], ExpertParallel())
     assert isinstance(moe.experts.w1, DTensor) and moe.experts.w1.to_local().shape[0] == 8 // world_size
     out = moe(_tokens(rank))
     out.pow(2).sum().backward()
@@ -60,8 +61,8 @@ def test_expert_parallel_4_ranks_matches_single_process_grouped_mm():
     run_distributed(_ep_matches_single_process, 4, True)
 
 
-def test_rank_major_to_expert_major_permutation():
-    counts = torch.tensor([[2, 0, 1], [1, 3, 0]])  # (ep=2, local experts=3)
-    # rank-major rows: r0e0 r0e0 r0e2 | r1e0 r1e1 r1e1 r1e1  -> expert-major: e0(r0,r0,r1) e1(r1 x3) e2(r0)
-    index = permute_rank_major_to_expert_major(counts, int(counts.sum()))
-    assert index.tolist() == [0, 1, 3, 4, 5, 6, 2]
+def test_expert_major_order_keeps_source_order_within_an_expert_and_puts_unrouted_last():
+    # received rows, rank-major: r0e0 r0e0 r0e2 | r1e0 r1e1 r1e1 r1e1 -> expert-major: e0(r0,r0,r1) e1(r1 x3) e2(r0)
+    assert expert_major_order(torch.tensor([0, 0, 2, 0, 1, 1, 1]), 3).tolist() == [0, 1, 3, 4, 5, 6, 2]
+    # DeepEP slots (2 received tokens x top-2): -1 = expert on another rank, sorted after every local expert
+    assert expert_major_order(torch.tensor([[1, -1], [0, 1]]), 2).tolist() == [2, 0, 3, 1]

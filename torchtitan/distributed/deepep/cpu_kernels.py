@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.distributed.deepep.buffer import EPBuffer, get_buffer
-from torchtitan.distributed.deepep.permute import expert_major_slots
+from torchtitan.models.moe.token_dispatcher import expert_major_order
 
 __all__ = ["cached_dispatch", "combine", "dispatch"]
 
@@ -59,7 +59,7 @@ def dispatch(
 
     masked = recv_topk_idx.reshape(-1)
     num_recv_tokens_per_expert = torch.bincount(masked[masked >= 0], minlength=num_local_experts)
-    slots = expert_major_slots(recv_topk_idx, num_local_experts, int(num_recv_tokens_per_expert.sum()))
+    slots = expert_major_order(recv_topk_idx, num_local_experts)[: int(num_recv_tokens_per_expert.sum())].clone()
     handle = [is_token_in_rank, num_recv_per_rank, recv_src_idx]
     return recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, slots, handle
 

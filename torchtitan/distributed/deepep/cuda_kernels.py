@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from torchtitan.distributed.deepep.buffer import WIRE_DTYPE, EPBuffer, get_buffer
-from torchtitan.distributed.deepep.permute import expert_major_slots
+from torchtitan.models.moe.token_dispatcher import expert_major_order
 
 __all__ = ["cached_dispatch", "combine", "dispatch"]
 
@@ -58,7 +58,8 @@ def dispatch(
     num_recv_tokens_per_expert = torch.tensor(num_recv_list, dtype=torch.int64, pin_memory=True).to(
         x.device, non_blocking=True
     )
-    slots = expert_major_slots(recv_topk_idx, num_local_experts, sum(num_recv_list))
+    # slots of the non-masked (received token, local expert) pairs, local-expert-major
+    slots = expert_major_order(recv_topk_idx, num_local_experts)[: sum(num_recv_list)].clone()
     return (
         recv_x.to(x.dtype),
         recv_topk_idx,

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from torchtitan.distributed.deepep import ops
-from torchtitan.distributed.token_dispatcher import DispatchState, TokenDispatcher
 from torchtitan.models.moe.row_gather import gather_rows
+from torchtitan.models.moe.token_dispatcher import DispatchState, TokenDispatcher
 
 __all__ = [
     "DeepEPDispatchState",
@@ -83,6 +83,7 @@ class DeepEPDispatchState(DispatchState):
 
 
 class DeepEPTokenDispatcher(TokenDispatcher):
+    backend = "deepep"
     gather_expert_input = staticmethod(gather_expert_input)
     sum_per_received_token = staticmethod(sum_per_received_token)
     """The local stages' computations; `compile_moe` swaps in compiled copies shared by all layers."""

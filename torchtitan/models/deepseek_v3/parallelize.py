@@ -1,7 +1,8 @@
 """Apply parallelisms to a DeepSeek-V3 model (or one pipeline stage of it), in this order:
 
 1. TP / SP on the dense parts (MLA projections, dense FFN, norms, embedding, output head)
-2. EP / ETP / TP on the MoE layers (ParallelStyles on `moe.experts`, layouts at the MoE boundary)
+2. EP / ETP / TP on the MoE layers (ParallelStyles that shard `moe.experts` and install `moe.dispatcher`; layouts
+   at the MoE boundary)
 3. activation checkpointing
 4. torch.compile per block
 5. FSDP2 / HSDP (routed experts in their own unit on the expert-FSDP mesh)
@@ -252,17 +253,17 @@ def apply_moe_parallel(
                 )
             parallelize_module(block, tp_mesh, plan)
 
+        # the experts' sharding and the token dispatcher that feeds them
         if not parallel_dims.ep_enabled:
-            parallelize_module(moe.experts, tp_mesh, TensorParallel())
+            parallelize_module(moe, tp_mesh, TensorParallel())
         elif parallel_dims.etp_enabled:
-            parallelize_module(moe.experts, parallel_dims.get_mesh(["ep", "etp"]), ExpertTensorParallel())
+            parallelize_module(moe, parallel_dims.get_mesh(["ep", "etp"]), ExpertTensorParallel())
         elif use_deepep:
             from torchtitan.distributed.deepep import DeepEPExpertParallel
 
-            style = DeepEPExpertParallel(num_sms=deepep_num_sms, score_before_experts=moe.score_before_experts)
-            parallelize_module(moe.experts, parallel_dims.get_mesh("ep"), style)
+            parallelize_module(moe, parallel_dims.get_mesh("ep"), DeepEPExpertParallel(num_sms=deepep_num_sms))
         else:
-            parallelize_module(moe.experts, parallel_dims.get_mesh("ep"), ExpertParallel())
+            parallelize_module(moe, parallel_dims.get_mesh("ep"), ExpertParallel())
 
 
 def apply_fsdp(

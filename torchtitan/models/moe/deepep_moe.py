@@ -1,9 +1,5 @@
-"""`DeepEPMoE`: the MoE layer with DeepEP token exchange. Same parameters and routing as `MoE`; only forward differs:
-
-    route -> experts(x, top_scores, selected_experts) -> + shared experts
-
-`DeepEPExpertParallel` (applied to `moe.experts` by parallelize) turns the experts call into dispatch -> grouped
-experts -> combine, so the routed output comes back as (num_tokens, dim) in token order.
+"""`DeepEPMoE`: the MoE layer used with DeepEP token exchange. Same parameters, routing and dispatcher path as `MoE`
+(`DeepEPExpertParallel` installs the DeepEP token dispatcher); only where the shared experts run differs.
 
 Shared-expert overlap (CUDA, eager only): the shared experts run on a side stream, launched before the routed
 path, so they overlap the dispatch, the routed experts and the combine. Ordering: the side stream waits for the
@@ -18,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from torchtitan.distributed.deepep.expert_parallel import DEEPEP_HOOKS_ATTR
 from torchtitan.models.moe.moe import MoE
 
 __all__ = ["DeepEPMoE"]
@@ -30,32 +25,26 @@ class DeepEPMoE(MoE):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (bs, slen, dim) -> (bs, slen, dim)."""
-        if not hasattr(self.experts, DEEPEP_HOOKS_ATTR):
+        if self.dispatcher.backend != "deepep":
             raise RuntimeError(
-                "DeepEPMoE needs DeepEPExpertParallel applied to its experts (parallelize does this when "
-                "expert_parallel_comm_backend='deepep' and expert_parallel_degree > 1)."
+                "DeepEPMoE needs the DeepEP token dispatcher, installed by DeepEPExpertParallel (parallelize applies "
+                "it when expert_parallel_comm_backend='deepep' and expert_parallel_degree > 1)."
             )
         bs, slen, dim = x.shape
-        top_scores, selected_experts, _ = self.route(x)
+        top_scores, selected_experts = self.route(x)
         x = x.view(-1, dim)  # (N, dim)
+        if self.shared_experts is None or not self._use_side_stream(x):
+            return self.add_shared_experts(x, self.routed_experts(x, top_scores, selected_experts)).view(bs, slen, dim)
 
-        if self.shared_experts is None:
-            routed = self.experts(x, top_scores, selected_experts)  # (N, dim)
-            return routed.to(x.dtype).view(bs, slen, dim)
-
-        if self._use_side_stream(x):
-            compute_stream = torch.cuda.current_stream(x.device)
-            side_stream = self._side_stream(x.device)
-            side_stream.wait_stream(compute_stream)
-            with torch.cuda.stream(side_stream):
-                shared = self.shared_experts(x)
-            x.record_stream(side_stream)
-            routed = self.experts(x, top_scores, selected_experts)
-            compute_stream.wait_stream(side_stream)
-            shared.record_stream(compute_stream)
-        else:
+        compute_stream = torch.cuda.current_stream(x.device)
+        side_stream = self._side_stream(x.device)
+        side_stream.wait_stream(compute_stream)
+        with torch.cuda.stream(side_stream):
             shared = self.shared_experts(x)
-            routed = self.experts(x, top_scores, selected_experts)
+        x.record_stream(side_stream)
+        routed = self.routed_experts(x, top_scores, selected_experts)
+        compute_stream.wait_stream(side_stream)
+        shared.record_stream(compute_stream)
         return (routed.float() + shared.float()).to(x.dtype).view(bs, slen, dim)
 
     def _use_side_stream(self, x: torch.Tensor) -> bool:

@@ -1,8 +1,10 @@
 """DeepSeek-V3 MoE layer:  h_t' = u_t + sum_i FFN_i^(s)(u_t) + sum_i g_{i,t} FFN_i^(r)(u_t)   (arXiv:2412.19437).
 
-forward: route (fp32 scores, bias only for selection) -> sort token copies expert-major ->
-experts(routed_input, num_tokens_per_expert) -> unsort, weight, sum over top-k -> + shared experts.
-(The residual u_t is added by the transformer block.) Each step is a method so `DeepEPMoE` can reuse them.
+forward: route (fp32 scores, bias only for selection) -> dispatcher.dispatch (token copies to expert-major rows of
+this rank's experts) -> experts(rows, tokens_per_expert) -> dispatcher.combine (weight, sum over top-k) -> + shared
+experts. (The residual u_t is added by the transformer block.) `self.dispatcher` is a `LocalTokenDispatcher` until
+an expert-parallel ParallelStyle installs its own (all-to-all or DeepEP); each step is a method so `DeepEPMoE` and
+the micro-batch overlap scheduler can run them separately.
 """
 
 import logging
@@ -20,7 +22,7 @@ from torchtitan.models.moe.load_balance import (
     sequence_balance_loss,
 )
 from torchtitan.models.moe.router import TokenChoiceTopKRouter
-from torchtitan.models.moe.row_gather import gather_rows
+from torchtitan.models.moe.token_dispatcher import LocalTokenDispatcher, TokenDispatcher
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,8 @@ class MoE(nn.Module):
         self.shared_experts = (
             FeedForward(dim, hidden_dim * moe_args.num_shared_experts) if moe_args.num_shared_experts > 0 else None
         )
+        self.dispatcher: TokenDispatcher = LocalTokenDispatcher(num_experts, moe_args.score_before_experts)
+        """Replaced by the expert-parallel ParallelStyles (`parallelize`); not a module, holds no parameters."""
         # Aux-loss-free balancing state. expert_bias is always used for selection (it may come from a checkpoint);
         # load_balance_coeff=None only stops updating it. Both are updated outside the forward (load_balance.py).
         self.tokens_per_optimizer_step: int | None = None
@@ -59,15 +63,13 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (bs, slen, dim) -> (bs, slen, dim)."""
         bs, slen, dim = x.shape
-        top_scores, selected_experts, num_tokens_per_expert = self.route(x)
+        top_scores, selected_experts = self.route(x)
         x = x.view(-1, dim)  # (N, dim), N = bs * slen
-        routed_input, token_order = self.sort_by_expert(x, top_scores, selected_experts)
-        routed_output = self.experts(routed_input, num_tokens_per_expert)  # (N * k, dim)
-        routed = self.unsort_and_combine(routed_output, token_order, top_scores)  # (N, dim) fp32
+        routed = self.routed_experts(x, top_scores, selected_experts)
         return self.add_shared_experts(x, routed).view(bs, slen, dim)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: (bs, slen, dim) -> top_scores (N, k) fp32, selected_experts (N, k), num_tokens_per_expert (E,).
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (bs, slen, dim) -> top_scores (N, k) fp32, selected_experts (N, k).
 
         Also hooks the training-only side effects into the backward of top_scores: token counting for the
         bias update and the sequence-wise aux loss. Both need a backward, so eval/no_grad passes skip them.
@@ -90,36 +92,15 @@ class MoE(nn.Module):
                 top_scores = count_tokens_in_backward(
                     top_scores, num_tokens_per_expert, local_buffer(self.tokens_per_expert)
                 )
-        return top_scores, selected_experts, num_tokens_per_expert
+        return top_scores, selected_experts
 
-    def sort_by_expert(
-        self, x: torch.Tensor, top_scores: torch.Tensor, selected_experts: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy every token once per chosen expert, grouped expert-major (token order kept inside an expert).
-
-        x (N, dim) -> routed_input (N * k, dim), token_order (N * k,): row r of routed_input is copy
-        token_order[r] of the flattened (N, k) choices, i.e. token token_order[r] // k.
-        """
-        token_order = torch.argsort(selected_experts.view(-1), stable=True)  # (N * k,)
-        routed_input = gather_rows(x, token_order // self.top_k, unique=False)  # (N * k, dim)
-        if self.score_before_experts:
-            weights = top_scores.view(-1)[token_order].unsqueeze(-1)  # (N * k, 1) fp32
-            routed_input = (routed_input.float() * weights).to(x.dtype)
-        return routed_input, token_order
-
-    def unsort_and_combine(
-        self, routed_output: torch.Tensor, token_order: torch.Tensor, top_scores: torch.Tensor
-    ) -> torch.Tensor:
-        """routed_output (N * k, dim) expert-major -> sum_k g_{i,t} FFN_i(u_t): (N, dim) fp32."""
-        num_tokens, top_k = top_scores.shape
-        unsorted = routed_output.new_empty(routed_output.shape).index_copy(0, token_order, routed_output)
-        unsorted = unsorted.view(num_tokens, top_k, -1).float()  # (N, k, dim)
-        if not self.score_before_experts:
-            unsorted = unsorted * top_scores.unsqueeze(-1)
-        return unsorted.sum(dim=1)
+    def routed_experts(self, x: torch.Tensor, top_scores: torch.Tensor, selected_experts: torch.Tensor) -> torch.Tensor:
+        """x (N, dim) -> sum_k g_{t,k} FFN_k(x_t): (N, dim), through this layer's token dispatcher."""
+        expert_input, tokens_per_expert, state = self.dispatcher.dispatch(x, selected_experts, top_scores)
+        return self.dispatcher.combine(self.experts(expert_input, tokens_per_expert), state)
 
     def add_shared_experts(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
-        """x (N, dim), routed (N, dim) -> routed + shared_experts(x) in fp32, cast to x.dtype."""
+        """x (N, dim), routed (N, dim) -> routed + shared_experts(x) summed in fp32, cast to x.dtype."""
         if self.shared_experts is not None:
             routed = routed.float() + self.shared_experts(x).float()
         return routed.to(x.dtype)
