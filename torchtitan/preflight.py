@@ -27,6 +27,7 @@ def check_job(argv: list[str], world_size: int) -> JobConfig:
     model_args = get_model_args(job_config)
     parallel_dims.validate_for_model(model_args, job_config.training.seq_len)
     check_batch_sizes(job_config, parallel_dims.dp_size)
+    check_ep_overlap(job_config, parallel_dims)
     check_profiling(job_config)
     check_dump_folder(job_config.job.dump_folder)
     from torchtitan.datasets.text_datasets import check_corpus
@@ -59,6 +60,34 @@ def check_batch_sizes(job_config: JobConfig, dp_degree: int) -> int:
             f"parallelism.pipeline_parallel_microbatch_size ({pp.pipeline_parallel_microbatch_size})"
         )
     return global_batch_size // per_step
+
+
+def check_ep_overlap(job_config: JobConfig, parallel_dims) -> None:
+    """`parallelism.expert_parallel_overlap` only where it can overlap something; never silently without it."""
+    if not job_config.parallelism.expert_parallel_overlap:
+        return
+    flag = "--parallelism.expert_parallel_overlap"
+    if not parallel_dims.ep_enabled:
+        raise ConfigError(
+            f"{flag} overlaps expert-parallel communication, but expert_parallel_degree is 1 (nothing is "
+            "exchanged); set --parallelism.expert_parallel_degree > 1 or drop the flag"
+        )
+    if parallel_dims.pp_enabled:
+        raise ConfigError(
+            f"{flag} is not supported with pipeline parallelism (the pipeline schedule owns the micro-batches); "
+            "set --parallelism.pipeline_parallel_degree 1 or drop the flag"
+        )
+    if parallel_dims.tp_enabled:
+        raise ConfigError(
+            f"{flag} is not supported with tensor parallelism (sequence-sharded hidden states); set "
+            "--parallelism.tensor_parallel_degree 1 or drop the flag"
+        )
+    local_batch_size = job_config.training.local_batch_size
+    if local_batch_size % 2:
+        raise ConfigError(
+            f"{flag} splits each rank's batch into two micro-batches, but training.local_batch_size is "
+            f"{local_batch_size}; set --training.local_batch_size to an even number"
+        )
 
 
 def check_dump_folder(dump_folder: str) -> None:

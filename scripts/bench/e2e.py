@@ -35,6 +35,7 @@ def run_settings(config_file: str, train_args: list[str], ngpu: int) -> dict:
         "model_flavor": job.model.flavor,
         "parallel": {name: getattr(dims, name) for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "etp")},
         "ep_backend": par.expert_parallel_comm_backend,
+        "ep_overlap": par.expert_parallel_overlap,
         "compile": job.compile.enable,
         "activation_checkpoint": job.activation_checkpoint.mode
         + (

@@ -159,6 +159,11 @@ class Parallelism:
     deepep_num_sms: int = 24
     """SMs DeepEP's communication kernels may use (even number)."""
 
+    expert_parallel_overlap: bool = False
+    """Split each rank's batch into two micro-batches and overlap one's expert-parallel dispatch/combine with the
+    other's compute, in forward and backward (needs expert_parallel_degree > 1 and an even local_batch_size; not
+    with pipeline or tensor parallelism)."""
+
 
 @dataclass
 class Checkpoint:

@@ -83,7 +83,12 @@ class StepProfiler:
         folder = self.trace_dir / f"iteration_{self._training_step}"
         folder.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(folder / f"rank{self.rank}_trace.json"))
-        summary = {"step": self._training_step, "rank": self.rank, "ops": kernel_summary(prof, steps=_ACTIVE_STEPS)}
+        summary = {
+            "step": self._training_step,
+            "rank": self.rank,
+            "ops": kernel_summary(prof, steps=_ACTIVE_STEPS),
+            "host_blocked": host_blocked_summary(prof, steps=_ACTIVE_STEPS),
+        }
         (folder / f"rank{self.rank}_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         logger.info(f"profiler trace of step {self._training_step} written to {folder}")
 
@@ -109,3 +114,27 @@ def kernel_summary(prof: profile, steps: int = 1, top: int = 40) -> list[dict]:
         }
         for e in events[:top]
     ]
+
+
+HOST_BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+"""CUDA runtime calls that hold the host until the GPU gets there (`cudaMemcpy` without Async: pageable copies)."""
+
+
+def host_blocked_summary(prof: profile, steps: int = 1) -> dict:
+    """Host time per step spent waiting for the GPU: the blocking CUDA runtime calls, and the CPU time of the
+    DeepEP dispatch op, whose normal kernels wait on the host for the received counts."""
+    blocking, dispatch_cpu_ms = {}, 0.0
+    for event in prof.key_averages():
+        if event.key in HOST_BLOCKING_CALLS:
+            blocking[event.key] = {
+                "ms_per_step": event.cpu_time_total / 1e3 / steps,
+                "calls_per_step": event.count / steps,
+            }
+        elif event.key == "deepep::dispatch":
+            dispatch_cpu_ms = event.cpu_time_total / 1e3 / steps
+    total = sum(call["ms_per_step"] for call in blocking.values())
+    return {
+        "blocking_calls": blocking,
+        "blocking_ms_per_step": total,
+        "deepep_dispatch_cpu_ms_per_step": dispatch_cpu_ms,
+    }

@@ -12,6 +12,7 @@ from torchtitan.models.moe.moe import build_moe
 
 from .args import DeepSeekV3ModelArgs
 from .attention import MLA, AttentionMask, build_attention_mask
+from .overlap import forward_moe_block_overlapped
 from .rope import precompute_freqs_cis
 
 
@@ -27,6 +28,9 @@ class DeepSeekV3Model(nn.Module):
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("freqs_cis", precompute_freqs_cis(args), persistent=False)
+        self.overlap_micro_batches = 1
+        """2: run the layers on two halves of the batch so MoE blocks overlap one half's expert-parallel token
+        exchange with the other's compute (`parallelism.expert_parallel_overlap`, set by parallelize)."""
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: (bs, seqlen) int, or hidden states (bs, seqlen, dim) on a pipeline stage without tok_embeddings.
@@ -46,11 +50,33 @@ class DeepSeekV3Model(nn.Module):
                 "mixed precision instead, or recompute: model.freqs_cis = precompute_freqs_cis(model.args, device)"
             )
         freqs_cis = self.freqs_cis[:seqlen]
-        attention_mask = build_attention_mask(document_ids)
-        for layer in self.layers.values():
-            h = layer(h, freqs_cis, attention_mask)
+        if self.overlap_micro_batches == 1:
+            attention_mask = build_attention_mask(document_ids)
+            for layer in self.layers.values():
+                h = layer(h, freqs_cis, attention_mask)
+        else:
+            h = self._forward_micro_batches(h, freqs_cis, document_ids)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    def _forward_micro_batches(
+        self, h: torch.Tensor, freqs_cis: torch.Tensor, document_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The layers on `overlap_micro_batches` slices of the batch, passed through every block together so MoE
+        blocks can overlap one slice's token exchange with another's compute (overlap.py)."""
+        if h.shape[0] % self.overlap_micro_batches:
+            raise ValueError(
+                f"expert-parallel overlap splits the batch into {self.overlap_micro_batches} micro-batches, but it "
+                f"holds {h.shape[0]} sequences; use a local batch size divisible by {self.overlap_micro_batches}"
+            )
+        hs = h.chunk(self.overlap_micro_batches)
+        if document_ids is None:
+            masks = (None,) * len(hs)
+        else:
+            masks = tuple(build_attention_mask(ids) for ids in document_ids.chunk(self.overlap_micro_batches))
+        for layer in self.layers.values():
+            hs = layer(hs, freqs_cis, masks)
+        return torch.cat(hs)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
@@ -89,7 +115,20 @@ class TransformerBlock(nn.Module):
         # Output projections get smaller init the deeper the layer (torchtitan's depth init).
         self.init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, attention_mask: AttentionMask) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, ...],
+        freqs_cis: torch.Tensor,
+        attention_mask: AttentionMask | tuple[AttentionMask, ...],
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """x (bs, slen, dim) -> (bs, slen, dim); or micro-batches: tuples of x and masks -> tuple of outputs."""
+        if not isinstance(x, tuple):
+            return self._forward_one(x, freqs_cis, attention_mask)
+        if self.moe_enabled and len(x) == 2:
+            return forward_moe_block_overlapped(self, x, freqs_cis, attention_mask)
+        return tuple(self._forward_one(h, freqs_cis, mask) for h, mask in zip(x, attention_mask, strict=True))
+
+    def _forward_one(self, x: torch.Tensor, freqs_cis: torch.Tensor, attention_mask: AttentionMask) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), freqs_cis, attention_mask)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))

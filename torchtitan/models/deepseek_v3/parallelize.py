@@ -73,6 +73,9 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
     if parallel_dims.tp_enabled or parallel_dims.ep_enabled:
         apply_moe_parallel(model, parallel_dims, use_deepep, parallelism.deepep_num_sms)
 
+    if parallelism.expert_parallel_overlap:
+        model.overlap_micro_batches = 2  # preflight (check_ep_overlap) validated the combination
+
     apply_ac(model, job_config.activation_checkpoint)
     if job_config.compile.enable and "model" in job_config.compile.components:
         ac = job_config.activation_checkpoint

@@ -45,7 +45,7 @@ class DeepEPMoE(MoE):
         routed = self.routed_experts(x, top_scores, selected_experts)
         compute_stream.wait_stream(side_stream)
         shared.record_stream(compute_stream)
-        return (routed.float() + shared.float()).to(x.dtype).view(bs, slen, dim)
+        return self.sum_experts(routed, shared, x.dtype).view(bs, slen, dim)
 
     def _use_side_stream(self, x: torch.Tensor) -> bool:
         return self.overlap_shared_experts and x.is_cuda and not torch.compiler.is_compiling()

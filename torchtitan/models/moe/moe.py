@@ -101,9 +101,18 @@ class MoE(nn.Module):
 
     def add_shared_experts(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
         """x (N, dim), routed (N, dim) -> routed + shared_experts(x) summed in fp32, cast to x.dtype."""
-        if self.shared_experts is not None:
-            routed = routed.float() + self.shared_experts(x).float()
-        return routed.to(x.dtype)
+        return self.sum_experts(routed, self.run_shared_experts(x), x.dtype)
+
+    def run_shared_experts(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x (N, dim) -> shared_experts(x), or None without shared experts."""
+        return self.shared_experts(x) if self.shared_experts is not None else None
+
+    @staticmethod
+    def sum_experts(routed: torch.Tensor, shared: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """routed (+ shared) in fp32, cast to `dtype`."""
+        if shared is not None:
+            routed = routed.float() + shared.float()
+        return routed.to(dtype)
 
     def init_weights(self, init_std: float, buffer_device: torch.device | None = None) -> None:
         self.router.init_weights(init_std)

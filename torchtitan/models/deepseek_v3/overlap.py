@@ -1,0 +1,134 @@
+"""Two-micro-batch overlap of an MoE block: one micro-batch's token exchange runs while the other computes.
+
+`DeepSeekV3Model` splits each rank's batch in two (A, B) when `overlap_micro_batches` is 2 and passes both through
+every block. An MoE block then interleaves their stages so that every dispatch and combine (the communication
+stages of the layer's `TokenDispatcher`) runs on a communication stream next to compute of the other micro-batch:
+
+    compute stream                                   communication stream
+    attention A, route A
+    attention B, route B                             dispatch A
+    shared experts A, experts A (after dispatch A)   dispatch B
+    experts B (after dispatch B)                     combine A
+    output A (after combine A), shared experts B     combine B
+    output B (after combine B)
+
+The host issues the stages in that order, so a dispatch that waits on the host for its receive counts (DeepEP's
+normal dispatch, the all-to-all split sizes) does so while the GPU still has the other micro-batch's compute queued.
+Backward needs no schedule of its own: autograd runs each backward op on the stream of its forward op and, going by
+creation order, reaches the interleaved ops in the mirrored order, so the backward of a dispatch or combine (a
+combine or a dispatch) again runs next to the other micro-batch's compute.
+
+Stream safety: each communication stage waits for an event recorded on the compute stream right after its inputs
+were produced (not for everything queued since), and the compute stream waits for an event recorded after the
+stage. `record_stream` marks tensors that cross streams as in use by the other stream too, so the caching allocator
+cannot hand their memory out while the other stream still reads them. On CPU (gloo) and without CUDA streams the
+stages run inline in the same order, which is what the CPU parity tests check against the plain forward.
+
+Why this scheme and not Megatron's merged forward/backward of consecutive gradient-accumulation micro-batches: it
+needs no pipeline-like schedule in the trainer, works with one micro-batch per step, with FSDP2 and with every
+activation-checkpointing mode (the checkpointed block recomputes the same interleaved forward), and hides the
+backward's communication through autograd's ordering alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["CommStreams", "forward_moe_block_overlapped"]
+
+_COMM_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in nested tuples, lists and dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors(item)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, field.name))
+
+
+class CommStreams:
+    """The current (compute) stream and one communication stream per device; inline on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.enabled = device.type == "cuda" and not torch.compiler.is_compiling()
+        if self.enabled:
+            self.compute = torch.cuda.current_stream(device)
+            if device not in _COMM_STREAMS:
+                _COMM_STREAMS[device] = torch.cuda.Stream(device=device)
+            self.comm = _COMM_STREAMS[device]
+
+    def mark(self) -> torch.cuda.Event | None:
+        """An event after the compute queued so far: what a later communication stage waits for."""
+        return self.compute.record_event() if self.enabled else None
+
+    def communicate(self, after: torch.cuda.Event | None, fn: Callable, *args: Any) -> tuple[Any, Any]:
+        """Run fn(*args) on the communication stream once `after` has passed -> (result, done event)."""
+        if not self.enabled:
+            return fn(*args), None
+        self.comm.wait_event(after)
+        with torch.cuda.stream(self.comm):
+            result = fn(*args)
+        for tensor in _tensors(args):
+            tensor.record_stream(self.comm)
+        return result, self.comm.record_event()
+
+    def receive(self, pending: tuple[Any, Any]) -> Any:
+        """The result of `communicate`, once the compute stream has waited for it."""
+        result, done = pending
+        if done is not None:
+            self.compute.wait_event(done)
+            for tensor in _tensors(result):
+                tensor.record_stream(self.compute)
+        return result
+
+
+def forward_moe_block_overlapped(
+    block: torch.nn.Module, xs: tuple[torch.Tensor, torch.Tensor], freqs_cis: torch.Tensor, masks: tuple[Any, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE `TransformerBlock` forward on micro-batches (A, B) in the schedule of the module docstring."""
+    moe, dispatcher = block.moe, block.moe.dispatcher
+    streams = CommStreams(xs[0].device)
+
+    def attention_and_routing(x: torch.Tensor, mask: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        h = x + block.attention(block.attention_norm(x), freqs_cis, mask)
+        moe_input = block.ffn_norm(h)
+        top_scores, selected_experts = moe.route(moe_input)
+        tokens = moe_input.view(-1, moe_input.shape[-1])
+        return h, tokens, dispatcher.dispatch_preprocess(tokens, selected_experts, top_scores)
+
+    def experts(dispatched: Any) -> tuple[Any, Any]:
+        expert_input, tokens_per_expert, state = dispatcher.dispatch_postprocess(dispatched)
+        return dispatcher.combine_preprocess(moe.experts(expert_input, tokens_per_expert), state), state
+
+    def output(h: torch.Tensor, tokens: torch.Tensor, combined: Any, state: Any, shared: Any) -> torch.Tensor:
+        routed = dispatcher.combine_postprocess(combined, state)
+        return h + moe.sum_experts(routed, shared, tokens.dtype).view(h.shape)
+
+    (x_a, x_b), (mask_a, mask_b) = xs, masks
+    h_a, tokens_a, prepared_a = attention_and_routing(x_a, mask_a)
+    routed_a = streams.mark()
+    h_b, tokens_b, prepared_b = attention_and_routing(x_b, mask_b)
+    routed_b = streams.mark()
+
+    dispatch_a = streams.communicate(routed_a, dispatcher.token_dispatch, prepared_a)
+    shared_a = moe.run_shared_experts(tokens_a)
+    dispatch_b = streams.communicate(routed_b, dispatcher.token_dispatch, prepared_b)
+
+    to_combine_a, state_a = experts(streams.receive(dispatch_a))
+    combine_a = streams.communicate(streams.mark(), dispatcher.token_combine, to_combine_a, state_a)
+    to_combine_b, state_b = experts(streams.receive(dispatch_b))
+    combine_b = streams.communicate(streams.mark(), dispatcher.token_combine, to_combine_b, state_b)
+
+    out_a = output(h_a, tokens_a, streams.receive(combine_a), state_a, shared_a)
+    shared_b = moe.run_shared_experts(tokens_b)
+    out_b = output(h_b, tokens_b, streams.receive(combine_b), state_b, shared_b)
+    return out_a, out_b
