@@ -12,8 +12,9 @@ stages of the layer's `TokenDispatcher`) runs on a communication stream next to 
     output A (after combine A), shared experts B     combine B
     output B (after combine B)
 
-The host issues the stages in that order, so a dispatch that waits on the host for its receive counts (DeepEP's
-normal dispatch, the all-to-all split sizes) does so while the GPU still has the other micro-batch's compute queued.
+The host issues dispatch B after A's experts: a dispatch that waits on the host for its receive counts (DeepEP's
+normal dispatch, the all-to-all split sizes) then does so while the GPU has A's experts queued, instead of leaving
+the compute stream idle until the host gets past the wait.
 Backward needs no schedule of its own: autograd runs each backward op on the stream of its forward op and, going by
 creation order, reaches the interleaved ops in the mirrored order, so the backward of a dispatch or combine (a
 combine or a dispatch) again runs next to the other micro-batch's compute.
@@ -121,9 +122,9 @@ def forward_moe_block_overlapped(
 
     dispatch_a = streams.communicate(routed_a, dispatcher.token_dispatch, prepared_a)
     shared_a = moe.run_shared_experts(tokens_a)
-    dispatch_b = streams.communicate(routed_b, dispatcher.token_dispatch, prepared_b)
-
     to_combine_a, state_a = experts(streams.receive(dispatch_a))
+    # issued after A's experts: a dispatch that waits on the host then finds A's experts already queued
+    dispatch_b = streams.communicate(routed_b, dispatcher.token_dispatch, prepared_b)
     combine_a = streams.communicate(streams.mark(), dispatcher.token_combine, to_combine_a, state_a)
     to_combine_b, state_b = experts(streams.receive(dispatch_b))
     combine_b = streams.communicate(streams.mark(), dispatcher.token_combine, to_combine_b, state_b)

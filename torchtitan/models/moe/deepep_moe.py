@@ -34,7 +34,9 @@ class DeepEPMoE(MoE):
         top_scores, selected_experts = self.route(x)
         x = x.view(-1, dim)  # (N, dim)
         if self.shared_experts is None or not self._use_side_stream(x):
-            return self.add_shared_experts(x, self.routed_experts(x, top_scores, selected_experts)).view(bs, slen, dim)
+            shared = self.run_shared_experts(x)  # first, as on the side stream: the same gradient summation order
+            routed = self.routed_experts(x, top_scores, selected_experts)
+            return self.sum_experts(routed, shared, x.dtype).view(bs, slen, dim)
 
         compute_stream = torch.cuda.current_stream(x.device)
         side_stream = self._side_stream(x.device)
