@@ -8,7 +8,9 @@ are drawn from a Zipf(s) distribution over a random expert order (`--zipf-expone
 every timed iteration sees the same load, and the JSON records the max/mean expert load. The bound counts only
 the expert matmuls at the measured H200 bf16 rate:
     FLOPs(fwd) = 2 * 3 * dim * moe_inter * tokens * (top_k + num_shared),  fwd+bwd = 3 x fwd.
-One JSON per (layer, backend, ep, tokens) goes to $BENCH_OUT or benchmarks/results/.
+`--overlap` times forward+backward of two micro-batches of `--tokens` each in the trainer's EP-overlap schedule
+(`models/deepseek_v3/overlap.py`) and reports it per micro-batch. One JSON per (layer, backend, ep, tokens, routing,
+overlap) goes to $BENCH_OUT or benchmarks/results/.
 """
 
 import argparse
@@ -29,6 +31,7 @@ from scripts.bench.common import (  # noqa: E402
     write_result,
 )
 from torchtitan.distributed.compile import compile_moe  # noqa: E402
+from torchtitan.models.deepseek_v3.overlap import CommStreams, moe_overlapped, route_and_prepare  # noqa: E402
 from torchtitan.models.moe.args import MoEArgs  # noqa: E402
 from torchtitan.models.moe.moe import build_moe  # noqa: E402
 
@@ -110,6 +113,12 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="add a torch.profiler kernel summary of fwd+bwd")
     parser.add_argument("--routing", choices=["balanced", "zipf"], default="balanced")
     parser.add_argument("--zipf-exponent", type=float, default=1.0)
+    parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="fwd+bwd of two micro-batches of --tokens each, one's dispatch/combine next to the other's compute "
+        "(the trainer's --parallelism.expert_parallel_overlap schedule); times are reported per --tokens",
+    )
     args = parser.parse_args()
 
     device = init_nccl_from_torchrun()
@@ -121,6 +130,7 @@ def main() -> None:
         compile_moe(moe, "inductor")
     mode = "compile" if args.compile else "eager"
     routing_tag = "" if args.routing == "balanced" else f"_zipf{args.zipf_exponent:g}"
+    overlap_tag = "_overlap" if args.overlap else ""
 
     for tokens in args.tokens:
         torch.manual_seed(dist.get_rank())
@@ -149,9 +159,24 @@ def main() -> None:
             x.grad = None
             moe(x).backward(grad)
 
+        def forward_backward_overlapped(x=x, grad=grad):
+            moe.zero_grad(set_to_none=True)
+            x.grad = None
+            x2, grad2 = x.detach().roll(1, dims=1).requires_grad_(), grad.roll(1, dims=1)  # a second micro-batch
+            streams = CommStreams(device)
+            routed = []
+            for micro_batch in (x, x2):
+                tokens_, prepared = route_and_prepare(moe, micro_batch)
+                routed.append((tokens_, prepared, streams.mark()))
+            out_a, out_b = moe_overlapped(moe, streams, *routed)
+            torch.autograd.backward([out_a, out_b], [grad.view_as(out_a), grad2.view_as(out_b)])
+
         torch.cuda.reset_peak_memory_stats()
         fwd_ms = cuda_time_ms(forward, args.warmup, args.iters)
-        fwd_bwd_ms = cuda_time_ms(forward_backward, args.warmup, args.iters)
+        if args.overlap:  # two micro-batches per call: report the time per micro-batch of `tokens`
+            fwd_bwd_ms = cuda_time_ms(forward_backward_overlapped, args.warmup, args.iters) / 2
+        else:
+            fwd_bwd_ms = cuda_time_ms(forward_backward, args.warmup, args.iters)
         peak_gib = torch.cuda.max_memory_allocated() / 2**30
         stats = torch.tensor([fwd_ms, fwd_bwd_ms, peak_gib], device=device)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank is the layer's time
@@ -160,6 +185,7 @@ def main() -> None:
             layer=args.layer,
             backend=args.backend,
             mode=mode,
+            overlap=args.overlap,
             ep=ep,
             tokens_per_rank=tokens,
             **routing,
@@ -176,7 +202,9 @@ def main() -> None:
         if args.profile:
             result["profile_fwd_bwd_rank0"] = profile_summary(forward_backward)
         if dist.get_rank() == 0:
-            write_result(result, f"moe_layer_{args.layer}_{args.backend}_{mode}_ep{ep}_t{tokens}{routing_tag}")
+            write_result(
+                result, f"moe_layer_{args.layer}_{args.backend}_{mode}_ep{ep}_t{tokens}{routing_tag}{overlap_tag}"
+            )
             print(
                 f"{args.layer} {args.backend} {mode} {args.routing} ep={ep} tokens={tokens}: "
                 f"fwd {result['fwd_ms']:.2f} ms, "

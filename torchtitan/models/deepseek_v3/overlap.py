@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CommStreams", "forward_moe_block_overlapped"]
+__all__ = ["CommStreams", "forward_moe_block_overlapped", "moe_overlapped", "route_and_prepare"]
 
 _COMM_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -92,33 +92,27 @@ class CommStreams:
         return result
 
 
-def forward_moe_block_overlapped(
-    block: torch.nn.Module, xs: tuple[torch.Tensor, torch.Tensor], freqs_cis: torch.Tensor, masks: tuple[Any, Any]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MoE `TransformerBlock` forward on micro-batches (A, B) in the schedule of the module docstring."""
-    moe, dispatcher = block.moe, block.moe.dispatcher
-    streams = CommStreams(xs[0].device)
+def route_and_prepare(moe: torch.nn.Module, moe_input: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """moe_input (bs, slen, dim) -> (tokens (N, dim), the dispatcher's prepared input for `token_dispatch`)."""
+    top_scores, selected_experts = moe.route(moe_input)
+    tokens = moe_input.view(-1, moe_input.shape[-1])
+    return tokens, moe.dispatcher.dispatch_preprocess(tokens, selected_experts, top_scores)
 
-    def attention_and_routing(x: torch.Tensor, mask: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        h = x + block.attention(block.attention_norm(x), freqs_cis, mask)
-        moe_input = block.ffn_norm(h)
-        top_scores, selected_experts = moe.route(moe_input)
-        tokens = moe_input.view(-1, moe_input.shape[-1])
-        return h, tokens, dispatcher.dispatch_preprocess(tokens, selected_experts, top_scores)
+
+def moe_overlapped(
+    moe: torch.nn.Module, streams: CommStreams, a: tuple[torch.Tensor, Any, Any], b: tuple[torch.Tensor, Any, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE rows of the module docstring's table for micro-batches a and b, each (tokens (N, dim), prepared
+    (`route_and_prepare`), the `streams.mark()` event after it) -> each micro-batch's MoE output (N, dim)."""
+    dispatcher = moe.dispatcher
+    (tokens_a, prepared_a, routed_a), (tokens_b, prepared_b, routed_b) = a, b
 
     def experts(dispatched: Any) -> tuple[Any, Any]:
         expert_input, tokens_per_expert, state = dispatcher.dispatch_postprocess(dispatched)
         return dispatcher.combine_preprocess(moe.experts(expert_input, tokens_per_expert), state), state
 
-    def output(h: torch.Tensor, tokens: torch.Tensor, combined: Any, state: Any, shared: Any) -> torch.Tensor:
-        routed = dispatcher.combine_postprocess(combined, state)
-        return h + moe.sum_experts(routed, shared, tokens.dtype).view(h.shape)
-
-    (x_a, x_b), (mask_a, mask_b) = xs, masks
-    h_a, tokens_a, prepared_a = attention_and_routing(x_a, mask_a)
-    routed_a = streams.mark()
-    h_b, tokens_b, prepared_b = attention_and_routing(x_b, mask_b)
-    routed_b = streams.mark()
+    def output(tokens: torch.Tensor, combined: Any, state: Any, shared: Any) -> torch.Tensor:
+        return moe.sum_experts(dispatcher.combine_postprocess(combined, state), shared, tokens.dtype)
 
     dispatch_a = streams.communicate(routed_a, dispatcher.token_dispatch, prepared_a)
     shared_a = moe.run_shared_experts(tokens_a)
@@ -129,7 +123,22 @@ def forward_moe_block_overlapped(
     to_combine_b, state_b = experts(streams.receive(dispatch_b))
     combine_b = streams.communicate(streams.mark(), dispatcher.token_combine, to_combine_b, state_b)
 
-    out_a = output(h_a, tokens_a, streams.receive(combine_a), state_a, shared_a)
+    out_a = output(tokens_a, streams.receive(combine_a), state_a, shared_a)
     shared_b = moe.run_shared_experts(tokens_b)
-    out_b = output(h_b, tokens_b, streams.receive(combine_b), state_b, shared_b)
+    out_b = output(tokens_b, streams.receive(combine_b), state_b, shared_b)
     return out_a, out_b
+
+
+def forward_moe_block_overlapped(
+    block: torch.nn.Module, xs: tuple[torch.Tensor, torch.Tensor], freqs_cis: torch.Tensor, masks: tuple[Any, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE `TransformerBlock` forward on micro-batches (A, B) in the schedule of the module docstring."""
+    streams = CommStreams(xs[0].device)
+    hs, routed = [], []
+    for x, mask in zip(xs, masks, strict=True):
+        h = x + block.attention(block.attention_norm(x), freqs_cis, mask)
+        tokens, prepared = route_and_prepare(block.moe, block.ffn_norm(h))
+        hs.append(h)
+        routed.append((tokens, prepared, streams.mark()))
+    out_a, out_b = moe_overlapped(block.moe, streams, *routed)
+    return hs[0] + out_a.view(hs[0].shape), hs[1] + out_b.view(hs[1].shape)
