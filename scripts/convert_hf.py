@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hf-config", help="HF config.json giving the model shape (instead of --flavor)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating-point weights to this dtype")
     parser.add_argument("--max-shard-size", default="5GB", help="to-hf: largest safetensors shard, e.g. 5GB")
+    parser.add_argument(
+        "--mtp-layers", type=int, help="multi-token prediction modules (as --model.mtp_layers; default: the shape's)"
+    )
     opts = parser.parse_args(argv)
 
     config_path = opts.hf_config
@@ -60,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
             args = model_args_from_hf_config(json.load(f))
     else:
         parser.error("to-hf needs --flavor or --hf-config to know the model shape")
+    if opts.mtp_layers is not None:
+        args.mtp_layers = opts.mtp_layers
 
     dtype = DTYPES[opts.dtype] if opts.dtype else None
     if opts.direction == "to-hf":

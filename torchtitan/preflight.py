@@ -28,6 +28,7 @@ def check_job(argv: list[str], world_size: int) -> JobConfig:
     parallel_dims.validate_for_model(model_args, job_config.training.seq_len)
     check_batch_sizes(job_config, parallel_dims.dp_size)
     check_ep_overlap(job_config, parallel_dims)
+    check_mtp(model_args, parallel_dims)
     check_profiling(job_config)
     check_dump_folder(job_config.job.dump_folder)
     from torchtitan.datasets.text_datasets import check_corpus
@@ -88,6 +89,22 @@ def check_ep_overlap(job_config: JobConfig, parallel_dims) -> None:
             f"{flag} splits each rank's batch into two micro-batches, but training.local_batch_size is "
             f"{local_batch_size}; set --training.local_batch_size to an even number"
         )
+
+
+def check_mtp(model_args, parallel_dims) -> None:
+    """Multi-token prediction runs after the main model's head and reuses its embedding: not implemented across
+    pipeline stages or with tensor parallelism yet."""
+    if model_args.mtp_layers == 0:
+        return
+    for enabled, degree in (
+        (parallel_dims.pp_enabled, "pipeline_parallel_degree"),
+        (parallel_dims.tp_enabled, "tensor_parallel_degree"),
+    ):
+        if enabled:
+            raise ConfigError(
+                f"multi-token prediction ({model_args.mtp_layers} module(s)) is not supported with "
+                f"{degree} > 1 yet; set --parallelism.{degree} 1 or --model.mtp_layers 0"
+            )
 
 
 def check_dump_folder(dump_folder: str) -> None:

@@ -19,7 +19,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager
-from torchtitan.components.loss import RescaledLoss, build_loss_fn, check_finite_loss, count_valid_tokens
+from torchtitan.components.loss import (
+    RescaledLoss,
+    build_loss_fn,
+    check_finite_loss,
+    count_valid_tokens,
+    mtp_loss,
+    mtp_targets,
+)
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import build_optimizers
@@ -160,11 +167,28 @@ class Trainer:
             return None
         return (tokens == self.tokenizer.bos_id).cumsum(dim=1)
 
-    def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One micro-batch; returns its (already globally scaled) loss, zero on non-last PP stages."""
+    def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor, mtp_labels: list[torch.Tensor]) -> tuple:
+        """One micro-batch -> (its share of the step's main loss, of the MTP loss); zero on non-last PP stages.
+
+        mtp_labels: the targets of each MTP module (empty without MTP), see `mtp_targets`.
+        """
         # With TP + loss parallel the logits stay vocab-sharded: cross-entropy and its backward need loss_parallel.
         with loss_parallel() if self.parallel_dims.loss_parallel_enabled else contextlib.nullcontext():
-            return self._forward_backward(tokens, labels)
+            if mtp_labels:
+                return self._forward_backward_mtp(tokens, labels, mtp_labels)
+            return self._forward_backward(tokens, labels), torch.zeros((), device=self.device)
+
+    def _forward_backward_mtp(
+        self, tokens: torch.Tensor, labels: torch.Tensor, mtp_labels: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """loss = main + lambda x mean over modules of each module's token mean (DeepSeek-V3's L_main + L_MTP)."""
+        model = self.model_parts[0]
+        logits, mtp_logits = model(tokens, document_ids=self._document_ids(tokens), next_tokens=labels)
+        main = self.loss_fn(logits, labels)
+        mtp = mtp_loss(self.loss_fn.loss_fn, mtp_logits, mtp_labels, self.mtp_valid_tokens)
+        del logits, mtp_logits
+        (main + self.job_config.model.mtp_loss_weight * mtp).backward()
+        return main.detach(), mtp.detach()
 
     def _forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.parallel_dims.pp_enabled:
@@ -186,12 +210,25 @@ class Trainer:
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     def train_step(self, data_iterator: Iterator) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """One optimizer step; returns (global mean loss, grad norm, the lr this step used)."""
+        """One optimizer step; returns (global mean loss, grad norm, the lr this step used). With MTP the loss is the
+        main model's and `last_mtp_loss` the MTP modules' mean (the backward used main + lambda x MTP)."""
         self.optimizers.zero_grad()
         microbatches = self._next_microbatches(data_iterator)
         dp_group = self.parallel_dims.get_mesh("dp").get_group() if self.parallel_dims.dp_enabled else None
         self.loss_fn.global_valid_tokens = count_valid_tokens((labels for _, labels in microbatches), dp_group)
-        loss = sum(self.forward_backward(tokens, labels) for tokens, labels in microbatches)
+        # per micro-batch, the targets of each MTP module; their valid counts over the step, per module
+        mtp_labels = [
+            [mtp_targets(tokens, labels, k, self.tokenizer.bos_id) for k in range(self.model_args.mtp_layers)]
+            for tokens, labels in microbatches
+        ]
+        self.mtp_valid_tokens = [
+            count_valid_tokens((targets[k] for targets in mtp_labels), dp_group)
+            for k in range(self.model_args.mtp_layers)
+        ]
+        loss = mtp_loss = torch.zeros((), device=self.device)
+        for (tokens, labels), targets in zip(microbatches, mtp_labels, strict=True):
+            main_share, mtp_share = self.forward_backward(tokens, labels, targets)
+            loss, mtp_loss = loss + main_share, mtp_loss + mtp_share
 
         grad_norm = dist_utils.clip_grad_norm_(
             [p for part in self.model_parts for p in part.parameters()],
@@ -203,6 +240,7 @@ class Trainer:
         lr = self.lr_schedulers.get_last_lr()
         self.optimizers.step()
         self.lr_schedulers.step()
+        self.last_mtp_loss = self._reduce_loss_for_logging(mtp_loss) if self.model_args.mtp_layers else None
         return self._reduce_loss_for_logging(loss), grad_norm, lr
 
     def _reduce_loss_for_logging(self, loss: torch.Tensor) -> torch.Tensor:
@@ -243,6 +281,7 @@ class Trainer:
                         lr=lr,
                         total_steps=steps,
                         graphs_compiled=graphs_compiled() - graphs_at_last_log,
+                        mtp_loss=None if self.last_mtp_loss is None else self.last_mtp_loss.item(),
                     )
                     graphs_at_last_log = graphs_compiled()
                 self.checkpointer.save(step, last_step=step == steps)

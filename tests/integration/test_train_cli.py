@@ -12,12 +12,16 @@ from tests.integration.conftest import DEBUG_CONFIG, FAST_ARGS, REPO_ROOT, read_
 
 
 def test_debugmodel_loss_falls(dump_folder):
-    # the shipped debug model itself (the README's quick start), not the test suite's smaller flavor
-    args = [*FAST_ARGS, "--model.flavor", "debugmodel", "--training.steps", "20", "--lr_scheduler.warmup_steps", "2"]
+    # the shipped debug model itself (the README's quick start), not the test suite's smaller flavor, with one
+    # multi-token prediction module: its loss falls too
+    args = [*FAST_ARGS, "--model.flavor", "debugmodel", "--training.steps", "20", "--lr_scheduler.warmup_steps", "2",
+            "--model.mtp_layers", "1"]  # fmt: skip
     run_trainer(dump_folder, args)
     losses = read_losses(dump_folder)
     assert sorted(losses) == list(range(1, 21))
     assert losses[20] < losses[1] - 1.0, losses
+    records = [json.loads(line) for line in (dump_folder / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["mtp_loss"] < records[0]["mtp_loss"] - 1.0, records
 
 
 def test_two_process_fsdp_matches_one_process(tmp_path):

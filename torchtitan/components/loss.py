@@ -23,6 +23,8 @@ __all__ = [
     "check_finite_loss",
     "count_valid_tokens",
     "cross_entropy_sum",
+    "mtp_loss",
+    "mtp_targets",
     "rescale_loss",
 ]
 
@@ -80,6 +82,39 @@ def count_valid_tokens(label_batches: Iterable[torch.Tensor], group: dist.Proces
     if group is not None:
         dist.all_reduce(count, group=group)
     return count
+
+
+def mtp_targets(tokens: torch.Tensor, labels: torch.Tensor, module: int, bos_id: int) -> torch.Tensor:
+    """Targets of multi-token prediction module `module` (0-based): at position i, token i + module + 2.
+
+    tokens, labels (bs, seqlen): the inputs and the next tokens (labels[:, i] = token i + 1). A target past the
+    sequence, or in another packed document than position i (a document starts at every BOS token), is
+    IGNORE_INDEX: MTP never predicts across a document boundary. Returns (bs, seqlen) int64.
+    """
+    offset = module + 1  # the target is labels[:, i + offset]
+    stream = torch.cat([tokens[:, :1], labels], dim=1)  # tokens 0..seqlen
+    documents = (stream == bos_id).cumsum(dim=1)
+    seqlen = labels.shape[1]
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:, : seqlen - offset] = labels[:, offset:]
+    same_document = documents[:, offset + 1 :] == documents[:, : seqlen - offset]  # token i + offset + 1 vs i
+    targets[:, : seqlen - offset] = torch.where(same_document, targets[:, : seqlen - offset], IGNORE_INDEX)
+    return targets
+
+
+def mtp_loss(
+    loss_fn: LossFn,
+    mtp_logits: list[torch.Tensor],
+    mtp_labels: list[torch.Tensor],
+    valid_tokens: list[torch.Tensor | float],
+) -> torch.Tensor:
+    """DeepSeek-V3's L_MTP / lambda: the mean over MTP modules of each module's token mean, as this micro-batch's
+    share (`loss_fn` is a token sum; valid_tokens[k] counts module k's targets over the whole step)."""
+    per_module = [
+        loss_fn(logits, labels) / torch.as_tensor(count).clamp_min(1)  # a module may have no target at all
+        for logits, labels, count in zip(mtp_logits, mtp_labels, valid_tokens, strict=True)
+    ]
+    return sum(per_module) / len(per_module)
 
 
 def check_finite_loss(loss: torch.Tensor | float, step: int, rank: int) -> None:

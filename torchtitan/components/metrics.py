@@ -152,10 +152,12 @@ class MetricsProcessor:
         lr: float | None = None,
         total_steps: int | None = None,
         graphs_compiled: int = 0,
+        mtp_loss: float | None = None,
     ) -> dict[str, Any]:
         """Log one step's metrics (window = steps since the previous call); returns the jsonl record.
 
         graphs_compiled: graphs torch.compile compiled in the window (0 after warm-up; more means recompiles).
+        mtp_loss: the multi-token prediction modules' mean loss, with MTP (`loss` is then the main model's).
         """
         now = time.perf_counter()
         if self._last_log_step is None:
@@ -193,6 +195,8 @@ class MetricsProcessor:
             "graphs_compiled": graphs_compiled,
             "time": time.time(),
         }
+        if mtp_loss is not None:
+            record["mtp_loss"] = float(mtp_loss)
         if self.is_logging_rank:
             logger.info(format_metrics_line(record, memory, total_steps, eta_seconds))
             self._write_tensorboard(record, memory)
@@ -209,6 +213,7 @@ class MetricsProcessor:
         if self.tb_writer is None:
             return
         scalars = {k: record[k] for k in ("loss", "grad_norm", "tps", "tflops", "mfu", "lr", "graphs_compiled")}
+        scalars["mtp_loss"] = record.get("mtp_loss")
         scalars["memory_gib"] = record["memory_gib"]
         scalars["memory_pct"] = memory.max_reserved_pct if memory else None
         for tag, value in scalars.items():
@@ -237,6 +242,8 @@ def format_metrics_line(
         f"step: {record['step']}  loss: {record['loss']:.4f}  grad_norm: {record['grad_norm']:.4f}  "
         f"memory: {memory_text}  tps: {record['tps']:,.0f}  tflops: {record['tflops']:.2f}  mfu: {mfu_text}"
     )
+    if "mtp_loss" in record:
+        line += f"  mtp_loss: {record['mtp_loss']:.4f}"
     if record.get("graphs_compiled"):
         line += f"  compiled: {record['graphs_compiled']} graphs"
     progress = []

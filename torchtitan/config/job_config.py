@@ -39,6 +39,13 @@ class Model:
     """Attention mask: `causal`, or `block_causal` (packed documents attend only within themselves; a new document
     starts at every BOS token; flex attention). `flavor` keeps the flavor's own (causal, but debugmodel_flex)."""
 
+    mtp_layers: int | None = None
+    """Multi-token prediction modules (DeepSeek-V3 trains with 1); 0 turns MTP off. None keeps the flavor's (0) or
+    the HF config's `num_nextn_predict_layers`. Not with pipeline or tensor parallelism."""
+
+    mtp_loss_weight: float = 0.1
+    """lambda: loss = main loss + lambda x the mean MTP loss over the modules (DeepSeek-V3: 0.3, later 0.1)."""
+
 
 @dataclass
 class Optimizer:

@@ -104,7 +104,7 @@ def _deepep_ops() -> set[Any]:
 
 
 def apply_ac(model: nn.Module, ac_config: Any) -> None:
-    """Wrap `model.layers` blocks in non-reentrant checkpoint wrappers according to `ac_config`.
+    """Wrap the blocks of `model.layers` (and `model.mtp`) in non-reentrant checkpoint wrappers per `ac_config`.
 
     mode "none": nothing. "full": every block. "selective" with selective_ac_option "op": per-op SAC on every block;
     with an integer N: full checkpointing of every Nth block (blocks 0, N, 2N, ... by position in this model part).
@@ -156,11 +156,16 @@ def _ignore_profiler_ops_in_sac() -> None:
 def _wrap_blocks(model: nn.Module, selected: Callable[[int], bool], sac_save_ops: set[Any] | None) -> None:
     """Checkpoint the selected blocks; per-op SAC when `sac_save_ops` is given, else whole-block recompute."""
     num_experts = _num_routed_experts(model)
-    for position, (name, block) in enumerate(list(model.layers.named_children())):
+    # the transformer blocks, then the multi-token prediction modules (blocks too), by position
+    blocks = [(model.layers, "layers", name, block) for name, block in model.layers.named_children()]
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:
+        blocks += [(mtp, "mtp", name, block) for name, block in mtp.named_children()]
+    for position, (container, prefix, name, block) in enumerate(blocks):
         if not selected(position):
             continue
         is_moe = getattr(block, "moe_enabled", False)
-        guard_name = f"layers.{name}" if is_moe else None
+        guard_name = f"{prefix}.{name}" if is_moe else None
         save_ops = sac_save_ops
         if save_ops is not None and is_moe:
             save_ops = save_ops | _compiled_region_op()
@@ -168,7 +173,7 @@ def _wrap_blocks(model: nn.Module, selected: Callable[[int], bool], sac_save_ops
         kwargs = {}
         if save_ops is not None or guard_name is not None:
             kwargs["context_fn"] = partial(_checkpoint_contexts, save_ops, num_experts, guard_name)
-        model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False, **kwargs))
+        container.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False, **kwargs))
 
 
 def _checkpoint_contexts(sac_save_ops: set[Any] | None, num_experts: int | None, guard_name: str | None):

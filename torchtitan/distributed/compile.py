@@ -50,7 +50,7 @@ def apply_compile(model: nn.Module, compile_config: Any, per_op_sac: bool = Fals
     """
     backend = compile_config.backend
     saved = saved_by_sac_options(backend) if per_op_sac else {}
-    for block in model.layers.values():
+    for block in [*model.layers.values(), *getattr(model, "mtp", {}).values()]:
         inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
         if not getattr(inner, "moe_enabled", False):
             block.compile(backend=backend, fullgraph=True)

@@ -23,7 +23,8 @@ def get_model_args(job_config) -> DeepSeekV3ModelArgs:
     """Model args for a JobConfig: `model.hf_config_path` (a HF config.json) if set, else `model.flavor`.
 
     max_seq_len is raised to training.seq_len if shorter (with a warning when that switches YaRN on);
-    debug.moe_force_load_balance is copied into moe_args; model.attn_mask_type overrides the flavor's mask.
+    debug.moe_force_load_balance is copied into moe_args; model.attn_mask_type overrides the flavor's mask and
+    model.mtp_layers (when set) the flavor's / HF config's MTP depth.
     """
     if job_config.model.hf_config_path:
         with open(job_config.model.hf_config_path) as f:
@@ -45,4 +46,8 @@ def get_model_args(job_config) -> DeepSeekV3ModelArgs:
     args.moe_args.force_load_balance = job_config.debug.moe_force_load_balance
     if job_config.model.attn_mask_type != "flavor":
         args.attn_mask_type = job_config.model.attn_mask_type
+    if job_config.model.mtp_layers is not None:
+        if job_config.model.mtp_layers < 0:
+            raise ValueError(f"model.mtp_layers={job_config.model.mtp_layers}: use 0 (no MTP) or a positive depth")
+        args.mtp_layers = job_config.model.mtp_layers
     return args

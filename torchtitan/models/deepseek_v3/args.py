@@ -48,6 +48,9 @@ class DeepSeekV3ModelArgs:
     eos_id: int = 0
     """Token that ends a document; the data loader derives document ids from it for `block_causal`."""
 
+    mtp_layers: int = 0
+    """Multi-token prediction depth D (DeepSeek-V3: 1, HF `num_nextn_predict_layers`); 0: no MTP modules."""
+
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -84,7 +87,10 @@ class DeepSeekV3ModelArgs:
 
         layers = self.n_layers * (attn + norms) + self.n_dense_layers * dense_ffn + self.n_moe_layers * moe
         embed_and_head = 2 * self.vocab_size * dim + dim  # tok_embeddings, output, final norm
-        return layers + embed_and_head
+        # MTP module: enorm, hnorm, eh_proj (2 dim -> dim), one block (MoE past the dense layers), its head norm
+        mtp_block = attn + norms + (moe if self.n_layers >= self.n_dense_layers else dense_ffn)
+        mtp = self.mtp_layers * (2 * dim + 2 * dim * dim + mtp_block + dim)
+        return layers + embed_and_head + mtp
 
     def attention_flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token of the score (QK^T) and mix (AV) matmuls, summed over layers.
@@ -94,12 +100,13 @@ class DeepSeekV3ModelArgs:
         6 * (qk_head_dim + v_head_dim) * seq_len = 12 * (qk_head_dim + v_head_dim) / 2 * seq_len.
         No causal discount (the usual PaLM / torchtitan convention).
         """
-        return 6 * self.n_layers * self.n_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
+        return 6 * (self.n_layers + self.mtp_layers) * self.n_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """(parameters of `model`, training FLOPs per token).
 
-        flops_per_token = 6 * (active params - token embedding) + attention_flops_per_token(seq_len),
+        flops_per_token = 6 * (active params - token embedding) + attention_flops_per_token(seq_len)
+        + 6 * dim * vocab per MTP module (each runs the shared output head once more),
         where active params count only top_k / num_experts of the routed-expert weights.
         Works on DTensor-sharded models (numel of a DTensor is its global size).
         """
@@ -108,14 +115,15 @@ class DeepSeekV3ModelArgs:
         embedding_params = 0
         for name, param in model.named_parameters():
             nparams += param.numel()
-            if ".moe.experts." in f".{name}":
+            if ".moe.experts." in f".{name}":  # layers.N.moe.experts and mtp.K.moe.experts
                 routed_expert_params += param.numel()
             elif name.startswith("tok_embeddings."):
                 embedding_params += param.numel()
         m = self.moe_args
         inactive = routed_expert_params * (m.num_experts - m.top_k) // m.num_experts
         active = nparams - inactive - embedding_params
-        return nparams, 6 * active + self.attention_flops_per_token(seq_len)
+        mtp_head = self.mtp_layers * self.dim * self.vocab_size
+        return nparams, 6 * (active + mtp_head) + self.attention_flops_per_token(seq_len)
 
 
 deepseekv3_flavors: dict[str, DeepSeekV3ModelArgs] = {

@@ -27,16 +27,26 @@ class DeepSeekV3Model(nn.Module):
         )
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Multi-token prediction modules "0".."D-1" (HF: model.layers.{n_layers + k}); they share the embedding and
+        # the output head with the main model.
+        self.mtp = nn.ModuleDict(
+            {str(k): MTPBlock(args.n_layers + k, args, comm_backend, ep_degree) for k in range(args.mtp_layers)}
+        )
         self.register_buffer("freqs_cis", precompute_freqs_cis(args), persistent=False)
         self.overlap_micro_batches = 1
         """2: run the layers on two halves of the batch so MoE blocks overlap one half's expert-parallel token
         exchange with the other's compute (`parallelism.expert_parallel_overlap`, set by parallelize)."""
 
-    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, next_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """tokens: (bs, seqlen) int, or hidden states (bs, seqlen, dim) on a pipeline stage without tok_embeddings.
 
         document_ids: (bs, seqlen), equal ids = same packed document; switches to block-causal attention.
-        Returns logits (bs, seqlen, vocab), or hidden states (bs, seqlen, dim) on a stage without `output`.
+        next_tokens: (bs, seqlen) the token after each position (the labels); with MTP modules, also returns their
+        logits: MTP module k (0-based) at position i predicts token i + k + 2 from token i + k + 1's embedding.
+        Returns logits (bs, seqlen, vocab), or hidden states (bs, seqlen, dim) on a stage without `output`;
+        (logits, [MTP logits (bs, seqlen, vocab) per module]) when next_tokens is given and MTP modules exist.
         """
         if self.args.attn_mask_type == "block_causal" and document_ids is None:
             raise ValueError("attn_mask_type='block_causal' needs document_ids; pass model(tokens, document_ids)")
@@ -50,14 +60,23 @@ class DeepSeekV3Model(nn.Module):
                 "mixed precision instead, or recompute: model.freqs_cis = precompute_freqs_cis(model.args, device)"
             )
         freqs_cis = self.freqs_cis[:seqlen]
+        attention_mask = build_attention_mask(document_ids)
         if self.overlap_micro_batches == 1:
-            attention_mask = build_attention_mask(document_ids)
             for layer in self.layers.values():
                 h = layer(h, freqs_cis, attention_mask)
         else:
             h = self._forward_micro_batches(h, freqs_cis, document_ids)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        logits = self.norm(h) if self.norm is not None else h
+        logits = self.output(logits) if self.output is not None else logits
+        if next_tokens is None or len(self.mtp) == 0:
+            return logits
+        mtp_logits = []
+        for k, block in enumerate(self.mtp.values()):
+            # token i + k + 1 at position i; the last k positions repeat the final token (their targets are ignored)
+            shifted = torch.cat([next_tokens[:, k:], next_tokens[:, -1:].expand(-1, k)], dim=1)
+            h, normed = block(h, self.tok_embeddings(shifted), freqs_cis, attention_mask)
+            mtp_logits.append(self.output(normed))
+        return logits, mtp_logits
 
     def _forward_micro_batches(
         self, h: torch.Tensor, freqs_cis: torch.Tensor, document_ids: torch.Tensor | None
@@ -92,6 +111,8 @@ class DeepSeekV3Model(nn.Module):
             nn.init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():
             layer.init_weights(buffer_device)
+        for block in self.mtp.values():
+            block.init_weights(buffer_device)
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None:
@@ -141,3 +162,36 @@ class TransformerBlock(nn.Module):
             self.moe.init_weights(self.init_std, buffer_device)
         else:
             self.feed_forward.init_weights(self.init_std)
+
+
+class MTPBlock(TransformerBlock):
+    """One multi-token prediction module (DeepSeek-V3 report, section 2.2), a transformer block with a projection in
+    front: h'_i = eh_proj([enorm(Emb(t_{i+k})); hnorm(h_i^{k-1})]), h_i^k = block(h'_i), logits = head(head_norm(h^k)).
+
+    The concatenation puts the embedding first, as the released weights expect (the report's equation writes the
+    hidden state first). HF names: model.layers.{n_layers + k}.enorm / hnorm / eh_proj / shared_head.norm and the
+    block's own weights; the embedding and the output head are the main model's.
+    """
+
+    def __init__(self, layer_id: int, args: DeepSeekV3ModelArgs, comm_backend: str = "standard", ep_degree: int = 1):
+        super().__init__(layer_id, args, comm_backend, ep_degree)
+        self.enorm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.hnorm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.head_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(
+        self, h: torch.Tensor, next_embedding: torch.Tensor, freqs_cis: torch.Tensor, attention_mask: AttentionMask
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h (bs, slen, dim) of the previous depth (before its final norm), next_embedding (bs, slen, dim) ->
+        (this depth's h for the next module, head_norm(h) for the output head). The norm runs here, inside the
+        module's call, where FSDP has its weight unsharded."""
+        x = self.eh_proj(torch.cat([self.enorm(next_embedding), self.hnorm(h)], dim=-1))
+        h = self._forward_one(x, freqs_cis, attention_mask)
+        return h, self.head_norm(h)
+
+    def init_weights(self, buffer_device: torch.device | str) -> None:
+        super().init_weights(buffer_device)
+        for norm in (self.enorm, self.hnorm, self.head_norm):
+            norm.reset_parameters()
+        nn.init.trunc_normal_(self.eh_proj.weight, mean=0.0, std=0.02)

@@ -45,7 +45,14 @@ _KEY_MAP = {
     "layers.{}.moe.shared_experts.w1.weight": "model.layers.{}.mlp.shared_experts.gate_proj.weight",
     "layers.{}.moe.shared_experts.w2.weight": "model.layers.{}.mlp.shared_experts.down_proj.weight",
     "layers.{}.moe.shared_experts.w3.weight": "model.layers.{}.mlp.shared_experts.up_proj.weight",
+    # multi-token prediction modules (ours: mtp.{k}, renamed to layers.{n_layers + k} around this map)
+    "layers.{}.enorm.weight": "model.layers.{}.enorm.weight",
+    "layers.{}.hnorm.weight": "model.layers.{}.hnorm.weight",
+    "layers.{}.eh_proj.weight": "model.layers.{}.eh_proj.weight",
+    "layers.{}.head_norm.weight": "model.layers.{}.shared_head.norm.weight",
 }
+# In DeepSeek-V3's checkpoint each MTP layer also carries copies of the shared embedding and output head.
+_MTP_SHARED_COPIES = {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
 _EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _HF_EXPERT_KEY = "model.layers.{}.mlp.experts.{}.{}.weight"
 # Training-only state with no HF counterpart; from_hf recreates it as zeros.
@@ -59,8 +66,17 @@ class DeepSeekV3StateDictAdapter:
         self.from_hf_map = {_pattern(hf): ours for ours, hf in _KEY_MAP.items()}
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Our (full or DTensor) state dict -> HF keys with per-expert tensors. DTensors are gathered."""
+        """Our (full or DTensor) state dict -> HF keys with per-expert tensors. DTensors are gathered.
+
+        MTP module k becomes model.layers.{n_layers + k}, with copies of the embedding and the output head.
+        """
         hf_state_dict = {}
+        n_layers = self.model_args.n_layers
+        for k in range(self.model_args.mtp_layers):
+            for hf_name, ours in _MTP_SHARED_COPIES.items():
+                if ours in state_dict:
+                    hf_state_dict[f"model.layers.{n_layers + k}.{hf_name}"] = state_dict[ours]
+        state_dict = {_mtp_to_layer_key(key, n_layers): value for key, value in state_dict.items()}
         for key, value in state_dict.items():
             if isinstance(value, DTensor):
                 value = value.full_tensor()
@@ -77,16 +93,20 @@ class DeepSeekV3StateDictAdapter:
     def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """HF state dict -> our full state dict (loadable with strict=True).
 
-        Skips layers >= n_layers (DeepSeek-V3's multi-token-prediction layer 61). A checkpoint without
-        e_score_correction_bias (DeepSeek-V2) gets a zero expert_bias.
+        Layers n_layers .. n_layers + mtp_layers - 1 become the MTP modules (their copies of the embedding and head
+        are dropped: ours are shared); later layers are skipped (DeepSeek-V3's MTP layer 61 when mtp_layers is 0).
+        A checkpoint without e_score_correction_bias (DeepSeek-V2) gets a zero expert_bias.
         """
         n_layers, num_experts = self.model_args.n_layers, self.model_args.moe_args.num_experts
+        n_blocks = n_layers + self.model_args.mtp_layers
         state_dict: dict[str, torch.Tensor] = {}
         experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (layer, w1|w2|w3) -> {expert: weight}
         hf_to_ours = {hf: ours for ours, hf in _EXPERT_NAMES.items()}
         for key, value in hf_state_dict.items():
-            layer = re.match(r"model\.layers\.(\d+)\.", key)
-            if layer and int(layer.group(1)) >= n_layers:
+            layer = re.match(r"model\.layers\.(\d+)\.(.*)", key)
+            if layer and int(layer.group(1)) >= n_blocks:
+                continue
+            if layer and int(layer.group(1)) >= n_layers and layer.group(2) in _MTP_SHARED_COPIES:
                 continue
             if expert := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight", key):
                 layer_id, j, name = expert.groups()
@@ -101,11 +121,11 @@ class DeepSeekV3StateDictAdapter:
             stacked = torch.stack([per_expert[j] for j in range(num_experts)])  # (E, out, in)
             state_dict[f"layers.{layer_id}.moe.experts.{name}"] = stacked
 
-        for i in range(self.model_args.n_dense_layers, n_layers):
+        for i in range(self.model_args.n_dense_layers, n_blocks):
             state_dict.setdefault(f"layers.{i}.moe.expert_bias", torch.zeros(num_experts, dtype=torch.float32))
             for name in _OURS_ONLY:
                 state_dict[f"layers.{i}.moe.{name}"] = torch.zeros(num_experts, dtype=torch.float32)
-        return state_dict
+        return {_layer_to_mtp_key(key, n_layers): value for key, value in state_dict.items()}
 
 
 def model_args_from_hf_config(config: dict[str, Any]) -> DeepSeekV3ModelArgs:
@@ -176,6 +196,7 @@ def model_args_from_hf_config(config: dict[str, Any]) -> DeepSeekV3ModelArgs:
         max_seq_len=max_seq_len,
         rope_theta=rope_theta,
         eos_id=eos[0] if isinstance(eos, list) else (eos or 0),
+        mtp_layers=config.get("num_nextn_predict_layers") or 0,
         **yarn,
     )
 
@@ -219,7 +240,7 @@ def hf_config_from_model_args(args: DeepSeekV3ModelArgs) -> dict[str, Any]:
     }
     if sigmoid:
         config["rope_interleave"] = True
-        config["num_nextn_predict_layers"] = 0
+        config["num_nextn_predict_layers"] = args.mtp_layers
     else:
         config["topk_method"] = "group_limited_greedy" if grouped else "greedy"
     if args.max_seq_len > args.original_seq_len:
@@ -234,6 +255,20 @@ def hf_config_from_model_args(args: DeepSeekV3ModelArgs) -> dict[str, Any]:
             "mscale_all_dim": args.mscale,
         }
     return config
+
+
+def _mtp_to_layer_key(key: str, n_layers: int) -> str:
+    """mtp.{k}.<rest> -> layers.{n_layers + k}.<rest> (the HF numbering); other keys unchanged."""
+    if match := re.fullmatch(r"mtp\.(\d+)\.(.*)", key):
+        return f"layers.{n_layers + int(match.group(1))}.{match.group(2)}"
+    return key
+
+
+def _layer_to_mtp_key(key: str, n_layers: int) -> str:
+    """layers.{i}.<rest> with i >= n_layers -> mtp.{i - n_layers}.<rest>; other keys unchanged."""
+    if (match := re.fullmatch(r"layers\.(\d+)\.(.*)", key)) and int(match.group(1)) >= n_layers:
+        return f"mtp.{int(match.group(1)) - n_layers}.{match.group(2)}"
+    return key
 
 
 def _pattern(template: str) -> re.Pattern:

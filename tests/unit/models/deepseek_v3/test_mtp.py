@@ -1,0 +1,167 @@
+"""Multi-token prediction (DeepSeek-V3 report, section 2.2): the module computes the report's equations, its
+targets never cross a document, its loss is the mean of the modules' token means, HF names round-trip, and FLOPs
+count it. Parity across parallel layouts is in tests/integration/test_mtp.py."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchtitan.components.loss import IGNORE_INDEX, cross_entropy_sum, mtp_loss, mtp_targets
+from torchtitan.config import ConfigError
+from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3StateDictAdapter
+from torchtitan.models.deepseek_v3.state_dict_adapter import hf_config_from_model_args, model_args_from_hf_config
+from torchtitan.preflight import check_job
+
+from .conftest import tiny_args
+
+BOS = 1
+
+
+def _model(args, seed=0):
+    torch.manual_seed(seed)
+    model = DeepSeekV3Model(args)
+    model.init_weights()
+    with torch.no_grad():  # random norms so a swapped or missing norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def test_mtp_forward_matches_the_report_equations():
+    """h'_i = M [RMSNorm(Emb(t_{i+k})); RMSNorm(h_i^{k-1})] (embedding first, as the released eh_proj expects),
+    h^k = TRM_k(h'), logits = OutHead(RMSNorm(h^k)), with the main model's embedding and head; depth 2."""
+    args = tiny_args(mtp_layers=2)
+    model = _model(args)
+    tokens = torch.randint(0, args.vocab_size, (2, 12))
+    next_tokens = torch.cat([tokens[:, 1:], torch.randint(0, args.vocab_size, (2, 1))], dim=1)
+    logits, mtp_logits = model(tokens, next_tokens=next_tokens)
+
+    freqs_cis = model.freqs_cis[:12]
+    h = model.tok_embeddings(tokens)
+    for layer in model.layers.values():
+        h = layer(h, freqs_cis, None)
+    torch.testing.assert_close(logits, model.output(model.norm(h)))
+    for k, module in enumerate(model.mtp.values()):
+        # position i sees token i + k + 1; positions past the sequence repeat the last token
+        shifted = torch.cat([next_tokens[:, k:], next_tokens[:, -1:].repeat(1, k)], dim=1)
+        emb = F.rms_norm(model.tok_embeddings(shifted), (args.dim,), module.enorm.weight, args.norm_eps)
+        hidden = F.rms_norm(h, (args.dim,), module.hnorm.weight, args.norm_eps)
+        x = torch.cat([emb, hidden], dim=-1) @ module.eh_proj.weight.T
+        x = x + module.attention(module.attention_norm(x), freqs_cis, None)
+        h = x + module.moe(module.ffn_norm(x))
+        expected = F.rms_norm(h, (args.dim,), module.head_norm.weight, args.norm_eps) @ model.output.weight.T
+        torch.testing.assert_close(mtp_logits[k], expected, msg=f"module {k}")
+    # without next tokens (inference, pipeline stages) the model returns the main logits only
+    torch.testing.assert_close(model(tokens), logits)
+
+
+def test_mtp_targets_never_cross_a_document_or_the_sequence_end():
+    gen = torch.Generator().manual_seed(0)
+    stream = torch.randint(2, 50, (3, 41), generator=gen)
+    stream[torch.rand(3, 41, generator=gen) < 0.15] = BOS  # packed documents start at BOS
+    tokens, labels = stream[:, :-1], stream[:, 1:]
+    documents = (stream == BOS).cumsum(dim=1)
+    for module in range(3):
+        targets = mtp_targets(tokens, labels, module, BOS)
+        offset = module + 2  # position i predicts token i + module + 2
+        for b in range(3):
+            for i in range(40):
+                j = i + offset
+                if j <= 40 and documents[b, j] == documents[b, i]:
+                    assert targets[b, i] == stream[b, j], (module, b, i)
+                else:
+                    assert targets[b, i] == IGNORE_INDEX, (module, b, i)
+        assert (targets != IGNORE_INDEX).any()
+
+
+def test_mtp_loss_is_the_mean_of_each_module_token_mean():
+    gen = torch.Generator().manual_seed(0)
+    logits = [torch.randn(2, 6, 11, generator=gen) for _ in range(2)]
+    labels = [torch.randint(0, 11, (2, 6), generator=gen) for _ in range(2)]
+    labels[0][0, 4:] = IGNORE_INDEX
+    labels[1][:, 3:] = IGNORE_INDEX
+    counts = [torch.tensor(float((y != IGNORE_INDEX).sum())) for y in labels]
+    expected = (
+        sum(
+            F.cross_entropy(x.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
+            for x, y in zip(logits, labels, strict=True)
+        )
+        / 2
+    )
+    torch.testing.assert_close(mtp_loss(cross_entropy_sum, logits, labels, counts), expected)
+
+
+def test_hf_round_trip_with_a_transformers_saved_mtp_config(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    args = tiny_args(mtp_layers=1, moe=dict(score_func="sigmoid", route_norm=True))
+    config = transformers.DeepseekV3Config(**hf_config_from_model_args(args))
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["num_nextn_predict_layers"] == 1
+    loaded_args = model_args_from_hf_config(saved)
+    assert loaded_args.mtp_layers == 1
+
+    model = _model(loaded_args)
+    adapter = DeepSeekV3StateDictAdapter(loaded_args)
+    hf = adapter.to_hf(model.state_dict())
+    mtp = f"model.layers.{loaded_args.n_layers}"
+    for name in (
+        "enorm",
+        "hnorm",
+        "eh_proj",
+        "shared_head.norm",
+        "shared_head.head",
+        "embed_tokens",
+        "self_attn.kv_b_proj",
+        "mlp.gate",
+        "mlp.experts.7.down_proj",
+        "mlp.shared_experts.up_proj",
+    ):
+        assert f"{mtp}.{name}.weight" in hf, name
+    torch.testing.assert_close(hf[f"{mtp}.shared_head.head.weight"], model.output.weight)
+    back = adapter.from_hf(hf)
+    assert back.keys() == model.state_dict().keys()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(back[key], value, rtol=0, atol=0, msg=key)
+    # without MTP modules the same checkpoint loads with the MTP layer dropped
+    no_mtp = tiny_args(moe=dict(score_func="sigmoid", route_norm=True))
+    DeepSeekV3Model(no_mtp).load_state_dict(DeepSeekV3StateDictAdapter(no_mtp).from_hf(hf), strict=True)
+
+
+def test_flops_and_params_count_the_mtp_module():
+    base, mtp = tiny_args(), tiny_args(mtp_layers=1)
+    seq_len = 32
+    with torch.device("meta"):
+        params0, flops0 = base.get_nparams_and_flops(DeepSeekV3Model(base), seq_len)
+        params1, flops1 = mtp.get_nparams_and_flops(DeepSeekV3Model(mtp), seq_len)
+    assert params1 - params0 == mtp.nparams_total() - base.nparams_total() > 0
+    moe = mtp.moe_args
+    routed = 3 * mtp.dim * mtp.moe_inter_dim * moe.num_experts
+    active_mtp_params = (params1 - params0) - routed * (moe.num_experts - moe.top_k) // moe.num_experts
+    attention = 6 * mtp.n_heads * (mtp.qk_head_dim + mtp.v_head_dim) * seq_len  # one more attention layer
+    head = 6 * mtp.dim * mtp.vocab_size  # the shared output head runs once more
+    assert flops1 - flops0 == 6 * active_mtp_params + attention + head
+
+
+DEBUG_TOML = ["--job.config_file", "train_configs/deepseek_v3_debugmodel.toml", "--model.mtp_layers", "1"]
+
+
+@pytest.mark.parametrize(
+    "args, world_size, message",
+    [
+        (["--parallelism.pipeline_parallel_degree", "2"], 2, "pipeline_parallel_degree 1"),
+        (["--parallelism.tensor_parallel_degree", "2"], 2, "tensor_parallel_degree 1"),
+    ],
+    ids=["pp", "tp"],
+)
+def test_preflight_rejects_mtp_where_it_is_not_implemented(args, world_size, message):
+    with pytest.raises(ConfigError, match=message):
+        check_job([*DEBUG_TOML, *args], world_size=world_size)
+
+
+def test_negative_mtp_layers_is_rejected():
+    with pytest.raises(ValueError, match="mtp_layers=-1"):
+        check_job([*DEBUG_TOML, "--model.mtp_layers", "-1"], world_size=1)
