@@ -27,6 +27,7 @@ def run_settings(config_file: str, train_args: list[str], ngpu: int) -> dict:
     """The settings a run resolves to (TOML < CLI), as explicit result fields."""
     from torchtitan.config import ConfigManager
     from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.models.deepseek_v3 import get_model_args
 
     job = ConfigManager().parse_args(["--job.config_file", config_file, *train_args])
     par = job.parallelism
@@ -36,6 +37,7 @@ def run_settings(config_file: str, train_args: list[str], ngpu: int) -> dict:
         "parallel": {name: getattr(dims, name) for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "etp")},
         "ep_backend": par.expert_parallel_comm_backend,
         "ep_overlap": par.expert_parallel_overlap,
+        "mtp_layers": get_model_args(job).mtp_layers,
         "compile": job.compile.enable,
         "activation_checkpoint": job.activation_checkpoint.mode
         + (
@@ -99,6 +101,7 @@ def main() -> None:
         peak_memory_gib=max(r["memory_gib"] for r in steady),
         last_loss=records[-1]["loss"],
         losses=[r["loss"] for r in records],
+        mtp_losses=[r["mtp_loss"] for r in records if "mtp_loss" in r],
         graphs_compiled_per_step=[r.get("graphs_compiled", 0) for r in records],
         recompiles_after_warmup=sum(r.get("graphs_compiled", 0) for r in records if r["step"] > args.warmup_steps),
     )
