@@ -32,6 +32,7 @@ from torchtitan.models.moe.row_gather import gather_rows
 from torchtitan.models.moe.token_dispatcher import LocalDispatchState, LocalTokenDispatcher, expert_major_order
 
 __all__ = [
+    "EXPERTS_ON_EP_RANKS",
     "AllToAllTokenDispatcher",
     "ExpertParallel",
     "ExpertTensorParallel",
@@ -39,6 +40,8 @@ __all__ = [
     "ReplicateOverTokenShards",
     "SyncGradColumns",
     "TensorParallel",
+    "check_experts_divisible",
+    "distribute_experts",
 ]
 
 
@@ -139,8 +142,8 @@ class ExpertParallel(ParallelStyle):
     """On an `MoE`: experts sharded on dim 0 over the ep mesh; tokens exchanged with all-to-all."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _check_experts_divisible(module, device_mesh.size())
-        _distribute_experts(module.experts, device_mesh, {"w1": [Shard(0)], "w2": [Shard(0)], "w3": [Shard(0)]})
+        check_experts_divisible(module, device_mesh.size())
+        distribute_experts(module.experts, device_mesh, EXPERTS_ON_EP_RANKS)
         module.dispatcher = AllToAllTokenDispatcher(module.num_experts, module.score_before_experts, device_mesh)
         return module
 
@@ -149,10 +152,10 @@ class ExpertTensorParallel(ParallelStyle):
     """On an `MoE`: EP x TP on the experts over a 2-D [ep, etp] mesh."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _check_experts_divisible(module, device_mesh["ep"].size())
+        check_experts_divisible(module, device_mesh["ep"].size())
         # w1, w3: (E, hidden, dim) column-wise on hidden; w2: (E, dim, hidden) row-wise on hidden.
         placements = {"w1": [Shard(0), Shard(1)], "w2": [Shard(0), Shard(2)], "w3": [Shard(0), Shard(1)]}
-        _distribute_experts(module.experts, device_mesh, placements)
+        distribute_experts(module.experts, device_mesh, placements)
         module.dispatcher = AllToAllTokenDispatcher(
             module.num_experts, module.score_before_experts, device_mesh["ep"], etp_mesh=device_mesh["etp"]
         )
@@ -163,17 +166,23 @@ class TensorParallel(ParallelStyle):
     """On an `MoE`, ep == 1: every rank holds all experts' hidden shard; the experts' output is partial."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _distribute_experts(module.experts, device_mesh, {"w1": [Shard(1)], "w2": [Shard(2)], "w3": [Shard(1)]})
+        distribute_experts(module.experts, device_mesh, {"w1": [Shard(1)], "w2": [Shard(2)], "w3": [Shard(1)]})
         module.dispatcher = TensorParallelTokenDispatcher(module.num_experts, module.score_before_experts, device_mesh)
         return module
 
 
-def _distribute_experts(experts: nn.Module, mesh: DeviceMesh, placements: dict[str, list]) -> None:
+EXPERTS_ON_EP_RANKS = {"w1": [Shard(0)], "w2": [Shard(0)], "w3": [Shard(0)]}
+"""Routed-expert weight placements over a 1-D EP mesh: each rank owns E / ep whole experts."""
+
+
+def distribute_experts(experts: nn.Module, mesh: DeviceMesh, placements: dict[str, list]) -> None:
+    """Replace the routed experts' w1/w2/w3 by DTensors with `placements` over `mesh` (every EP style uses it)."""
     for name, param in experts.named_parameters(recurse=False):
         experts.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, placements[name])))
 
 
-def _check_experts_divisible(moe: nn.Module, ep: int) -> None:
+def check_experts_divisible(moe: nn.Module, ep: int) -> None:
+    """Raise unless the MoE's experts split evenly over `ep` expert-parallel ranks."""
     if moe.num_experts % ep != 0:
         raise ValueError(f"{moe.num_experts} experts cannot be split evenly over {ep} expert-parallel ranks.")
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from torchtitan.distributed.deepep.buffer import get_or_create_buffer, import_deep_ep
 from torchtitan.distributed.deepep.dispatcher import DeepEPTokenDispatcher
+from torchtitan.distributed.expert_parallel import EXPERTS_ON_EP_RANKS, check_experts_divisible, distribute_experts
 
 __all__ = ["DeepEPExpertParallel", "validate_deepep_config"]
 
@@ -34,15 +34,12 @@ class DeepEPExpertParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if device_mesh.ndim != 1:
             raise ValueError(f"DeepEPExpertParallel needs the 1-D ep mesh, got a {device_mesh.ndim}-D mesh.")
-        experts = module.experts
-        num_experts, _, dim = experts.w1.shape  # (E, hidden, dim)
-        if num_experts % device_mesh.size() != 0:
-            raise ValueError(f"{num_experts} experts cannot be split evenly over {device_mesh.size()} EP ranks.")
+        check_experts_divisible(module, device_mesh.size())
         group = device_mesh.get_group()
+        dim = module.experts.w1.shape[2]  # (E, hidden, dim)
         get_or_create_buffer(group, dim, device_type=device_mesh.device_type, num_sms=self.num_sms)
-        for name, param in experts.named_parameters(recurse=False):
-            experts.register_parameter(name, nn.Parameter(distribute_tensor(param, device_mesh, [Shard(0)])))
-        module.dispatcher = DeepEPTokenDispatcher(group.group_name, num_experts, module.score_before_experts)
+        distribute_experts(module.experts, device_mesh, EXPERTS_ON_EP_RANKS)
+        module.dispatcher = DeepEPTokenDispatcher(group.group_name, module.num_experts, module.score_before_experts)
         return module
 
 
