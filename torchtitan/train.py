@@ -225,10 +225,10 @@ class Trainer:
             count_valid_tokens((targets[k] for targets in mtp_labels), dp_group)
             for k in range(self.model_args.mtp_layers)
         ]
-        loss = mtp_loss = torch.zeros((), device=self.device)
+        loss = mtp_total = torch.zeros((), device=self.device)
         for (tokens, labels), targets in zip(microbatches, mtp_labels, strict=True):
             main_share, mtp_share = self.forward_backward(tokens, labels, targets)
-            loss, mtp_loss = loss + main_share, mtp_loss + mtp_share
+            loss, mtp_total = loss + main_share, mtp_total + mtp_share
 
         grad_norm = dist_utils.clip_grad_norm_(
             [p for part in self.model_parts for p in part.parameters()],
@@ -240,7 +240,7 @@ class Trainer:
         lr = self.lr_schedulers.get_last_lr()
         self.optimizers.step()
         self.lr_schedulers.step()
-        self.last_mtp_loss = self._reduce_loss_for_logging(mtp_loss) if self.model_args.mtp_layers else None
+        self.last_mtp_loss = self._reduce_loss_for_logging(mtp_total) if self.model_args.mtp_layers else None
         return self._reduce_loss_for_logging(loss), grad_norm, lr
 
     def _reduce_loss_for_logging(self, loss: torch.Tensor) -> torch.Tensor:

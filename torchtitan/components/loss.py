@@ -96,9 +96,8 @@ def mtp_targets(tokens: torch.Tensor, labels: torch.Tensor, module: int, bos_id:
     documents = (stream == bos_id).cumsum(dim=1)
     seqlen = labels.shape[1]
     targets = torch.full_like(labels, IGNORE_INDEX)
-    targets[:, : seqlen - offset] = labels[:, offset:]
     same_document = documents[:, offset + 1 :] == documents[:, : seqlen - offset]  # token i + offset + 1 vs i
-    targets[:, : seqlen - offset] = torch.where(same_document, targets[:, : seqlen - offset], IGNORE_INDEX)
+    targets[:, : seqlen - offset] = torch.where(same_document, labels[:, offset:], IGNORE_INDEX)
     return targets
 
 

@@ -60,15 +60,18 @@ class DeepSeekV3Model(nn.Module):
                 "mixed precision instead, or recompute: model.freqs_cis = precompute_freqs_cis(model.args, device)"
             )
         freqs_cis = self.freqs_cis[:seqlen]
-        attention_mask = build_attention_mask(document_ids)
-        if self.overlap_micro_batches == 1:
+        run_mtp = next_tokens is not None and len(self.mtp) > 0
+        # the whole batch's mask: for the layers unless they run on micro-batches (own masks), and for MTP
+        full_batch = self.overlap_micro_batches == 1
+        attention_mask = build_attention_mask(document_ids) if full_batch or run_mtp else None
+        if full_batch:
             for layer in self.layers.values():
                 h = layer(h, freqs_cis, attention_mask)
         else:
             h = self._forward_micro_batches(h, freqs_cis, document_ids)
         logits = self.norm(h) if self.norm is not None else h
         logits = self.output(logits) if self.output is not None else logits
-        if next_tokens is None or len(self.mtp) == 0:
+        if not run_mtp:
             return logits
         mtp_logits = []
         for k, block in enumerate(self.mtp.values()):

@@ -30,14 +30,12 @@ class DeepEPMoE(MoE):
                 "DeepEPMoE needs the DeepEP token dispatcher, installed by DeepEPExpertParallel (parallelize applies "
                 "it when expert_parallel_comm_backend='deepep' and expert_parallel_degree > 1)."
             )
+        if self.shared_experts is None or not self._use_side_stream(x):
+            return super().forward(x)  # shared experts first there too: the same gradient summation order
+
         bs, slen, dim = x.shape
         top_scores, selected_experts = self.route(x)
         x = x.view(-1, dim)  # (N, dim)
-        if self.shared_experts is None or not self._use_side_stream(x):
-            shared = self.run_shared_experts(x)  # first, as on the side stream: the same gradient summation order
-            routed = self.routed_experts(x, top_scores, selected_experts)
-            return self.sum_experts(routed, shared, x.dtype).view(bs, slen, dim)
-
         compute_stream = torch.cuda.current_stream(x.device)
         side_stream = self._side_stream(x.device)
         side_stream.wait_stream(compute_stream)

@@ -65,8 +65,9 @@ class MoE(nn.Module):
         bs, slen, dim = x.shape
         top_scores, selected_experts = self.route(x)
         x = x.view(-1, dim)  # (N, dim), N = bs * slen
+        shared = self.run_shared_experts(x)
         routed = self.routed_experts(x, top_scores, selected_experts)
-        return self.add_shared_experts(x, routed).view(bs, slen, dim)
+        return self.sum_experts(routed, shared, x.dtype).view(bs, slen, dim)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (bs, slen, dim) -> top_scores (N, k) fp32, selected_experts (N, k).
@@ -98,10 +99,6 @@ class MoE(nn.Module):
         """x (N, dim) -> sum_k g_{t,k} FFN_k(x_t): (N, dim), through this layer's token dispatcher."""
         expert_input, tokens_per_expert, state = self.dispatcher.dispatch(x, selected_experts, top_scores)
         return self.dispatcher.combine(self.experts(expert_input, tokens_per_expert), state)
-
-    def add_shared_experts(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
-        """x (N, dim), routed (N, dim) -> routed + shared_experts(x) summed in fp32, cast to x.dtype."""
-        return self.sum_experts(routed, self.run_shared_experts(x), x.dtype)
 
     def run_shared_experts(self, x: torch.Tensor) -> torch.Tensor | None:
         """x (N, dim) -> shared_experts(x), or None without shared experts."""
