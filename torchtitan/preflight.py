@@ -92,19 +92,13 @@ def check_ep_overlap(job_config: JobConfig, parallel_dims) -> None:
 
 
 def check_mtp(model_args, parallel_dims) -> None:
-    """Multi-token prediction runs after the main model's head and reuses its embedding: not implemented across
-    pipeline stages or with tensor parallelism yet."""
-    if model_args.mtp_layers == 0:
-        return
-    for enabled, degree in (
-        (parallel_dims.pp_enabled, "pipeline_parallel_degree"),
-        (parallel_dims.tp_enabled, "tensor_parallel_degree"),
-    ):
-        if enabled:
-            raise ConfigError(
-                f"multi-token prediction ({model_args.mtp_layers} module(s)) is not supported with "
-                f"{degree} > 1 yet; set --parallelism.{degree} 1 or --model.mtp_layers 0"
-            )
+    """Multi-token prediction runs after the main model's head on full-vocabulary logits: not implemented with
+    tensor parallelism (vocab-sharded logits, sequence-sharded hidden states) yet."""
+    if model_args.mtp_layers and parallel_dims.tp_enabled:
+        raise ConfigError(
+            f"multi-token prediction ({model_args.mtp_layers} module(s)) is not supported with "
+            "tensor_parallel_degree > 1 yet; set --parallelism.tensor_parallel_degree 1 or --model.mtp_layers 0"
+        )
 
 
 def check_dump_folder(dump_folder: str) -> None:

@@ -20,11 +20,11 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager
 from torchtitan.components.loss import (
+    LossWithMTP,
     RescaledLoss,
     build_loss_fn,
     check_finite_loss,
     count_valid_tokens,
-    mtp_loss,
     mtp_targets,
 )
 from torchtitan.components.lr_scheduler import build_lr_schedulers
@@ -101,11 +101,15 @@ class Trainer:
         # micro-batches and ranks it is exactly the full-batch mean, so accumulation, DP degree and PP
         # micro-batching never change it. FSDP therefore sums gradients (divide factor 1, set in parallelize).
         self.loss_fn = RescaledLoss(build_loss_fn(job_config))
+        # what each micro-batch backpropagates: the main loss, or main + lambda x MTP (targets stacked, LossWithMTP)
+        self.step_loss = (
+            LossWithMTP(self.loss_fn, job_config.model.mtp_loss_weight) if self.model_args.mtp_layers else self.loss_fn
+        )
         if self.parallel_dims.pp_enabled:
             from torchtitan.models.deepseek_v3.pipeline import pipeline_deepseekv3
 
             self.pp_schedule, self.model_parts, self.has_first_stage, self.has_last_stage = pipeline_deepseekv3(
-                model, self.parallel_dims, job_config, self.device, self.model_args, self.loss_fn
+                model, self.parallel_dims, job_config, self.device, self.model_args, self.step_loss
             )
         else:
             self.model_parts = [parallelize_deepseekv3(model, self.parallel_dims, job_config)]
@@ -167,47 +171,42 @@ class Trainer:
             return None
         return (tokens == self.tokenizer.bos_id).cumsum(dim=1)
 
-    def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor, mtp_labels: list[torch.Tensor]) -> tuple:
-        """One micro-batch -> (its share of the step's main loss, of the MTP loss); zero on non-last PP stages.
+    def forward_backward(
+        self, tokens: torch.Tensor, labels: torch.Tensor, mtp_labels: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """One micro-batch -> its share of the step's loss (main + lambda x MTP with MTP modules); zero on ranks
+        without the last pipeline stage.
 
         mtp_labels: the targets of each MTP module (empty without MTP), see `mtp_targets`.
         """
+        kwargs = {}
+        if (document_ids := self._document_ids(tokens)) is not None:
+            kwargs["document_ids"] = document_ids
+        target = labels
+        if mtp_labels:
+            kwargs["next_tokens"] = labels
+            target = torch.stack([labels, *mtp_labels], dim=1)
         # With TP + loss parallel the logits stay vocab-sharded: cross-entropy and its backward need loss_parallel.
         with loss_parallel() if self.parallel_dims.loss_parallel_enabled else contextlib.nullcontext():
-            if mtp_labels:
-                return self._forward_backward_mtp(tokens, labels, mtp_labels)
-            return self._forward_backward(tokens, labels), torch.zeros((), device=self.device)
-
-    def _forward_backward_mtp(
-        self, tokens: torch.Tensor, labels: torch.Tensor, mtp_labels: list[torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """loss = main + lambda x mean over modules of each module's token mean (DeepSeek-V3's L_main + L_MTP)."""
-        model = self.model_parts[0]
-        logits, mtp_logits = model(tokens, document_ids=self._document_ids(tokens), next_tokens=labels)
-        main = self.loss_fn(logits, labels)
-        mtp = mtp_loss(self.loss_fn.loss_fn, mtp_logits, mtp_labels, self.mtp_valid_tokens)
-        del logits, mtp_logits
-        (main + self.job_config.model.mtp_loss_weight * mtp).backward()
-        return main.detach(), mtp.detach()
-
-    def _forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.parallel_dims.pp_enabled:
-            losses: list[torch.Tensor] = []
-            targets = labels if self.has_last_stage else None
-            if self.has_first_stage:
-                self.pp_schedule.step(tokens, target=targets, losses=losses)
-            else:
-                self.pp_schedule.step(target=targets, losses=losses)
-            if self.has_last_stage:
-                return torch.stack(losses).sum().detach()
-            return torch.zeros((), device=self.device)
-        logits = self.model_parts[0](tokens, document_ids=self._document_ids(tokens))
-        loss = self.loss_fn(logits, labels)
-        del logits  # free the (bs, seqlen, vocab) activation before backward
-        loss.backward()
+            if self.parallel_dims.pp_enabled:
+                return self._forward_backward_pipeline(tokens, target, kwargs)
+            loss = self.step_loss(self.model_parts[0](tokens, **kwargs), target)
+            loss.backward()  # nothing else holds the (bs, seqlen, vocab) logits: backward frees them
         loss = loss.detach()
         # Under loss parallel the loss is a replicated DTensor; callers reduce and log plain tensors.
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+    def _forward_backward_pipeline(self, tokens: torch.Tensor, target: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """The schedule runs every micro-batch of its own; model kwargs reach every stage, inputs the first."""
+        losses: list[torch.Tensor] = []
+        target = target if self.has_last_stage else None
+        if self.has_first_stage:
+            self.pp_schedule.step(tokens, target=target, losses=losses, **kwargs)
+        else:
+            self.pp_schedule.step(target=target, losses=losses, **kwargs)
+        if self.has_last_stage:
+            return torch.stack(losses).sum().detach()
+        return torch.zeros((), device=self.device)
 
     def train_step(self, data_iterator: Iterator) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step; returns (global mean loss, grad norm, the lr this step used). With MTP the loss is the
@@ -221,14 +220,15 @@ class Trainer:
             [mtp_targets(tokens, labels, k, self.tokenizer.bos_id) for k in range(self.model_args.mtp_layers)]
             for tokens, labels in microbatches
         ]
-        self.mtp_valid_tokens = [
-            count_valid_tokens((targets[k] for targets in mtp_labels), dp_group)
-            for k in range(self.model_args.mtp_layers)
-        ]
-        loss = mtp_total = torch.zeros((), device=self.device)
+        if self.model_args.mtp_layers:
+            self.step_loss.reset()
+            self.step_loss.valid_tokens = [
+                count_valid_tokens((targets[k] for targets in mtp_labels), dp_group)
+                for k in range(self.model_args.mtp_layers)
+            ]
+        loss = torch.zeros((), device=self.device)
         for (tokens, labels), targets in zip(microbatches, mtp_labels, strict=True):
-            main_share, mtp_share = self.forward_backward(tokens, labels, targets)
-            loss, mtp_total = loss + main_share, mtp_total + mtp_share
+            loss = loss + self.forward_backward(tokens, labels, targets)
 
         grad_norm = dist_utils.clip_grad_norm_(
             [p for part in self.model_parts for p in part.parameters()],
@@ -240,7 +240,12 @@ class Trainer:
         lr = self.lr_schedulers.get_last_lr()
         self.optimizers.step()
         self.lr_schedulers.step()
-        self.last_mtp_loss = self._reduce_loss_for_logging(mtp_total) if self.model_args.mtp_layers else None
+        self.last_mtp_loss = None
+        if self.model_args.mtp_layers:
+            # the backward used main + lambda x MTP; log the parts (zero on ranks without the last stage)
+            loss = self.step_loss.main_total.to(self.device) if self.has_last_stage else torch.zeros_like(loss)
+            mtp_total = self.step_loss.mtp_total.to(self.device) if self.has_last_stage else torch.zeros_like(loss)
+            self.last_mtp_loss = self._reduce_loss_for_logging(mtp_total)
         return self._reduce_loss_for_logging(loss), grad_norm, lr
 
     def _reduce_loss_for_logging(self, loss: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from torchtitan.config.job_config import JobConfig
 __all__ = [
     "IGNORE_INDEX",
     "LossFn",
+    "LossWithMTP",
     "RescaledLoss",
     "build_loss_fn",
     "check_finite_loss",
@@ -114,6 +115,33 @@ def mtp_loss(
         for logits, labels, count in zip(mtp_logits, mtp_labels, valid_tokens, strict=True)
     ]
     return sum(per_module) / len(per_module)
+
+
+class LossWithMTP:
+    """One micro-batch's share of DeepSeek-V3's L_main + lambda x L_MTP, as one callable for the trainer and for
+    pipeline schedules (which call loss_fn(output, target) per micro-batch and keep only the sum).
+
+    output: the model's (logits, MTP logits of each module); target: (bs, 1 + modules, seqlen), the labels followed by
+    each module's `mtp_targets`. Set `valid_tokens` (per module, over the step) and call `reset` each step; the
+    detached parts accumulate in `main_total` / `mtp_total` for logging.
+    """
+
+    def __init__(self, main_loss: RescaledLoss, weight: float) -> None:
+        self.main_loss = main_loss
+        self.weight = weight
+        self.valid_tokens: list[torch.Tensor | float] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.main_total = self.mtp_total = torch.zeros(())
+
+    def __call__(self, output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+        logits, *mtp_logits = output
+        main = self.main_loss(logits, target[:, 0])
+        mtp = mtp_loss(self.main_loss.loss_fn, mtp_logits, list(target[:, 1:].unbind(1)), self.valid_tokens)
+        self.main_total = self.main_total.to(main.device) + main.detach()
+        self.mtp_total = self.mtp_total.to(mtp.device) + mtp.detach()
+        return main + self.weight * mtp
 
 
 def check_finite_loss(loss: torch.Tensor | float, step: int, rank: int) -> None:

@@ -1,6 +1,8 @@
-"""Pipeline parallelism: stage split, and 1F1B / Interleaved1F1B give the single-process loss and gradients."""
+"""Pipeline parallelism: stage split, and 1F1B / Interleaved1F1B (and, with MTP, ZBV) give the single-process loss
+and gradients."""
 
 import copy
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -18,6 +20,7 @@ from tests.unit.distributed._model_parity import (
     tiny_args,
 )
 from tests.unit.distributed._spawn import run_distributed
+from torchtitan.components.loss import IGNORE_INDEX, LossWithMTP, RescaledLoss, cross_entropy_sum, mtp_targets
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.deepseek_v3.pipeline import module_names_per_stage, pipeline_deepseekv3
 
@@ -69,3 +72,82 @@ def _pipeline_matches(rank: int, world_size: int) -> None:
 
 def test_pipeline_schedules_match_single_process():
     run_distributed(_pipeline_matches, 2)
+
+
+def test_stage_split_puts_mtp_on_the_last_stage_weighted_as_two_layers():
+    stages = module_names_per_stage(2, 6, mtp_layers=1)
+    # 6 layers + embedding + head + 2 for the MTP module = 10: the first stage takes 4 layers, the last 2
+    assert stages == [
+        ["tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3"],
+        ["layers.4", "layers.5", "norm", "output", "mtp"],
+    ]
+
+
+BOS = 1
+
+
+def _pipeline_with_mtp_matches(rank: int, world_size: int) -> None:
+    """MTP on the last stage, fed the embeddings the first stage sends down the pipeline, with block-causal masks
+    from document ids every stage receives: loss and every gradient (the embedding's from both uses) as one process."""
+    # 6 layers: with the MTP modules weighted as 2 layers each, 4 stages still give every middle stage a layer;
+    # expert-bias balancing on, so the token counts are compared too
+    args = replace(tiny_args(), n_layers=6, mtp_layers=2, attn_mask_type="block_causal")
+    args.moe_args = replace(args.moe_args, load_balance_coeff=1e-3)
+    inputs, labels = batch()
+    inputs = inputs.clone()
+    inputs[:, SEQ_LEN // 2] = BOS  # two packed documents per sequence
+    document_ids = (inputs == BOS).cumsum(dim=1)
+    targets = torch.stack([labels, *(mtp_targets(inputs, labels, k, BOS) for k in range(2))], dim=1)
+
+    def step_loss():
+        loss = LossWithMTP(RescaledLoss(cross_entropy_sum, BATCH * SEQ_LEN), weight=0.3)
+        loss.valid_tokens = [(targets[:, 1 + k] != IGNORE_INDEX).sum().float() for k in range(2)]
+        return loss
+
+    reference = build_reference(args)
+    ref_loss = step_loss()(reference(inputs, document_ids=document_ids, next_tokens=labels), targets)
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+    ref_counts = {n: b for n, b in reference.named_buffers() if n.endswith("tokens_per_expert")}
+    assert ref_grads["tok_embeddings.weight"].abs().sum() > 0 and ref_counts
+    for schedule in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble"):
+        cfg = job_config(
+            parallelism__pipeline_parallel_degree=2,
+            parallelism__pipeline_parallel_schedule=schedule,
+            parallelism__pipeline_parallel_microbatch_size=1,
+            training__local_batch_size=BATCH,
+        )
+        dims = ParallelDims.from_config(cfg.parallelism, world_size)
+        dims.build_mesh("cpu")
+        loss_fn = step_loss()
+        model = build_reference(args)
+        pp_schedule, parts, has_first, has_last = pipeline_deepseekv3(
+            model, dims, cfg, torch.device("cpu"), args, loss_fn
+        )
+        losses = []
+        kwargs = dict(document_ids=document_ids, next_tokens=labels)
+        target = targets if has_last else None
+        if has_first:
+            pp_schedule.step(inputs, target=target, losses=losses, **kwargs)
+        else:
+            pp_schedule.step(target=target, losses=losses, **kwargs)
+        loss = torch.stack(losses).sum() if has_last else torch.zeros(())
+        dist.all_reduce(loss)
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6, msg=schedule)
+        names = set()
+        for part in parts:
+            for name, param in part.named_parameters():
+                torch.testing.assert_close(param.grad, ref_grads[name], rtol=1e-4, atol=5e-6, msg=f"{schedule} {name}")
+                names.add(name)
+            # every micro-batch's tokens counted once, nothing else (torch >= 2.13 runs each stage once more on
+            # placeholder inputs to infer shapes)
+            for name, count in part.named_buffers():
+                if name.endswith("tokens_per_expert"):
+                    torch.testing.assert_close(count, ref_counts[name], rtol=0, atol=0, msg=f"{schedule} {name}")
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, names)
+        assert set().union(*gathered) == set(ref_grads), schedule  # every parameter lives on some stage
+
+
+def test_pipeline_with_mtp_and_document_masks_matches_single_process():
+    run_distributed(_pipeline_with_mtp_matches, 2)

@@ -38,18 +38,32 @@ class DeepSeekV3Model(nn.Module):
         exchange with the other's compute (`parallelism.expert_parallel_overlap`, set by parallelize)."""
 
     def forward(
-        self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, next_tokens: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        self,
+        tokens: torch.Tensor,
+        mtp_embeddings: torch.Tensor | None = None,
+        *,
+        document_ids: torch.Tensor | None = None,
+        next_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """tokens: (bs, seqlen) int, or hidden states (bs, seqlen, dim) on a pipeline stage without tok_embeddings.
 
         document_ids: (bs, seqlen), equal ids = same packed document; switches to block-causal attention.
         next_tokens: (bs, seqlen) the token after each position (the labels); with MTP modules, also returns their
         logits: MTP module k (0-based) at position i predicts token i + k + 2 from token i + k + 1's embedding.
+        mtp_embeddings: (mtp_layers, bs, seqlen, dim), those embeddings, passed between pipeline stages: the stage
+        holding the embedding computes them and every later stage carries them to the MTP modules on the last one.
         Returns logits (bs, seqlen, vocab), or hidden states (bs, seqlen, dim) on a stage without `output`;
-        (logits, [MTP logits (bs, seqlen, vocab) per module]) when next_tokens is given and MTP modules exist.
+        (logits, MTP logits (bs, seqlen, vocab) of each module) when next_tokens is given and MTP modules exist (a
+        flat tuple of tensors: pipeline stages send and return nothing else);
+        (hidden states, mtp_embeddings) on a pipeline stage before the MTP modules.
         """
         if self.args.attn_mask_type == "block_causal" and document_ids is None:
-            raise ValueError("attn_mask_type='block_causal' needs document_ids; pass model(tokens, document_ids)")
+            raise ValueError("attn_mask_type='block_causal' needs document_ids; pass model(tokens, document_ids=...)")
+        if mtp_embeddings is not None and (self.tok_embeddings is not None or not self.args.mtp_layers):
+            raise ValueError(
+                "mtp_embeddings only pass between pipeline stages of a model with MTP modules; pass document_ids "
+                "and next_tokens by keyword"
+            )
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
         seqlen = h.shape[1]
         if seqlen > self.freqs_cis.shape[0]:
@@ -60,26 +74,38 @@ class DeepSeekV3Model(nn.Module):
                 "mixed precision instead, or recompute: model.freqs_cis = precompute_freqs_cis(model.args, device)"
             )
         freqs_cis = self.freqs_cis[:seqlen]
-        run_mtp = next_tokens is not None and len(self.mtp) > 0
+        training_mtp = self.args.mtp_layers > 0 and (next_tokens is not None or mtp_embeddings is not None)
+        mtp_here = training_mtp and len(self.mtp) > 0
+        # a pipeline stage before the MTP modules: pass their inputs on (computed on the embedding's stage)
+        mtp_later = training_mtp and len(self.mtp) == 0
+        if mtp_later and mtp_embeddings is None:
+            mtp_embeddings = torch.stack([self._mtp_embedding(next_tokens, k) for k in range(self.args.mtp_layers)])
         # the whole batch's mask: for the layers unless they run on micro-batches (own masks), and for MTP
         full_batch = self.overlap_micro_batches == 1
-        attention_mask = build_attention_mask(document_ids) if full_batch or run_mtp else None
+        attention_mask = build_attention_mask(document_ids) if full_batch or mtp_here else None
         if full_batch:
             for layer in self.layers.values():
                 h = layer(h, freqs_cis, attention_mask)
         else:
             h = self._forward_micro_batches(h, freqs_cis, document_ids)
+        if mtp_later:
+            return h, mtp_embeddings
         logits = self.norm(h) if self.norm is not None else h
         logits = self.output(logits) if self.output is not None else logits
-        if not run_mtp:
+        if not mtp_here:
             return logits
         mtp_logits = []
         for k, block in enumerate(self.mtp.values()):
-            # token i + k + 1 at position i; the last k positions repeat the final token (their targets are ignored)
-            shifted = torch.cat([next_tokens[:, k:], next_tokens[:, -1:].expand(-1, k)], dim=1)
-            h, normed = block(h, self.tok_embeddings(shifted), freqs_cis, attention_mask)
+            embedding = mtp_embeddings[k] if mtp_embeddings is not None else self._mtp_embedding(next_tokens, k)
+            h, normed = block(h, embedding, freqs_cis, attention_mask)
             mtp_logits.append(self.output(normed))
-        return logits, mtp_logits
+        return logits, *mtp_logits
+
+    def _mtp_embedding(self, next_tokens: torch.Tensor, module: int) -> torch.Tensor:
+        """The embedding of token i + module + 1 at position i; the last `module` positions repeat the final token
+        (their targets are ignored)."""
+        shifted = torch.cat([next_tokens[:, module:], next_tokens[:, -1:].expand(-1, module)], dim=1)
+        return self.tok_embeddings(shifted)
 
     def _forward_micro_batches(
         self, h: torch.Tensor, freqs_cis: torch.Tensor, document_ids: torch.Tensor | None

@@ -5,6 +5,12 @@ Stages get contiguous layers; the embedding and the norm+output head each count 
 whole model with the other layers deleted and the missing top-level modules set to None (the model's forward
 skips None modules), so parameter names stay those of the full model (checkpoints are stage-independent).
 
+Multi-token prediction: the MTP modules run on the last stage, after the output head they share. The embedding
+they also share stays on the first stage, which embeds the MTP input tokens and sends them down the pipeline with
+the hidden states (model.forward's `mtp_embeddings`); their gradient flows back the same way. That costs one more
+(bs, seqlen, dim) activation per module in each stage-to-stage send, and keeps one copy of the embedding: no tied
+weights to keep in sync across ranks, to count once in the gradient norm or to save once.
+
 Loss scaling: the schedule calls `loss_fn(output, labels)` once per micro-batch and backpropagates each
 micro-batch loss separately, so gradients are the SUM over micro-batches (`scale_grads=False`). The trainer's
 loss_fn divides the token-sum cross-entropy by the global number of valid tokens of the whole step, so the sum
@@ -13,9 +19,10 @@ over micro-batches (and over dp ranks) equals the non-PP loss and gradient exact
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -28,11 +35,45 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
     get_schedule_class,
 )
+from torch.distributed.tensor import DTensor
 
+from torchtitan.components.loss import LossWithMTP
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
 
-__all__ = ["module_names_per_stage", "pipeline_deepseekv3"]
+__all__ = ["TrainingStage", "module_names_per_stage", "pipeline_deepseekv3"]
+
+
+class TrainingStage(PipelineStage):
+    """A PipelineStage whose shape inference leaves no trace in training state.
+
+    torch >= 2.13 infers the shapes sent between stages by running every stage once, forward and backward (from
+    loss_fn on the last stage), on placeholder inputs before the first micro-batch. That run would count its
+    tokens into the MoE layers' expert-bias balancing and its loss into the logged MTP loss; the stage's buffers and
+    the loss's running totals are put back as they were.
+    """
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        with _restored(self.submod):
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _backward_metadata_inference(self, *args, **kwargs):
+        with _restored(self.submod, kwargs.get("loss_fn")):
+            return super()._backward_metadata_inference(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _restored(module: nn.Module, loss_fn: Callable | None = None) -> Iterator[None]:
+    local = [buffer.to_local() if isinstance(buffer, DTensor) else buffer for buffer in module.buffers()]
+    buffers = [(buffer, buffer.detach().clone()) for buffer in local]
+    totals = (loss_fn.main_total, loss_fn.mtp_total) if isinstance(loss_fn, LossWithMTP) else None
+    yield
+    with torch.no_grad():
+        for buffer, saved in buffers:
+            if not torch.equal(buffer, saved):  # untouched ones (freqs_cis) may be saved for the backward
+                buffer.copy_(saved)
+    if totals is not None:
+        loss_fn.main_total, loss_fn.mtp_total = totals
 
 
 def pipeline_deepseekv3(
@@ -77,7 +118,7 @@ def pipeline_deepseekv3(
                 "pipeline_parallel_layers_per_stage."
             )
     num_stages = parallel_dims.pp * stages_per_rank
-    names_per_stage = module_names_per_stage(num_stages, num_layers)
+    names_per_stage = module_names_per_stage(num_stages, num_layers, mtp_layers=model_args.mtp_layers)
 
     local_batch_size = job_config.training.local_batch_size
     microbatch_size = parallelism.pipeline_parallel_microbatch_size
@@ -97,7 +138,7 @@ def pipeline_deepseekv3(
         part = _split(model, names_per_stage[stage_id])
         part = parallelize_deepseekv3(part, parallel_dims, job_config)
         model_parts.append(part)
-        stages.append(PipelineStage(part, stage_id, num_stages, device, group=pp_mesh.get_group()))
+        stages.append(TrainingStage(part, stage_id, num_stages, device, group=pp_mesh.get_group()))
 
     schedule = schedule_class(
         stages if issubclass(schedule_class, PipelineScheduleMulti) else stages[0],
@@ -111,13 +152,16 @@ def pipeline_deepseekv3(
 
 
 def module_names_per_stage(
-    num_stages: int, num_layers: int, input_weight: int = 1, output_weight: int = 1
+    num_stages: int, num_layers: int, input_weight: int = 1, output_weight: int = 1, mtp_layers: int = 0
 ) -> list[list[str]]:
     """Top-level module names of each stage, balancing layer counts with the embedding / head weighted as layers.
+
+    MTP modules go on the last stage, each weighted as two layers (its block, and another pass through the head).
 
     >>> module_names_per_stage(2, 4)
     [['tok_embeddings', 'layers.0', 'layers.1'], ['layers.2', 'layers.3', 'norm', 'output']]
     """
+    output_weight += 2 * mtp_layers
     effective = num_layers + input_weight + output_weight
     if num_stages > effective or num_stages < 1:
         raise ValueError(f"{num_stages} pipeline stages for {num_layers} layers: every stage needs a layer.")
@@ -137,7 +181,7 @@ def module_names_per_stage(
                 stage_names.append(f"layers.{next_layer}")
                 next_layer += 1
         if stage == num_stages - 1:
-            stage_names += ["norm", "output"]
+            stage_names += ["norm", "output"] + (["mtp"] if mtp_layers else [])
         if not any(n.startswith("layers.") for n in stage_names) and 0 < stage < num_stages - 1:
             raise ValueError(f"pipeline stage {stage} of {num_stages} would have no layer; use fewer stages.")
         names.append(stage_names)
@@ -160,4 +204,6 @@ def _split(model: nn.Module, keep: list[str]) -> nn.Module:
     for name in ("tok_embeddings", "norm", "output"):
         if name not in keep:
             setattr(part, name, None)
+    if "mtp" not in keep:
+        part.mtp = nn.ModuleDict()
     return part

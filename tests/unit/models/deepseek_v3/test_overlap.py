@@ -18,7 +18,7 @@ OVERLAP = "--parallelism.expert_parallel_overlap"
 def _loss_and_grads(model, tokens, document_ids, micro_batches):
     model.zero_grad()
     model.overlap_micro_batches = micro_batches
-    logits = model(tokens, document_ids)
+    logits = model(tokens, document_ids=document_ids)
     logits.float().pow(2).mean().backward()
     return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
