@@ -38,32 +38,39 @@ def test_stage_split_weights_embedding_and_head_as_layers():
         module_names_per_stage(9, 3)
 
 
+def _pipeline_step(model, args, schedule, world_size, loss_fn, inputs, target, **kwargs):
+    """Split `model` into a 2-rank pipeline with one-sequence micro-batches and run one step; returns (loss summed
+    over micro-batches and ranks, this rank's stage modules)."""
+    cfg = job_config(
+        parallelism__pipeline_parallel_degree=2,
+        parallelism__pipeline_parallel_schedule=schedule,
+        parallelism__pipeline_parallel_microbatch_size=1,
+        training__local_batch_size=BATCH,
+    )
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    dims.build_mesh("cpu")
+    pp_schedule, parts, has_first, has_last = pipeline_deepseekv3(model, dims, cfg, torch.device("cpu"), args, loss_fn)
+    losses = []
+    target = target if has_last else None
+    if has_first:
+        pp_schedule.step(inputs, target=target, losses=losses, **kwargs)
+    else:
+        pp_schedule.step(target=target, losses=losses, **kwargs)
+    loss = torch.stack(losses).sum().detach() if has_last else torch.zeros(())
+    dist.all_reduce(loss)
+    return loss, parts
+
+
 def _pipeline_matches(rank: int, world_size: int) -> None:
     reference = build_reference(tiny_args())
     ref_loss, ref_grads = reference_loss_and_grads(reference)
     inputs, labels = batch()
     for schedule in ("1F1B", "Interleaved1F1B"):
-        cfg = job_config(
-            parallelism__pipeline_parallel_degree=2,
-            parallelism__pipeline_parallel_schedule=schedule,
-            parallelism__pipeline_parallel_microbatch_size=1,
-            training__local_batch_size=BATCH,
-        )
-        dims = ParallelDims.from_config(cfg.parallelism, world_size)
-        dims.build_mesh("cpu")
         # the loss of each micro-batch is divided by the whole step's token count, so micro-batch sums match
         loss_fn = partial(loss_of, num_tokens=BATCH * SEQ_LEN)
-        pp_schedule, parts, has_first, has_last = pipeline_deepseekv3(
-            copy.deepcopy(reference), dims, cfg, torch.device("cpu"), tiny_args(), loss_fn
-        )
+        model = copy.deepcopy(reference)
+        loss, parts = _pipeline_step(model, tiny_args(), schedule, world_size, loss_fn, inputs, labels)
         assert len(parts) == (2 if schedule == "Interleaved1F1B" else 1)
-        losses = []
-        if has_first:
-            pp_schedule.step(inputs, target=labels if has_last else None, losses=losses)
-        else:
-            pp_schedule.step(target=labels if has_last else None, losses=losses)
-        loss = torch.stack(losses).sum() if has_last else torch.zeros(())
-        dist.all_reduce(loss)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
         for part in parts:
             for name, param in part.named_parameters():
@@ -111,28 +118,9 @@ def _pipeline_with_mtp_matches(rank: int, world_size: int) -> None:
     ref_counts = {n: b for n, b in reference.named_buffers() if n.endswith("tokens_per_expert")}
     assert ref_grads["tok_embeddings.weight"].abs().sum() > 0 and ref_counts
     for schedule in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble"):
-        cfg = job_config(
-            parallelism__pipeline_parallel_degree=2,
-            parallelism__pipeline_parallel_schedule=schedule,
-            parallelism__pipeline_parallel_microbatch_size=1,
-            training__local_batch_size=BATCH,
-        )
-        dims = ParallelDims.from_config(cfg.parallelism, world_size)
-        dims.build_mesh("cpu")
-        loss_fn = step_loss()
-        model = build_reference(args)
-        pp_schedule, parts, has_first, has_last = pipeline_deepseekv3(
-            model, dims, cfg, torch.device("cpu"), args, loss_fn
-        )
-        losses = []
+        model, loss_fn = build_reference(args), step_loss()
         kwargs = dict(document_ids=document_ids, next_tokens=labels)
-        target = targets if has_last else None
-        if has_first:
-            pp_schedule.step(inputs, target=target, losses=losses, **kwargs)
-        else:
-            pp_schedule.step(target=target, losses=losses, **kwargs)
-        loss = torch.stack(losses).sum() if has_last else torch.zeros(())
-        dist.all_reduce(loss)
+        loss, parts = _pipeline_step(model, args, schedule, world_size, loss_fn, inputs, targets, **kwargs)
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6, msg=schedule)
         names = set()
         for part in parts:
