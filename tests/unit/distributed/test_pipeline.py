@@ -93,7 +93,7 @@ def test_stage_split_puts_mtp_on_the_last_stage_weighted_as_two_layers():
 BOS = 1
 
 
-def _pipeline_with_mtp_matches(rank: int, world_size: int) -> None:
+def _pipeline_with_mtp_matches(rank: int, world_size: int, schedule: str) -> None:
     """MTP on the last stage, fed the embeddings the first stage sends down the pipeline, with block-causal masks
     from document ids every stage receives: loss and every gradient (the embedding's from both uses) as one process."""
     # 6 layers: with the MTP modules weighted as 2 layers each, 4 stages still give every middle stage a layer;
@@ -117,25 +117,31 @@ def _pipeline_with_mtp_matches(rank: int, world_size: int) -> None:
     ref_grads = {n: p.grad for n, p in reference.named_parameters()}
     ref_counts = {n: b for n, b in reference.named_buffers() if n.endswith("tokens_per_expert")}
     assert ref_grads["tok_embeddings.weight"].abs().sum() > 0 and ref_counts
-    for schedule in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble"):
-        model, loss_fn = build_reference(args), step_loss()
-        kwargs = dict(document_ids=document_ids, next_tokens=labels)
-        loss, parts = _pipeline_step(model, args, schedule, world_size, loss_fn, inputs, targets, **kwargs)
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6, msg=schedule)
-        names = set()
-        for part in parts:
-            for name, param in part.named_parameters():
-                torch.testing.assert_close(param.grad, ref_grads[name], rtol=1e-4, atol=5e-6, msg=f"{schedule} {name}")
-                names.add(name)
-            # every micro-batch's tokens counted once, nothing else (torch >= 2.13 runs each stage once more on
-            # placeholder inputs to infer shapes)
-            for name, count in part.named_buffers():
-                if name.endswith("tokens_per_expert"):
-                    torch.testing.assert_close(count, ref_counts[name], rtol=0, atol=0, msg=f"{schedule} {name}")
-        gathered = [None] * world_size
-        dist.all_gather_object(gathered, names)
-        assert set().union(*gathered) == set(ref_grads), schedule  # every parameter lives on some stage
+    model, loss_fn = build_reference(args), step_loss()
+    kwargs = dict(document_ids=document_ids, next_tokens=labels)
+    loss, parts = _pipeline_step(model, args, schedule, world_size, loss_fn, inputs, targets, **kwargs)
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6, msg=schedule)
+    names = set()
+    for part in parts:
+        for name, param in part.named_parameters():
+            torch.testing.assert_close(param.grad, ref_grads[name], rtol=1e-4, atol=5e-6, msg=f"{schedule} {name}")
+            names.add(name)
+        # every micro-batch's tokens counted once, nothing else (torch >= 2.13 runs each stage once more on
+        # placeholder inputs to infer shapes)
+        for name, count in part.named_buffers():
+            if name.endswith("tokens_per_expert"):
+                torch.testing.assert_close(count, ref_counts[name], rtol=0, atol=0, msg=f"{schedule} {name}")
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, names)
+    assert set().union(*gathered) == set(ref_grads), schedule  # every parameter lives on some stage
 
 
-def test_pipeline_with_mtp_and_document_masks_matches_single_process():
-    run_distributed(_pipeline_with_mtp_matches, 2)
+# torch 2.11's ZBV schedule cannot start over gloo ("Pair is not connected" in its first send), with or without MTP
+ZBV_ON_GLOO = pytest.mark.skipif(
+    tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 13), reason="torch < 2.13: ZBV fails on gloo"
+)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", pytest.param("ZBVZeroBubble", marks=ZBV_ON_GLOO)])
+def test_pipeline_with_mtp_and_document_masks_matches_single_process(schedule):
+    run_distributed(_pipeline_with_mtp_matches, 2, schedule)
