@@ -4,7 +4,8 @@
 
 With balanced routing each EP rank computes tokens * top_k token copies spread evenly over its E / ep experts.
 Times (CUDA events, median) and achieved TFLOP/s for: the three bare `torch._grouped_mm` calls, and
-`run_experts_grouped_mm` (padding + SwiGLU + unpadding) eager and compiled, forward and forward+backward.
+`run_experts_grouped_mm` (padding + SwiGLU + unpadding) eager and compiled, forward and forward+backward, in bf16
+and in FP8 (`--quantize.float8_experts`: rowwise-scaled `torch._scaled_grouped_mm`, quantization included).
 This separates the GEMM rate from everything else in the MoE layer benchmark (routing, permutation, DeepEP).
 """
 
@@ -55,6 +56,8 @@ def main() -> None:
         "bare_grouped_mm": bare,
         "experts_eager": lambda: run_experts_grouped_mm(x, counts, w1, w2, w3, alignment),
         "experts_compiled": lambda: compiled(x, counts, w1, w2, w3, alignment),
+        "experts_fp8_eager": lambda: run_experts_grouped_mm(x, counts, w1, w2, w3, 16, True),
+        "experts_fp8_compiled": lambda: compiled(x, counts, w1, w2, w3, 16, True),
     }
     fwd_flops = 2 * 3 * dim * hidden * rows
     result = dict(
@@ -93,6 +96,13 @@ def main() -> None:
             f"fwd+bwd {fwd_bwd_ms:.2f} ms ({result[name]['fwd_bwd_tflops']:.0f} TFLOP/s)",
             flush=True,
         )
+    for phase in ("fwd_ms", "fwd_bwd_ms"):
+        result[f"fp8_speedup_{phase[:-3]}"] = result["experts_compiled"][phase] / result["experts_fp8_compiled"][phase]
+    print(
+        f"fp8 compiled vs bf16 compiled: fwd {result['fp8_speedup_fwd']:.2f}x, "
+        f"fwd+bwd {result['fp8_speedup_fwd_bwd']:.2f}x",
+        flush=True,
+    )
     write_result(result, f"grouped_gemm_{args.layer}_ep{args.ep}_t{args.tokens}")
 
 

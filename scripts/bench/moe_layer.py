@@ -33,6 +33,7 @@ from scripts.bench.common import (  # noqa: E402
 from torchtitan.distributed.compile import compile_moe  # noqa: E402
 from torchtitan.models.deepseek_v3.overlap import CommStreams, moe_overlapped, route_and_prepare  # noqa: E402
 from torchtitan.models.moe.args import MoEArgs  # noqa: E402
+from torchtitan.models.moe.experts import convert_to_float8_experts  # noqa: E402
 from torchtitan.models.moe.moe import build_moe  # noqa: E402
 
 LAYERS = {
@@ -119,6 +120,9 @@ def main() -> None:
         help="fwd+bwd of two micro-batches of --tokens each, one's dispatch/combine next to the other's compute "
         "(the trainer's --parallelism.expert_parallel_overlap schedule); times are reported per --tokens",
     )
+    parser.add_argument(
+        "--float8-experts", action="store_true", help="routed experts in FP8 (the trainer's --quantize.float8_experts)"
+    )
     args = parser.parse_args()
 
     device = init_nccl_from_torchrun()
@@ -126,11 +130,13 @@ def main() -> None:
     ep_mesh = init_device_mesh("cuda", (ep,), mesh_dim_names=("ep",))
     layer = LAYERS[args.layer]
     moe = build_layer(layer, args.backend, ep_mesh, device, args.num_sms, balanced=args.routing == "balanced")
+    if args.float8_experts:
+        convert_to_float8_experts(moe)
     if args.compile:
         compile_moe(moe, "inductor")
     mode = "compile" if args.compile else "eager"
     routing_tag = "" if args.routing == "balanced" else f"_zipf{args.zipf_exponent:g}"
-    overlap_tag = "_overlap" if args.overlap else ""
+    overlap_tag = ("_overlap" if args.overlap else "") + ("_fp8" if args.float8_experts else "")
 
     for tokens in args.tokens:
         torch.manual_seed(dist.get_rank())
@@ -186,6 +192,7 @@ def main() -> None:
             backend=args.backend,
             mode=mode,
             overlap=args.overlap,
+            float8_experts=args.float8_experts,
             ep=ep,
             tokens_per_rank=tokens,
             **routing,

@@ -284,6 +284,14 @@ class Profiling:
 
 
 @dataclass
+class Quantize:
+    float8_experts: bool = False
+    """Run the routed experts' grouped GEMMs in FP8 (e4m3, rowwise scales), forward and backward. Needs FP8 tensor
+    cores (compute capability 8.9+, e.g. H100/H200; CPU emulates them) and dim / moe_inter_dim multiples of 16.
+    The router, the shared experts, attention and the output head stay in bf16."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -298,3 +306,4 @@ class JobConfig:
     comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)
     profiling: Profiling = field(default_factory=Profiling)
+    quantize: Quantize = field(default_factory=Quantize)

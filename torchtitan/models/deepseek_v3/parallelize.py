@@ -44,7 +44,8 @@ from torchtitan.distributed.expert_parallel import (
 )
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.utils import device_type
-from torchtitan.models.moe.experts import GroupedExperts
+from torchtitan.models.moe.experts import GroupedExperts, convert_to_float8_experts
+from torchtitan.models.moe.float8 import check_float8_supported
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,10 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
 
     if parallelism.expert_parallel_overlap:
         model.overlap_micro_batches = 2  # preflight (check_ep_overlap) validated the combination
+    if job_config.quantize.float8_experts:
+        check_float8_supported(torch.device(device_type()))
+        converted = convert_to_float8_experts(model)
+        logger.info(f"quantize.float8_experts: {converted} routed-expert modules run FP8 grouped GEMMs")
 
     apply_ac(model, job_config.activation_checkpoint)
     if job_config.compile.enable and "model" in job_config.compile.components:

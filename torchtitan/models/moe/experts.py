@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan.models.moe.float8 import float8_grouped_mm
 from torchtitan.models.moe.row_gather import gather_rows
 
 
@@ -22,21 +23,28 @@ def run_experts_grouped_mm(
     w2: torch.Tensor,
     w3: torch.Tensor,
     alignment: int,
+    float8: bool = False,
 ) -> torch.Tensor:
+    """float8: the three GEMMs in FP8 with rowwise scales, forward and backward (float8.py); alignment >= 16."""
     num_rows, dim = x.shape
     num_experts = w1.shape[0]
     row_to_padded, offsets = padded_group_layout(num_tokens_per_expert, num_rows, num_experts, alignment)
 
-    # (T_pad, dim), T_pad = T + E * alignment is a static upper bound of the padded size; padding rows are zero.
+    # (T_pad, dim), T_pad ~ T + E * alignment is a static upper bound of the padded size; padding rows are zero.
     # Every gradient that reaches the grouped GEMMs is dense (the unpadding gather's backward is a scatter into zeros),
     # which the GEMM backward needs (it rejects the stride-0 gradients of e.g. `out.sum()`).
-    padded_rows = num_rows + num_experts * alignment
+    # The total is a multiple of the alignment too: the weight-gradient GEMM reads the rows as columns (16-byte rows).
+    padded_rows = (num_rows + alignment - 1) // alignment * alignment + num_experts * alignment
     x_padded = x.new_zeros(padded_rows, dim, dtype=torch.bfloat16).index_copy(0, row_to_padded, x.bfloat16())
     w1, w2, w3 = w1.bfloat16(), w2.bfloat16(), w3.bfloat16()
 
-    h = F.silu(torch._grouped_mm(x_padded, w1.transpose(-2, -1), offs=offsets))  # (T_pad, hidden)
-    h = h * torch._grouped_mm(x_padded, w3.transpose(-2, -1), offs=offsets)
-    out_padded = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)  # (T_pad, dim)
+    if float8:
+        h = F.silu(float8_grouped_mm(x_padded, w1, offsets)) * float8_grouped_mm(x_padded, w3, offsets)
+        out_padded = float8_grouped_mm(h, w2, offsets)
+    else:
+        h = F.silu(torch._grouped_mm(x_padded, w1.transpose(-2, -1), offs=offsets))  # (T_pad, hidden)
+        h = h * torch._grouped_mm(x_padded, w3.transpose(-2, -1), offs=offsets)
+        out_padded = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)  # (T_pad, dim)
     return gather_rows(out_padded, row_to_padded, unique=True).to(x.dtype)  # (T, dim)
 
 
@@ -52,7 +60,10 @@ class GroupedExperts(nn.Module):
     """
 
     token_group_alignment: int = 8
-    """Rows each expert's group is padded to a multiple of: 8 for bf16; set 16 (fp8) or 32 (mxfp8) if needed."""
+    """Rows each expert's group is padded to a multiple of: 8 for bf16, 16 with `float8` (16 bytes either way)."""
+
+    float8: bool = False
+    """FP8 rowwise-scaled grouped GEMMs (`quantize.float8_experts`, set by `convert_to_float8_experts`)."""
 
     run_grouped_mm = staticmethod(run_experts_grouped_mm)
     """The grouped-GEMM computation; `compile_moe` swaps in one compiled copy shared by all layers."""
@@ -73,13 +84,32 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
         if self.use_grouped_mm:
-            return self.run_grouped_mm(x, num_tokens_per_expert, w1, w2, w3, self.token_group_alignment)
+            return self.run_grouped_mm(x, num_tokens_per_expert, w1, w2, w3, self.token_group_alignment, self.float8)
         return _run_experts_for_loop(x, num_tokens_per_expert, w1, w2, w3)
 
     def init_weights(self, init_std: float) -> None:
         nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
         nn.init.trunc_normal_(self.w2, mean=0.0, std=init_std)
         nn.init.trunc_normal_(self.w3, mean=0.0, std=init_std)
+
+
+def convert_to_float8_experts(model: nn.Module) -> int:
+    """Switch every GroupedExperts of `model` to FP8 grouped GEMMs; returns how many. Raises naming the fix when
+    a shape cannot run in FP8 (both GEMM dims must be multiples of 16) or the experts use the per-expert loop."""
+    converted = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, GroupedExperts):
+            continue
+        hidden_dim, dim = module.w1.shape[1:]
+        if not module.use_grouped_mm or dim % 16 or hidden_dim % 16:
+            raise ValueError(
+                f"{name}: FP8 experts need grouped GEMMs with dim and moe_inter_dim multiples of 16, got dim={dim}, "
+                f"moe_inter_dim={hidden_dim}, use_grouped_mm={module.use_grouped_mm}; drop --quantize.float8_experts"
+            )
+        module.float8 = True
+        module.token_group_alignment = 16
+        converted += 1
+    return converted
 
 
 def padded_group_layout(

@@ -1,0 +1,171 @@
+"""FP8 routed experts (float8.py): quantization error bounds, the emulated scaled grouped GEMM against a
+dequantized reference, gradients against bf16 autograd, per-expert scaling of the weight gradient, that the FP8 path
+is the one that runs, and clear errors. The CUDA kernel against this emulation is tests/gpu/test_float8.py."""
+
+import pytest
+import torch
+
+from torchtitan.models.moe import experts as experts_module
+from torchtitan.models.moe import float8
+from torchtitan.models.moe.experts import GroupedExperts, convert_to_float8_experts, run_experts_grouped_mm
+from torchtitan.models.moe.float8 import (
+    FP8_MAX,
+    check_float8_supported,
+    dequantize,
+    float8_grouped_mm,
+    quantize_columns_per_group,
+    quantize_rowwise,
+)
+
+# e4m3: 3 mantissa bits, so a normal value rounds to within 2^-4 of itself; below 2^-6 (subnormals) the step is
+# 2^-9, in units of the scale (amax / 448)
+REL, SUBNORMAL = 2**-4, 2**-9
+
+
+def _bound(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return t.abs() * REL + scale * SUBNORMAL
+
+
+def test_rowwise_quantization_error_is_bounded_and_amax_is_exact():
+    t = torch.randn(64, 96) * torch.logspace(-4, 4, 64)[:, None]  # rows of very different magnitude
+    q, scale = quantize_rowwise(t)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (64,)
+    back = dequantize(q, scale)
+    assert ((back - t).abs() <= _bound(t, scale[:, None])).all()
+    # each row's largest value maps to the format's maximum, so it is represented exactly
+    torch.testing.assert_close(back.abs().amax(1), t.abs().amax(1), rtol=1e-6, atol=0)
+    assert q.float().abs().amax(1).eq(FP8_MAX).all()
+
+
+def test_zero_rows_quantize_to_zero():
+    q, scale = quantize_rowwise(torch.zeros(3, 16))
+    assert torch.isfinite(scale).all() and q.float().eq(0).all()
+
+
+def test_column_scales_are_per_group_and_padding_rows_are_dropped():
+    offsets = torch.tensor([16, 16, 48], dtype=torch.int32)  # an empty group, then rows 48..63 are padding
+    t = torch.randn(64, 8)
+    t[:16] *= 1e3
+    t[48:] = float("nan")  # unspecified padding rows must not reach any scale
+    q, scale = quantize_columns_per_group(t, offsets)
+    assert scale.shape == (3, 8) and torch.isfinite(scale).all()
+    torch.testing.assert_close(scale[0], t[:16].abs().amax(0) / FP8_MAX)
+    torch.testing.assert_close(scale[2], t[16:48].abs().amax(0) / FP8_MAX)
+    assert q[48:].float().eq(0).all()
+    back = torch.cat([dequantize(q[:16], scale[0], 0), dequantize(q[16:48], scale[2], 0)])
+    assert ((back - t[:48]).abs() <= _bound(t[:48], torch.cat([scale[0].expand(16, 8), scale[2].expand(32, 8)]))).all()
+
+
+def _groups(counts, k, n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    x = torch.randn(int(offsets[-1]), k, generator=gen)
+    w = torch.randn(len(counts), n, k, generator=gen) * 0.1
+    return x, w, offsets
+
+
+def test_forward_is_the_product_of_the_quantized_operands():
+    x, w, offsets = _groups([16, 32, 16], k=32, n=48)
+    out = float8_grouped_mm(x, w, offsets)
+    assert out.dtype == torch.bfloat16
+    x_q, x_scale = quantize_rowwise(x)
+    w_q, w_scale = quantize_rowwise(w)
+    x_deq, w_deq = dequantize(x_q, x_scale), dequantize(w_q, w_scale)
+    start = 0
+    for group, end in enumerate(offsets.tolist()):
+        expected = x_deq[start:end] @ w_deq[group].T
+        torch.testing.assert_close(out[start:end].float(), expected, rtol=1e-2, atol=1e-2)
+        start = end
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.detach().float() - expected.float()).norm() / expected.float().norm())
+
+
+def test_gradients_match_bf16_within_fp8_error():
+    x, w, offsets = _groups([16, 48, 32], k=64, n=32)
+    grad_out = torch.randn(x.shape[0], 32)
+    results = []
+    for fp8 in (True, False):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        if fp8:
+            out = float8_grouped_mm(xi, wi, offsets)
+        else:
+            out = torch._grouped_mm(xi, wi.transpose(-2, -1), offs=offsets)
+        out.float().backward(grad_out)
+        results.append((out, xi.grad, wi.grad))
+    for actual, expected in zip(results[0], results[1], strict=True):
+        # e4m3 rounding of both operands: ~3% relative error on random data; a wrong scale or layout is O(1)
+        assert _relative_error(actual, expected) < 0.06
+
+
+def test_weight_gradient_scales_each_expert_on_its_own():
+    """An expert whose tokens are 1e6 times smaller than another's keeps its gradient: one scale per column over all
+    rows would flush it to zero."""
+    x, w, offsets = _groups([32, 32], k=32, n=16)
+    x[32:] *= 1e-6
+    xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+    float8_grouped_mm(xi, wi, offsets).float().backward(torch.ones(64, 16))
+    expected = torch.ones(32, 16).T @ x[32:]
+    assert _relative_error(wi.grad[1], expected) < 0.06
+
+
+def _experts(float8_on: bool) -> GroupedExperts:
+    torch.manual_seed(0)
+    experts = GroupedExperts(32, 48, 4)
+    experts.init_weights(0.05)
+    if float8_on:
+        assert convert_to_float8_experts(experts) == 1
+    return experts
+
+
+def test_fp8_experts_take_the_scaled_path_and_stay_close_to_bf16(monkeypatch):
+    calls = []
+    real = float8._scaled_grouped_mm
+    monkeypatch.setattr(float8, "_scaled_grouped_mm", lambda *args: calls.append(args[0].dtype) or real(*args))
+    counts = torch.tensor([5, 0, 17, 9])
+    x = torch.randn(31, 32)
+    grad_out = torch.randn(31, 32)
+    outputs = []
+    for float8_on in (True, False):
+        experts = _experts(float8_on)
+        xi = x.clone().requires_grad_()
+        out = experts(xi, counts)
+        out.backward(grad_out)
+        outputs.append((out, xi.grad, experts.w1.grad, experts.w2.grad))
+    # 3 GEMMs forward, 2 x 3 backward, all on FP8 operands
+    assert calls == [torch.float8_e4m3fn] * 9
+    assert not torch.equal(outputs[0][0], outputs[1][0])
+    for actual, expected in zip(outputs[0], outputs[1], strict=True):
+        assert _relative_error(actual, expected) < 0.08
+
+
+def test_fp8_experts_compile():
+    counts = torch.tensor([5, 0, 17, 9])
+    experts = _experts(True)
+    x = torch.randn(31, 32, requires_grad=True)
+    args = (counts, experts.w1, experts.w2, experts.w3, 16, True)
+    eager = run_experts_grouped_mm(x, *args)
+    compiled = torch.compile(run_experts_grouped_mm, backend="aot_eager", fullgraph=True)(x, *args)
+    torch.testing.assert_close(compiled, eager)
+    compiled.sum().backward()
+
+
+def test_shapes_fp8_cannot_take_are_rejected():
+    with pytest.raises(ValueError, match="multiples of 16.*drop --quantize.float8_experts"):
+        convert_to_float8_experts(GroupedExperts(24, 48, 2))
+    with pytest.raises(ValueError, match="use_grouped_mm=False"):
+        convert_to_float8_experts(GroupedExperts(32, 48, 2, use_grouped_mm=False))
+
+
+def test_gpu_without_fp8_tensor_cores_is_rejected(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match="A100 is 8.0; drop --quantize.float8_experts"):
+        check_float8_supported(torch.device("cuda", 0))
+    check_float8_supported(torch.device("cpu"))  # emulated
+
+
+def test_experts_module_uses_alignment_16_in_fp8():
+    assert _experts(True).token_group_alignment == 16
+    assert experts_module.GroupedExperts.token_group_alignment == 8  # the class default is untouched

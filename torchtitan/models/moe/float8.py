@@ -1,0 +1,125 @@
+"""FP8 (e4m3) grouped GEMMs with rowwise scales, for the routed experts, forward and backward.
+
+Every GEMM quantizes its two operands along their reduction dimension (one fp32 scale per row or column that
+is not reduced), so each scale factors out of the dot products and the kernel applies it to the fp32 result:
+
+    forward     out[m]    = x[m] W_e^T      x: one scale per row,            W_e: one per output row
+    grad input  dx[m]     = dout[m] W_e     dout: one per row,               W_e: one per input column
+    grad weight dW_e      = dout_e^T x_e    dout, x: one per column *within each expert's rows*
+
+(torchao's rowwise float8 MoE recipe; DeepSeek-V3 used finer 1x128 / 128x128 blocks). On CUDA the GEMMs are
+`torch._scaled_grouped_mm` (Hopper and newer); elsewhere the same quantized operands are dequantized and multiplied
+in bf16 (exactly: FP8 values are bf16 values) with the scales applied to the results, so CPU tests see the
+same rounding of the inputs. The weights stay bf16/fp32 parameters and are
+quantized on every use, as the gradients need them in two layouts.
+
+Rows past the last group end (padding after the last expert) belong to no group: they are left out of every
+scale, and their outputs are unspecified, as with `torch._grouped_mm`.
+"""
+
+import torch
+
+__all__ = ["FP8_DTYPE", "check_float8_supported", "dequantize", "float8_grouped_mm", "quantize_rowwise"]
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max
+_EPS = 1e-12  # all-zero rows get a finite scale
+
+
+def quantize_rowwise(t: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """t -> (fp8 tensor, fp32 scales) with t ~ fp8 * scale, one scale per slice along `dim` (dim removed)."""
+    amax = t.detach().abs().amax(dim=dim, keepdim=True).float().clamp_min(_EPS)
+    quantized = (t.float() * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return quantized, (amax / FP8_MAX).squeeze(dim)
+
+
+def quantize_columns_per_group(t: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t (M, C) -> (fp8 (M, C), scales (G, C)): one scale per column within each group of rows (offsets: the G
+    cumulative group ends). Rows past the last end are zeroed and left out of the scales."""
+    num_groups = offsets.shape[0]
+    group_of_row = _group_of_row(offsets, t.shape[0])  # (M,), G for rows past the last end
+    amax = t.new_zeros(num_groups + 1, t.shape[1], dtype=torch.float32)
+    amax = amax.scatter_reduce(0, group_of_row[:, None].expand(t.shape), t.detach().abs().float(), "amax")
+    amax = amax[:num_groups].clamp_min(_EPS)
+    inverse = torch.cat([FP8_MAX / amax, amax.new_zeros(1, t.shape[1])])[group_of_row]
+    in_group = (group_of_row < num_groups)[:, None]  # padding rows -> 0, whatever they hold (even NaN)
+    quantized = torch.where(in_group, t.float() * inverse, 0).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return quantized, amax / FP8_MAX
+
+
+def dequantize(quantized: torch.Tensor, scale: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The inverse of `quantize_rowwise` (fp32)."""
+    return quantized.float() * scale.unsqueeze(dim)
+
+
+def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x (M, K) @ w[g] (E, N, K) transposed for the rows of each group g -> (M, N) bf16, in FP8 both ways.
+
+    offsets: (E,) int32 cumulative group ends, as for `torch._grouped_mm`.
+    """
+    return _Float8GroupedMM.apply(x, w, offsets)
+
+
+class _Float8GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w, offsets)
+        x_q, x_scale = quantize_rowwise(x)  # (M, K), (M,)
+        w_q, w_scale = quantize_rowwise(w)  # (E, N, K), (E, N)
+        return _scaled_grouped_mm(x_q, w_q.transpose(-2, -1), x_scale, w_scale, offsets)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        x, w, offsets = ctx.saved_tensors
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            g_q, g_scale = quantize_rowwise(grad_out)  # (M, N), (M,)
+            # W_e^T (K, N) quantized along N, laid out so that its transpose is the column-major (N, K) operand
+            wt_q, wt_scale = quantize_rowwise(w.transpose(-2, -1))  # (E, K, N), (E, K)
+            grad_x = _scaled_grouped_mm(g_q, wt_q.transpose(-2, -1), g_scale, wt_scale, offsets).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            g_q, g_scale = quantize_columns_per_group(grad_out, offsets)  # (M, N), (E, N)
+            x_q, x_scale = quantize_columns_per_group(x, offsets)  # (M, K), (E, K)
+            # row-major (N, M) and column-major (M, K) operands, reduced over each group's rows
+            grad_w = _scaled_grouped_mm(g_q.t().contiguous(), x_q.t().contiguous().t(), g_scale, x_scale, offsets)
+            grad_w = grad_w.to(w.dtype)
+        return grad_x, grad_w, None
+
+
+def _scaled_grouped_mm(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    """Two forms, as torch._scaled_grouped_mm: a (M, K) 2D x b (E, K, N) 3D -> (M, N), scale_a (M,), scale_b
+    (E, N); or a (N, M) x b (M, K), both 2D, grouped along M -> (E, N, K), scale_a (E, N), scale_b (E, K)."""
+    if a.is_cuda:
+        if b.dim() == 2:
+            scale_a, scale_b = scale_a.flatten(), scale_b.flatten()
+        return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offsets, out_dtype=torch.bfloat16)
+    # Emulation: FP8 values are exact in bf16, so the bf16 GEMM sums exact products in fp32; the scales factor out
+    # of each dot product and multiply its result (the kernel does the same before its one rounding to bf16).
+    product = torch._grouped_mm(a.to(torch.bfloat16), b.to(torch.bfloat16), offs=offsets).float()
+    if b.dim() == 3:
+        return (product * scale_a[:, None] * _scale_of_row(scale_b, offsets, a.shape[0])).to(torch.bfloat16)
+    return (product * scale_a[:, :, None] * scale_b[:, None, :]).to(torch.bfloat16)
+
+
+def _scale_of_row(scale_b: torch.Tensor, offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """(E, N) per-group scales -> (M, N), each row's group's (rows past the last end take the last group's)."""
+    return scale_b[_group_of_row(offsets, num_rows).clamp_max(offsets.shape[0] - 1)]
+
+
+def _group_of_row(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
+    rows = torch.arange(num_rows, device=offsets.device)
+    return torch.searchsorted(offsets.to(torch.int64), rows, right=True)
+
+
+def check_float8_supported(device: torch.device) -> None:
+    """FP8 GEMMs need FP8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell); CPU emulates them."""
+    if device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ValueError(
+            f"FP8 experts need FP8 tensor cores (compute capability >= 8.9), but {torch.cuda.get_device_name(device)} "
+            f"is {major}.{minor}; drop --quantize.float8_experts"
+        )
