@@ -75,7 +75,7 @@ class _Float8GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             g_q, g_scale = quantize_rowwise(grad_out)  # (M, N), (M,)
             # W_e^T (K, N) quantized along N, laid out so that its transpose is the column-major (N, K) operand
-            wt_q, wt_scale = quantize_rowwise(w.transpose(-2, -1))  # (E, K, N), (E, K)
+            wt_q, wt_scale = quantize_rowwise(w.transpose(-2, -1).contiguous())  # (E, K, N), (E, K)
             grad_x = _scaled_grouped_mm(g_q, wt_q.transpose(-2, -1), g_scale, wt_scale, offsets).to(x.dtype)
         if ctx.needs_input_grad[1]:
             g_q, g_scale = quantize_columns_per_group(grad_out, offsets)  # (M, N), (E, N)

@@ -169,3 +169,20 @@ def test_gpu_without_fp8_tensor_cores_is_rejected(monkeypatch):
 def test_experts_module_uses_alignment_16_in_fp8():
     assert _experts(True).token_group_alignment == 16
     assert experts_module.GroupedExperts.token_group_alignment == 8  # the class default is untouched
+
+
+def test_cuda_operands_have_the_layouts_the_kernel_requires(monkeypatch):
+    """torch._scaled_grouped_mm takes a row-major first operand and a column-major second one (per group)."""
+    layouts = []
+
+    def record(a, b, *rest):
+        layouts.append((a.stride()[-1] == 1, b.stride()[-2] == 1))
+        return real(a, b, *rest)
+
+    real = float8._scaled_grouped_mm
+    monkeypatch.setattr(float8, "_scaled_grouped_mm", record)
+    x, w, offsets = _groups([16, 32], k=32, n=48)
+    x.requires_grad_()
+    w.requires_grad_()
+    float8_grouped_mm(x, w, offsets).float().sum().backward()
+    assert layouts == [(True, True)] * 3
