@@ -24,6 +24,7 @@ __all__ = ["FP8_DTYPE", "check_float8_supported", "dequantize", "float8_grouped_
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
 _EPS = 1e-12  # all-zero rows get a finite scale
+ROWS_PER_BLOCK = 16
 
 
 def quantize_rowwise(t: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,17 +35,21 @@ def quantize_rowwise(t: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torc
 
 
 def quantize_columns_per_group(t: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """t (M, C) -> (fp8 (M, C), scales (G, C)): one scale per column within each group of rows (offsets: the G
-    cumulative group ends). Rows past the last end are zeroed and left out of the scales."""
+    """t (M, C) -> (fp8 t^T (C, M) contiguous, scales (G, C)): one scale per column within each group of rows, the
+    transposed layout the weight-gradient GEMM reads. offsets: the G cumulative group ends, multiples of
+    `ROWS_PER_BLOCK` like M (the FP8 kernel's 16-byte alignment), so each block of 16 rows is in one group and the
+    per-group maximum is a maximum over per-block maxima. Rows past the last end are zeroed and left out."""
+    num_rows, num_cols = t.shape
     num_groups = offsets.shape[0]
-    group_of_row = _group_of_row(offsets, t.shape[0])  # (M,), G for rows past the last end
-    amax = t.new_zeros(num_groups + 1, t.shape[1], dtype=torch.float32)
-    amax = amax.scatter_reduce(0, group_of_row[:, None].expand(t.shape), t.detach().abs().float(), "amax")
+    group_of_row = _group_of_row(offsets, num_rows)  # (M,), G for rows past the last end
+    block_amax = t.detach().abs().float().view(num_rows // ROWS_PER_BLOCK, ROWS_PER_BLOCK, num_cols).amax(1)
+    group_of_block = group_of_row[::ROWS_PER_BLOCK, None].expand(block_amax.shape)
+    amax = block_amax.new_zeros(num_groups + 1, num_cols).scatter_reduce(0, group_of_block, block_amax, "amax")
     amax = amax[:num_groups].clamp_min(_EPS)
-    inverse = torch.cat([FP8_MAX / amax, amax.new_zeros(1, t.shape[1])])[group_of_row]
-    in_group = (group_of_row < num_groups)[:, None]  # padding rows -> 0, whatever they hold (even NaN)
+    inverse = torch.cat([FP8_MAX / amax, amax.new_zeros(1, num_cols)])[group_of_row]  # padding rows -> 0
+    in_group = (group_of_row < num_groups)[:, None]  # zero them whatever they hold (even NaN)
     quantized = torch.where(in_group, t.float() * inverse, 0).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return quantized, amax / FP8_MAX
+    return quantized.t().contiguous(), amax / FP8_MAX
 
 
 def dequantize(quantized: torch.Tensor, scale: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -55,7 +60,7 @@ def dequantize(quantized: torch.Tensor, scale: torch.Tensor, dim: int = -1) -> t
 def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x (M, K) @ w[g] (E, N, K) transposed for the rows of each group g -> (M, N) bf16, in FP8 both ways.
 
-    offsets: (E,) int32 cumulative group ends, as for `torch._grouped_mm`.
+    offsets: (E,) int32 cumulative group ends, as for `torch._grouped_mm`; with M, multiples of 16 (`ROWS_PER_BLOCK`).
     """
     return _Float8GroupedMM.apply(x, w, offsets)
 
@@ -66,7 +71,8 @@ class _Float8GroupedMM(torch.autograd.Function):
         ctx.save_for_backward(x, w, offsets)
         x_q, x_scale = quantize_rowwise(x)  # (M, K), (M,)
         w_q, w_scale = quantize_rowwise(w)  # (E, N, K), (E, N)
-        return _scaled_grouped_mm(x_q, w_q.transpose(-2, -1), x_scale, w_scale, offsets)
+        # the output GEMM accumulates fast (as torchao's rowwise recipe); the gradient GEMMs do not
+        return _scaled_grouped_mm(x_q, w_q.transpose(-2, -1), x_scale, w_scale, offsets, fast_accum=True)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
@@ -78,23 +84,30 @@ class _Float8GroupedMM(torch.autograd.Function):
             wt_q, wt_scale = quantize_rowwise(w.transpose(-2, -1).contiguous())  # (E, K, N), (E, K)
             grad_x = _scaled_grouped_mm(g_q, wt_q.transpose(-2, -1), g_scale, wt_scale, offsets).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            g_q, g_scale = quantize_columns_per_group(grad_out, offsets)  # (M, N), (E, N)
-            x_q, x_scale = quantize_columns_per_group(x, offsets)  # (M, K), (E, K)
+            gt_q, g_scale = quantize_columns_per_group(grad_out, offsets)  # (N, M), (E, N)
+            xt_q, x_scale = quantize_columns_per_group(x, offsets)  # (K, M), (E, K)
             # row-major (N, M) and column-major (M, K) operands, reduced over each group's rows
-            grad_w = _scaled_grouped_mm(g_q.t().contiguous(), x_q.t().contiguous().t(), g_scale, x_scale, offsets)
+            grad_w = _scaled_grouped_mm(gt_q, xt_q.t(), g_scale, x_scale, offsets)
             grad_w = grad_w.to(w.dtype)
         return grad_x, grad_w, None
 
 
 def _scaled_grouped_mm(
-    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, offsets: torch.Tensor
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    offsets: torch.Tensor,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """Two forms, as torch._scaled_grouped_mm: a (M, K) 2D x b (E, K, N) 3D -> (M, N), scale_a (M,), scale_b
     (E, N); or a (N, M) x b (M, K), both 2D, grouped along M -> (E, N, K), scale_a (E, N), scale_b (E, K)."""
     if a.is_cuda:
         if b.dim() == 2:
             scale_a, scale_b = scale_a.flatten(), scale_b.flatten()
-        return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offsets, out_dtype=torch.bfloat16)
+        return torch._scaled_grouped_mm(
+            a, b, scale_a, scale_b, offs=offsets, out_dtype=torch.bfloat16, use_fast_accum=fast_accum
+        )
     # Emulation: FP8 values are exact in bf16, so the bf16 GEMM sums exact products in fp32; the scales factor out
     # of each dot product and multiply its result (the kernel does the same before its one rounding to bf16).
     product = torch._grouped_mm(a.to(torch.bfloat16), b.to(torch.bfloat16), offs=offsets).float()

@@ -47,10 +47,12 @@ def test_column_scales_are_per_group_and_padding_rows_are_dropped():
     t = torch.randn(64, 8)
     t[:16] *= 1e3
     t[48:] = float("nan")  # unspecified padding rows must not reach any scale
-    q, scale = quantize_columns_per_group(t, offsets)
+    qt, scale = quantize_columns_per_group(t, offsets)
+    assert qt.shape == (8, 64) and qt.is_contiguous()  # transposed, as the weight-gradient GEMM reads it
     assert scale.shape == (3, 8) and torch.isfinite(scale).all()
     torch.testing.assert_close(scale[0], t[:16].abs().amax(0) / FP8_MAX)
     torch.testing.assert_close(scale[2], t[16:48].abs().amax(0) / FP8_MAX)
+    q = qt.t()
     assert q[48:].float().eq(0).all()
     back = torch.cat([dequantize(q[:16], scale[0], 0), dequantize(q[16:48], scale[2], 0)])
     assert ((back - t[:48]).abs() <= _bound(t[:48], torch.cat([scale[0].expand(16, 8), scale[2].expand(32, 8)]))).all()
@@ -122,7 +124,9 @@ def _experts(float8_on: bool) -> GroupedExperts:
 def test_fp8_experts_take_the_scaled_path_and_stay_close_to_bf16(monkeypatch):
     calls = []
     real = float8._scaled_grouped_mm
-    monkeypatch.setattr(float8, "_scaled_grouped_mm", lambda *args: calls.append(args[0].dtype) or real(*args))
+    monkeypatch.setattr(
+        float8, "_scaled_grouped_mm", lambda *args, **kw: calls.append(args[0].dtype) or real(*args, **kw)
+    )
     counts = torch.tensor([5, 0, 17, 9])
     x = torch.randn(31, 32)
     grad_out = torch.randn(31, 32)
@@ -175,9 +179,9 @@ def test_cuda_operands_have_the_layouts_the_kernel_requires(monkeypatch):
     """torch._scaled_grouped_mm takes a row-major first operand and a column-major second one (per group)."""
     layouts = []
 
-    def record(a, b, *rest):
+    def record(a, b, *rest, **kw):
         layouts.append((a.stride()[-1] == 1, b.stride()[-2] == 1))
-        return real(a, b, *rest)
+        return real(a, b, *rest, **kw)
 
     real = float8._scaled_grouped_mm
     monkeypatch.setattr(float8, "_scaled_grouped_mm", record)
