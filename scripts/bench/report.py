@@ -48,17 +48,18 @@ def e2e_table(results: list[dict]) -> list[str]:
 
 def moe_table(results: list[dict]) -> list[str]:
     rows = [
-        "| layer | backend | mode | routing (max/mean expert load) | EP | tokens/rank | fwd (ms) | fwd+bwd (ms) "
-        "| matmul bound (ms) | x bound | peak mem (GiB) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| layer | backend | mode | variant | routing (max/mean expert load) | EP | tokens/rank | fwd (ms) "
+        "| fwd+bwd (ms) | matmul bound (ms) | x bound | peak mem (GiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     results = sorted(
-        results, key=lambda r: (r["layer"], r["ep"], r["tokens_per_rank"], r["backend"], r["mode"], routing(r))
+        results,
+        key=lambda r: (r["layer"], r["ep"], r["tokens_per_rank"], r["backend"], r["mode"], routing(r), variant(r)),
     )
     for r in results:
         load = f" ({r['max_over_mean_expert_load']:.1f})" if "max_over_mean_expert_load" in r else ""
         rows.append(
-            f"| {r['layer']} | {r['backend']} | {r['mode']} | {routing(r)}{load} | {r['ep']} | "
+            f"| {r['layer']} | {r['backend']} | {r['mode']} | {variant(r)} | {routing(r)}{load} | {r['ep']} | "
             f"{r['tokens_per_rank']} | {r['fwd_ms']:.2f} | "
             f"{r['fwd_bwd_ms']:.2f} | {r['bound_fwd_bwd_ms']:.2f} | {r['fwd_bwd_ms'] / r['bound_fwd_bwd_ms']:.2f} | "
             f"{r['peak_memory_gib']:.1f} |"
@@ -66,17 +67,33 @@ def moe_table(results: list[dict]) -> list[str]:
     return rows
 
 
+def variant(result: dict) -> str:
+    """The moe_layer options that change what runs: EP overlap, FP8 experts."""
+    tags = [
+        tag for tag, on in (("overlap", result.get("overlap")), ("fp8 experts", result.get("float8_experts"))) if on
+    ]
+    return ", ".join(tags) or "-"
+
+
+GROUPED_GEMM_VARIANTS = (
+    "bare_grouped_mm", "experts_eager", "experts_compiled", "experts_fp8_eager", "experts_fp8_compiled"
+)  # fmt: skip
+
+
 def grouped_gemm_table(results: list[dict]) -> list[str]:
     rows = [
-        "| layer | EP | rows (tokens x top_k) | local experts | variant | fwd (ms) | fwd+bwd (ms) | fwd+bwd TFLOP/s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| layer | EP | rows (tokens x top_k) | local experts | variant | fwd (ms) | fwd+bwd (ms) | fwd+bwd TFLOP/s "
+        "| commit |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
-        for variant in ("bare_grouped_mm", "experts_eager", "experts_compiled"):
-            v = r[variant]
+        for name in GROUPED_GEMM_VARIANTS:
+            if name not in r:  # FP8 variants exist from 6039edc on
+                continue
+            v = r[name]
             rows.append(
-                f"| {r['layer']} | {r['ep']} | {r['rows']} | {r['local_experts']} | {variant} | {v['fwd_ms']:.2f} | "
-                f"{v['fwd_bwd_ms']:.2f} | {v['fwd_bwd_tflops']:.0f} |"
+                f"| {r['layer']} | {r['ep']} | {r['rows']} | {r['local_experts']} | {name} | {v['fwd_ms']:.2f} | "
+                f"{v['fwd_bwd_ms']:.2f} | {v['fwd_bwd_tflops']:.0f} | {r['git_commit'][:7]} |"
             )
     return rows
 
