@@ -64,3 +64,39 @@ def test_fp8_experts_stay_within_fp8_error_of_bf16():
         results.append((out, xi.grad, experts.w1.grad, experts.w2.grad, experts.w3.grad))
     for actual, expected in zip(*results, strict=True):
         assert _relative_error(actual, expected) < 0.08
+
+
+def _agree(actual: tuple[torch.Tensor, torch.Tensor], expected: tuple[torch.Tensor, torch.Tensor]) -> None:
+    (q, scale), (q_ref, scale_ref) = actual, expected
+    assert q.shape == q_ref.shape and q.stride() == q_ref.stride() and q.dtype == torch.float8_e4m3fn
+    torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0)
+    # the same fp32 arithmetic: the kernels' casts may round a rare tie differently, never by more than one step
+    same = q.view(torch.uint8) == q_ref.view(torch.uint8)
+    assert same.float().mean() > 0.9999
+    torch.testing.assert_close(q.float(), q_ref.float(), rtol=2**-3, atol=2**-9)
+
+
+def test_triton_quantization_kernels_equal_the_torch_versions():
+    from torchtitan.models.moe.float8 import quantize_columns_per_group, quantize_rowwise
+    from torchtitan.models.moe.float8_kernels import quantize_columns_per_group_cuda, quantize_rowwise_cuda
+
+    torch.manual_seed(0)
+    x = (
+        torch.randn(1024, 7168, device="cuda", dtype=torch.bfloat16)
+        * torch.logspace(-3, 3, 1024, device="cuda")[:, None]
+    )
+    _agree(quantize_rowwise_cuda(x), quantize_rowwise(x))
+
+    offsets = torch.tensor([64, 64, 256, 1008], device="cuda", dtype=torch.int32)  # an empty group; 16 padding rows
+    x[1008:] = float("nan")
+    _agree(quantize_columns_per_group_cuda(x, offsets, False), quantize_columns_per_group(x, offsets))
+
+    w = (
+        torch.randn(4, 2048, 512, device="cuda", dtype=torch.bfloat16)
+        * torch.logspace(-2, 2, 4, device="cuda")[:, None, None]
+    )
+    ends = torch.tensor([2048, 4096, 6144, 8192], device="cuda", dtype=torch.int32)
+    _agree(
+        quantize_columns_per_group_cuda(w.view(-1, 512), ends, True),
+        quantize_rowwise(w.transpose(-2, -1).contiguous()),
+    )

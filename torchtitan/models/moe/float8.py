@@ -69,8 +69,8 @@ class _Float8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, w, offsets)
-        x_q, x_scale = quantize_rowwise(x)  # (M, K), (M,)
-        w_q, w_scale = quantize_rowwise(w)  # (E, N, K), (E, N)
+        x_q, x_scale = _rowwise(x)  # (M, K), (M,)
+        w_q, w_scale = _rowwise(w)  # (E, N, K), (E, N)
         # the output GEMM accumulates fast (as torchao's rowwise recipe); the gradient GEMMs do not
         return _scaled_grouped_mm(x_q, w_q.transpose(-2, -1), x_scale, w_scale, offsets, fast_accum=True)
 
@@ -79,17 +79,48 @@ class _Float8GroupedMM(torch.autograd.Function):
         x, w, offsets = ctx.saved_tensors
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            g_q, g_scale = quantize_rowwise(grad_out)  # (M, N), (M,)
+            g_q, g_scale = _rowwise(grad_out)  # (M, N), (M,)
             # W_e^T (K, N) quantized along N, laid out so that its transpose is the column-major (N, K) operand
-            wt_q, wt_scale = quantize_rowwise(w.transpose(-2, -1).contiguous())  # (E, K, N), (E, K)
+            wt_q, wt_scale = _transposed_weight(w)  # (E, K, N), (E, K)
             grad_x = _scaled_grouped_mm(g_q, wt_q.transpose(-2, -1), g_scale, wt_scale, offsets).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            gt_q, g_scale = quantize_columns_per_group(grad_out, offsets)  # (N, M), (E, N)
-            xt_q, x_scale = quantize_columns_per_group(x, offsets)  # (K, M), (E, K)
+            gt_q, g_scale = _columns_per_group(grad_out, offsets)  # (N, M), (E, N)
+            xt_q, x_scale = _columns_per_group(x, offsets)  # (K, M), (E, K)
             # row-major (N, M) and column-major (M, K) operands, reduced over each group's rows
             grad_w = _scaled_grouped_mm(gt_q, xt_q.t(), g_scale, x_scale, offsets)
             grad_w = grad_w.to(w.dtype)
         return grad_x, grad_w, None
+
+
+# On CUDA the quantization runs in the Triton kernels of float8_kernels.py (one pass per operand); the torch
+# versions above are the CPU path and their reference.
+
+
+def _rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if t.is_cuda and t.shape[-1] <= 16384:
+        from torchtitan.models.moe.float8_kernels import quantize_rowwise_cuda
+
+        return quantize_rowwise_cuda(t.contiguous())
+    return quantize_rowwise(t)
+
+
+def _transposed_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (E, N, K) -> (fp8 w^T (E, K, N) contiguous, scales (E, K)): each W_e^T quantized along N."""
+    if w.is_cuda:
+        from torchtitan.models.moe.float8_kernels import quantize_columns_per_group_cuda
+
+        num_experts, n, k = w.shape
+        ends = torch.arange(1, num_experts + 1, device=w.device, dtype=torch.int32) * n
+        return quantize_columns_per_group_cuda(w.contiguous().view(num_experts * n, k), ends, True)
+    return quantize_rowwise(w.transpose(-2, -1).contiguous())
+
+
+def _columns_per_group(t: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if t.is_cuda:
+        from torchtitan.models.moe.float8_kernels import quantize_columns_per_group_cuda
+
+        return quantize_columns_per_group_cuda(t.contiguous(), offsets, False)
+    return quantize_columns_per_group(t, offsets)
 
 
 def _scaled_grouped_mm(

@@ -1,0 +1,149 @@
+"""Triton kernels for the FP8 experts' quantization: one pass over each operand (CUDA only).
+
+Left to inductor, the amax + scale + cast of `float8.py` compiles into reductions that run at a fraction of the
+memory bandwidth and cost more than the FP8 GEMMs save (benchmarks/NOTES.md). These kernels read each operand once
+(rowwise: a whole row in registers) or twice (per-group columns: the maxima, then the scaled cast), and write the
+layout the GEMM reads. They compute exactly what the torch versions in `float8.py` compute (same formulas, same
+fp32 arithmetic), which remain the CPU path and the reference of tests/gpu/test_float8.py.
+
+Registered with `torch.library.triton_op`, so torch.compile traces through them.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+__all__ = ["quantize_columns_per_group_cuda", "quantize_rowwise_cuda"]
+
+_FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+_EPS = 1e-12
+
+
+@triton.jit
+def _rowwise_kernel(x_ptr, q_ptr, scale_ptr, num_cols, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, EPS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < num_cols
+    x = tl.load(x_ptr + row * num_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=0), EPS)
+    q = tl.clamp(x * (FP8_MAX / amax), -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + row * num_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, amax / FP8_MAX)
+
+
+@triton_op("torchtitan::fp8_quantize_rowwise", mutates_args=())
+def quantize_rowwise_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., C) contiguous, C <= 16384 -> (fp8 (..., C), fp32 scales (...)); see float8.quantize_rowwise."""
+    num_cols = x.shape[-1]
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    num_rows = x.numel() // num_cols
+    block = triton.next_power_of_2(num_cols)
+    wrap_triton(_rowwise_kernel)[(num_rows,)](
+        x, q, scale, num_cols, BLOCK=block, FP8_MAX=_FP8_MAX, EPS=_EPS, num_warps=8 if block >= 4096 else 4
+    )
+    return q, scale
+
+
+@triton.jit
+def _group_column_amax_kernel(
+    t_ptr, starts_ptr, ends_ptr, amax_ptr, num_cols, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, EPS: tl.constexpr
+):
+    group = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < num_cols
+    start = tl.load(starts_ptr + group)
+    end = tl.load(ends_ptr + group)
+    amax = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for row0 in range(start, end, BLOCK_M):
+        rows = row0 + tl.arange(0, BLOCK_M)
+        mask = (rows < end)[:, None] & col_mask[None, :]
+        t = tl.load(t_ptr + rows.to(tl.int64)[:, None] * num_cols + cols[None, :], mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(t.to(tl.float32)), axis=0))
+    tl.store(amax_ptr + group * num_cols + cols, tl.maximum(amax, EPS), mask=col_mask)
+
+
+@triton.jit
+def _group_column_quantize_kernel(
+    t_ptr,
+    group_of_row_ptr,
+    starts_ptr,
+    amax_ptr,
+    q_ptr,
+    num_rows,
+    num_cols,
+    num_groups,
+    out_group_stride,
+    out_col_stride,
+    ROWS_FROM_GROUP_START: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_mask = rows < num_rows
+    mask = row_mask[:, None] & (cols < num_cols)[None, :]
+    group = tl.load(group_of_row_ptr + rows, mask=row_mask, other=num_groups)
+    in_group = group < num_groups
+    safe_group = tl.where(in_group, group, 0)
+    amax = tl.load(amax_ptr + safe_group[:, None] * num_cols + cols[None, :], mask=mask, other=1.0)
+    t = tl.load(t_ptr + rows.to(tl.int64)[:, None] * num_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    q = tl.where(in_group[:, None], tl.clamp(t * (FP8_MAX / amax), -FP8_MAX, FP8_MAX), 0.0)
+    # position in the output: group-major slabs (weights) or one transposed matrix (activations)
+    out_row = rows
+    if ROWS_FROM_GROUP_START:
+        out_row = rows - tl.load(starts_ptr + safe_group, mask=row_mask, other=0)
+    out = safe_group.to(tl.int64)[:, None] * out_group_stride + cols[None, :] * out_col_stride + out_row[:, None]
+    tl.store(q_ptr + out, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton_op("torchtitan::fp8_quantize_columns_per_group", mutates_args=())
+def quantize_columns_per_group_cuda(
+    t: torch.Tensor, offsets: torch.Tensor, group_slabs: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """t (M, C) contiguous, groups of rows ending at `offsets` (G,) -> (fp8 t^T, fp32 scales (G, C)).
+
+    group_slabs=False: t^T as one (C, M) matrix (activations; rows past the last end are zero).
+    group_slabs=True: each group's rows transposed into its own (C, rows) slab, (G, C, M // G) (weights: equal
+    groups). See float8.quantize_columns_per_group.
+    """
+    num_rows, num_cols = t.shape
+    num_groups = offsets.shape[0]
+    ends = offsets.to(torch.int32)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    rows = torch.arange(num_rows, device=t.device, dtype=torch.int32)
+    group_of_row = torch.searchsorted(ends, rows, right=True).to(torch.int32)
+    amax = torch.empty(num_groups, num_cols, dtype=torch.float32, device=t.device)
+    block_c = 128
+    wrap_triton(_group_column_amax_kernel)[(num_groups, triton.cdiv(num_cols, block_c))](
+        t, starts, ends, amax, num_cols, BLOCK_M=32, BLOCK_C=block_c, EPS=_EPS, num_warps=4
+    )
+    if group_slabs:
+        rows_per_group = num_rows // num_groups
+        q = torch.empty(num_groups, num_cols, rows_per_group, dtype=torch.float8_e4m3fn, device=t.device)
+        group_stride, col_stride = num_cols * rows_per_group, rows_per_group
+    else:
+        q = torch.empty(num_cols, num_rows, dtype=torch.float8_e4m3fn, device=t.device)
+        group_stride, col_stride = 0, num_rows
+    block_m = 64
+    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, 64))
+    wrap_triton(_group_column_quantize_kernel)[grid](
+        t,
+        group_of_row,
+        starts,
+        amax,
+        q,
+        num_rows,
+        num_cols,
+        num_groups,
+        group_stride,
+        col_stride,
+        ROWS_FROM_GROUP_START=group_slabs,
+        BLOCK_M=block_m,
+        BLOCK_C=64,
+        FP8_MAX=_FP8_MAX,
+        num_warps=4,
+    )
+    return q, amax / _FP8_MAX
