@@ -28,9 +28,9 @@ def _rowwise_kernel(x_ptr, q_ptr, scale_ptr, num_cols, BLOCK: tl.constexpr, FP8_
     mask = cols < num_cols
     x = tl.load(x_ptr + row * num_cols + cols, mask=mask, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), axis=0), EPS)
-    q = tl.clamp(x * tl.math.div_rn(FP8_MAX, amax), -FP8_MAX, FP8_MAX)
+    q = tl.clamp(x * tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX, amax), -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + row * num_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row, tl.math.div_rn(amax, FP8_MAX))
+    tl.store(scale_ptr + row, tl.math.div_rn(amax, tl.zeros_like(amax) + FP8_MAX))
 
 
 @triton_op("torchtitan::fp8_quantize_rowwise", mutates_args=())
@@ -91,7 +91,9 @@ def _group_column_quantize_kernel(
     safe_group = tl.where(in_group, group, 0)
     amax = tl.load(amax_ptr + safe_group[:, None] * num_cols + cols[None, :], mask=mask, other=1.0)
     t = tl.load(t_ptr + rows.to(tl.int64)[:, None] * num_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q = tl.where(in_group[:, None], tl.clamp(t * tl.math.div_rn(FP8_MAX, amax), -FP8_MAX, FP8_MAX), 0.0)
+    q = tl.where(
+        in_group[:, None], tl.clamp(t * tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX, amax), -FP8_MAX, FP8_MAX), 0.0
+    )
     # position in the output: group-major slabs (weights) or one transposed matrix (activations)
     out_row = rows
     if ROWS_FROM_GROUP_START:
