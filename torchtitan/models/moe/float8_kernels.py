@@ -69,36 +69,39 @@ def _group_column_amax_kernel(
 def _group_column_quantize_kernel(
     t_ptr,
     group_of_row_ptr,
-    starts_ptr,
     amax_ptr,
     q_ptr,
     num_rows,
     num_cols,
     num_groups,
-    out_group_stride,
-    out_col_stride,
-    ROWS_FROM_GROUP_START: tl.constexpr,
+    ROWS_PER_SLAB: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
     FP8_MAX: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """Scaled cast of a (BLOCK_M, BLOCK_C) tile, stored transposed. The store address must be visibly contiguous
+    along the rows for Triton to coalesce it: with ROWS_PER_SLAB (equal groups, weights) a tile lies in one group,
+    whose slab offset is a scalar; without (activations) the output is one (C, M) matrix."""
+    row0 = tl.program_id(0) * BLOCK_M
+    rows = row0 + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_mask = rows < num_rows
     mask = row_mask[:, None] & (cols < num_cols)[None, :]
-    group = tl.load(group_of_row_ptr + rows, mask=row_mask, other=num_groups)
-    in_group = group < num_groups
-    safe_group = tl.where(in_group, group, 0)
-    amax = tl.load(amax_ptr + safe_group[:, None] * num_cols + cols[None, :], mask=mask, other=1.0)
+    if ROWS_PER_SLAB > 0:
+        group = row0 // ROWS_PER_SLAB
+        amax = tl.load(amax_ptr + group * num_cols + cols, mask=cols < num_cols, other=1.0)[None, :]
+        in_group = row_mask
+        out = group.to(tl.int64) * num_cols * ROWS_PER_SLAB + cols[None, :] * ROWS_PER_SLAB + (rows - row0)[:, None]
+        out += row0 - group * ROWS_PER_SLAB
+    else:
+        group = tl.load(group_of_row_ptr + rows, mask=row_mask, other=num_groups)
+        in_group = group < num_groups
+        safe_group = tl.where(in_group, group, 0)
+        amax = tl.load(amax_ptr + safe_group[:, None] * num_cols + cols[None, :], mask=mask, other=1.0)
+        out = cols.to(tl.int64)[None, :] * num_rows + rows[:, None]
     t = tl.load(t_ptr + rows.to(tl.int64)[:, None] * num_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q = tl.where(
-        in_group[:, None], tl.clamp(t * tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX, amax), -FP8_MAX, FP8_MAX), 0.0
-    )
-    # position in the output: group-major slabs (weights) or one transposed matrix (activations)
-    out_row = rows
-    if ROWS_FROM_GROUP_START:
-        out_row = rows - tl.load(starts_ptr + safe_group, mask=row_mask, other=0)
-    out = safe_group.to(tl.int64)[:, None] * out_group_stride + cols[None, :] * out_col_stride + out_row[:, None]
+    scaled = tl.clamp(t * tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX, amax), -FP8_MAX, FP8_MAX)
+    q = tl.where(in_group[:, None], scaled, 0.0)
     tl.store(q_ptr + out, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -124,29 +127,25 @@ def quantize_columns_per_group_cuda(
         t, starts, ends, amax, num_cols, BLOCK_M=32, BLOCK_C=block_c, EPS=_EPS, num_warps=4
     )
     if group_slabs:
-        rows_per_group = num_rows // num_groups
-        q = torch.empty(num_groups, num_cols, rows_per_group, dtype=torch.float8_e4m3fn, device=t.device)
-        group_stride, col_stride = num_cols * rows_per_group, rows_per_group
+        rows_per_slab = num_rows // num_groups
+        q = torch.empty(num_groups, num_cols, rows_per_slab, dtype=torch.float8_e4m3fn, device=t.device)
     else:
+        rows_per_slab = 0
         q = torch.empty(num_cols, num_rows, dtype=torch.float8_e4m3fn, device=t.device)
-        group_stride, col_stride = 0, num_rows
-    block_m = 64
+    block_m = 128 if rows_per_slab % 128 == 0 else 16  # a tile never straddles two slabs
     grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, 64))
     wrap_triton(_group_column_quantize_kernel)[grid](
         t,
         group_of_row,
-        starts,
         amax,
         q,
         num_rows,
         num_cols,
         num_groups,
-        group_stride,
-        col_stride,
-        ROWS_FROM_GROUP_START=group_slabs,
+        ROWS_PER_SLAB=rows_per_slab,
         BLOCK_M=block_m,
         BLOCK_C=64,
         FP8_MAX=_FP8_MAX,
-        num_warps=4,
+        num_warps=8 if block_m == 128 else 4,
     )
     return q, amax / _FP8_MAX
