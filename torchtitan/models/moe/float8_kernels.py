@@ -48,17 +48,6 @@ def quantize_rowwise_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _block_amax_kernel(t_ptr, block_amax_ptr, num_cols, BLOCK_C: tl.constexpr, ROWS: tl.constexpr):
-    """Column maxima of |t| over each block of ROWS rows (a group boundary never falls inside one)."""
-    block = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    rows = block * ROWS + tl.arange(0, ROWS)
-    mask = cols < num_cols
-    t = tl.load(t_ptr + rows[:, None] * num_cols + cols[None, :], mask=mask[None, :], other=0.0)
-    tl.store(block_amax_ptr + block * num_cols + cols, tl.max(tl.abs(t.to(tl.float32)), axis=0), mask=mask)
-
-
-@triton.jit
 def _group_column_amax_kernel(
     t_ptr, starts_ptr, ends_ptr, amax_ptr, num_cols, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, EPS: tl.constexpr
 ):
@@ -120,8 +109,7 @@ def _group_column_quantize_kernel(
 def quantize_columns_per_group_cuda(
     t: torch.Tensor, offsets: torch.Tensor, group_slabs: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """t (M, C) contiguous, groups of rows ending at `offsets` (G,), M and the ends multiples of 16 -> (fp8 t^T,
-    fp32 scales (G, C)).
+    """t (M, C) contiguous, groups of rows ending at `offsets` (G,) -> (fp8 t^T, fp32 scales (G, C)).
 
     group_slabs=False: t^T as one (C, M) matrix (activations; rows past the last end are zero).
     group_slabs=True: each group's rows transposed into its own (C, rows) slab, (G, C, M // G) (weights: equal
@@ -133,23 +121,10 @@ def quantize_columns_per_group_cuda(
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     rows = torch.arange(num_rows, device=t.device, dtype=torch.int32)
     group_of_row = torch.searchsorted(ends, rows, right=True).to(torch.int32)
-    # maxima per block of 16 rows (fully parallel), then per group over its blocks (1/16 of the data)
-    rows_per_block = 16
-    block_amax = torch.empty(num_rows // rows_per_block, num_cols, dtype=torch.float32, device=t.device)
-    wrap_triton(_block_amax_kernel)[(num_rows // rows_per_block, triton.cdiv(num_cols, 256))](
-        t, block_amax, num_cols, BLOCK_C=256, ROWS=rows_per_block, num_warps=4
-    )
     amax = torch.empty(num_groups, num_cols, dtype=torch.float32, device=t.device)
-    wrap_triton(_group_column_amax_kernel)[(num_groups, triton.cdiv(num_cols, 128))](
-        block_amax,
-        starts // rows_per_block,
-        ends // rows_per_block,
-        amax,
-        num_cols,
-        BLOCK_M=32,
-        BLOCK_C=128,
-        EPS=_EPS,
-        num_warps=4,
+    block_c = 128
+    wrap_triton(_group_column_amax_kernel)[(num_groups, triton.cdiv(num_cols, block_c))](
+        t, starts, ends, amax, num_cols, BLOCK_M=32, BLOCK_C=block_c, EPS=_EPS, num_warps=4
     )
     if group_slabs:
         rows_per_slab = num_rows // num_groups
