@@ -49,20 +49,25 @@ def quantize_rowwise_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _group_column_amax_kernel(
-    t_ptr, starts_ptr, ends_ptr, amax_ptr, num_cols, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, EPS: tl.constexpr
+    t_ptr, starts_ptr, ends_ptr, amax_ptr, num_cols, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr
 ):
+    """Column maxima of |t| over one SPLIT-th of a group's rows, merged into amax (zero-initialised) atomically:
+    groups are few and uneven, so splitting them keeps every SM busy."""
     group = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < num_cols
     start = tl.load(starts_ptr + group)
     end = tl.load(ends_ptr + group)
+    chunk = tl.cdiv(end - start, SPLIT * BLOCK_M) * BLOCK_M
+    lo = start + tl.program_id(2) * chunk
+    hi = tl.minimum(lo + chunk, end)
     amax = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for row0 in range(start, end, BLOCK_M):
+    for row0 in range(lo, hi, BLOCK_M):
         rows = row0 + tl.arange(0, BLOCK_M)
-        mask = (rows < end)[:, None] & col_mask[None, :]
+        mask = (rows < hi)[:, None] & col_mask[None, :]
         t = tl.load(t_ptr + rows.to(tl.int64)[:, None] * num_cols + cols[None, :], mask=mask, other=0.0)
         amax = tl.maximum(amax, tl.max(tl.abs(t.to(tl.float32)), axis=0))
-    tl.store(amax_ptr + group * num_cols + cols, tl.maximum(amax, EPS), mask=col_mask)
+    tl.atomic_max(amax_ptr + group * num_cols + cols, amax, mask=col_mask)
 
 
 @triton.jit
@@ -121,11 +126,11 @@ def quantize_columns_per_group_cuda(
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     rows = torch.arange(num_rows, device=t.device, dtype=torch.int32)
     group_of_row = torch.searchsorted(ends, rows, right=True).to(torch.int32)
-    amax = torch.empty(num_groups, num_cols, dtype=torch.float32, device=t.device)
-    block_c = 128
-    wrap_triton(_group_column_amax_kernel)[(num_groups, triton.cdiv(num_cols, block_c))](
-        t, starts, ends, amax, num_cols, BLOCK_M=32, BLOCK_C=block_c, EPS=_EPS, num_warps=4
+    amax = torch.zeros(num_groups, num_cols, dtype=torch.float32, device=t.device)
+    wrap_triton(_group_column_amax_kernel)[(num_groups, triton.cdiv(num_cols, 128), 8)](
+        t, starts, ends, amax, num_cols, SPLIT=8, BLOCK_M=32, BLOCK_C=128, num_warps=4
     )
+    amax = amax.clamp_min(_EPS)
     if group_slabs:
         rows_per_slab = num_rows // num_groups
         q = torch.empty(num_groups, num_cols, rows_per_slab, dtype=torch.float8_e4m3fn, device=t.device)
