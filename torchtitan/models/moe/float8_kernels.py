@@ -127,8 +127,8 @@ def quantize_columns_per_group_cuda(
     rows = torch.arange(num_rows, device=t.device, dtype=torch.int32)
     group_of_row = torch.searchsorted(ends, rows, right=True).to(torch.int32)
     amax = torch.zeros(num_groups, num_cols, dtype=torch.float32, device=t.device)
-    wrap_triton(_group_column_amax_kernel)[(num_groups, triton.cdiv(num_cols, 512), 8)](
-        t, starts, ends, amax, num_cols, SPLIT=8, BLOCK_M=16, BLOCK_C=512, num_warps=8
+    wrap_triton(_group_column_amax_kernel)[(num_groups, triton.cdiv(num_cols, 128), 8)](
+        t, starts, ends, amax, num_cols, SPLIT=8, BLOCK_M=32, BLOCK_C=128, num_warps=4
     )
     amax = amax.clamp_min(_EPS)
     if group_slabs:
@@ -138,7 +138,7 @@ def quantize_columns_per_group_cuda(
         rows_per_slab = 0
         q = torch.empty(num_cols, num_rows, dtype=torch.float8_e4m3fn, device=t.device)
     block_m = 128 if rows_per_slab % 128 == 0 else 16  # a tile never straddles two slabs
-    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, 128))
+    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, 64))
     wrap_triton(_group_column_quantize_kernel)[grid](
         t,
         group_of_row,
@@ -149,7 +149,7 @@ def quantize_columns_per_group_cuda(
         num_groups,
         ROWS_PER_SLAB=rows_per_slab,
         BLOCK_M=block_m,
-        BLOCK_C=128,
+        BLOCK_C=64,
         FP8_MAX=_FP8_MAX,
         num_warps=8 if block_m == 128 else 4,
     )
