@@ -288,8 +288,8 @@ class Quantize:
     float8_experts: bool = False
     """Run the routed experts' grouped GEMMs in FP8 (e4m3, rowwise scales), forward and backward. Needs FP8 tensor
     cores (compute capability 8.9+, e.g. H100/H200; CPU emulates them) and dim / moe_inter_dim multiples of 16.
-    The router, the shared experts, attention and the output head stay in bf16. Correct but not yet faster than
-    bf16 (the quantization passes cost more than the FP8 GEMMs save; benchmarks/NOTES.md)."""
+    The router, the shared experts, attention and the output head stay in bf16. Correct; forward faster, but
+    forward+backward not yet faster than bf16 (the quantization passes; benchmarks/NOTES.md)."""
 
 
 @dataclass
