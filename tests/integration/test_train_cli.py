@@ -12,11 +12,12 @@ from tests.integration.conftest import DEBUG_CONFIG, FAST_ARGS, REPO_ROOT, read_
 
 
 def test_debugmodel_loss_falls(dump_folder):
-    # the shipped debug model itself (the README's quick start), not the test suite's smaller flavor, with one
-    # multi-token prediction module: its loss falls too
+    # the shipped debug model itself through run_train.sh (the README's quick start), not the test suite's smaller
+    # flavor, with one multi-token prediction module: its loss falls too
     args = [*FAST_ARGS, "--model.flavor", "debugmodel", "--training.steps", "20", "--lr_scheduler.warmup_steps", "2",
-            "--model.mtp_layers", "1"]  # fmt: skip
-    run_trainer(dump_folder, args)
+            "--model.mtp_layers", "1", "--job.dump_folder", str(dump_folder)]  # fmt: skip
+    proc = _run_launcher(args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     losses = read_losses(dump_folder)
     assert sorted(losses) == list(range(1, 21))
     assert losses[20] < losses[1] - 1.0, losses
