@@ -92,35 +92,57 @@ class _Float8GroupedMM(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-# On CUDA the quantization runs in the Triton kernels of float8_kernels.py (one pass per operand); the torch
-# versions above are the CPU path and their reference.
+# The quantization as custom ops: CUDA runs the Triton kernels of float8_kernels.py (one pass per operand), other
+# devices the torch versions above. Opaque to torch.compile with explicit fake kernels: traced into, the Triton
+# launches specialized the dynamic row count and the compiled backward asserted a stale stride (H200, 33ec81e).
 
 
+@torch.library.custom_op("torchtitan::fp8_quantize_rowwise", mutates_args=())
 def _rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t (..., C) -> (fp8 (..., C) contiguous, scales (...)), as `quantize_rowwise`."""
     if t.is_cuda and t.shape[-1] <= 16384:
         from torchtitan.models.moe.float8_kernels import quantize_rowwise_cuda
 
         return quantize_rowwise_cuda(t.contiguous())
-    return quantize_rowwise(t)
+    quantized, scale = quantize_rowwise(t)
+    return quantized.contiguous(), scale.contiguous()
+
+
+@_rowwise.register_fake
+def _(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return t.new_empty(t.shape, dtype=FP8_DTYPE), t.new_empty(t.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("torchtitan::fp8_quantize_columns_per_group", mutates_args=())
+def _quantize_columns(t: torch.Tensor, offsets: torch.Tensor, slabs: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """t (M, C), groups of rows ending at offsets (G,) -> (fp8, scales (G, C)): slabs=False, as
+    `quantize_columns_per_group` (t^T, (C, M)); slabs=True, equal groups each transposed into its own (C, M // G)."""
+    if t.is_cuda:
+        from torchtitan.models.moe.float8_kernels import quantize_columns_per_group_cuda
+
+        return quantize_columns_per_group_cuda(t.contiguous(), offsets, slabs)
+    if slabs:
+        num_groups = offsets.shape[0]
+        return quantize_rowwise(t.view(num_groups, -1, t.shape[1]).transpose(1, 2).contiguous())
+    return quantize_columns_per_group(t, offsets)
+
+
+@_quantize_columns.register_fake
+def _(t: torch.Tensor, offsets: torch.Tensor, slabs: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    (num_rows, num_cols), num_groups = t.shape, offsets.shape[0]
+    shape = (num_groups, num_cols, num_rows // num_groups) if slabs else (num_cols, num_rows)
+    return t.new_empty(shape, dtype=FP8_DTYPE), t.new_empty((num_groups, num_cols), dtype=torch.float32)
 
 
 def _transposed_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w (E, N, K) -> (fp8 w^T (E, K, N) contiguous, scales (E, K)): each W_e^T quantized along N."""
-    if w.is_cuda:
-        from torchtitan.models.moe.float8_kernels import quantize_columns_per_group_cuda
-
-        num_experts, n, k = w.shape
-        ends = torch.arange(1, num_experts + 1, device=w.device, dtype=torch.int32) * n
-        return quantize_columns_per_group_cuda(w.contiguous().view(num_experts * n, k), ends, True)
-    return quantize_rowwise(w.transpose(-2, -1).contiguous())
+    num_experts, n, k = w.shape
+    ends = torch.arange(1, num_experts + 1, device=w.device, dtype=torch.int32) * n
+    return _quantize_columns(w.reshape(num_experts * n, k), ends, True)
 
 
 def _columns_per_group(t: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if t.is_cuda:
-        from torchtitan.models.moe.float8_kernels import quantize_columns_per_group_cuda
-
-        return quantize_columns_per_group_cuda(t.contiguous(), offsets, False)
-    return quantize_columns_per_group(t, offsets)
+    return _quantize_columns(t, offsets, False)
 
 
 def _scaled_grouped_mm(

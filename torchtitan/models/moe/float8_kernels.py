@@ -7,13 +7,12 @@ layout the GEMM reads. They compute exactly what the torch versions in `float8.p
 fp32 arithmetic with IEEE-rounded division, not Triton's approximate `/`), which remain the CPU path and the
 reference of tests/gpu/test_float8.py.
 
-Registered with `torch.library.triton_op`, so torch.compile traces through them.
+`float8.py` wraps them in custom ops with fake kernels, opaque to torch.compile.
 """
 
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
 
 __all__ = ["quantize_columns_per_group_cuda", "quantize_rowwise_cuda"]
 
@@ -33,7 +32,6 @@ def _rowwise_kernel(x_ptr, q_ptr, scale_ptr, num_cols, BLOCK: tl.constexpr, FP8_
     tl.store(scale_ptr + row, tl.math.div_rn(amax, tl.zeros_like(amax) + FP8_MAX))
 
 
-@triton_op("torchtitan::fp8_quantize_rowwise", mutates_args=())
 def quantize_rowwise_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., C) contiguous, C <= 16384 -> (fp8 (..., C), fp32 scales (...)); see float8.quantize_rowwise."""
     num_cols = x.shape[-1]
@@ -41,7 +39,7 @@ def quantize_rowwise_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     num_rows = x.numel() // num_cols
     block = triton.next_power_of_2(num_cols)
-    wrap_triton(_rowwise_kernel)[(num_rows,)](
+    _rowwise_kernel[(num_rows,)](
         x, q, scale, num_cols, BLOCK=block, FP8_MAX=_FP8_MAX, EPS=_EPS, num_warps=8 if block >= 4096 else 4
     )
     return q, scale
@@ -110,7 +108,6 @@ def _group_column_quantize_kernel(
     tl.store(q_ptr + out, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-@triton_op("torchtitan::fp8_quantize_columns_per_group", mutates_args=())
 def quantize_columns_per_group_cuda(
     t: torch.Tensor, offsets: torch.Tensor, group_slabs: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +124,7 @@ def quantize_columns_per_group_cuda(
     rows = torch.arange(num_rows, device=t.device, dtype=torch.int32)
     group_of_row = torch.searchsorted(ends, rows, right=True).to(torch.int32)
     amax = torch.zeros(num_groups, num_cols, dtype=torch.float32, device=t.device)
-    wrap_triton(_group_column_amax_kernel)[(num_groups, triton.cdiv(num_cols, 128), 8)](
+    _group_column_amax_kernel[(num_groups, triton.cdiv(num_cols, 128), 8)](
         t, starts, ends, amax, num_cols, SPLIT=8, BLOCK_M=32, BLOCK_C=128, num_warps=4
     )
     amax = amax.clamp_min(_EPS)
@@ -139,7 +136,7 @@ def quantize_columns_per_group_cuda(
         q = torch.empty(num_cols, num_rows, dtype=torch.float8_e4m3fn, device=t.device)
     block_m = 128 if rows_per_slab % 128 == 0 else 16  # a tile never straddles two slabs
     grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, 64))
-    wrap_triton(_group_column_quantize_kernel)[grid](
+    _group_column_quantize_kernel[grid](
         t,
         group_of_row,
         amax,
