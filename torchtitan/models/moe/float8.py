@@ -8,10 +8,10 @@ is not reduced), so each scale factors out of the dot products and the kernel ap
     grad weight dW_e      = dout_e^T x_e    dout, x: one per column *within each expert's rows*
 
 (torchao's rowwise float8 MoE recipe; DeepSeek-V3 used finer 1x128 / 128x128 blocks). On CUDA the GEMMs are
-`torch._scaled_grouped_mm` (Hopper and newer); elsewhere the same quantized operands are dequantized and multiplied
-in bf16 (exactly: FP8 values are bf16 values) with the scales applied to the results, so CPU tests see the
-same rounding of the inputs. The weights stay bf16/fp32 parameters and are
-quantized on every use, as the gradients need them in two layouts.
+`torch._scaled_grouped_mm` (Hopper and newer) and the quantization runs in Triton kernels (float8_kernels.py);
+elsewhere the torch quantization below runs and the same quantized operands are multiplied in bf16 (exactly: FP8
+values are bf16 values) with the scales applied to the results, so CPU tests see the same rounding of the inputs.
+The weights stay bf16/fp32 parameters and are quantized on every use, as the gradients need them in two layouts.
 
 Rows past the last group end (padding after the last expert) belong to no group: they are left out of every
 scale, and their outputs are unspecified, as with `torch._grouped_mm`.
@@ -19,7 +19,14 @@ scale, and their outputs are unspecified, as with `torch._grouped_mm`.
 
 import torch
 
-__all__ = ["FP8_DTYPE", "check_float8_supported", "dequantize", "float8_grouped_mm", "quantize_rowwise"]
+__all__ = [
+    "FP8_DTYPE",
+    "check_float8_supported",
+    "dequantize",
+    "float8_grouped_mm",
+    "quantize_columns_per_group",
+    "quantize_rowwise",
+]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
