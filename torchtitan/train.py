@@ -221,11 +221,12 @@ class Trainer:
             for tokens, labels in microbatches
         ]
         if self.model_args.mtp_layers:
-            self.step_loss.reset()
-            self.step_loss.valid_tokens = [
-                count_valid_tokens((targets[k] for targets in mtp_labels), dp_group)
-                for k in range(self.model_args.mtp_layers)
-            ]
+            self.step_loss.start_step(
+                [
+                    count_valid_tokens((targets[k] for targets in mtp_labels), dp_group)
+                    for k in range(self.model_args.mtp_layers)
+                ]
+            )
         loss = torch.zeros((), device=self.device)
         for (tokens, labels), targets in zip(microbatches, mtp_labels, strict=True):
             loss = loss + self.forward_backward(tokens, labels, targets)
@@ -243,9 +244,8 @@ class Trainer:
         self.last_mtp_loss = None
         if self.model_args.mtp_layers:
             # the backward used main + lambda x MTP; log the parts (zero on ranks without the last stage)
-            loss = self.step_loss.main_total.to(self.device) if self.has_last_stage else torch.zeros_like(loss)
-            mtp_total = self.step_loss.mtp_total.to(self.device) if self.has_last_stage else torch.zeros_like(loss)
-            self.last_mtp_loss = self._reduce_loss_for_logging(mtp_total)
+            loss = self.step_loss.main_total.to(self.device)
+            self.last_mtp_loss = self._reduce_loss_for_logging(self.step_loss.mtp_total.to(self.device))
         return self._reduce_loss_for_logging(loss), grad_norm, lr
 
     def _reduce_loss_for_logging(self, loss: torch.Tensor) -> torch.Tensor:

@@ -122,17 +122,18 @@ class LossWithMTP:
     pipeline schedules (which call loss_fn(output, target) per micro-batch and keep only the sum).
 
     output: the model's (logits, MTP logits of each module); target: (bs, 1 + modules, seqlen), the labels followed by
-    each module's `mtp_targets`. Set `valid_tokens` (per module, over the step) and call `reset` each step; the
-    detached parts accumulate in `main_total` / `mtp_total` for logging.
+    each module's `mtp_targets`. Call `start_step` each step; the detached parts accumulate in `main_total` /
+    `mtp_total` for logging (they stay zero on ranks that never compute the loss).
     """
 
     def __init__(self, main_loss: RescaledLoss, weight: float) -> None:
         self.main_loss = main_loss
         self.weight = weight
-        self.valid_tokens: list[torch.Tensor | float] = []
-        self.reset()
+        self.start_step([])
 
-    def reset(self) -> None:
+    def start_step(self, valid_tokens: list[torch.Tensor | float]) -> None:
+        """valid_tokens[k]: module k's valid targets over the whole step (all micro-batches and DP ranks)."""
+        self.valid_tokens = valid_tokens
         self.main_total = self.mtp_total = torch.zeros(())
 
     def __call__(self, output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,8 @@ class Model:
 
     mtp_layers: int | None = None
     """Multi-token prediction modules (DeepSeek-V3 trains with 1); 0 turns MTP off. None keeps the flavor's (0) or
-    the HF config's `num_nextn_predict_layers`. Not with pipeline or tensor parallelism."""
+    the HF config's `num_nextn_predict_layers`. Not with tensor parallelism; with pipeline parallelism the modules
+    run on the last stage."""
 
     mtp_loss_weight: float = 0.1
     """lambda: loss = main loss + lambda x the mean MTP loss over the modules (DeepSeek-V3: 0.3, later 0.1)."""

@@ -108,7 +108,7 @@ def _pipeline_with_mtp_matches(rank: int, world_size: int, schedule: str) -> Non
 
     def step_loss():
         loss = LossWithMTP(RescaledLoss(cross_entropy_sum, BATCH * SEQ_LEN), weight=0.3)
-        loss.valid_tokens = [(targets[:, 1 + k] != IGNORE_INDEX).sum().float() for k in range(2)]
+        loss.start_step([(targets[:, 1 + k] != IGNORE_INDEX).sum().float() for k in range(2)])
         return loss
 
     reference = build_reference(args)

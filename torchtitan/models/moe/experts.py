@@ -38,14 +38,15 @@ def run_experts_grouped_mm(
     x_padded = x.new_zeros(padded_rows, dim, dtype=torch.bfloat16).index_copy(0, row_to_padded, x.bfloat16())
     w1, w2, w3 = w1.bfloat16(), w2.bfloat16(), w3.bfloat16()
 
-    if float8:
-        h = F.silu(float8_grouped_mm(x_padded, w1, offsets)) * float8_grouped_mm(x_padded, w3, offsets)
-        out_padded = float8_grouped_mm(h, w2, offsets)
-    else:
-        h = F.silu(torch._grouped_mm(x_padded, w1.transpose(-2, -1), offs=offsets))  # (T_pad, hidden)
-        h = h * torch._grouped_mm(x_padded, w3.transpose(-2, -1), offs=offsets)
-        out_padded = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)  # (T_pad, dim)
+    grouped_mm = float8_grouped_mm if float8 else _bf16_grouped_mm
+    h = F.silu(grouped_mm(x_padded, w1, offsets)) * grouped_mm(x_padded, w3, offsets)  # (T_pad, hidden)
+    out_padded = grouped_mm(h, w2, offsets)  # (T_pad, dim)
     return gather_rows(out_padded, row_to_padded, unique=True).to(x.dtype)  # (T, dim)
+
+
+def _bf16_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x (M, K) @ w[g] (E, N, K) transposed for the rows of each group g -> (M, N); as `float8_grouped_mm`."""
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
 
 
 class GroupedExperts(nn.Module):

@@ -91,8 +91,8 @@ class _Float8GroupedMM(torch.autograd.Function):
             wt_q, wt_scale = _transposed_weight(w)  # (E, K, N), (E, K)
             grad_x = _scaled_grouped_mm(g_q, wt_q.transpose(-2, -1), g_scale, wt_scale, offsets).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            gt_q, g_scale = _columns_per_group(grad_out, offsets)  # (N, M), (E, N)
-            xt_q, x_scale = _columns_per_group(x, offsets)  # (K, M), (E, K)
+            gt_q, g_scale = _quantize_columns(grad_out, offsets, False)  # (N, M), (E, N)
+            xt_q, x_scale = _quantize_columns(x, offsets, False)  # (K, M), (E, K)
             # row-major (N, M) and column-major (M, K) operands, reduced over each group's rows
             grad_w = _scaled_grouped_mm(gt_q, xt_q.t(), g_scale, x_scale, offsets)
             grad_w = grad_w.to(w.dtype)
@@ -146,10 +146,6 @@ def _transposed_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     num_experts, n, k = w.shape
     ends = torch.arange(1, num_experts + 1, device=w.device, dtype=torch.int32) * n
     return _quantize_columns(w.reshape(num_experts * n, k), ends, True)
-
-
-def _columns_per_group(t: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _quantize_columns(t, offsets, False)
 
 
 def _scaled_grouped_mm(
