@@ -37,6 +37,7 @@ def run_settings(config_file: str, train_args: list[str], ngpu: int) -> dict:
         "parallel": {name: getattr(dims, name) for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "etp")},
         "ep_backend": par.expert_parallel_comm_backend,
         "ep_overlap": par.expert_parallel_overlap,
+        "deepep_sync_free_dispatch": par.deepep_sync_free_dispatch,
         "mtp_layers": get_model_args(job).mtp_layers,
         "compile": job.compile.enable,
         "activation_checkpoint": job.activation_checkpoint.mode

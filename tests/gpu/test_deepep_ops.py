@@ -31,6 +31,7 @@ from torchtitan.distributed.deepep import (  # noqa: E402
     DeepEPTokenDispatcher,
     destroy_buffers,
     get_or_create_buffer,
+    ops,
 )
 from torchtitan.distributed.expert_parallel import ExpertParallel  # noqa: E402
 from torchtitan.models.moe import MoE, MoEArgs  # noqa: E402
@@ -55,8 +56,8 @@ def _routing(rank: int, num_tokens: int, hidden: int = HIDDEN, num_experts: int 
 def _check_ops_match_cpu_reference(rank, world_size, cuda_group, cpu_group):
     x, topk_idx, topk_weights = _routing(rank, 96 + 37 * rank)  # uneven token counts
     x = x.bfloat16()
-    cuda = torch.ops.deepep.dispatch(x.cuda(), topk_idx.cuda(), topk_weights.cuda(), NUM_EXPERTS, cuda_group.group_name)
-    ref = torch.ops.deepep.dispatch(x, topk_idx, topk_weights, NUM_EXPERTS, cpu_group.group_name)
+    cuda = ops.dispatch(x.cuda(), topk_idx.cuda(), topk_weights.cuda(), NUM_EXPERTS, cuda_group.group_name)
+    ref = ops.dispatch(x, topk_idx, topk_weights, NUM_EXPERTS, cpu_group.group_name)
     names = ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert", "permuted_slots")
     for name, got, want in zip(names, cuda[:5], ref[:5], strict=True):
         assert got.is_cuda and torch.equal(got.cpu(), want), f"dispatch {name} differs from the CPU reference"
@@ -70,6 +71,26 @@ def _check_ops_match_cpu_reference(rank, world_size, cuda_group, cpu_group):
     torch.testing.assert_close(weights.cpu(), weights_ref)
     again = torch.ops.deepep.cached_dispatch(x.cuda() * 2, cuda[5], cuda_group.group_name)
     assert torch.equal(again.cpu(), ref[0] * 2)
+
+
+def _check_sync_free_dispatch_matches_cpu_reference(rank, world_size, cuda_group, cpu_group):
+    """Worst-case sizes (DeepEP's num_worst_tokens): the received rows, counts and slots of the CPU reference, the
+    padding rows' expert ids -1, and a combine that ignores the padding."""
+    x, topk_idx, topk_weights = _routing(rank, 96)  # sync-free: the same token count on every rank
+    x = x.bfloat16()
+    cuda = ops.dispatch(x.cuda(), topk_idx.cuda(), topk_weights.cuda(), NUM_EXPERTS, cuda_group.group_name, True)
+    ref = ops.dispatch(x, topk_idx, topk_weights, NUM_EXPERTS, cpu_group.group_name, True)
+    num_recv = int((ref[1] >= 0).any(1).sum())
+    assert cuda[0].shape[0] == ref[0].shape[0] == 96 * world_size
+    assert torch.equal(cuda[0][:num_recv].cpu(), ref[0][:num_recv]), "recv_x"
+    assert torch.equal(cuda[1].cpu(), ref[1]), "recv_topk_idx, padding included"
+    assert torch.equal(cuda[2][:num_recv].cpu(), ref[2][:num_recv]), "recv_topk_weights"
+    assert torch.equal(cuda[3].cpu(), ref[3]), "num_recv_tokens_per_expert"
+    assert torch.equal(cuda[4].cpu(), ref[4]), "permuted_slots"
+    back = (cuda[0].float() * (rank + 1)).bfloat16()
+    combined, _ = torch.ops.deepep.combine(back, cuda[5], cuda_group.group_name, None)
+    combined_ref, _ = torch.ops.deepep.combine(back.cpu(), ref[5], cpu_group.group_name, None)
+    torch.testing.assert_close(combined.cpu(), combined_ref, **BF16_TOL)
 
 
 def _check_backward_matches_cpu_reference(rank, world_size, cuda_group, cpu_group):
@@ -91,8 +112,9 @@ def _check_backward_matches_cpu_reference(rank, world_size, cuda_group, cpu_grou
 
     # The CUDA wire is bf16 and the weight gradients are dot products over the hidden dim, which cancel for some
     # entries: compare by relative norm error (bf16 operands land between 1e-3 and 1e-2), not element-wise.
-    for name, got, want in zip(("out", "x.grad", "weights.grad"), run("cuda", cuda_group), run("cpu", cpu_group),
-                               strict=True):
+    for name, got, want in zip(
+        ("out", "x.grad", "weights.grad"), run("cuda", cuda_group), run("cpu", cpu_group), strict=True
+    ):
         rel_err = ((got.float() - want.float()).norm() / want.float().norm()).item()
         assert rel_err < 1e-2, f"{name}: relative error {rel_err:.2e} vs the CPU reference"
 
@@ -145,6 +167,32 @@ def _check_moe_block_eager_compiled_and_overlap(rank, world_size, cuda_group, cp
             torch.testing.assert_close(grad, want[2][name], **tol, msg=f"{label}: {name}")
 
 
+def _check_sync_free_moe_matches_synced_without_host_syncs(rank, world_size, cuda_group, cpu_group):
+    """The sync-free DeepEPMoE trains like the synced one (eager and compiled), and its forward and backward make no
+    synchronizing CUDA call (torch's sync debug mode raises on one)."""
+    torch._dynamo.config.capture_scalar_outputs = True
+    mesh = init_device_mesh("cuda", (world_size,), mesh_dim_names=("ep",))
+    x = torch.randn(2, 64, HIDDEN, generator=torch.Generator().manual_seed(rank)).cuda()
+    synced = _forward_backward(_build(DeepEPMoE, mesh, DeepEPExpertParallel(num_sms=NUM_SMS)), x)
+    moe = _build(DeepEPMoE, mesh, DeepEPExpertParallel(num_sms=NUM_SMS, sync_free=True))
+    eager = _forward_backward(moe, x)
+    moe.zero_grad()
+    compiled = _forward_backward(moe, x, call=torch.compile(moe, fullgraph=True))
+    for label, got in (("sync-free eager", eager), ("sync-free compiled", compiled)):
+        torch.testing.assert_close(got[0], synced[0], **BF16_TOL, msg=label)
+        torch.testing.assert_close(got[1], synced[1], **BF16_TOL, msg=label)
+        for name, grad in got[2].items():
+            torch.testing.assert_close(grad, synced[2][name], **BF16_TOL, msg=f"{label}: {name}")
+    moe.zero_grad()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = moe(x.clone().requires_grad_())
+        out.float().pow(2).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def _check_forward_only_memory_is_flat(rank, world_size, cuda_group, cpu_group):
     mesh = init_device_mesh("cuda", (world_size,), mesh_dim_names=("ep",))
     moe = _build(DeepEPMoE, mesh, DeepEPExpertParallel(num_sms=NUM_SMS))
@@ -172,13 +220,14 @@ def _measure_dispatch_combine(rank, world_size, cuda_group, cpu_group):
     x, topk_idx, topk_weights = _routing(rank, num_tokens, hidden, num_experts, top_k)
     x, topk_idx, topk_weights = x.bfloat16().cuda(), topk_idx.cuda(), topk_weights.cuda()
     timings = {}
-    for phase in ("dispatch", "combine"):
+    for phase in ("dispatch", "dispatch_sync_free", "combine"):
         times = []
         for step in range(12):
             torch.cuda.synchronize()
             dist.barrier(group=cpu_group)
             start = time.perf_counter()
-            out = torch.ops.deepep.dispatch(x, topk_idx, topk_weights, num_experts, cuda_group.group_name)
+            sync_free = phase == "dispatch_sync_free"
+            out = ops.dispatch(x, topk_idx, topk_weights, num_experts, cuda_group.group_name, sync_free)
             if phase == "combine":
                 torch.cuda.synchronize()
                 start = time.perf_counter()
@@ -193,8 +242,10 @@ def _measure_dispatch_combine(rank, world_size, cuda_group, cpu_group):
 
 _CHECKS = (
     _check_ops_match_cpu_reference,
+    _check_sync_free_dispatch_matches_cpu_reference,
     _check_backward_matches_cpu_reference,
     _check_moe_block_eager_compiled_and_overlap,
+    _check_sync_free_moe_matches_synced_without_host_syncs,
     _check_forward_only_memory_is_flat,
     _measure_dispatch_combine,
 )

@@ -35,10 +35,14 @@ def run_trainer(
     dump_folder: Path, args: list[str], nproc: int = 1, timeout: int = 600, check: bool = True
 ) -> subprocess.CompletedProcess:
     """Run `torchrun -m torchtitan.train` (through torchtitan.launch, as run_train.sh does) with the debug config;
-    return the finished process."""
-    cmd = [
-        sys.executable, "-m", "torchtitan.launch",
+    return the finished process. One process runs the trainer directly: the launcher would only add its start-up
+    (run_train.sh's own tests cover it with NGPU=1)."""
+    launcher = [
+        "-m", "torchtitan.launch",
         f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+    ]
+    cmd = [
+        sys.executable, *(launcher if nproc > 1 else []),
         "-m", "torchtitan.train",
         "--job.config_file", str(DEBUG_CONFIG),
         "--job.dump_folder", str(dump_folder),

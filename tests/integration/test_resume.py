@@ -1,10 +1,12 @@
 """Exact resume: a run stopped and restarted with the same command continues bit for bit."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -34,17 +36,17 @@ CKPT_ARGS = ["--checkpoint.enable", "--checkpoint.interval", "5"]
     ids=["single-process", "fsdp4-ep2"],
 )
 def test_resume_is_bitwise_identical(tmp_path, nproc, layout):
-    # decay_ratio 0: warmup then constant lr, so a 3-step and a 6-step run share their first 3 lr values (with
-    # decay, the schedule depends on training.steps; the killed-run test below covers the same-command case).
-    args = [*FAST_ARGS, *layout, "--checkpoint.enable", "--checkpoint.interval", "3", "--lr_scheduler.decay_ratio", "0"]
+    """A fresh process given a copy of the straight run's step-3 checkpoint continues to step 6 bit for bit (the
+    killed-run test below stops a run itself)."""
+    args = [*FAST_ARGS, *layout, "--checkpoint.enable", "--checkpoint.interval", "3", "--training.steps", "6"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_trainer(straight, [*args, "--training.steps", "6"], nproc=nproc)
-    run_trainer(resumed, [*args, "--training.steps", "3"], nproc=nproc)
-    assert sorted(read_losses(resumed)) == [1, 2, 3]
-    # A fresh process, the same command with more steps: picks up step-3 and continues.
-    run_trainer(resumed, [*args, "--training.steps", "6"], nproc=nproc)
+    run_trainer(straight, args, nproc=nproc)
+    shutil.copytree(straight / "checkpoint" / "step-3", resumed / "checkpoint" / "step-3")
+    run_trainer(resumed, args, nproc=nproc)
     expected, got = read_losses(straight), read_losses(resumed)
-    assert got == expected  # bitwise on CPU: same data order, RNG and optimizer state
+    assert sorted(got) == [4, 5, 6]  # resumed at step 3, no re-training from scratch
+    for step in got:
+        assert got[step] == expected[step], step  # bitwise on CPU: same data order, RNG and optimizer state
 
 
 def test_killed_run_restarts_from_latest_complete_checkpoint(tmp_path):
@@ -86,27 +88,31 @@ def test_killed_run_restarts_from_latest_complete_checkpoint(tmp_path):
         assert got[step] == expected[step], step
 
 
+RESHARD_ARGS = [*FAST_ARGS, *CKPT_ARGS, "--training.global_batch_size", "8", "--training.steps", "8"]
+
+
+@pytest.fixture(scope="module")
+def saved_with_fsdp_x_ep(tmp_path_factory) -> Path:
+    """One FSDP=2 x EP=2 run of 8 steps (checkpoints at 5 and 8), shared by the resharding tests."""
+    saved = tmp_path_factory.mktemp("saved_fsdp2_ep2")
+    fsdp_ep = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2"]
+    run_trainer(saved, [*RESHARD_ARGS, *fsdp_ep, "--training.local_batch_size", "4"], nproc=2)
+    return saved
+
+
 @pytest.mark.parametrize(
     "nproc, layout",
     [(2, ["--parallelism.data_parallel_shard_degree", "2"]), (1, [])],
     ids=["to-fsdp2", "to-single-process"],
 )
-def test_checkpoint_reshards_from_fsdp_x_ep(tmp_path, nproc, layout):
+def test_checkpoint_reshards_from_fsdp_x_ep(tmp_path, saved_with_fsdp_x_ep, nproc, layout):
     """Saved with FSDP=2 x EP=2, resumed with plain FSDP=2 or in one process (the dataloader position reshards
     too): the continuation matches the original layout's."""
-    args = [*FAST_ARGS, *CKPT_ARGS, "--training.global_batch_size", "8"]
-    saved = tmp_path / "saved"
-    fsdp_ep = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2"]
-    run_trainer(saved, [*args, *fsdp_ep, "--training.local_batch_size", "4", "--training.steps", "8"], nproc=2)
-    reference = read_losses(saved)
-
+    reference = read_losses(saved_with_fsdp_x_ep)
     resumed = tmp_path / "resumed"
-    (resumed / "checkpoint").mkdir(parents=True)
-    (saved / "checkpoint" / "step-5").rename(resumed / "checkpoint" / "step-5")
+    shutil.copytree(saved_with_fsdp_x_ep / "checkpoint" / "step-5", resumed / "checkpoint" / "step-5")
     local_batch = str(8 // nproc)
-    run_trainer(
-        resumed, [*args, *layout, "--training.local_batch_size", local_batch, "--training.steps", "8"], nproc=nproc
-    )
+    run_trainer(resumed, [*RESHARD_ARGS, *layout, "--training.local_batch_size", local_batch], nproc=nproc)
     got = read_losses(resumed)
     assert sorted(got) == [6, 7, 8]  # resumed from step 5, no re-training from scratch
     for step in (6, 7, 8):

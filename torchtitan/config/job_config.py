@@ -167,6 +167,12 @@ class Parallelism:
     deepep_num_sms: int = 24
     """SMs DeepEP's communication kernels may use (even number)."""
 
+    deepep_sync_free_dispatch: bool = False
+    """DeepEP dispatch without a host wait: receive buffers sized for the worst case (every token of every EP rank,
+    DeepEP's `num_worst_tokens`) instead of waiting for the received counts, so the host can queue work ahead.
+    Costs memory: the routed experts' rows grow from ~top_k x the local tokens to EP x top_k x them (the padding rows
+    are skipped by the grouped GEMMs). Needs the deepep backend within one node."""
+
     expert_parallel_overlap: bool = False
     """Split each rank's batch into two micro-batches and overlap one's expert-parallel dispatch/combine with the
     other's compute, in forward and backward (needs expert_parallel_degree > 1 and an even local_batch_size; not

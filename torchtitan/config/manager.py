@@ -178,6 +178,14 @@ def validate(job_config: JobConfig) -> None:
         f"pass e.g. --parallelism.deepep_num_sms {max(2, sms + sms % 2)}",
     )
 
+    _require(
+        not par.deepep_sync_free_dispatch
+        or (par.expert_parallel_comm_backend == "deepep" and par.expert_parallel_degree > 1),
+        "parallelism.deepep_sync_free_dispatch needs --parallelism.expert_parallel_comm_backend deepep and "
+        f"expert_parallel_degree > 1 (got {par.expert_parallel_comm_backend!r}, {par.expert_parallel_degree}); "
+        "drop the flag or switch the backend",
+    )
+
     sched = job_config.lr_scheduler
     _require(
         sched.warmup_steps >= 0,

@@ -314,6 +314,11 @@ def test_uncaught_help_exits_process_with_zero():
         (["--activation_checkpoint.selective_ac_option=0"], "selective_ac_option must be 'op'"),
         (["--parallelism.deepep_num_sms=23"], "deepep_num_sms must be a positive even"),
         (["--parallelism.deepep_num_sms=0"], "deepep_num_sms must be a positive even"),
+        (["--parallelism.deepep_sync_free_dispatch"], "deepep_sync_free_dispatch needs .*deepep"),
+        (
+            ["--parallelism.deepep_sync_free_dispatch", "--parallelism.expert_parallel_comm_backend=deepep"],
+            "deepep_sync_free_dispatch needs .*expert_parallel_degree > 1",
+        ),
         (["--parallelism.expert_tensor_parallel_degree=0"], "expert_tensor_parallel_degree must be >= 1"),
         (["--parallelism.expert_tensor_parallel_degree=2"], "must be 1 or equal to .*tensor_parallel_degree"),
         (["--parallelism.data_parallel_shard_degree=0"], "data_parallel_shard_degree must be -1"),

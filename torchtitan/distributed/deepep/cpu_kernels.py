@@ -6,6 +6,9 @@ They implement the DeepEP contract that the CUDA kernels are checked against:
   `recv_topk_weights` the matching weights (0 where masked).
 - combine sends each received token's output back and sums the contributions per source token (in fp32).
 - cached dispatch replays a dispatch's layout for new data (combine's backward).
+- sync_free: outputs padded to the worst case (T x ranks received tokens), as DeepEP's `num_worst_tokens`; every
+  rank must send the same T (DeepEP would write past its buffer, this reference raises). The padding rows hold NaN
+  (DeepEP leaves them uninitialized) and recv_topk_idx -1, so a test sees any use of them.
 
 Host syncs (`.tolist()`) are fine here: this is the reference, not the hot path.
 """
@@ -22,7 +25,12 @@ __all__ = ["cached_dispatch", "combine", "dispatch"]
 
 
 def dispatch(
-    x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, group_name: str
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_experts: int,
+    group_name: str,
+    sync_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     buffer = _cpu_buffer(group_name, x)
     num_ranks, num_local_experts = buffer.world_size, num_experts // buffer.world_size
@@ -57,9 +65,21 @@ def dispatch(
     recv_topk_weights = exchange(send_topk_weights)
     recv_src_idx = exchange(send_token)
 
+    if sync_free:
+        num_worst = num_tokens * num_ranks
+        if recv_x.shape[0] > num_worst:  # checked after the exchanges, so no other rank is left waiting
+            raise RuntimeError(
+                f"deepep sync-free dispatch received {recv_x.shape[0]} tokens, more than its worst case {num_tokens} "
+                f"local tokens x {num_ranks} ranks: every EP rank must dispatch the same number of tokens"
+            )
+        recv_x = _pad(recv_x, num_worst, float("nan"))
+        recv_topk_weights = _pad(recv_topk_weights, num_worst, float("nan"))
+        recv_topk_idx, recv_src_idx = _pad(recv_topk_idx, num_worst, -1), _pad(recv_src_idx, num_worst, -1)
     masked = recv_topk_idx.reshape(-1)
     num_recv_tokens_per_expert = torch.bincount(masked[masked >= 0], minlength=num_local_experts)
-    slots = expert_major_order(recv_topk_idx, num_local_experts)[: int(num_recv_tokens_per_expert.sum())].clone()
+    slots = expert_major_order(recv_topk_idx, num_local_experts)
+    if not sync_free:
+        slots = slots[: int(num_recv_tokens_per_expert.sum())].clone()
     handle = [is_token_in_rank, num_recv_per_rank, recv_src_idx]
     return recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, slots, handle
 
@@ -76,6 +96,7 @@ def combine(
 
     def reduce_back(t: torch.Tensor) -> torch.Tensor:
         back = t.new_empty((sum(send_splits), *t.shape[1:]))
+        t = t[: sum(recv_splits)]  # sync-free padding rows are not sent
         dist.all_to_all_single(back, t.contiguous(), send_splits, recv_splits, group=buffer.group)
         total = torch.zeros((num_tokens, *t.shape[1:]), dtype=torch.float32)
         return total.index_add_(0, send_token, back.float()).to(t.dtype)
@@ -88,13 +109,18 @@ def combine(
 
 def cached_dispatch(x: torch.Tensor, handle: list[torch.Tensor], group_name: str) -> torch.Tensor:
     buffer = _cpu_buffer(group_name, x)
-    is_token_in_rank, num_recv_per_rank, _ = handle
+    is_token_in_rank, num_recv_per_rank, recv_src_idx = handle
     _, send_token = is_token_in_rank.t().nonzero(as_tuple=True)
     send_splits = is_token_in_rank.sum(0).tolist()
     recv_splits = num_recv_per_rank.tolist()
     out = x.new_empty((sum(recv_splits), x.shape[1]))
     dist.all_to_all_single(out, x[send_token].contiguous(), recv_splits, send_splits, group=buffer.group)
-    return out
+    return _pad(out, recv_src_idx.shape[0], float("nan"))  # the dispatch's row count, sync-free padding included
+
+
+def _pad(t: torch.Tensor, rows: int, value: float) -> torch.Tensor:
+    """t with rows appended up to `rows`, filled with `value`."""
+    return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), value)])
 
 
 def _cpu_buffer(group_name: str, x: torch.Tensor) -> EPBuffer:

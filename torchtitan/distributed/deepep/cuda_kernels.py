@@ -9,7 +9,8 @@ an event, so the wait happens inside the op; overlap comes from work queued on o
 
 Tokens travel in bf16 (`WIRE_DTYPE`): DeepEP's combine kernel is bf16-only; other dtypes are cast on the way in
 and back on the way out. The non-cached dispatch syncs with the host inside DeepEP (it needs the received
-counts to allocate); combine and the cached dispatch do not.
+counts to allocate) unless `sync_free`, where DeepEP allocates for the worst case (`num_worst_tokens`, intranode
+only) and the per-expert counts are taken on the device; combine and the cached dispatch never sync.
 """
 
 from __future__ import annotations
@@ -23,11 +24,24 @@ __all__ = ["cached_dispatch", "combine", "dispatch"]
 
 
 def dispatch(
-    x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, group_name: str
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_experts: int,
+    group_name: str,
+    sync_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     buffer = _cuda_buffer(group_name, x)
     runtime = buffer.runtime
     num_local_experts = num_experts // buffer.world_size
+    num_worst_tokens = 0
+    if sync_free:
+        if buffer.layout.name == "internode":
+            raise RuntimeError(
+                "parallelism.deepep_sync_free_dispatch: DeepEP's worst-case receive sizes are intranode only and this "
+                "EP group spans nodes; drop --parallelism.deepep_sync_free_dispatch"
+            )
+        num_worst_tokens = x.shape[0] * buffer.world_size
     topk_idx = topk_idx.to(torch.int64).contiguous()
     topk_weights = topk_weights.to(torch.float32).contiguous()
 
@@ -49,8 +63,17 @@ def dispatch(
         previous_event=layout_event,
         async_finish=True,
         allocate_on_comm_stream=False,
+        num_worst_tokens=num_worst_tokens,
     )
     event.current_stream_wait()
+    if sync_free:
+        # recv_topk_idx is -1 on every padding row (DeepEP clears them), so the counts and the slot order see
+        # only the received copies; the slots of masked entries and padding follow them.
+        local_ids = recv_topk_idx.reshape(-1)
+        counts = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, local_ids + 1, torch.ones_like(local_ids))
+        slots = expert_major_order(recv_topk_idx, num_local_experts)
+        return recv_x.to(x.dtype), recv_topk_idx, recv_topk_weights, counts[1:], slots, list(handle)
 
     # DeepEP already synced the per-expert counts to the host; reuse them instead of syncing again. The copy to the
     # device goes from pinned memory without blocking: a pageable copy would hold the host until the compute stream

@@ -7,7 +7,8 @@
     token_combine         deepep::combine: send back, sum per source token
     combine_postprocess   nothing left to do (output is already (num_tokens, dim))
 
-No host syncs: the data-dependent sizes come out of the op (unbacked symbols under torch.compile).
+No host syncs here: the data-dependent sizes come out of the op (unbacked symbols under torch.compile), or, with
+`sync_free`, are worst-case sizes with padding rows the experts skip.
 """
 
 from __future__ import annotations
@@ -88,10 +89,12 @@ class DeepEPTokenDispatcher(TokenDispatcher):
     sum_per_received_token = staticmethod(sum_per_received_token)
     """The local stages' computations; `compile_moe` swaps in compiled copies shared by all layers."""
 
-    def __init__(self, group_name: str, num_experts: int, score_before_experts: bool = False):
+    def __init__(self, group_name: str, num_experts: int, score_before_experts: bool = False, sync_free: bool = False):
         self.group_name = group_name
         self.num_experts = num_experts
         self.score_before_experts = score_before_experts
+        self.sync_free = sync_free
+        """Worst-case receive sizes, no host wait (ops.py); the experts skip the padding rows."""
 
     def dispatch_preprocess(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
@@ -100,7 +103,9 @@ class DeepEPTokenDispatcher(TokenDispatcher):
 
     def token_dispatch(self, prepared: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> DeepEPDispatched:
         x, topk_idx, topk_weights = prepared
-        return DeepEPDispatched(*ops.dispatch(x, topk_idx, topk_weights, self.num_experts, self.group_name))
+        return DeepEPDispatched(
+            *ops.dispatch(x, topk_idx, topk_weights, self.num_experts, self.group_name, self.sync_free)
+        )
 
     def dispatch_postprocess(
         self, dispatched: DeepEPDispatched

@@ -25,11 +25,13 @@ class DeepEPExpertParallel(ParallelStyle):
     """Shard an MoE layer's routed experts on dim 0 over the EP mesh and exchange its tokens with DeepEP.
 
     num_sms: SMs DeepEP's kernels may use (`parallelism.deepep_num_sms`, even).
+    sync_free: dispatch with worst-case receive sizes, no host wait (`parallelism.deepep_sync_free_dispatch`).
     """
 
-    def __init__(self, *, num_sms: int = 24):
+    def __init__(self, *, num_sms: int = 24, sync_free: bool = False):
         super().__init__()
         self.num_sms = num_sms
+        self.sync_free = sync_free
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if device_mesh.ndim != 1:
@@ -37,9 +39,16 @@ class DeepEPExpertParallel(ParallelStyle):
         check_experts_divisible(module, device_mesh.size())
         group = device_mesh.get_group()
         dim = module.experts.w1.shape[2]  # (E, hidden, dim)
-        get_or_create_buffer(group, dim, device_type=device_mesh.device_type, num_sms=self.num_sms)
+        buffer = get_or_create_buffer(group, dim, device_type=device_mesh.device_type, num_sms=self.num_sms)
+        if self.sync_free and buffer.layout.name == "internode":
+            raise ValueError(
+                "parallelism.deepep_sync_free_dispatch: DeepEP's worst-case receive sizes are intranode only and this "
+                "EP group spans nodes; drop --parallelism.deepep_sync_free_dispatch"
+            )
         distribute_experts(module.experts, device_mesh, EXPERTS_ON_EP_RANKS)
-        module.dispatcher = DeepEPTokenDispatcher(group.group_name, module.num_experts, module.score_before_experts)
+        module.dispatcher = DeepEPTokenDispatcher(
+            group.group_name, module.num_experts, module.score_before_experts, sync_free=self.sync_free
+        )
         return module
 
 

@@ -1,6 +1,6 @@
 """`torch.ops.deepep.*`: expert-parallel token dispatch and combine with DeepEP semantics, as custom ops.
 
-    dispatch(x (T, H), topk_idx (T, K) int64, topk_weights (T, K) fp32, num_experts, group_name)
+    dispatch(x (T, H), topk_idx (T, K) int64, topk_weights (T, K) fp32, num_experts, group_name, sync_free)
         -> recv_x (N, H)               tokens this rank received, rank-major (source rank, then source order)
            recv_topk_idx (N, K)        local expert ids, -1 where the expert lives on another rank
            recv_topk_weights (N, K)    matching weights, 0 where masked
@@ -13,7 +13,12 @@
     cached_dispatch(x (T, H), handle, group_name) -> (N, H)   dispatch replaying the saved layout
 
 N and M are data dependent: the fake kernels give them unbacked symbolic sizes so `torch.compile` traces
-through. Process groups cannot be op arguments, so ops take the EP group's name and find its buffer in the
+through, and DeepEP's kernel waits on the host for them. With `sync_free=True` they are the worst case instead, N =
+T x EP ranks and M = N x K, so nothing waits on the host: the rows past the received tokens hold garbage (their
+recv_topk_idx is -1), and permuted_slots lists every slot, the sum(num_recv_tokens_per_expert) real copies first.
+Callers must ignore the rows past that sum (the routed experts give them zero output and zero gradient).
+
+Process groups cannot be op arguments, so ops take the EP group's name and find its buffer in the
 registry of `buffer.py`. Autograd: dispatch's backward is a combine (also reducing the gradient of the routing
 weights); combine's backward is a cached dispatch of the saved layout (no host sync). The handle lives only as
 long as autograd or the caller holds it: nothing is cached across calls.
@@ -30,18 +35,24 @@ __all__ = ["cached_dispatch", "combine", "dispatch"]
 
 _LIB = torch.library.Library("deepep", "DEF")
 _LIB.define(
-    "dispatch(Tensor x, Tensor topk_idx, Tensor topk_weights, int num_experts, str group_name) "
+    "dispatch(Tensor x, Tensor topk_idx, Tensor topk_weights, int num_experts, str group_name, bool sync_free) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])"
 )
-# topk_weights has no default: autograd of ops with list arguments needs every argument passed explicitly.
+# No defaults: the dispatcher drops arguments equal to their default, and autograd then expects fewer gradients
+# than the backward (written for every argument) returns.
 _LIB.define("combine(Tensor x, Tensor[] handle, str group_name, Tensor? topk_weights) -> (Tensor, Tensor)")
 _LIB.define("cached_dispatch(Tensor x, Tensor[] handle, str group_name) -> Tensor")
 
 
 def dispatch(
-    x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, group_name: str
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_experts: int,
+    group_name: str,
+    sync_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    return torch.ops.deepep.dispatch(x, topk_idx, topk_weights, num_experts, group_name)
+    return torch.ops.deepep.dispatch(x, topk_idx, topk_weights, num_experts, group_name, sync_free)
 
 
 def combine(
@@ -57,12 +68,12 @@ def cached_dispatch(x: torch.Tensor, handle: list[torch.Tensor], group_name: str
 # Kernels. Looked up at call time so tests can wrap them (e.g. to count communication calls).
 
 
-def _dispatch_cpu(x, topk_idx, topk_weights, num_experts, group_name):
-    return cpu_kernels.dispatch(x, topk_idx, topk_weights, num_experts, group_name)
+def _dispatch_cpu(x, topk_idx, topk_weights, num_experts, group_name, sync_free):
+    return cpu_kernels.dispatch(x, topk_idx, topk_weights, num_experts, group_name, sync_free)
 
 
-def _dispatch_cuda(x, topk_idx, topk_weights, num_experts, group_name):
-    return cuda_kernels.dispatch(x, topk_idx, topk_weights, num_experts, group_name)
+def _dispatch_cuda(x, topk_idx, topk_weights, num_experts, group_name, sync_free):
+    return cuda_kernels.dispatch(x, topk_idx, topk_weights, num_experts, group_name, sync_free)
 
 
 def _combine_cpu(x, handle, group_name, topk_weights=None):
@@ -93,12 +104,16 @@ _LIB.impl("cached_dispatch", _cached_dispatch_cuda, "CUDA")
 
 
 @torch.library.register_fake("deepep::dispatch", lib=_LIB)
-def _dispatch_fake(x, topk_idx, topk_weights, num_experts, group_name):
+def _dispatch_fake(x, topk_idx, topk_weights, num_experts, group_name, sync_free):
     buffer = get_buffer(group_name)
-    ctx = torch.library.get_ctx()
-    num_recv = ctx.new_dynamic_size()
-    num_copies = ctx.new_dynamic_size()
     num_tokens, top_k = topk_idx.shape
+    if sync_free:
+        num_recv = num_tokens * buffer.world_size
+        num_copies = num_recv * top_k
+    else:
+        ctx = torch.library.get_ctx()
+        num_recv = ctx.new_dynamic_size()
+        num_copies = ctx.new_dynamic_size()
     recv_x = x.new_empty((num_recv, x.shape[1]))
     recv_topk_idx = x.new_empty((num_recv, top_k), dtype=torch.int64)
     recv_topk_weights = x.new_empty((num_recv, top_k), dtype=torch.float32)
@@ -126,7 +141,7 @@ def _cached_dispatch_fake(x, handle, group_name):
 
 
 def _dispatch_setup_context(ctx, inputs, output):
-    x, _, topk_weights, _, group_name = inputs
+    x, _, topk_weights, _, group_name, _ = inputs
     _, recv_topk_idx, _, _, _, handle = output
     ctx.group_name = group_name
     ctx.x_dtype = x.dtype
@@ -142,14 +157,14 @@ def _dispatch_backward(ctx, grad_recv_x, _g_idx, grad_recv_topk_weights, _g_coun
         grad_recv_x = recv_topk_idx.new_zeros((recv_topk_idx.shape[0], ctx.hidden_dim), dtype=ctx.x_dtype)
     weights_grad_in = None
     if ctx.weights_need_grad and grad_recv_topk_weights is not None:
-        # Only the rank holding an expert owns its weight; masked slots must not add to the sum.
+        # Only the rank holding an expert owns its weight; masked slots (and sync-free padding) must not add to it.
         weights_grad_in = torch.where(recv_topk_idx >= 0, grad_recv_topk_weights, 0.0).float().contiguous()
     grad_x, grad_topk_weights = torch.ops.deepep.combine(
         grad_recv_x.contiguous(), handle, ctx.group_name, weights_grad_in
     )
     grad_x = grad_x.to(ctx.x_dtype)
     grad_topk_weights = None if weights_grad_in is None else grad_topk_weights.to(ctx.weights_dtype)
-    return grad_x, None, grad_topk_weights, None, None
+    return grad_x, None, grad_topk_weights, None, None, None
 
 
 def _combine_setup_context(ctx, inputs, output):

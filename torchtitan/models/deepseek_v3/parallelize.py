@@ -72,7 +72,13 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.get_mesh("tp"), parallel_dims.loss_parallel_enabled)
     if parallel_dims.tp_enabled or parallel_dims.ep_enabled:
-        apply_moe_parallel(model, parallel_dims, use_deepep, parallelism.deepep_num_sms)
+        apply_moe_parallel(
+            model,
+            parallel_dims,
+            use_deepep,
+            deepep_num_sms=parallelism.deepep_num_sms,
+            deepep_sync_free=parallelism.deepep_sync_free_dispatch,
+        )
 
     if parallelism.expert_parallel_overlap:
         model.overlap_micro_batches = 2  # preflight (check_ep_overlap) validated the combination
@@ -208,7 +214,12 @@ def _full_sequence_freqs_cis(model: nn.Module, module: nn.Module, args: tuple) -
 
 
 def apply_moe_parallel(
-    model: nn.Module, parallel_dims: ParallelDims, use_deepep: bool = False, deepep_num_sms: int = 24
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    use_deepep: bool = False,
+    *,
+    deepep_num_sms: int = 24,
+    deepep_sync_free: bool = False,
 ) -> None:
     """Layouts at the MoE boundary plus the experts' ParallelStyle.
 
@@ -269,7 +280,8 @@ def apply_moe_parallel(
         elif use_deepep:
             from torchtitan.distributed.deepep import DeepEPExpertParallel
 
-            parallelize_module(moe, parallel_dims.get_mesh("ep"), DeepEPExpertParallel(num_sms=deepep_num_sms))
+            style = DeepEPExpertParallel(num_sms=deepep_num_sms, sync_free=deepep_sync_free)
+            parallelize_module(moe, parallel_dims.get_mesh("ep"), style)
         else:
             parallelize_module(moe, parallel_dims.get_mesh("ep"), ExpertParallel())
 

@@ -29,19 +29,23 @@ def run_experts_grouped_mm(
     num_rows, dim = x.shape
     num_experts = w1.shape[0]
     row_to_padded, offsets = padded_group_layout(num_tokens_per_expert, num_rows, num_experts, alignment)
+    # Rows past sum(counts) belong to no expert (DeepEP's sync-free padding: garbage, even NaN). The GEMMs leave
+    # them undefined, in the output and in the input gradient: both are masked to zero.
+    routed = (torch.arange(num_rows, device=x.device) < num_tokens_per_expert.sum()).unsqueeze(1)
 
     # (T_pad, dim), T_pad ~ T + E * alignment is a static upper bound of the padded size; padding rows are zero.
     # Every gradient that reaches the grouped GEMMs is dense (the unpadding gather's backward is a scatter into zeros),
     # which the GEMM backward needs (it rejects the stride-0 gradients of e.g. `out.sum()`).
     # The total is a multiple of the alignment too: the weight-gradient GEMM reads the rows as columns (16-byte rows).
     padded_rows = (num_rows + alignment - 1) // alignment * alignment + num_experts * alignment
-    x_padded = x.new_zeros(padded_rows, dim, dtype=torch.bfloat16).index_copy(0, row_to_padded, x.bfloat16())
+    x_routed = torch.where(routed, x, 0).bfloat16()
+    x_padded = x.new_zeros(padded_rows, dim, dtype=torch.bfloat16).index_copy(0, row_to_padded, x_routed)
     w1, w2, w3 = w1.bfloat16(), w2.bfloat16(), w3.bfloat16()
 
     grouped_mm = float8_grouped_mm if float8 else _bf16_grouped_mm
     h = F.silu(grouped_mm(x_padded, w1, offsets)) * grouped_mm(x_padded, w3, offsets)  # (T_pad, hidden)
     out_padded = grouped_mm(h, w2, offsets)  # (T_pad, dim)
-    return gather_rows(out_padded, row_to_padded, unique=True).to(x.dtype)  # (T, dim)
+    return torch.where(routed, gather_rows(out_padded, row_to_padded, unique=True), 0).to(x.dtype)  # (T, dim)
 
 
 def _bf16_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -53,7 +57,8 @@ class GroupedExperts(nn.Module):
     """w1 (E, hidden, dim), w2 (E, dim, hidden), w3 (E, hidden, dim).
 
     forward(x (T, dim) expert-major, num_tokens_per_expert (E_local,) int) -> (T, dim).
-    Contract: sum(num_tokens_per_expert) <= T; rows past the sum belong to no expert and their output is unspecified.
+    Contract: sum(num_tokens_per_expert) <= T; rows past the sum belong to no expert: they may hold anything (even
+    NaN), their output is zero and no gradient reaches them.
 
     `use_grouped_mm=True` computes in bf16 (what `torch._grouped_mm` supports, also under torch.compile) and
     returns x.dtype; `use_grouped_mm=False` is a per-expert loop in x.dtype (reference; syncs with the host).

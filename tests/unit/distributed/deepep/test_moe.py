@@ -39,9 +39,9 @@ def _build(cls, score_before_experts: bool = False, use_grouped_mm: bool = False
     return moe
 
 
-def _deepep_moe(mesh, **kwargs) -> DeepEPMoE:
+def _deepep_moe(mesh, sync_free: bool = False, **kwargs) -> DeepEPMoE:
     moe = _build(DeepEPMoE, **kwargs)
-    parallelize_module(moe, mesh, DeepEPExpertParallel())
+    parallelize_module(moe, mesh, DeepEPExpertParallel(sync_free=sync_free))
     return moe
 
 
@@ -153,8 +153,32 @@ def _no_handle_leaks(rank: int, world_size: int) -> None:
     assert handles[-1]() is None
 
 
+def _sync_free_matches_synced(rank: int, world_size: int) -> None:
+    """Worst-case receive sizes (the CPU kernel pads with NaN) give the synced dispatch's outputs and gradients, with
+    the grouped GEMMs and with the per-expert loop, also under the trainer's per-op SAC."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    tokens = torch.randn(2, 6, DIM, generator=torch.Generator().manual_seed(rank))  # the same count on every rank
+    sac_context = functools.partial(per_op_sac_contexts, 8)
+    for use_grouped_mm in (False, True):
+        results = []
+        for sync_free in (False, True):
+            moe = _deepep_moe(mesh, sync_free=sync_free, use_grouped_mm=use_grouped_mm)
+            x = tokens.clone().requires_grad_()
+            out = checkpoint(moe, x, use_reentrant=False, context_fn=sac_context)
+            (out * out).sum().backward()
+            results.append((out, x.grad, _grads(moe)))
+        (out_ref, grad_ref, grads_ref), (out, grad, grads) = results
+        torch.testing.assert_close(out, out_ref)
+        torch.testing.assert_close(grad, grad_ref)
+        for name, param_grad in grads.items():
+            torch.testing.assert_close(param_grad, grads_ref[name], msg=name)
+    rows, counts, _ = moe.dispatcher.dispatch(tokens.view(-1, DIM), *reversed(moe.route(tokens)))
+    assert rows.shape[0] == tokens.numel() // DIM * world_size * 3 > int(counts.sum())  # the padding was there
+
+
 def _module_checks(rank: int, world_size: int) -> None:
     _parity_with_standard_ep(rank, world_size)
+    _sync_free_matches_synced(rank, world_size)
     _checkpointing(rank, world_size)
     _no_handle_leaks(rank, world_size)
     destroy_buffers()

@@ -1,6 +1,7 @@
 """`torch.ops.deepep.*` on the CPU (gloo) kernels: schema/fake/autograd registration, the DeepEP contract against
 a naive reference, and gradients against the closed form."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -29,11 +30,14 @@ def _opcheck(rank: int, world_size: int) -> None:
     get_or_create_buffer(group, DIM, device_type="cpu")
     x, topk_idx, topk_weights = _routing(rank, 6)
     name = group.group_name
-    torch.library.opcheck(
-        torch.ops.deepep.dispatch.default,
-        (x.requires_grad_(), topk_idx, topk_weights.requires_grad_(), NUM_EXPERTS, name),
+    for sync_free in (False, True):
+        torch.library.opcheck(
+            torch.ops.deepep.dispatch.default,
+            (x.clone().requires_grad_(), topk_idx, topk_weights.clone().requires_grad_(), NUM_EXPERTS, name, sync_free),
+        )
+    recv_x, _, recv_w, _, _, handle = torch.ops.deepep.dispatch(
+        x.detach(), topk_idx, topk_weights.detach(), 8, name, False
     )
-    recv_x, _, recv_w, _, _, handle = torch.ops.deepep.dispatch(x.detach(), topk_idx, topk_weights.detach(), 8, name)
     torch.library.opcheck(torch.ops.deepep.combine.default, (recv_x.clone().requires_grad_(), handle, name, None))
     torch.library.opcheck(torch.ops.deepep.combine.default, (recv_x.clone().requires_grad_(), handle, name, recv_w))
     torch.library.opcheck(torch.ops.deepep.cached_dispatch.default, (x.detach().clone().requires_grad_(), handle, name))
@@ -56,7 +60,7 @@ def _contract_matches_naive_reference(rank: int, world_size: int) -> None:
     local_experts = NUM_EXPERTS // world_size
     x, topk_idx, topk_weights = _routing(rank, _tokens_on(rank))
     recv_x, recv_idx, recv_w, counts, slots, handle = torch.ops.deepep.dispatch(
-        x, topk_idx, topk_weights, NUM_EXPERTS, group.group_name
+        x, topk_idx, topk_weights, NUM_EXPERTS, group.group_name, False
     )
 
     # Naive reference: walk every source rank's tokens in order, keep those with an expert here.
@@ -94,8 +98,50 @@ def _contract_matches_naive_reference(rank: int, world_size: int) -> None:
     destroy_buffers()
 
 
-def test_dispatch_combine_contract_2_ranks():
-    run_distributed(_contract_matches_naive_reference, 2)
+def _sync_free_is_padded_dispatch(rank: int, world_size: int) -> None:
+    """sync_free: the same received tokens, counts and slots, then padding to x.shape[0] * world_size rows (NaN
+    tokens and weights, expert id -1, slots after the real copies) that combine and the cached dispatch ignore."""
+    group = dist.group.WORLD
+    get_or_create_buffer(group, DIM, device_type="cpu")
+    name = group.group_name
+    x, topk_idx, topk_weights = _routing(rank, 6)  # sync-free needs the same token count on every rank
+    recv_x, recv_idx, recv_w, counts, slots, _ = torch.ops.deepep.dispatch(
+        x, topk_idx, topk_weights, NUM_EXPERTS, name, False
+    )
+    padded_x, padded_idx, padded_w, padded_counts, padded_slots, handle = torch.ops.deepep.dispatch(
+        x, topk_idx, topk_weights, NUM_EXPERTS, name, True
+    )
+    num_recv, worst = recv_x.shape[0], x.shape[0] * world_size
+    assert padded_x.shape[0] == padded_idx.shape[0] == padded_w.shape[0] == worst
+    assert torch.equal(padded_x[:num_recv], recv_x) and padded_x[num_recv:].isnan().all()
+    assert torch.equal(padded_idx[:num_recv], recv_idx) and (padded_idx[num_recv:] == -1).all()
+    assert torch.equal(padded_w[:num_recv], recv_w)
+    assert torch.equal(padded_counts, counts)
+    assert padded_slots.shape[0] == worst * TOP_K and torch.equal(padded_slots[: slots.shape[0]], slots)
+    combined, _ = torch.ops.deepep.combine(padded_x, handle, name, None)  # NaN padding rows: never sent
+    torch.testing.assert_close(combined, torch.ops.deepep.combine(recv_x, handle, name, None)[0])
+    replayed = torch.ops.deepep.cached_dispatch(x, handle, name)
+    assert replayed.shape[0] == worst and torch.equal(replayed[:num_recv], recv_x)
+
+    # Uneven token counts would overflow the worst case: rank 0 sends 1 token, rank 1 eight, all to expert 0.
+    num_tokens = 1 if rank == 0 else 8
+    ones = torch.ones(num_tokens, 1)
+    to_expert_0 = torch.zeros(num_tokens, 1, dtype=torch.int64)
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="every EP rank must dispatch the same number of tokens"):
+            torch.ops.deepep.dispatch(ones.expand(-1, DIM), to_expert_0, ones, NUM_EXPERTS, name, True)
+    else:
+        torch.ops.deepep.dispatch(ones.expand(-1, DIM), to_expert_0, ones, NUM_EXPERTS, name, True)
+    destroy_buffers()
+
+
+def _contract_and_sync_free(rank: int, world_size: int) -> None:
+    _contract_matches_naive_reference(rank, world_size)
+    _sync_free_is_padded_dispatch(rank, world_size)
+
+
+def test_dispatch_combine_contract_and_sync_free_padding_2_ranks():
+    run_distributed(_contract_and_sync_free, 2)
 
 
 def _gradients_match_closed_form(rank: int, world_size: int) -> None:
