@@ -70,10 +70,12 @@ def dispatch(
         # recv_topk_idx is -1 on every padding row (DeepEP clears them), so the counts and the slot order see
         # only the received copies; the slots of masked entries and padding follow them.
         local_ids = recv_topk_idx.reshape(-1)
+        bins = torch.where(local_ids >= 0, local_ids, num_local_experts)  # masked and padding: one extra bin
         counts = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=x.device)
-        counts.scatter_add_(0, local_ids + 1, torch.ones_like(local_ids))
+        # a view at offset 0: inductor asserts that custom-op outputs are 16-byte aligned
+        counts = counts.scatter_add_(0, bins, torch.ones_like(bins))[:num_local_experts]
         slots = expert_major_order(recv_topk_idx, num_local_experts)
-        return recv_x.to(x.dtype), recv_topk_idx, recv_topk_weights, counts[1:], slots, list(handle)
+        return recv_x.to(x.dtype), recv_topk_idx, recv_topk_weights, counts, slots, list(handle)
 
     # DeepEP already synced the per-expert counts to the host; reuse them instead of syncing again. The copy to the
     # device goes from pinned memory without blocking: a pageable copy would hold the host until the compute stream
