@@ -28,6 +28,8 @@ import gzip
 import hashlib
 import io
 import json
+import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +43,8 @@ from torchtitan.datasets.tokenizer import Tokenizer
 if TYPE_CHECKING:
     import pyarrow as pa
 
+logger = logging.getLogger(__name__)
+
 TINYCORPUS_PATH = Path(__file__).resolve().parents[1] / "assets" / "tinycorpus" / "austen_chapters.jsonl.gz"
 DOCUMENT_SUFFIXES = (".jsonl", ".jsonl.gz", ".txt", ".txt.gz", ".parquet", ".arrow")
 TEXT_FIELD = "text"
@@ -49,9 +53,9 @@ TEXT_FIELD = "text"
 class PackedTextDataset(IterableDataset):
     """Endless stream of packed (input_dict, labels) samples for one data-parallel rank.
 
-    Every rank holds and tokenizes the whole corpus: simple and exactly reproducible for any dp degree, at the
-    cost of W-fold tokenization work and memory (fine up to tens of millions of tokens; a large corpus
-    would need pre-tokenized shards instead).
+    Every rank holds the whole token stream (tokenized once, then loaded from the disk cache): simple and exactly
+    reproducible for any dp degree, at the cost of W-fold memory (fine up to tens of millions of tokens; a large
+    corpus would need pre-tokenized shards instead).
 
     State (`state_dict` / `load_state_dict`) is this rank's (per loader worker) position: how many samples it
     has yielded, and the epoch the next sample starts in.
@@ -134,28 +138,68 @@ def build_text_dataset(
     return dataset, identity
 
 
-# Per-process cache of tokenized corpora, keyed by (files with their size and mtime, tokenizer fingerprint):
-# several loaders over one corpus in a process (tests, evaluation) tokenize it once.
+# Tokenized corpora are cached, keyed by (files with their size and mtime, tokenizer fingerprint, format): in
+# this process (several loaders over one corpus: tests, evaluation) and on disk, so every rank of every later run
+# loads the token stream instead of tokenizing the corpus again (seconds per process even for the shipped corpus).
 _TOKENIZED_CORPORA: dict[tuple, tuple[torch.Tensor, int]] = {}
 _MAX_CACHED_CORPORA = 4
+_CACHE_FORMAT = 1  # bump when the token stream a corpus maps to changes (BOS/EOS rules, document reading)
+CACHE_DIR_ENV = "TORCHTITAN_CACHE_DIR"
+"""Where tokenized corpora are cached on disk (default ~/.cache/torchtitan)."""
 
 
 def tokenize_corpus(files: list[Path], tokenizer: Tokenizer) -> tuple[torch.Tensor, int]:
     """(token stream: BOS + doc + EOS for every document, concatenated, int64; number of documents)."""
-    file_stats = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
-    key = (file_stats, tokenizer.fingerprint)
+    file_stats = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    key = (file_stats, tokenizer.fingerprint, _CACHE_FORMAT)
     if key in _TOKENIZED_CORPORA:
         _TOKENIZED_CORPORA[key] = _TOKENIZED_CORPORA.pop(key)  # most recently used goes last
-    else:
+        return _TOKENIZED_CORPORA[key]
+    cache_file = _disk_cache_dir() / "tokenized" / f"{hashlib.sha256(repr(key).encode()).hexdigest()[:32]}.pt"
+    cached = _load_tokenized(cache_file)
+    if cached is None:
         documents = [doc for f in files for doc in read_documents(f) if doc]
         if not documents:
             raise _empty_corpus_error(files)
         token_lists = tokenizer.encode_batch(documents, add_bos=True, add_eos=True)
-        token_stream = torch.cat([torch.tensor(ids, dtype=torch.int64) for ids in token_lists])
-        if len(_TOKENIZED_CORPORA) >= _MAX_CACHED_CORPORA:
-            _TOKENIZED_CORPORA.pop(next(iter(_TOKENIZED_CORPORA)))  # least recently used
-        _TOKENIZED_CORPORA[key] = (token_stream, len(documents))
-    return _TOKENIZED_CORPORA[key]
+        cached = (torch.cat([torch.tensor(ids, dtype=torch.int64) for ids in token_lists]), len(documents))
+        _save_tokenized(cache_file, *cached)
+    if len(_TOKENIZED_CORPORA) >= _MAX_CACHED_CORPORA:
+        _TOKENIZED_CORPORA.pop(next(iter(_TOKENIZED_CORPORA)))  # least recently used
+    _TOKENIZED_CORPORA[key] = cached
+    return cached
+
+
+def _disk_cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "torchtitan").expanduser()
+
+
+def _load_tokenized(path: Path) -> tuple[torch.Tensor, int] | None:
+    """The cached (token stream, number of documents), or None when absent or unreadable (then it is rebuilt)."""
+    try:
+        saved = torch.load(path, weights_only=True)
+        tokens, num_documents = saved["tokens"], int(saved["num_documents"])
+    except FileNotFoundError:
+        return None
+    except Exception as err:  # a damaged cache must never stop training: tokenize again
+        logger.warning(f"ignoring the unreadable tokenized-corpus cache {path} ({err}); tokenizing again")
+        return None
+    if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int64 or tokens.ndim != 1:
+        logger.warning(f"ignoring the tokenized-corpus cache {path}: not a 1-D int64 token stream; tokenizing again")
+        return None
+    return tokens, num_documents
+
+
+def _save_tokenized(path: Path, tokens: torch.Tensor, num_documents: int) -> None:
+    """Atomic (write, then rename), so concurrent ranks and a crash never leave a partial file behind."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"tokens": tokens, "num_documents": num_documents}, tmp)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        logger.warning(f"could not cache the tokenized corpus in {path.parent} ({err}); set {CACHE_DIR_ENV}")
 
 
 class DatasetError(ValueError):

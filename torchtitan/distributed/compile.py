@@ -31,6 +31,8 @@ from torch import nn
 from torch._dynamo.utils import counters, get_compilation_metrics
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+from torchtitan.distributed.utils import transformer_blocks
+
 __all__ = [
     "CompiledRegion",
     "RecompiledDuringCheckpointError",
@@ -50,7 +52,7 @@ def apply_compile(model: nn.Module, compile_config: Any, per_op_sac: bool = Fals
     """
     backend = compile_config.backend
     saved = saved_by_sac_options(backend) if per_op_sac else {}
-    for block in [*model.layers.values(), *getattr(model, "mtp", {}).values()]:
+    for block in transformer_blocks(model):
         inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
         if not getattr(inner, "moe_enabled", False):
             block.compile(backend=backend, fullgraph=True)

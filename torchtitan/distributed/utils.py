@@ -13,12 +13,25 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-__all__ = ["clip_grad_norm_", "device_type", "init_distributed", "set_determinism", "set_pg_timeouts"]
+__all__ = [
+    "clip_grad_norm_",
+    "device_type",
+    "init_distributed",
+    "set_determinism",
+    "set_pg_timeouts",
+    "transformer_blocks",
+]
 
 
 def device_type() -> str:
     """ "cuda" when a GPU is visible, else "cpu"."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """`model.layers`, then the blocks of the multi-token prediction modules (`model.mtp`, if any): the units that
+    EP, FSDP and compile treat alike."""
+    return [*model.layers.values(), *getattr(model, "mtp", {}).values()]
 
 
 def init_distributed(comm_config: Any, device_type: str) -> int:

@@ -7,7 +7,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from torchtitan.datasets import text_datasets
 from torchtitan.datasets.text_datasets import (
+    CACHE_DIR_ENV,
     DatasetError,
     PackedTextDataset,
     build_text_dataset,
@@ -34,6 +36,34 @@ def test_token_stream_is_bos_doc_eos_per_document(tokenizer, jsonl_corpus, docum
     expected = [t for doc in documents for t in tokenizer.encode(doc, add_bos=True, add_eos=True)]
     assert num_documents == len(documents)
     assert stream.dtype == torch.int64 and stream.tolist() == expected
+
+
+def test_tokenized_corpus_is_cached_on_disk_for_later_processes(tokenizer, jsonl_corpus, monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(text_datasets, "_TOKENIZED_CORPORA", {})  # a fresh process
+    stream, num_documents = tokenize_corpus([jsonl_corpus], tokenizer)
+    [cache_file] = (tmp_path / "cache" / "tokenized").iterdir()
+
+    monkeypatch.setattr(text_datasets, "_TOKENIZED_CORPORA", {})  # the next process loads it, tokenizes nothing
+    monkeypatch.setattr(tokenizer, "encode_batch", lambda *args, **kwargs: pytest.fail("tokenized again"))
+    cached, cached_documents = tokenize_corpus([jsonl_corpus], tokenizer)
+    assert torch.equal(cached, stream) and cached_documents == num_documents
+
+    # A damaged cache file is rebuilt, with a warning, not an error.
+    cache_file.write_bytes(b"not a torch file")
+    monkeypatch.undo()
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(text_datasets, "_TOKENIZED_CORPORA", {})
+    with caplog.at_level("WARNING"):
+        rebuilt, _ = tokenize_corpus([jsonl_corpus], tokenizer)
+    assert torch.equal(rebuilt, stream) and "unreadable tokenized-corpus cache" in caplog.text
+    assert torch.equal(torch.load(cache_file, weights_only=True)["tokens"], stream)
+
+    # An edited corpus (new size or mtime) is tokenized again.
+    jsonl_corpus.write_text(json.dumps({"text": "one new document"}) + "\n")
+    monkeypatch.setattr(text_datasets, "_TOKENIZED_CORPORA", {})
+    edited, edited_documents = tokenize_corpus([jsonl_corpus], tokenizer)
+    assert edited_documents == 1 and edited.tolist() == tokenizer.encode("one new document", add_bos=True, add_eos=True)
 
 
 def test_samples_are_shifted_windows_of_the_stream_spanning_documents(tokenizer, jsonl_corpus, make_job_config):

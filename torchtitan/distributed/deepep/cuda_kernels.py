@@ -34,14 +34,8 @@ def dispatch(
     buffer = _cuda_buffer(group_name, x)
     runtime = buffer.runtime
     num_local_experts = num_experts // buffer.world_size
-    num_worst_tokens = 0
-    if sync_free:
-        if buffer.layout.name == "internode":
-            raise RuntimeError(
-                "parallelism.deepep_sync_free_dispatch: DeepEP's worst-case receive sizes are intranode only and this "
-                "EP group spans nodes; drop --parallelism.deepep_sync_free_dispatch"
-            )
-        num_worst_tokens = x.shape[0] * buffer.world_size
+    # intranode only: DeepEPExpertParallel refuses it for a group that spans nodes
+    num_worst_tokens = x.shape[0] * buffer.world_size if sync_free else 0
     topk_idx = topk_idx.to(torch.int64).contiguous()
     topk_weights = topk_weights.to(torch.float32).contiguous()
 

@@ -43,7 +43,7 @@ from torchtitan.distributed.expert_parallel import (
     TensorParallel,
 )
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.utils import device_type
+from torchtitan.distributed.utils import device_type, transformer_blocks
 from torchtitan.models.moe.experts import GroupedExperts, convert_to_float8_experts
 from torchtitan.models.moe.float8 import check_float8_supported
 
@@ -231,7 +231,7 @@ def apply_moe_parallel(
     With a Replicate input the MoE output is a partial sum over tp, reduce-scattered to the sequence shard.
     """
     tp_mesh = parallel_dims.get_optional_mesh("tp")
-    for block in [*model.layers.values(), *model.mtp.values()]:
+    for block in transformer_blocks(model):
         if not block.moe_enabled:
             continue
         moe = block.moe
@@ -322,7 +322,7 @@ def apply_fsdp(
     if model.tok_embeddings is not None:
         fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard_after_forward)
     blocks = list(model.layers.values())
-    for block in [*blocks, *model.mtp.values()]:  # MTP modules: units like blocks, outside the explicit prefetch
+    for block in transformer_blocks(model):  # MTP modules: units like blocks, outside the explicit prefetch
         if experts_mesh is not None and _inner(block).moe_enabled:
             experts = _inner(block).moe.experts
             # EP already split dim 0 (experts); when the FSDP ranks outnumber the local experts, shard dim 1 instead
