@@ -9,8 +9,9 @@ every timed iteration sees the same load, and the JSON records the max/mean expe
 the expert matmuls at the measured H200 bf16 rate:
     FLOPs(fwd) = 2 * 3 * dim * moe_inter * tokens * (top_k + num_shared),  fwd+bwd = 3 x fwd.
 `--overlap` times forward+backward of two micro-batches of `--tokens` each in the trainer's EP-overlap schedule
-(`models/deepseek_v3/overlap.py`) and reports it per micro-batch. One JSON per (layer, backend, ep, tokens, routing,
-overlap) goes to $BENCH_OUT or benchmarks/results/.
+(`models/deepseek_v3/overlap.py`) and reports it per micro-batch; `--sync-free` dispatches with DeepEP's worst-case
+sizes (no host wait). One JSON per (layer, backend, ep, tokens, routing, overlap, sync-free, FP8) goes to
+$BENCH_OUT or benchmarks/results/.
 """
 
 import argparse
@@ -49,7 +50,9 @@ def matmul_bound_ms(layer: dict, tokens: int) -> tuple[float, float]:
     return fwd_ms, 3 * fwd_ms
 
 
-def build_layer(layer: dict, backend: str, ep_mesh, device: torch.device, num_sms: int, balanced: bool):
+def build_layer(
+    layer: dict, backend: str, ep_mesh, device: torch.device, num_sms: int, balanced: bool, sync_free: bool = False
+):
     moe_args = MoEArgs(
         num_experts=layer["num_experts"],
         num_shared_experts=layer["num_shared"],
@@ -67,7 +70,7 @@ def build_layer(layer: dict, backend: str, ep_mesh, device: torch.device, num_sm
         if backend == "deepep":
             from torchtitan.distributed.deepep import DeepEPExpertParallel
 
-            style = DeepEPExpertParallel(num_sms=num_sms)
+            style = DeepEPExpertParallel(num_sms=num_sms, sync_free=sync_free)
         else:
             from torchtitan.distributed.expert_parallel import ExpertParallel
 
@@ -121,6 +124,11 @@ def main() -> None:
         "(the trainer's --parallelism.expert_parallel_overlap schedule); times are reported per --tokens",
     )
     parser.add_argument(
+        "--sync-free",
+        action="store_true",
+        help="deepep: worst-case receive sizes, no host wait (the trainer's --parallelism.deepep_sync_free_dispatch)",
+    )
+    parser.add_argument(
         "--float8-experts", action="store_true", help="routed experts in FP8 (the trainer's --quantize.float8_experts)"
     )
     args = parser.parse_args()
@@ -129,14 +137,18 @@ def main() -> None:
     ep = dist.get_world_size()
     ep_mesh = init_device_mesh("cuda", (ep,), mesh_dim_names=("ep",))
     layer = LAYERS[args.layer]
-    moe = build_layer(layer, args.backend, ep_mesh, device, args.num_sms, balanced=args.routing == "balanced")
+    if args.sync_free and args.backend != "deepep":
+        parser.error("--sync-free needs --backend deepep")
+    balanced = args.routing == "balanced"
+    moe = build_layer(layer, args.backend, ep_mesh, device, args.num_sms, balanced, sync_free=args.sync_free)
     if args.float8_experts:
         convert_to_float8_experts(moe)
     if args.compile:
         compile_moe(moe, "inductor")
     mode = "compile" if args.compile else "eager"
     routing_tag = "" if args.routing == "balanced" else f"_zipf{args.zipf_exponent:g}"
-    overlap_tag = ("_overlap" if args.overlap else "") + ("_fp8" if args.float8_experts else "")
+    tags = (("_overlap", args.overlap), ("_syncfree", args.sync_free), ("_fp8", args.float8_experts))
+    overlap_tag = "".join(tag for tag, on in tags if on)
 
     for tokens in args.tokens:
         torch.manual_seed(dist.get_rank())
@@ -192,6 +204,7 @@ def main() -> None:
             backend=args.backend,
             mode=mode,
             overlap=args.overlap,
+            deepep_sync_free_dispatch=args.sync_free,
             float8_experts=args.float8_experts,
             ep=ep,
             tokens_per_rank=tokens,
