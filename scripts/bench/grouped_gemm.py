@@ -103,7 +103,68 @@ def main() -> None:
         f"fwd+bwd {result['fp8_speedup_fwd_bwd']:.2f}x",
         flush=True,
     )
+    result["gemms"] = gemm_times(rows, dim, hidden, local_experts, offsets)
     write_result(result, f"grouped_gemm_{args.layer}_ep{args.ep}_t{args.tokens}")
+
+
+def gemm_times(rows: int, dim: int, hidden: int, experts: int, offsets: torch.Tensor) -> dict:
+    """Each GEMM of the experts' forward + backward alone, bf16 vs FP8 on operands quantized beforehand (FP8 with
+    and without fast accumulation), ms: where FP8 gains and where it does not, apart from the quantization."""
+    device = offsets.device
+    times = {}
+    for weight, (n, k) in {"w1_w3": (hidden, dim), "w2": (dim, hidden)}.items():
+
+        def operand(*shape):
+            return torch.randn(*shape, device=device, dtype=torch.bfloat16)
+
+        def fp8(*shape):
+            return operand(*shape).to(torch.float8_e4m3fn)
+
+        ones = torch.ones
+        gemms = {
+            # x (M, K) @ W_e^T -> (M, N)
+            "fwd": (
+                (operand(rows, k), operand(experts, n, k).transpose(-2, -1)),
+                (
+                    fp8(rows, k),
+                    fp8(experts, n, k).transpose(-2, -1),
+                    ones(rows, device=device),
+                    ones(experts, n, device=device),
+                ),
+            ),
+            # dout (M, N) @ W_e -> (M, K): W_e^T stored (K, N) row-major, i.e. W_e column-major
+            "dgrad": (
+                (operand(rows, n), operand(experts, k, n).transpose(-2, -1)),
+                (
+                    fp8(rows, n),
+                    fp8(experts, k, n).transpose(-2, -1),
+                    ones(rows, device=device),
+                    ones(experts, k, device=device),
+                ),
+            ),
+            # dout_e^T (N, M_e) @ x_e (M_e, K) -> (E, N, K), grouped along M
+            "wgrad": (
+                (operand(n, rows), operand(k, rows).t()),
+                (fp8(n, rows), fp8(k, rows).t(), ones(experts * n, device=device), ones(experts * k, device=device)),
+            ),
+        }
+        for kind, (bf16_args, fp8_args) in gemms.items():
+            flops = 2 * rows * n * k
+            entry = {"bf16_ms": cuda_time_ms(lambda a=bf16_args: torch._grouped_mm(*a, offs=offsets), 5, 20)}
+            for fast in (False, True):
+                entry[f"fp8{'_fast_accum' if fast else ''}_ms"] = cuda_time_ms(
+                    lambda a=fp8_args, fast=fast: torch._scaled_grouped_mm(
+                        *a, offs=offsets, out_dtype=torch.bfloat16, use_fast_accum=fast
+                    ),
+                    5,
+                    20,
+                )
+            entry.update({f"{key[:-3]}_tflops": flops / ms / 1e9 for key, ms in list(entry.items())})
+            times[f"{weight}_{kind}"] = entry
+            print(
+                f"gemm {weight} {kind}: " + ", ".join(f"{key} {value:.2f}" for key, value in entry.items()), flush=True
+            )
+    return times
 
 
 if __name__ == "__main__":

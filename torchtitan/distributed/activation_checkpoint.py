@@ -3,10 +3,10 @@
 Per-op SAC saves the outputs of expensive or communicating ops and recomputes the rest (norms, activations,
 elementwise ops, index ops) in backward:
 
-- matmuls (aten.mm, aten.bmm, aten._grouped_mm, aten._scaled_grouped_mm, aten.addmm) are all saved. torchtitan saves
-  every other mm to trade more recompute for memory; we save all of them (simpler, and the MoE's activations are
-  dominated by the expert GEMMs, which we do not want to run twice). The exception is the router gate matmul (bs*seq x
-  dim x num_experts): it is tiny and recomputed. Routing must not change on recompute, so the selection ops that consume
+- matmuls (aten.mm, aten.bmm, aten._grouped_mm, aten._scaled_grouped_mm and its CPU emulation, aten.addmm) are all
+  saved. torchtitan saves every other mm to trade more recompute for memory; we save all of them (simpler, and the
+  MoE's activations are dominated by the expert GEMMs, which we do not want to run twice). The exception is the router
+  gate matmul (bs*seq x dim x num_experts): it is tiny and recomputed. Routing must not change on recompute, so the selection ops that consume
   it (topk, and the stable sort that orders token copies expert-major) are saved: the recomputed forward reuses the
   original expert choice and order even if the recomputed scores differed in the last bit.
 - attention kernels (SDPA variants, flex attention).
@@ -56,6 +56,7 @@ def op_sac_save_list() -> set[Any]:
         lambda: aten.addmm.default,
         lambda: aten._grouped_mm.default,
         lambda: aten._scaled_grouped_mm.default,
+        lambda: ops.torchtitan.fp8_scaled_grouped_mm_emulated.default,  # its CPU emulation (models/moe/float8.py)
         lambda: aten._scaled_dot_product_efficient_attention.default,
         lambda: aten._scaled_dot_product_flash_attention.default,
         lambda: aten._scaled_dot_product_flash_attention_for_cpu.default,

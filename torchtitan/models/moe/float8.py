@@ -91,8 +91,7 @@ class _Float8GroupedMM(torch.autograd.Function):
             wt_q, wt_scale = _transposed_weight(w)  # (E, K, N), (E, K)
             grad_x = _scaled_grouped_mm(g_q, wt_q.transpose(-2, -1), g_scale, wt_scale, offsets).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            gt_q, g_scale = _quantize_columns(grad_out, offsets, False)  # (N, M), (E, N)
-            xt_q, x_scale = _quantize_columns(x, offsets, False)  # (K, M), (E, K)
+            gt_q, g_scale, xt_q, x_scale = _grad_weight_operands(grad_out, x, offsets)  # (N, M), (E, N), (K, M), (E, K)
             # row-major (N, M) and column-major (M, K) operands, reduced over each group's rows
             grad_w = _scaled_grouped_mm(gt_q, xt_q.t(), g_scale, x_scale, offsets)
             grad_w = grad_w.to(w.dtype)
@@ -135,10 +134,30 @@ def _quantize_columns(t: torch.Tensor, offsets: torch.Tensor, slabs: bool) -> tu
 
 
 @_quantize_columns.register_fake
-def _(t: torch.Tensor, offsets: torch.Tensor, slabs: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_columns_fake(t: torch.Tensor, offsets: torch.Tensor, slabs: bool) -> tuple[torch.Tensor, torch.Tensor]:
     (num_rows, num_cols), num_groups = t.shape, offsets.shape[0]
     shape = (num_groups, num_cols, num_rows // num_groups) if slabs else (num_cols, num_rows)
     return t.new_empty(shape, dtype=FP8_DTYPE), t.new_empty((num_groups, num_cols), dtype=torch.float32)
+
+
+@torch.library.custom_op("torchtitan::fp8_quantize_grad_weight_operands", mutates_args=())
+def _grad_weight_operands(
+    grad_out: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both operands of the weight-gradient GEMM, as `_quantize_columns` (slabs=False) of grad_out and of x.
+
+    One op because it needs grad_out, so compile cannot move x's quantization into the forward. Separately, the
+    partitioner does (the FP8 copy is half the bytes of x) and saves x^T's transposed view, a column-major
+    (rows, C) tensor whose stride is the dynamic row count; on H200 the compiled backward then asserted the first
+    step's stride at the second step (5153e79). Saved activations stay row-major, with static strides."""
+    gt_q, g_scale = _quantize_columns(grad_out, offsets, False)
+    xt_q, x_scale = _quantize_columns(x, offsets, False)
+    return gt_q, g_scale, xt_q, x_scale
+
+
+@_grad_weight_operands.register_fake
+def _(grad_out: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor):
+    return (*_quantize_columns_fake(grad_out, offsets, False), *_quantize_columns_fake(x, offsets, False))
 
 
 def _transposed_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,12 +183,28 @@ def _scaled_grouped_mm(
         return torch._scaled_grouped_mm(
             a, b, scale_a, scale_b, offs=offsets, out_dtype=torch.bfloat16, use_fast_accum=fast_accum
         )
-    # Emulation: FP8 values are exact in bf16, so the bf16 GEMM sums exact products in fp32; the scales factor out
-    # of each dot product and multiply its result (the kernel does the same before its one rounding to bf16).
+    return _emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offsets)
+
+
+# An op of its own, opaque like the CUDA kernel, so that compile partitions the CPU graph as it does the CUDA one
+# and CPU tests see what the GPU sees (traced into, its bf16 casts changed what the partitioner saved).
+@torch.library.custom_op("torchtitan::fp8_scaled_grouped_mm_emulated", mutates_args=())
+def _emulated_scaled_grouped_mm(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    """`torch._scaled_grouped_mm` on any device: FP8 values are exact in bf16, so the bf16 GEMM sums exact products
+    in fp32; the scales factor out of each dot product and multiply its result (the kernel does the same before its
+    one rounding to bf16)."""
     product = torch._grouped_mm(a.to(torch.bfloat16), b.to(torch.bfloat16), offs=offsets).float()
     if b.dim() == 3:
         return (product * scale_a[:, None] * _scale_of_row(scale_b, offsets, a.shape[0])).to(torch.bfloat16)
     return (product * scale_a[:, :, None] * scale_b[:, None, :]).to(torch.bfloat16)
+
+
+@_emulated_scaled_grouped_mm.register_fake
+def _(a, b, scale_a, scale_b, offsets):
+    shape = (a.shape[0], b.shape[-1]) if b.dim() == 3 else (offsets.shape[0], a.shape[0], b.shape[1])
+    return a.new_empty(shape, dtype=torch.bfloat16)
 
 
 def _scale_of_row(scale_b: torch.Tensor, offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
