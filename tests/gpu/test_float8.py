@@ -79,7 +79,11 @@ def _agree(actual: tuple[torch.Tensor, torch.Tensor], expected: tuple[torch.Tens
 
 
 def test_triton_quantization_kernels_equal_the_torch_versions():
-    from torchtitan.models.moe.float8 import quantize_columns_per_group, quantize_rowwise
+    from torchtitan.models.moe.float8 import (
+        quantize_columns_per_group,
+        quantize_rowwise,
+        quantize_rowwise_group_scaled,
+    )
     from torchtitan.models.moe.float8_kernels import quantize_columns_per_group_cuda, quantize_rowwise_cuda
 
     torch.manual_seed(0)
@@ -90,18 +94,11 @@ def test_triton_quantization_kernels_equal_the_torch_versions():
     _agree(quantize_rowwise_cuda(x), quantize_rowwise(x))
 
     offsets = torch.tensor([64, 64, 256, 1008], device="cuda", dtype=torch.int32)  # an empty group; 16 padding rows
-    x[1008:] = float("nan")
-    _agree(quantize_columns_per_group_cuda(x, offsets, False), quantize_columns_per_group(x, offsets))
+    col_scale = torch.logspace(-4, 4, 4 * 7168, device="cuda").view(4, 7168)[:, torch.randperm(7168, device="cuda")]
+    _agree(quantize_rowwise_cuda(x, col_scale, offsets), quantize_rowwise_group_scaled(x, col_scale, offsets))
 
-    w = (
-        torch.randn(4, 2048, 512, device="cuda", dtype=torch.bfloat16)
-        * torch.logspace(-2, 2, 4, device="cuda")[:, None, None]
-    )
-    ends = torch.tensor([2048, 4096, 6144, 8192], device="cuda", dtype=torch.int32)
-    _agree(
-        quantize_columns_per_group_cuda(w.view(-1, 512), ends, True),
-        quantize_rowwise(w.transpose(-2, -1).contiguous()),
-    )
+    x[1008:] = float("nan")
+    _agree(quantize_columns_per_group_cuda(x, offsets), quantize_columns_per_group(x, offsets))
 
 
 def test_fp8_experts_compile_with_a_dynamic_row_count():

@@ -6,9 +6,10 @@ elementwise ops, index ops) in backward:
 - matmuls (aten.mm, aten.bmm, aten._grouped_mm, aten._scaled_grouped_mm and its CPU emulation, aten.addmm) are all
   saved. torchtitan saves every other mm to trade more recompute for memory; we save all of them (simpler, and the
   MoE's activations are dominated by the expert GEMMs, which we do not want to run twice). The exception is the router
-  gate matmul (bs*seq x dim x num_experts): it is tiny and recomputed. Routing must not change on recompute, so the selection ops that consume
-  it (topk, and the stable sort that orders token copies expert-major) are saved: the recomputed forward reuses the
-  original expert choice and order even if the recomputed scores differed in the last bit.
+  gate matmul (bs*seq x dim x num_experts): it is tiny and recomputed. Routing must not change on recompute, so the
+  selection ops that consume it (topk, and the stable sort that orders token copies expert-major) are saved: the
+  recomputed forward reuses the original expert choice and order even if the recomputed scores differed in the last
+  bit.
 - attention kernels (SDPA variants, flex attention).
 - collectives: all-to-all (functional and autograd variants) and reduce-scatter, so recompute issues no
   communication, and device-to-host copies (the all-to-all split sizes), so recompute adds no host sync.

@@ -3,15 +3,18 @@
 Every GEMM quantizes its two operands along their reduction dimension (one fp32 scale per row or column that
 is not reduced), so each scale factors out of the dot products and the kernel applies it to the fp32 result:
 
-    forward     out[m]    = x[m] W_e^T      x: one scale per row,            W_e: one per output row
-    grad input  dx[m]     = dout[m] W_e     dout: one per row,               W_e: one per input column
-    grad weight dW_e      = dout_e^T x_e    dout, x: one per column *within each expert's rows*
+    forward     out[m]    = x[m] W_e^T              x: one scale per row,     W_e: one per output row (over K)
+    grad input  dx[m]     = (dout[m] * s_e) Wq_e    dout * s_e: one per row,  Wq_e: the forward's FP8 W_e
+    grad weight dW_e      = dout_e^T x_e            dout, x: one per column *within each expert's rows*
 
-(torchao's rowwise float8 MoE recipe; DeepSeek-V3 used finer 1x128 / 128x128 blocks). On CUDA the GEMMs are
+The grad-input GEMM reduces over N, along which W_e's forward scales s_e (one per output row) vary: they multiply
+dout's columns before dout is quantized per row, so the forward's FP8 weights serve again, transposed (one FP8
+transpose instead of a second quantization of the bf16 weights, which moved 2.5x the bytes). Otherwise this is
+torchao's rowwise float8 MoE recipe (DeepSeek-V3 used finer 1x128 / 128x128 blocks). On CUDA the GEMMs are
 `torch._scaled_grouped_mm` (Hopper and newer) and the quantization runs in Triton kernels (float8_kernels.py);
 elsewhere the torch quantization below runs and the same quantized operands are multiplied in bf16 (exactly: FP8
 values are bf16 values) with the scales applied to the results, so CPU tests see the same rounding of the inputs.
-The weights stay bf16/fp32 parameters and are quantized on every use, as the gradients need them in two layouts.
+The weights stay bf16/fp32 parameters and are quantized in every forward.
 
 Rows past the last group end (padding after the last expert) belong to no group: they are left out of every
 scale, and their outputs are unspecified, as with `torch._grouped_mm`.
@@ -26,6 +29,7 @@ __all__ = [
     "float8_grouped_mm",
     "quantize_columns_per_group",
     "quantize_rowwise",
+    "quantize_rowwise_group_scaled",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -39,6 +43,14 @@ def quantize_rowwise(t: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torc
     amax = t.detach().abs().amax(dim=dim, keepdim=True).float().clamp_min(_EPS)
     quantized = (t.float() * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return quantized, (amax / FP8_MAX).squeeze(dim)
+
+
+def quantize_rowwise_group_scaled(
+    t: torch.Tensor, col_scale: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """t (M, C) in groups of rows ending at offsets (G,): each row times its group's column scales (G, C), then
+    `quantize_rowwise`. Rows past the last end take the last group's scales."""
+    return quantize_rowwise(t.float() * _scale_of_row(col_scale.float(), offsets, t.shape[0]))
 
 
 def quantize_columns_per_group(t: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,26 +87,28 @@ def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -
 class _Float8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, w, offsets)
         x_q, x_scale = _rowwise(x)  # (M, K), (M,)
         w_q, w_scale = _rowwise(w)  # (E, N, K), (E, N)
+        ctx.save_for_backward(x, w_q, w_scale, offsets)
+        ctx.weight_dtype = w.dtype
         # the output GEMM accumulates fast (as torchao's rowwise recipe); the gradient GEMMs do not
         return _scaled_grouped_mm(x_q, w_q.transpose(-2, -1), x_scale, w_scale, offsets, fast_accum=True)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        x, w, offsets = ctx.saved_tensors
+        x, w_q, w_scale, offsets = ctx.saved_tensors
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            g_q, g_scale = _rowwise(grad_out)  # (M, N), (M,)
-            # W_e^T (K, N) quantized along N, laid out so that its transpose is the column-major (N, K) operand
-            wt_q, wt_scale = _transposed_weight(w)  # (E, K, N), (E, K)
-            grad_x = _scaled_grouped_mm(g_q, wt_q.transpose(-2, -1), g_scale, wt_scale, offsets).to(x.dtype)
+            # W_e's forward scales vary along this GEMM's reduction (N): they multiply grad_out's columns before its
+            # rows are quantized, and W_e's FP8 values are reused, transposed into the column-major (N, K) operand
+            g_q, g_scale = _rowwise_group_scaled(grad_out, w_scale, offsets)  # (M, N), (M,)
+            w_q_t = w_q.transpose(-2, -1).contiguous().transpose(-2, -1)  # (E, N, K), column-major
+            no_scale = w_scale.new_ones(w_q.shape[0], w_q.shape[2])  # (E, K)
+            grad_x = _scaled_grouped_mm(g_q, w_q_t, g_scale, no_scale, offsets).to(x.dtype)
         if ctx.needs_input_grad[1]:
             gt_q, g_scale, xt_q, x_scale = _grad_weight_operands(grad_out, x, offsets)  # (N, M), (E, N), (K, M), (E, K)
             # row-major (N, M) and column-major (M, K) operands, reduced over each group's rows
-            grad_w = _scaled_grouped_mm(gt_q, xt_q.t(), g_scale, x_scale, offsets)
-            grad_w = grad_w.to(w.dtype)
+            grad_w = _scaled_grouped_mm(gt_q, xt_q.t(), g_scale, x_scale, offsets).to(ctx.weight_dtype)
         return grad_x, grad_w, None
 
 
@@ -119,52 +133,53 @@ def _(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t.new_empty(t.shape, dtype=FP8_DTYPE), t.new_empty(t.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("torchtitan::fp8_quantize_columns_per_group", mutates_args=())
-def _quantize_columns(t: torch.Tensor, offsets: torch.Tensor, slabs: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """t (M, C), groups of rows ending at offsets (G,) -> (fp8, scales (G, C)): slabs=False, as
-    `quantize_columns_per_group` (t^T, (C, M)); slabs=True, equal groups each transposed into its own (C, M // G)."""
-    if t.is_cuda:
-        from torchtitan.models.moe.float8_kernels import quantize_columns_per_group_cuda
+@torch.library.custom_op("torchtitan::fp8_quantize_rowwise_group_scaled", mutates_args=())
+def _rowwise_group_scaled(
+    t: torch.Tensor, col_scale: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """t (M, C), col_scale (G, C), offsets (G,) -> (fp8 (M, C), scales (M,)), as `quantize_rowwise_group_scaled`."""
+    if t.is_cuda and t.shape[-1] <= 16384:
+        from torchtitan.models.moe.float8_kernels import quantize_rowwise_cuda
 
-        return quantize_columns_per_group_cuda(t.contiguous(), offsets, slabs)
-    if slabs:
-        num_groups = offsets.shape[0]
-        return quantize_rowwise(t.view(num_groups, -1, t.shape[1]).transpose(1, 2).contiguous())
-    return quantize_columns_per_group(t, offsets)
+        return quantize_rowwise_cuda(t.contiguous(), col_scale, offsets)
+    quantized, scale = quantize_rowwise_group_scaled(t, col_scale, offsets)
+    return quantized.contiguous(), scale.contiguous()
 
 
-@_quantize_columns.register_fake
-def _quantize_columns_fake(t: torch.Tensor, offsets: torch.Tensor, slabs: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    (num_rows, num_cols), num_groups = t.shape, offsets.shape[0]
-    shape = (num_groups, num_cols, num_rows // num_groups) if slabs else (num_cols, num_rows)
-    return t.new_empty(shape, dtype=FP8_DTYPE), t.new_empty((num_groups, num_cols), dtype=torch.float32)
+@_rowwise_group_scaled.register_fake
+def _(t: torch.Tensor, col_scale: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return t.new_empty(t.shape, dtype=FP8_DTYPE), t.new_empty(t.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("torchtitan::fp8_quantize_grad_weight_operands", mutates_args=())
 def _grad_weight_operands(
     grad_out: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Both operands of the weight-gradient GEMM, as `_quantize_columns` (slabs=False) of grad_out and of x.
+    """Both operands of the weight-gradient GEMM: `quantize_columns_per_group` of grad_out (M, N) and of x (M, K)
+    -> (fp8 (N, M), scales (G, N), fp8 (K, M), scales (G, K)).
 
     One op because it needs grad_out, so compile cannot move x's quantization into the forward. Separately, the
     partitioner does (the FP8 copy is half the bytes of x) and saves x^T's transposed view, a column-major
     (rows, C) tensor whose stride is the dynamic row count; on H200 the compiled backward then asserted the first
     step's stride at the second step (5153e79). Saved activations stay row-major, with static strides."""
-    gt_q, g_scale = _quantize_columns(grad_out, offsets, False)
-    xt_q, x_scale = _quantize_columns(x, offsets, False)
-    return gt_q, g_scale, xt_q, x_scale
+    if grad_out.is_cuda:
+        from torchtitan.models.moe.float8_kernels import quantize_columns_per_group_cuda as quantize
+    else:
+        quantize = quantize_columns_per_group
+    return (*quantize(grad_out.contiguous(), offsets), *quantize(x.contiguous(), offsets))
 
 
 @_grad_weight_operands.register_fake
 def _(grad_out: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor):
-    return (*_quantize_columns_fake(grad_out, offsets, False), *_quantize_columns_fake(x, offsets, False))
-
-
-def _transposed_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w (E, N, K) -> (fp8 w^T (E, K, N) contiguous, scales (E, K)): each W_e^T quantized along N."""
-    num_experts, n, k = w.shape
-    ends = torch.arange(1, num_experts + 1, device=w.device, dtype=torch.int32) * n
-    return _quantize_columns(w.reshape(num_experts * n, k), ends, True)
+    num_rows, num_groups = x.shape[0], offsets.shape[0]
+    return tuple(
+        tensor
+        for t in (grad_out, x)
+        for tensor in (
+            t.new_empty((t.shape[1], num_rows), dtype=FP8_DTYPE),
+            t.new_empty((num_groups, t.shape[1]), dtype=torch.float32),
+        )
+    )
 
 
 def _scaled_grouped_mm(

@@ -21,26 +21,62 @@ _EPS = 1e-12
 
 
 @triton.jit
-def _rowwise_kernel(x_ptr, q_ptr, scale_ptr, num_cols, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, EPS: tl.constexpr):
+def _rowwise_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    group_of_row_ptr,
+    col_scale_ptr,
+    num_cols,
+    num_groups,
+    GROUP_SCALED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    EPS: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
     x = tl.load(x_ptr + row * num_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    if GROUP_SCALED:  # the row times its group's column scales (rows past the last group: the last group's)
+        group = tl.minimum(tl.load(group_of_row_ptr + row), num_groups - 1).to(tl.int64)
+        x = x * tl.load(col_scale_ptr + group * num_cols + cols, mask=mask, other=0.0)
     amax = tl.maximum(tl.max(tl.abs(x), axis=0), EPS)
     q = tl.clamp(x * tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX, amax), -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + row * num_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, tl.math.div_rn(amax, tl.zeros_like(amax) + FP8_MAX))
 
 
-def quantize_rowwise_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., C) contiguous, C <= 16384 -> (fp8 (..., C), fp32 scales (...)); see float8.quantize_rowwise."""
+def quantize_rowwise_cuda(
+    x: torch.Tensor, col_scale: torch.Tensor | None = None, offsets: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., C) contiguous, C <= 16384 -> (fp8 (..., C), fp32 scales (...)); see float8.quantize_rowwise.
+    With col_scale (G, C) fp32 and offsets (G,), x (M, C) is grouped: float8.quantize_rowwise_group_scaled."""
     num_cols = x.shape[-1]
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     num_rows = x.numel() // num_cols
     block = triton.next_power_of_2(num_cols)
+    group_scaled = col_scale is not None
+    if group_scaled:
+        rows = torch.arange(num_rows, device=x.device, dtype=torch.int32)
+        group_of_row = torch.searchsorted(offsets.to(torch.int32), rows, right=True).to(torch.int32)
+        col_scale, num_groups = col_scale.float().contiguous(), col_scale.shape[0]
+    else:
+        group_of_row, col_scale, num_groups = scale, scale, 1  # unused
     _rowwise_kernel[(num_rows,)](
-        x, q, scale, num_cols, BLOCK=block, FP8_MAX=_FP8_MAX, EPS=_EPS, num_warps=8 if block >= 4096 else 4
+        x,
+        q,
+        scale,
+        group_of_row,
+        col_scale,
+        num_cols,
+        num_groups,
+        GROUP_SCALED=group_scaled,
+        BLOCK=block,
+        FP8_MAX=_FP8_MAX,
+        EPS=_EPS,
+        num_warps=8 if block >= 4096 else 4,
     )
     return q, scale
 
@@ -77,46 +113,29 @@ def _group_column_quantize_kernel(
     num_rows,
     num_cols,
     num_groups,
-    ROWS_PER_SLAB: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
     FP8_MAX: tl.constexpr,
 ):
-    """Scaled cast of a (BLOCK_M, BLOCK_C) tile, stored transposed. The store address must be visibly contiguous
-    along the rows for Triton to coalesce it: with ROWS_PER_SLAB (equal groups, weights) a tile lies in one group,
-    whose slab offset is a scalar; without (activations) the output is one (C, M) matrix."""
-    row0 = tl.program_id(0) * BLOCK_M
-    rows = row0 + tl.arange(0, BLOCK_M)
+    """Scaled cast of a (BLOCK_M, BLOCK_C) tile, stored transposed into the (C, M) output; rows past the last group
+    end are zeroed."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_mask = rows < num_rows
     mask = row_mask[:, None] & (cols < num_cols)[None, :]
-    if ROWS_PER_SLAB > 0:
-        group = row0 // ROWS_PER_SLAB
-        amax = tl.load(amax_ptr + group * num_cols + cols, mask=cols < num_cols, other=1.0)[None, :]
-        in_group = row_mask
-        out = group.to(tl.int64) * num_cols * ROWS_PER_SLAB + cols[None, :] * ROWS_PER_SLAB + (rows - row0)[:, None]
-        out += row0 - group * ROWS_PER_SLAB
-    else:
-        group = tl.load(group_of_row_ptr + rows, mask=row_mask, other=num_groups)
-        in_group = group < num_groups
-        safe_group = tl.where(in_group, group, 0)
-        amax = tl.load(amax_ptr + safe_group[:, None] * num_cols + cols[None, :], mask=mask, other=1.0)
-        out = cols.to(tl.int64)[None, :] * num_rows + rows[:, None]
+    group = tl.load(group_of_row_ptr + rows, mask=row_mask, other=num_groups)
+    in_group = group < num_groups
+    safe_group = tl.where(in_group, group, 0)
+    amax = tl.load(amax_ptr + safe_group[:, None] * num_cols + cols[None, :], mask=mask, other=1.0)
     t = tl.load(t_ptr + rows.to(tl.int64)[:, None] * num_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     scaled = tl.clamp(t * tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX, amax), -FP8_MAX, FP8_MAX)
     q = tl.where(in_group[:, None], scaled, 0.0)
-    tl.store(q_ptr + out, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_ptr + cols.to(tl.int64)[None, :] * num_rows + rows[:, None], q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def quantize_columns_per_group_cuda(
-    t: torch.Tensor, offsets: torch.Tensor, group_slabs: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """t (M, C) contiguous, groups of rows ending at `offsets` (G,) -> (fp8 t^T, fp32 scales (G, C)).
-
-    group_slabs=False: t^T as one (C, M) matrix (activations; rows past the last end are zero).
-    group_slabs=True: each group's rows transposed into its own (C, rows) slab, (G, C, M // G) (weights: equal
-    groups). See float8.quantize_columns_per_group.
-    """
+def quantize_columns_per_group_cuda(t: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t (M, C) contiguous, groups of rows ending at `offsets` (G,) -> (fp8 t^T (C, M), fp32 scales (G, C)); rows
+    past the last end are zero. See float8.quantize_columns_per_group."""
     num_rows, num_cols = t.shape
     num_groups = offsets.shape[0]
     ends = offsets.to(torch.int32)
@@ -128,26 +147,9 @@ def quantize_columns_per_group_cuda(
         t, starts, ends, amax, num_cols, SPLIT=8, BLOCK_M=32, BLOCK_C=128, num_warps=4
     )
     amax = amax.clamp_min(_EPS)
-    if group_slabs:
-        rows_per_slab = num_rows // num_groups
-        q = torch.empty(num_groups, num_cols, rows_per_slab, dtype=torch.float8_e4m3fn, device=t.device)
-    else:
-        rows_per_slab = 0
-        q = torch.empty(num_cols, num_rows, dtype=torch.float8_e4m3fn, device=t.device)
-    block_m = 128 if rows_per_slab % 128 == 0 else 16  # a tile never straddles two slabs
-    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, 64))
+    q = torch.empty(num_cols, num_rows, dtype=torch.float8_e4m3fn, device=t.device)
+    grid = (triton.cdiv(num_rows, 16), triton.cdiv(num_cols, 64))
     _group_column_quantize_kernel[grid](
-        t,
-        group_of_row,
-        amax,
-        q,
-        num_rows,
-        num_cols,
-        num_groups,
-        ROWS_PER_SLAB=rows_per_slab,
-        BLOCK_M=block_m,
-        BLOCK_C=64,
-        FP8_MAX=_FP8_MAX,
-        num_warps=8 if block_m == 128 else 4,
+        t, group_of_row, amax, q, num_rows, num_cols, num_groups, BLOCK_M=16, BLOCK_C=64, FP8_MAX=_FP8_MAX, num_warps=4
     )
     return q, amax / _FP8_MAX

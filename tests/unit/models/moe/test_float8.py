@@ -16,6 +16,7 @@ from torchtitan.models.moe.float8 import (
     float8_grouped_mm,
     quantize_columns_per_group,
     quantize_rowwise,
+    quantize_rowwise_group_scaled,
 )
 
 # e4m3: 3 mantissa bits, so a normal value rounds to within 2^-4 of itself; below 2^-6 (subnormals) the step is
@@ -57,6 +58,18 @@ def test_column_scales_are_per_group_and_padding_rows_are_dropped():
     assert q[48:].float().eq(0).all()
     back = torch.cat([dequantize(q[:16], scale[0], 0), dequantize(q[16:48], scale[2], 0)])
     assert ((back - t[:48]).abs() <= _bound(t[:48], torch.cat([scale[0].expand(16, 8), scale[2].expand(32, 8)]))).all()
+
+
+def test_group_scaled_rows_are_quantized_after_their_groups_column_scales():
+    """What the grad-input GEMM quantizes: each row times its expert's weight scales (one per column), so the
+    forward's FP8 weights can be reused; rows past the last group take the last group's scales."""
+    offsets = torch.tensor([2, 2, 5], dtype=torch.int32)  # an empty group; row 5 is past the last end
+    t = torch.randn(6, 8)
+    col_scale = torch.rand(3, 8) + 0.5
+    q, scale = quantize_rowwise_group_scaled(t, col_scale, offsets)
+    expected = t * col_scale[torch.tensor([0, 0, 2, 2, 2, 2])]
+    torch.testing.assert_close(scale, expected.abs().amax(1) / FP8_MAX)
+    assert ((dequantize(q, scale) - expected).abs() <= _bound(expected, scale[:, None])).all()
 
 
 def _groups(counts, k, n, seed=0):
@@ -150,9 +163,10 @@ def test_quantization_ops_fake_kernels_match():
     offsets = torch.tensor([16, 16, 48], dtype=torch.int32)
     torch.library.opcheck(torch.ops.torchtitan.fp8_quantize_rowwise, (torch.randn(64, 32),))
     torch.library.opcheck(torch.ops.torchtitan.fp8_quantize_rowwise, (torch.randn(3, 16, 32),))
-    torch.library.opcheck(torch.ops.torchtitan.fp8_quantize_columns_per_group, (torch.randn(64, 32), offsets, False))
+    torch.library.opcheck(
+        torch.ops.torchtitan.fp8_quantize_rowwise_group_scaled, (torch.randn(64, 32), torch.rand(3, 32), offsets)
+    )
     ends = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
-    torch.library.opcheck(torch.ops.torchtitan.fp8_quantize_columns_per_group, (torch.randn(64, 32), ends, True))
     torch.library.opcheck(
         torch.ops.torchtitan.fp8_quantize_grad_weight_operands, (torch.randn(64, 16), torch.randn(64, 32), offsets)
     )
