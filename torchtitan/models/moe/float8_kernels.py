@@ -2,10 +2,10 @@
 
 Left to inductor, the amax + scale + cast of `float8.py` compiles into reductions that run at a fraction of the
 memory bandwidth and cost more than the FP8 GEMMs save (benchmarks/NOTES.md). These kernels read each operand once
-(rowwise: a whole row in registers) or twice (per-group columns: the maxima, then the scaled cast), and write the
-layout the GEMM reads. They compute exactly what the torch versions in `float8.py` compute (same formulas, same
-fp32 arithmetic with IEEE-rounded division, not Triton's approximate `/`), which remain the CPU path and the
-reference of tests/gpu/test_float8.py.
+(rowwise: a whole row in registers) or, per-group columns, twice in one kernel (the maxima, then the scaled cast,
+mostly from L2), and write the layout the GEMM reads. They compute exactly what the torch versions in `float8.py`
+compute (same formulas, same fp32 arithmetic with IEEE-rounded division, not Triton's approximate `/`), which remain
+the CPU path and the reference of tests/gpu/test_float8.py.
 
 `float8.py` wraps them in custom ops with fake kernels, opaque to torch.compile.
 """
@@ -81,56 +81,54 @@ def quantize_rowwise_cuda(
     return q, scale
 
 
+@triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_M": block_m, "BLOCK_C": block_c}, num_warps=warps)
+        for block_m, block_c, warps in ((64, 64, 4), (128, 64, 8), (64, 128, 8), (32, 128, 4), (128, 32, 4))
+    ],
+    key=["num_cols"],
+)
 @triton.jit
-def _group_column_amax_kernel(
-    t_ptr, starts_ptr, ends_ptr, amax_ptr, num_cols, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr
-):
-    """Column maxima of |t| over one SPLIT-th of a group's rows, merged into amax (zero-initialised) atomically:
-    groups are few and uneven, so splitting them keeps every SM busy."""
-    group = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_mask = cols < num_cols
-    start = tl.load(starts_ptr + group)
-    end = tl.load(ends_ptr + group)
-    chunk = tl.cdiv(end - start, SPLIT * BLOCK_M) * BLOCK_M
-    lo = start + tl.program_id(2) * chunk
-    hi = tl.minimum(lo + chunk, end)
-    amax = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for row0 in range(lo, hi, BLOCK_M):
-        rows = row0 + tl.arange(0, BLOCK_M)
-        mask = (rows < hi)[:, None] & col_mask[None, :]
-        t = tl.load(t_ptr + rows.to(tl.int64)[:, None] * num_cols + cols[None, :], mask=mask, other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(t.to(tl.float32)), axis=0))
-    tl.atomic_max(amax_ptr + group * num_cols + cols, amax, mask=col_mask)
-
-
-@triton.jit
-def _group_column_quantize_kernel(
+def _columns_per_group_kernel(
     t_ptr,
-    group_of_row_ptr,
-    amax_ptr,
+    ends_ptr,
     q_ptr,
+    scale_ptr,
     num_rows,
     num_cols,
     num_groups,
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    EPS: tl.constexpr,
 ):
-    """Scaled cast of a (BLOCK_M, BLOCK_C) tile, stored transposed into the (C, M) output; rows past the last group
-    end are zeroed."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    row_mask = rows < num_rows
-    mask = row_mask[:, None] & (cols < num_cols)[None, :]
-    group = tl.load(group_of_row_ptr + rows, mask=row_mask, other=num_groups)
+    """One (column block, group): the column maxima over the group's rows, then the scaled cast of the same rows
+    (read again, mostly from L2), stored transposed. Group `num_groups` zeroes the rows past the last end."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    group = tl.program_id(1)
+    col_mask = cols < num_cols
     in_group = group < num_groups
-    safe_group = tl.where(in_group, group, 0)
-    amax = tl.load(amax_ptr + safe_group[:, None] * num_cols + cols[None, :], mask=mask, other=1.0)
-    t = tl.load(t_ptr + rows.to(tl.int64)[:, None] * num_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    scaled = tl.clamp(t * tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX, amax), -FP8_MAX, FP8_MAX)
-    q = tl.where(in_group[:, None], scaled, 0.0)
-    tl.store(q_ptr + cols.to(tl.int64)[None, :] * num_rows + rows[:, None], q.to(q_ptr.dtype.element_ty), mask=mask)
+    start = tl.load(ends_ptr + group - 1, mask=group > 0, other=0)
+    end = tl.load(ends_ptr + group, mask=in_group, other=num_rows)
+    amax = tl.zeros([BLOCK_C], dtype=tl.float32)
+    if in_group:
+        for row0 in range(start, end, BLOCK_M):
+            rows = row0 + tl.arange(0, BLOCK_M)
+            mask = (rows < end)[:, None] & col_mask[None, :]
+            t = tl.load(t_ptr + rows.to(tl.int64)[:, None] * num_cols + cols[None, :], mask=mask, other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(t.to(tl.float32)), axis=0))
+        amax = tl.maximum(amax, EPS)
+        fp8_max = tl.zeros_like(amax) + FP8_MAX
+        tl.store(scale_ptr + group * num_cols + cols, tl.math.div_rn(amax, fp8_max), mask=col_mask)
+    inverse = tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX, tl.maximum(amax, EPS))
+    for row0 in range(start, end, BLOCK_M):
+        rows = row0 + tl.arange(0, BLOCK_M)
+        mask = (rows < end)[:, None] & col_mask[None, :]
+        t = tl.load(t_ptr + rows.to(tl.int64)[:, None] * num_cols + cols[None, :], mask=mask, other=0.0)
+        q = tl.clamp(t.to(tl.float32) * inverse[None, :], -FP8_MAX, FP8_MAX)
+        q = tl.where(in_group, q, 0.0)  # padding rows may hold anything, even NaN
+        out = q_ptr + cols.to(tl.int64)[:, None] * num_rows + rows[None, :]
+        tl.store(out, tl.trans(q).to(q_ptr.dtype.element_ty), mask=tl.trans(mask))
 
 
 def quantize_columns_per_group_cuda(t: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,18 +136,13 @@ def quantize_columns_per_group_cuda(t: torch.Tensor, offsets: torch.Tensor) -> t
     past the last end are zero. See float8.quantize_columns_per_group."""
     num_rows, num_cols = t.shape
     num_groups = offsets.shape[0]
-    ends = offsets.to(torch.int32)
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    rows = torch.arange(num_rows, device=t.device, dtype=torch.int32)
-    group_of_row = torch.searchsorted(ends, rows, right=True).to(torch.int32)
-    amax = torch.zeros(num_groups, num_cols, dtype=torch.float32, device=t.device)
-    _group_column_amax_kernel[(num_groups, triton.cdiv(num_cols, 128), 8)](
-        t, starts, ends, amax, num_cols, SPLIT=8, BLOCK_M=32, BLOCK_C=128, num_warps=4
-    )
-    amax = amax.clamp_min(_EPS)
     q = torch.empty(num_cols, num_rows, dtype=torch.float8_e4m3fn, device=t.device)
-    grid = (triton.cdiv(num_rows, 16), triton.cdiv(num_cols, 64))
-    _group_column_quantize_kernel[grid](
-        t, group_of_row, amax, q, num_rows, num_cols, num_groups, BLOCK_M=16, BLOCK_C=64, FP8_MAX=_FP8_MAX, num_warps=4
+    scale = torch.empty(num_groups, num_cols, dtype=torch.float32, device=t.device)
+
+    def grid(meta):
+        return (triton.cdiv(num_cols, meta["BLOCK_C"]), num_groups + 1)
+
+    _columns_per_group_kernel[grid](
+        t, offsets.to(torch.int32), q, scale, num_rows, num_cols, num_groups, FP8_MAX=_FP8_MAX, EPS=_EPS
     )
-    return q, amax / _FP8_MAX
+    return q, scale
