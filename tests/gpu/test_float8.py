@@ -84,7 +84,11 @@ def test_triton_quantization_kernels_equal_the_torch_versions():
         quantize_rowwise,
         quantize_rowwise_group_scaled,
     )
-    from torchtitan.models.moe.float8_kernels import quantize_columns_per_group_cuda, quantize_rowwise_cuda
+    from torchtitan.models.moe.float8_kernels import (
+        quantize_columns_per_group_cuda,
+        quantize_rowwise_cuda,
+        quantize_rowwise_stacked_cuda,
+    )
 
     torch.manual_seed(0)
     x = (
@@ -96,6 +100,9 @@ def test_triton_quantization_kernels_equal_the_torch_versions():
     offsets = torch.tensor([64, 64, 256, 1008], device="cuda", dtype=torch.int32)  # an empty group; 16 padding rows
     col_scale = torch.logspace(-4, 4, 4 * 7168, device="cuda").view(4, 7168)[:, torch.randperm(7168, device="cuda")]
     _agree(quantize_rowwise_cuda(x, col_scale, offsets), quantize_rowwise_group_scaled(x, col_scale, offsets))
+
+    w1, w3 = (torch.randn(4, 256, 7168, device="cuda", dtype=torch.bfloat16) * scale for scale in (1e-2, 1e2))
+    _agree(quantize_rowwise_stacked_cuda([w1, w3]), quantize_rowwise(torch.cat([w1, w3], dim=1)))
 
     x[1008:] = float("nan")
     _agree(quantize_columns_per_group_cuda(x, offsets), quantize_columns_per_group(x, offsets))

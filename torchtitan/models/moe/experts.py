@@ -42,8 +42,13 @@ def run_experts_grouped_mm(
     x_padded = x.new_zeros(padded_rows, dim, dtype=torch.bfloat16).index_copy(0, row_to_padded, x_routed)
     w1, w2, w3 = w1.bfloat16(), w2.bfloat16(), w3.bfloat16()
 
-    grouped_mm = float8_grouped_mm if float8 else _bf16_grouped_mm
-    h = F.silu(grouped_mm(x_padded, w1, offsets)) * grouped_mm(x_padded, w3, offsets)  # (T_pad, hidden)
+    if float8:  # gate and up in one GEMM: x quantized once each way
+        gate, up = float8_grouped_mm(x_padded, (w1, w3), offsets).chunk(2, dim=-1)
+        grouped_mm = float8_grouped_mm
+    else:
+        gate, up = _bf16_grouped_mm(x_padded, w1, offsets), _bf16_grouped_mm(x_padded, w3, offsets)
+        grouped_mm = _bf16_grouped_mm
+    h = F.silu(gate) * up  # (T_pad, hidden)
     out_padded = grouped_mm(h, w2, offsets)  # (T_pad, dim)
     return torch.where(routed, gather_rows(out_padded, row_to_padded, unique=True), 0).to(x.dtype)  # (T, dim)
 

@@ -20,6 +20,8 @@ Rows past the last group end (padding after the last expert) belong to no group:
 scale, and their outputs are unspecified, as with `torch._grouped_mm`.
 """
 
+from collections.abc import Sequence
+
 import torch
 
 __all__ = [
@@ -76,28 +78,31 @@ def dequantize(quantized: torch.Tensor, scale: torch.Tensor, dim: int = -1) -> t
     return quantized.float() * scale.unsqueeze(dim)
 
 
-def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor | Sequence[torch.Tensor], offsets: torch.Tensor) -> torch.Tensor:
     """x (M, K) @ w[g] (E, N, K) transposed for the rows of each group g -> (M, N) bf16, in FP8 both ways.
 
+    w may be several weights (E, N_i, K) that share x, e.g. the experts' gate and up projections: one GEMM against
+    them stacked along N -> (M, sum N_i), with x quantized once each way (forward rows, weight-gradient columns).
     offsets: (E,) int32 cumulative group ends, as for `torch._grouped_mm`; with M, multiples of 16 (`ROWS_PER_BLOCK`).
     """
-    return _Float8GroupedMM.apply(x, w, offsets)
+    weights = (w,) if isinstance(w, torch.Tensor) else tuple(w)
+    return _Float8GroupedMM.apply(x, offsets, *weights)
 
 
 class _Float8GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, offsets: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
         x_q, x_scale = _rowwise(x)  # (M, K), (M,)
-        w_q, w_scale = _rowwise(w)  # (E, N, K), (E, N)
-        ctx.save_for_backward(x, w_q, w_scale, offsets)
-        ctx.weight_dtype = w.dtype
+        w_q, w_scale = _rowwise_stacked(weights)  # (E, N, K), (E, N) with N = sum N_i
+        ctx.save_for_backward(x, offsets, w_q, w_scale)
+        ctx.weights = [(w.shape[1], w.dtype) for w in weights]
         # the output GEMM accumulates fast (as torchao's rowwise recipe); the gradient GEMMs do not
         return _scaled_grouped_mm(x_q, w_q.transpose(-2, -1), x_scale, w_scale, offsets, fast_accum=True)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        x, w_q, w_scale, offsets = ctx.saved_tensors
-        grad_x = grad_w = None
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, offsets, w_q, w_scale = ctx.saved_tensors
+        grad_x = None
         if ctx.needs_input_grad[0]:
             # W_e's forward scales vary along this GEMM's reduction (N): they multiply grad_out's columns before its
             # rows are quantized, and W_e's FP8 values are reused, transposed into the column-major (N, K) operand
@@ -105,11 +110,16 @@ class _Float8GroupedMM(torch.autograd.Function):
             w_q_t = w_q.transpose(-2, -1).contiguous().transpose(-2, -1)  # (E, N, K), column-major
             no_scale = w_scale.new_ones(w_q.shape[0], w_q.shape[2])  # (E, K)
             grad_x = _scaled_grouped_mm(g_q, w_q_t, g_scale, no_scale, offsets).to(x.dtype)
-        if ctx.needs_input_grad[1]:
+        grad_ws = [None] * len(ctx.weights)
+        if any(ctx.needs_input_grad[2:]):
             gt_q, g_scale, xt_q, x_scale = _grad_weight_operands(grad_out, x, offsets)  # (N, M), (E, N), (K, M), (E, K)
-            # row-major (N, M) and column-major (M, K) operands, reduced over each group's rows
-            grad_w = _scaled_grouped_mm(gt_q, xt_q.t(), g_scale, x_scale, offsets).to(ctx.weight_dtype)
-        return grad_x, grad_w, None
+            start = 0
+            for i, (n, dtype) in enumerate(ctx.weights):
+                # row-major (N_i, M) and column-major (M, K) operands, reduced over each group's rows
+                rows = slice(start, start + n)
+                grad_ws[i] = _scaled_grouped_mm(gt_q[rows], xt_q.t(), g_scale[:, rows], x_scale, offsets).to(dtype)
+                start += n
+        return grad_x, None, *grad_ws
 
 
 # The quantization as custom ops: CUDA runs the Triton kernels of float8_kernels.py (one pass per operand), other
@@ -131,6 +141,25 @@ def _rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @_rowwise.register_fake
 def _(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t.new_empty(t.shape, dtype=FP8_DTYPE), t.new_empty(t.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("torchtitan::fp8_quantize_rowwise_stacked", mutates_args=())
+def _rowwise_stacked(weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """weights (E, N_i, K) -> (fp8 (E, sum N_i, K), scales (E, sum N_i)): `quantize_rowwise` of the weights stacked
+    along N per expert, written in place on CUDA (no bf16 copy of the stack)."""
+    if weights[0].is_cuda and weights[0].shape[-1] <= 16384:
+        from torchtitan.models.moe.float8_kernels import quantize_rowwise_stacked_cuda
+
+        return quantize_rowwise_stacked_cuda([w.contiguous() for w in weights])
+    quantized, scale = quantize_rowwise(torch.cat(list(weights), dim=1))
+    return quantized.contiguous(), scale.contiguous()
+
+
+@_rowwise_stacked.register_fake
+def _(weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    (num_experts, _, k), rows = weights[0].shape, sum(w.shape[1] for w in weights)
+    w = weights[0]
+    return w.new_empty((num_experts, rows, k), dtype=FP8_DTYPE), w.new_empty((num_experts, rows), dtype=torch.float32)
 
 
 @torch.library.custom_op("torchtitan::fp8_quantize_rowwise_group_scaled", mutates_args=())

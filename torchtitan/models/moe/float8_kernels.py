@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["quantize_columns_per_group_cuda", "quantize_rowwise_cuda"]
+__all__ = ["quantize_columns_per_group_cuda", "quantize_rowwise_cuda", "quantize_rowwise_stacked_cuda"]
 
 _FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _EPS = 1e-12
@@ -29,12 +29,17 @@ def _rowwise_kernel(
     col_scale_ptr,
     num_cols,
     num_groups,
+    rows_per_slab,
+    out_rows_per_slab,
+    out_row_offset,
     GROUP_SCALED: tl.constexpr,
     BLOCK: tl.constexpr,
     FP8_MAX: tl.constexpr,
     EPS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    # where the row goes: rows come in slabs (an expert's weight) written at an offset into larger output slabs
+    out_row = row // rows_per_slab * out_rows_per_slab + out_row_offset + row % rows_per_slab
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
     x = tl.load(x_ptr + row * num_cols + cols, mask=mask, other=0.0).to(tl.float32)
@@ -43,8 +48,8 @@ def _rowwise_kernel(
         x = x * tl.load(col_scale_ptr + group * num_cols + cols, mask=mask, other=0.0)
     amax = tl.maximum(tl.max(tl.abs(x), axis=0), EPS)
     q = tl.clamp(x * tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX, amax), -FP8_MAX, FP8_MAX)
-    tl.store(q_ptr + row * num_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row, tl.math.div_rn(amax, tl.zeros_like(amax) + FP8_MAX))
+    tl.store(q_ptr + out_row * num_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + out_row, tl.math.div_rn(amax, tl.zeros_like(amax) + FP8_MAX))
 
 
 def quantize_rowwise_cuda(
@@ -52,33 +57,56 @@ def quantize_rowwise_cuda(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., C) contiguous, C <= 16384 -> (fp8 (..., C), fp32 scales (...)); see float8.quantize_rowwise.
     With col_scale (G, C) fp32 and offsets (G,), x (M, C) is grouped: float8.quantize_rowwise_group_scaled."""
-    num_cols = x.shape[-1]
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    num_rows = x.numel() // num_cols
-    block = triton.next_power_of_2(num_cols)
-    group_scaled = col_scale is not None
-    if group_scaled:
+    num_rows = scale.numel()
+    group_of_row = num_groups = None
+    if col_scale is not None:
         rows = torch.arange(num_rows, device=x.device, dtype=torch.int32)
         group_of_row = torch.searchsorted(offsets.to(torch.int32), rows, right=True).to(torch.int32)
         col_scale, num_groups = col_scale.float().contiguous(), col_scale.shape[0]
-    else:
-        group_of_row, col_scale, num_groups = scale, scale, 1  # unused
-    _rowwise_kernel[(num_rows,)](
+    _launch_rowwise(x, q, scale, num_rows, num_rows, 0, group_of_row, col_scale, num_groups)
+    return q, scale
+
+
+def quantize_rowwise_stacked_cuda(weights: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """weights (E, N_i, K) contiguous -> (fp8 (E, sum N_i, K), scales (E, sum N_i)), each weight's rows written
+    straight into its place in the stack; see float8._rowwise_stacked."""
+    (num_experts, _, k), rows = weights[0].shape, sum(w.shape[1] for w in weights)
+    q = torch.empty(num_experts, rows, k, dtype=torch.float8_e4m3fn, device=weights[0].device)
+    scale = torch.empty(num_experts, rows, dtype=torch.float32, device=weights[0].device)
+    offset = 0
+    for w in weights:
+        _launch_rowwise(w, q, scale, w.shape[1], rows, offset)
+        offset += w.shape[1]
+    return q, scale
+
+
+def _launch_rowwise(
+    x, q, scale, rows_per_slab, out_rows_per_slab, out_row_offset, group_of_row=None, col_scale=None, num_groups=1
+):
+    """Row r of x (rows of C) -> row (r // rows_per_slab) * out_rows_per_slab + out_row_offset + r % rows_per_slab
+    of q and scale: the identity for one slab, or an expert's weight rows placed into a stack."""
+    num_cols = x.shape[-1]
+    block = triton.next_power_of_2(num_cols)
+    group_scaled = col_scale is not None
+    _rowwise_kernel[(x.numel() // num_cols,)](
         x,
         q,
         scale,
-        group_of_row,
-        col_scale,
+        group_of_row if group_scaled else scale,  # unused without group scales
+        col_scale if group_scaled else scale,
         num_cols,
         num_groups,
+        rows_per_slab,
+        out_rows_per_slab,
+        out_row_offset,
         GROUP_SCALED=group_scaled,
         BLOCK=block,
         FP8_MAX=_FP8_MAX,
         EPS=_EPS,
         num_warps=8 if block >= 4096 else 4,
     )
-    return q, scale
 
 
 @triton.autotune(

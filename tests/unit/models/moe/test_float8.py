@@ -98,18 +98,21 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.detach().float() - expected.float()).norm() / expected.float().norm())
 
 
-def test_gradients_match_bf16_within_fp8_error():
+@pytest.mark.parametrize("stacked", [False, True], ids=["one_weight", "two_stacked_weights"])
+def test_gradients_match_bf16_within_fp8_error(stacked):
+    """Stacked: two weights with magnitudes 100x apart share x, as the experts' gate and up projections do."""
     x, w, offsets = _groups([16, 48, 32], k=64, n=32)
-    grad_out = torch.randn(x.shape[0], 32)
+    weights = [w, w.flip(1) * 100] if stacked else [w]
+    grad_out = torch.randn(x.shape[0], 32 * len(weights))
     results = []
     for fp8 in (True, False):
-        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        xi, wis = x.clone().requires_grad_(), [wi.clone().requires_grad_() for wi in weights]
         if fp8:
-            out = float8_grouped_mm(xi, wi, offsets)
+            out = float8_grouped_mm(xi, wis if stacked else wis[0], offsets)
         else:
-            out = torch._grouped_mm(xi, wi.transpose(-2, -1), offs=offsets)
+            out = torch.cat([torch._grouped_mm(xi, wi.transpose(-2, -1), offs=offsets) for wi in wis], dim=1)
         out.float().backward(grad_out)
-        results.append((out, xi.grad, wi.grad))
+        results.append((out, xi.grad, *(wi.grad for wi in wis)))
     for actual, expected in zip(results[0], results[1], strict=True):
         # e4m3 rounding of both operands: ~3% relative error on random data; a wrong scale or layout is O(1)
         assert _relative_error(actual, expected) < 0.06
@@ -151,8 +154,9 @@ def test_fp8_experts_take_the_scaled_path_and_stay_close_to_bf16(monkeypatch):
         out = experts(xi, counts)
         out.backward(grad_out)
         outputs.append((out, xi.grad, experts.w1.grad, experts.w2.grad))
-    # 3 GEMMs forward, 2 x 3 backward, all on FP8 operands
-    assert calls == [torch.float8_e4m3fn] * 9
+    # forward: gate and up stacked in one GEMM, then down; backward: one grad-input GEMM and one weight-gradient
+    # GEMM per weight for each; all on FP8 operands
+    assert calls == [torch.float8_e4m3fn] * 7
     assert not torch.equal(outputs[0][0], outputs[1][0])
     for actual, expected in zip(outputs[0], outputs[1], strict=True):
         assert _relative_error(actual, expected) < 0.08
