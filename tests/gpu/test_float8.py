@@ -71,10 +71,11 @@ def _agree(actual: tuple[torch.Tensor, torch.Tensor], expected: tuple[torch.Tens
     (q, scale), (q_ref, scale_ref) = actual, expected
     assert q.shape == q_ref.shape and q.stride() == q_ref.stride() and q.dtype == torch.float8_e4m3fn
     # the same formulas; torch divides by a scalar through its reciprocal, so the last bit of a scale and, rarely,
-    # the rounding of a value may differ, never by more than one FP8 step
+    # the rounding of a value may differ (0.11% of the stacked weights' values on H200), never by more than one FP8
+    # step; a wrong scale or a misplaced row changes most values
     torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
     same = q.view(torch.uint8) == q_ref.view(torch.uint8)
-    assert same.float().mean() > 0.999
+    assert same.float().mean() > 0.995
     torch.testing.assert_close(q.float(), q_ref.float(), rtol=2**-3, atol=2**-9)
 
 

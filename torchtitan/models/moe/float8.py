@@ -81,21 +81,28 @@ def dequantize(quantized: torch.Tensor, scale: torch.Tensor, dim: int = -1) -> t
 def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor | Sequence[torch.Tensor], offsets: torch.Tensor) -> torch.Tensor:
     """x (M, K) @ w[g] (E, N, K) transposed for the rows of each group g -> (M, N) bf16, in FP8 both ways.
 
-    w may be several weights (E, N_i, K) that share x, e.g. the experts' gate and up projections: one GEMM against
-    them stacked along N -> (M, sum N_i), with x quantized once each way (forward rows, weight-gradient columns).
+    w may be a pair of weights (E, N_i, K) that share x, the experts' gate and up projections: one GEMM against
+    them stacked along N -> (M, N_1 + N_2), with x quantized once each way (forward rows, weight-gradient columns).
     offsets: (E,) int32 cumulative group ends, as for `torch._grouped_mm`; with M, multiples of 16 (`ROWS_PER_BLOCK`).
     """
-    weights = (w,) if isinstance(w, torch.Tensor) else tuple(w)
-    return _Float8GroupedMM.apply(x, offsets, *weights)
+    w, w_stacked = (w, None) if isinstance(w, torch.Tensor) else w
+    return _Float8GroupedMM.apply(x, offsets, w, w_stacked)
 
 
 class _Float8GroupedMM(torch.autograd.Function):
+    """x @ w^T, or x @ [w; w_stacked]^T when w_stacked is given (fixed arguments: dynamo in torch 2.11 mis-traced
+    a variable number of weights)."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, offsets: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, w_stacked: torch.Tensor | None
+    ) -> torch.Tensor:
+        weights = [w] if w_stacked is None else [w, w_stacked]
         x_q, x_scale = _rowwise(x)  # (M, K), (M,)
         w_q, w_scale = _rowwise_stacked(weights)  # (E, N, K), (E, N) with N = sum N_i
         ctx.save_for_backward(x, offsets, w_q, w_scale)
-        ctx.weights = [(w.shape[1], w.dtype) for w in weights]
+        ctx.rows = [weight.shape[1] for weight in weights]
+        ctx.dtypes = [weight.dtype for weight in weights]
         # the output GEMM accumulates fast (as torchao's rowwise recipe); the gradient GEMMs do not
         return _scaled_grouped_mm(x_q, w_q.transpose(-2, -1), x_scale, w_scale, offsets, fast_accum=True)
 
@@ -110,11 +117,11 @@ class _Float8GroupedMM(torch.autograd.Function):
             w_q_t = w_q.transpose(-2, -1).contiguous().transpose(-2, -1)  # (E, N, K), column-major
             no_scale = w_scale.new_ones(w_q.shape[0], w_q.shape[2])  # (E, K)
             grad_x = _scaled_grouped_mm(g_q, w_q_t, g_scale, no_scale, offsets).to(x.dtype)
-        grad_ws = [None] * len(ctx.weights)
+        grad_ws = [None, None]
         if any(ctx.needs_input_grad[2:]):
             gt_q, g_scale, xt_q, x_scale = _grad_weight_operands(grad_out, x, offsets)  # (N, M), (E, N), (K, M), (E, K)
             start = 0
-            for i, (n, dtype) in enumerate(ctx.weights):
+            for i, (n, dtype) in enumerate(zip(ctx.rows, ctx.dtypes, strict=True)):
                 # row-major (N_i, M) and column-major (M, K) operands, reduced over each group's rows
                 rows = slice(start, start + n)
                 grad_ws[i] = _scaled_grouped_mm(gt_q[rows], xt_q.t(), g_scale[:, rows], x_scale, offsets).to(dtype)
