@@ -29,6 +29,7 @@ def check_job(argv: list[str], world_size: int) -> JobConfig:
     check_batch_sizes(job_config, parallel_dims.dp_size)
     check_ep_overlap(job_config, parallel_dims)
     check_mtp(model_args, parallel_dims)
+    check_float8_linears(job_config, parallel_dims)
     check_profiling(job_config)
     check_dump_folder(job_config.job.dump_folder)
     from torchtitan.datasets.text_datasets import check_corpus
@@ -98,6 +99,23 @@ def check_mtp(model_args, parallel_dims) -> None:
         raise ConfigError(
             f"multi-token prediction ({model_args.mtp_layers} module(s)) is not supported with "
             "tensor_parallel_degree > 1 yet; set --parallelism.tensor_parallel_degree 1 or --model.mtp_layers 0"
+        )
+
+
+def check_float8_linears(job_config: JobConfig, parallel_dims) -> None:
+    """FP8 linears quantize whole rows and columns of their input: not with tensor parallelism's sharded
+    activations, and the FP8 GEMMs need the token rows (batch x seq_len) in blocks of 16."""
+    if not job_config.quantize.float8_linears:
+        return
+    if parallel_dims.tp_enabled:
+        raise ConfigError(
+            "--quantize.float8_linears is not supported with tensor parallelism yet; set "
+            "--parallelism.tensor_parallel_degree 1 or drop the flag"
+        )
+    if job_config.training.seq_len % 16:
+        raise ConfigError(
+            f"--quantize.float8_linears needs training.seq_len a multiple of 16 (FP8 GEMM alignment), got "
+            f"{job_config.training.seq_len}; change --training.seq_len or drop the flag"
         )
 
 

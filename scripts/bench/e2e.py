@@ -39,6 +39,8 @@ def run_settings(config_file: str, train_args: list[str], ngpu: int) -> dict:
         "ep_overlap": par.expert_parallel_overlap,
         "deepep_sync_free_dispatch": par.deepep_sync_free_dispatch,
         "mtp_layers": get_model_args(job).mtp_layers,
+        "float8_experts": job.quantize.float8_experts,
+        "float8_linears": job.quantize.float8_linears,
         "compile": job.compile.enable,
         "activation_checkpoint": job.activation_checkpoint.mode
         + (

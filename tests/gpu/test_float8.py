@@ -1,13 +1,15 @@
-"""FP8 experts on the GPU: torch._scaled_grouped_mm (both forms) equals the CPU emulation on the same quantized
-operands, with groups whose magnitudes differ by 1e4 (a scale applied to the wrong group or row shows at O(1)),
-forward and backward; the FP8 experts stay within FP8 error of bf16, and compile with a dynamic row count."""
+"""FP8 experts and linears on the GPU: torch._scaled_grouped_mm (both forms) and, for the linears, torch._scaled_mm
+equal the CPU emulation on the same quantized operands, with groups (rows) whose magnitudes differ by 1e4 (a scale
+applied to the wrong group or row shows at O(1)), forward and backward; the FP8 experts stay within FP8 error of
+bf16, and experts and linears compile with a dynamic row count."""
 
 import pytest
 import torch
 
 from tests.unit.models.moe._saved_layouts import compile_recording_backward_inputs, strided_by_a_dynamic_size
+from torchtitan.models.deepseek_v3.float8_linears import Float8Linear
 from torchtitan.models.moe.experts import GroupedExperts, convert_to_float8_experts
-from torchtitan.models.moe.float8 import float8_grouped_mm
+from torchtitan.models.moe.float8 import float8_grouped_mm, float8_linear
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 tensor cores"
@@ -129,6 +131,46 @@ def test_fp8_experts_compile_with_a_dynamic_row_count():
             out.float().pow(2).sum().backward()
             results.append((out, xi.grad))
         # inductor's quantization may round a value to the neighbouring FP8 step: ~2.5% apart on CPU
+        for actual, expected in zip(results[1], results[0], strict=True):
+            assert _relative_error(actual, expected) < 5e-2
+    assert not strided_by_a_dynamic_size(backward_inputs)
+
+
+def test_fp8_linear_equals_the_cpu_emulation_and_stays_close_to_bf16():
+    """cuBLAS's FP8 GEMM (`torch._scaled_mm`, the one-group case) against the emulation; then against bf16."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 512, 2048, generator=gen) * torch.logspace(-2, 2, 512)[:, None]  # rows 1e4 apart
+    w = torch.randn(576, 2048, generator=gen) * torch.logspace(-2, 2, 576)[:, None] * 0.02  # MLA's wkv_a
+    grad_out = torch.randn(4, 512, 576, generator=gen)
+    results = {}
+    for name, fn, device in (
+        ("cuda", float8_linear, "cuda"),
+        ("cpu", float8_linear, "cpu"),
+        ("bf16", torch.nn.functional.linear, "cuda"),
+    ):
+        xi = x.to(device, torch.bfloat16).requires_grad_()
+        wi = w.to(device, torch.bfloat16).requires_grad_()
+        out = fn(xi, wi)
+        out.float().backward(grad_out.to(device))
+        results[name] = (out, xi.grad, wi.grad)
+    for value, emulated, bf16 in zip(results["cuda"], results["cpu"], results["bf16"], strict=True):
+        assert _relative_error(value, emulated) < 1e-2
+        assert _relative_error(value, bf16) < 0.06
+
+
+def test_fp8_linear_compiles_with_a_dynamic_row_count():
+    torch.manual_seed(0)
+    linear = Float8Linear(2048, 3072, bias=False, device="cuda", dtype=torch.bfloat16)
+    compiled, backward_inputs = compile_recording_backward_inputs(linear)
+    for rows in (4096, 8192):
+        x = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16)
+        results = []
+        for fn in (linear, compiled):
+            xi = x.clone().requires_grad_()
+            linear.weight.grad = None
+            out = fn(xi)
+            out.float().pow(2).sum().backward()
+            results.append((out, xi.grad, linear.weight.grad))
         for actual, expected in zip(results[1], results[0], strict=True):
             assert _relative_error(actual, expected) < 5e-2
     assert not strided_by_a_dynamic_size(backward_inputs)

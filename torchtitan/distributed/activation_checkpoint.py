@@ -55,6 +55,7 @@ def op_sac_save_list() -> set[Any]:
         lambda: aten.mm.default,
         lambda: aten.bmm.default,
         lambda: aten.addmm.default,
+        lambda: aten._scaled_mm.default,
         lambda: aten._grouped_mm.default,
         lambda: aten._scaled_grouped_mm.default,
         lambda: ops.torchtitan.fp8_scaled_grouped_mm_emulated.default,  # its CPU emulation (models/moe/float8.py)

@@ -44,6 +44,7 @@ from torchtitan.distributed.expert_parallel import (
 )
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.utils import device_type, transformer_blocks
+from torchtitan.models.deepseek_v3.float8_linears import convert_to_float8_linears
 from torchtitan.models.moe.experts import GroupedExperts, convert_to_float8_experts
 from torchtitan.models.moe.float8 import check_float8_supported
 
@@ -86,6 +87,10 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
         check_float8_supported(torch.device(device_type()))
         converted = convert_to_float8_experts(model)
         logger.info(f"quantize.float8_experts: {converted} routed-expert modules run FP8 grouped GEMMs")
+    if job_config.quantize.float8_linears:
+        check_float8_supported(torch.device(device_type()), "--quantize.float8_linears")
+        converted = convert_to_float8_linears(model)
+        logger.info(f"quantize.float8_linears: {converted} linears run FP8 GEMMs")
 
     apply_ac(model, job_config.activation_checkpoint)
     if job_config.compile.enable and "model" in job_config.compile.components:

@@ -29,6 +29,7 @@ __all__ = [
     "check_float8_supported",
     "dequantize",
     "float8_grouped_mm",
+    "float8_linear",
     "quantize_columns_per_group",
     "quantize_rowwise",
     "quantize_rowwise_group_scaled",
@@ -87,6 +88,16 @@ def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor | Sequence[torch.Tensor],
     """
     w, w_stacked = (w, None) if isinstance(w, torch.Tensor) else w
     return _Float8GroupedMM.apply(x, offsets, w, w_stacked)
+
+
+def float8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, weight)` (no bias) in FP8 both ways, the same recipe as the experts': the one-group case of
+    `float8_grouped_mm` (on CUDA the GEMMs are then cuBLAS's `torch._scaled_mm`). x (..., K), weight (N, K); the
+    rows of x (its leading dims' product) and N, K must be multiples of 16."""
+    rows = x.reshape(-1, x.shape[-1])
+    offsets = torch.full((1,), rows.shape[0], dtype=torch.int32, device=x.device)
+    out = _Float8GroupedMM.apply(rows, offsets, weight.unsqueeze(0), None)
+    return out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
 
 
 class _Float8GroupedMM(torch.autograd.Function):
@@ -229,12 +240,28 @@ def _scaled_grouped_mm(
     """Two forms, as torch._scaled_grouped_mm: a (M, K) 2D x b (E, K, N) 3D -> (M, N), scale_a (M,), scale_b
     (E, N); or a (N, M) x b (M, K), both 2D, grouped along M -> (E, N, K), scale_a (E, N), scale_b (E, K)."""
     if a.is_cuda:
+        if offsets.shape[0] == 1:  # a dense linear (`float8_linear`)
+            return _scaled_mm_one_group(a, b, scale_a, scale_b, fast_accum)
         if b.dim() == 2:
             scale_a, scale_b = scale_a.flatten(), scale_b.flatten()
         return torch._scaled_grouped_mm(
             a, b, scale_a, scale_b, offs=offsets, out_dtype=torch.bfloat16, use_fast_accum=fast_accum
         )
     return _emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offsets)
+
+
+def _scaled_mm_one_group(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, fast_accum: bool
+) -> torch.Tensor:
+    """`_scaled_grouped_mm` for one group, by the dense FP8 GEMM (cuBLAS). Rows past the group's end are computed
+    (the 3D form leaves them unspecified) or, in the 2D form, zeros in both quantized operands (they add nothing)."""
+    grouped_weight = b.dim() == 3
+    if grouped_weight:  # (M, K) x (1, K, N) -> (M, N); scales (M,), (1, N)
+        b, scale_a = b[0], scale_a[:, None]
+    else:  # (N, M) x (M, K) -> (1, N, K); scales (1, N), (1, K)
+        scale_a = scale_a[0][:, None]
+    out = torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+    return out if grouped_weight else out[None]
 
 
 # An op of its own, opaque like the CUDA kernel, so that compile partitions the CPU graph as it does the CUDA one
@@ -268,13 +295,13 @@ def _group_of_row(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.searchsorted(offsets.to(torch.int64), rows, right=True)
 
 
-def check_float8_supported(device: torch.device) -> None:
+def check_float8_supported(device: torch.device, flag: str = "--quantize.float8_experts") -> None:
     """FP8 GEMMs need FP8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell); CPU emulates them."""
     if device.type != "cuda":
         return
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
         raise ValueError(
-            f"FP8 experts need FP8 tensor cores (compute capability >= 8.9), but {torch.cuda.get_device_name(device)} "
-            f"is {major}.{minor}; drop --quantize.float8_experts"
+            f"FP8 GEMMs need FP8 tensor cores (compute capability >= 8.9), but {torch.cuda.get_device_name(device)} "
+            f"is {major}.{minor}; drop {flag}"
         )

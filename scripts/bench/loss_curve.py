@@ -1,0 +1,54 @@
+"""Plot the loss curves of e2e benchmark results against the first one, and say how far apart they end.
+
+    python scripts/bench/loss_curve.py benchmarks/results/e2e_A.json benchmarks/results/e2e_B.json \\
+        --out benchmarks/fp8_loss_curve.png
+
+"End": the mean loss of the last --last steps (one step's loss is noisy); the gap is relative to the first run.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+
+def end_gaps(runs: dict[str, list[float]], last: int) -> dict[str, dict[str, float]]:
+    """run -> its mean loss over the last `last` steps and its gap relative to the first run's."""
+    ends = {name: sum(losses[-last:]) / len(losses[-last:]) for name, losses in runs.items()}
+    reference = next(iter(ends.values()))
+    return {name: {"end_loss": end, "relative_gap": (end - reference) / reference} for name, end in ends.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("results", nargs="+", type=Path, help="e2e result JSONs; the first is the reference")
+    parser.add_argument("--out", type=Path, required=True, help="PNG to write")
+    parser.add_argument("--last", type=int, default=20, help="steps averaged for the end loss")
+    args = parser.parse_args()
+    runs = {}
+    for path in args.results:
+        result = json.loads(path.read_text())
+        runs[result["name"]] = result["losses"]
+    gaps = end_gaps(runs, args.last)
+    for name, gap in gaps.items():
+        print(f"{name}: {len(runs[name])} steps, end loss {gap['end_loss']:.4f} ({gap['relative_gap']:+.2%})")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, losses in runs.items():
+        label = f"{name} (end {gaps[name]['end_loss']:.3f}, {gaps[name]['relative_gap']:+.2%})"
+        ax.plot(range(1, len(losses) + 1), losses, label=label, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
