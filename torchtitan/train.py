@@ -114,6 +114,9 @@ class Trainer:
         else:
             self.model_parts = [parallelize_deepseekv3(model, self.parallel_dims, job_config)]
             self.has_first_stage = self.has_last_stage = True
+        self.autocast = dist_utils.mixed_precision_autocast(
+            self.parallel_dims, job_config.training.mixed_precision_param, self.device.type
+        )
 
         tokens_per_step = self.grad_accum_steps * job_config.training.local_batch_size * self.parallel_dims.dp_size
         for part in self.model_parts:
@@ -190,7 +193,8 @@ class Trainer:
         with loss_parallel() if self.parallel_dims.loss_parallel_enabled else contextlib.nullcontext():
             if self.parallel_dims.pp_enabled:
                 return self._forward_backward_pipeline(tokens, target, kwargs)
-            loss = self.step_loss(self.model_parts[0](tokens, **kwargs), target)
+            with self.autocast():
+                loss = self.step_loss(self.model_parts[0](tokens, **kwargs), target)
             loss.backward()  # nothing else holds the (bs, seqlen, vocab) logits: backward frees them
         loss = loss.detach()
         # Under loss parallel the loss is a replicated DTensor; callers reduce and log plain tensors.

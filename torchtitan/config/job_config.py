@@ -113,7 +113,8 @@ class Training:
     """Optimizer steps to train."""
 
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
-    """FSDP parameter dtype for compute (only applies when FSDP is used)."""
+    """Compute dtype: FSDP's parameter dtype with data or expert parallelism; autocast on a single device; with
+    tensor or pipeline parallelism alone, compute stays float32 (a warning says so)."""
 
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """FSDP gradient reduce dtype."""

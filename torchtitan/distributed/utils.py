@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -13,10 +15,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "clip_grad_norm_",
     "device_type",
     "init_distributed",
+    "mixed_precision_autocast",
     "set_determinism",
     "set_pg_timeouts",
     "transformer_blocks",
@@ -26,6 +31,26 @@ __all__ = [
 def device_type() -> str:
     """ "cuda" when a GPU is visible, else "cpu"."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def mixed_precision_autocast(
+    parallel_dims: Any, param_dtype: str, device_type: str
+) -> Callable[[], contextlib.AbstractContextManager]:
+    """The context a forward runs in for `training.mixed_precision_param` when FSDP does not wrap the model.
+
+    FSDP2 (applied with data or expert parallelism) computes in the parameter dtype it casts to. A run without it,
+    one device, would compute in fp32 whatever the config says: autocast gives it bf16 compute, as torchtitan
+    does. With TP or PP and no FSDP, compute stays fp32 and a warning says so."""
+    if param_dtype == "float32" or parallel_dims.dp_enabled or parallel_dims.ep_enabled:
+        return contextlib.nullcontext
+    if parallel_dims.tp_enabled or parallel_dims.pp_enabled:
+        logger.warning(
+            f"training.mixed_precision_param={param_dtype} applies through FSDP, and this run (tensor or pipeline "
+            "parallel only) has none: compute stays float32"
+        )
+        return contextlib.nullcontext
+    dtype = getattr(torch, param_dtype)
+    return lambda: torch.autocast(device_type, dtype=dtype)
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
