@@ -109,6 +109,9 @@ def test_triton_quantization_kernels_equal_the_torch_versions():
 
     x[1008:] = float("nan")
     _agree(quantize_columns_per_group_cuda(x, offsets), quantize_columns_per_group(x, offsets))
+    one_group = torch.tensor([16384], device="cuda", dtype=torch.int32)  # a dense linear's operand
+    t = torch.randn(16384, 576, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 3, 576, device="cuda")
+    _agree(quantize_columns_per_group_cuda(t, one_group), quantize_columns_per_group(t, one_group))
 
 
 def test_fp8_experts_compile_with_a_dynamic_row_count():
