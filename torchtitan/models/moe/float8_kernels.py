@@ -115,37 +115,27 @@ _COLUMN_CONFIGS = [
 ]
 
 
-@triton.autotune(configs=_COLUMN_CONFIGS, key=["num_cols"])  # max is idempotent: no reset between trials
+@triton.autotune(configs=_COLUMN_CONFIGS, key=["num_cols"])
 @triton.jit
-def _column_amax_kernel(
+def _block_amax_kernel(
     t_ptr,
-    group_of_block_ptr,
-    amax_ptr,
+    block_amax_ptr,
     num_rows,
     num_cols,
-    num_groups,
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
     ROWS_PER_BLOCK: tl.constexpr,
 ):
-    """One (row tile, column tile): the column maxima of each block of ROWS_PER_BLOCK rows (one group each),
-    folded into its group's maxima with an atomic max (one atomic per column when the tile is in one group)."""
+    """One (row tile, column tile): the column maxima of each block of ROWS_PER_BLOCK rows (each in one group)."""
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_mask = cols < num_cols
-    mask = (rows < num_rows)[:, None] & col_mask[None, :]
+    mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
     t = tl.load(t_ptr + rows.to(tl.int64)[:, None] * num_cols + cols[None, :], mask=mask, other=0.0)
     blocks_per_tile: tl.constexpr = BLOCK_M // ROWS_PER_BLOCK
     block_amax = tl.max(tl.reshape(tl.abs(t.to(tl.float32)), (blocks_per_tile, ROWS_PER_BLOCK, BLOCK_C)), axis=1)
     blocks = tl.program_id(1) * blocks_per_tile + tl.arange(0, blocks_per_tile)
-    group = tl.load(group_of_block_ptr + blocks, mask=blocks * ROWS_PER_BLOCK < num_rows, other=num_groups)
-    first, last = tl.min(group, axis=0), tl.max(group, axis=0)
-    if first == last:
-        if first < num_groups:
-            tl.atomic_max(amax_ptr + first.to(tl.int64) * num_cols + cols, tl.max(block_amax, axis=0), mask=col_mask)
-    else:
-        ptrs = amax_ptr + group.to(tl.int64)[:, None] * num_cols + cols[None, :]
-        tl.atomic_max(ptrs, block_amax, mask=(group < num_groups)[:, None] & col_mask[None, :])
+    out = block_amax_ptr + blocks.to(tl.int64)[:, None] * num_cols + cols[None, :]
+    tl.store(out, block_amax, mask=(blocks * ROWS_PER_BLOCK < num_rows)[:, None] & (cols < num_cols)[None, :])
 
 
 @triton.autotune(configs=_COLUMN_CONFIGS, key=["num_cols"])
@@ -185,22 +175,25 @@ def quantize_columns_per_group_cuda(t: torch.Tensor, offsets: torch.Tensor) -> t
     (C, M), fp32 scales (G, C)); rows past the last end are zero. See float8.quantize_columns_per_group.
 
     Two passes over tiles of rows and columns, so a few large groups (one, for a dense linear) fill the GPU as
-    well as many small ones: the per-group column maxima (atomic max), then the scaled cast."""
+    well as many small ones: the column maxima of each 16-row block, reduced per group, then the scaled cast."""
     from torchtitan.models.moe.float8 import ROWS_PER_BLOCK
 
     num_rows, num_cols = t.shape
     num_groups = offsets.shape[0]
     block_starts = torch.arange(0, num_rows, ROWS_PER_BLOCK, device=t.device, dtype=torch.int32)
     group_of_block = torch.searchsorted(offsets.to(torch.int32), block_starts, right=True).to(torch.int32)
-    amax = torch.zeros(num_groups, num_cols, dtype=torch.float32, device=t.device)
     q = torch.empty(num_cols, num_rows, dtype=torch.float8_e4m3fn, device=t.device)
 
     def grid(meta):
         return (triton.cdiv(num_cols, meta["BLOCK_C"]), triton.cdiv(num_rows, meta["BLOCK_M"]))
 
-    args = (t, group_of_block, amax)
-    _column_amax_kernel[grid](*args, num_rows, num_cols, num_groups, ROWS_PER_BLOCK=ROWS_PER_BLOCK)
+    block_amax = torch.empty(num_rows // ROWS_PER_BLOCK, num_cols, dtype=torch.float32, device=t.device)
+    _block_amax_kernel[grid](t, block_amax, num_rows, num_cols, ROWS_PER_BLOCK=ROWS_PER_BLOCK)
+    amax = block_amax.new_zeros(num_groups + 1, num_cols)
+    amax = amax.scatter_reduce_(0, group_of_block.long()[:, None].expand(block_amax.shape), block_amax, "amax")
+    amax = amax[:num_groups].contiguous()
     _column_cast_kernel[grid](
-        *args, q, num_rows, num_cols, num_groups, ROWS_PER_BLOCK=ROWS_PER_BLOCK, FP8_MAX=_FP8_MAX, EPS=_EPS
-    )
+        t, group_of_block, amax, q, num_rows, num_cols, num_groups,
+        ROWS_PER_BLOCK=ROWS_PER_BLOCK, FP8_MAX=_FP8_MAX, EPS=_EPS,
+    )  # fmt: skip
     return q, amax.clamp_min(_EPS) / _FP8_MAX
