@@ -2,10 +2,10 @@
 
 Left to inductor, the amax + scale + cast of `float8.py` compiles into reductions that run at a fraction of the
 memory bandwidth and cost more than the FP8 GEMMs save (benchmarks/NOTES.md). These kernels read each operand once
-(rowwise: a whole row in registers) or, per-group columns, twice in two kernels over row x column tiles (the maxima,
-then the scaled cast), and write the layout the GEMM reads. They compute exactly what the torch versions in
-`float8.py` compute (same formulas, same fp32 arithmetic with IEEE-rounded division, not Triton's approximate `/`),
-which remain the CPU path and the reference of tests/gpu/test_float8.py.
+(rowwise: a whole row in registers) or, per-group columns, twice in one kernel (the maxima, then the scaled cast,
+mostly from L2), and write the layout the GEMM reads. They compute exactly what the torch versions in `float8.py`
+compute (same formulas, same fp32 arithmetic with IEEE-rounded division, not Triton's approximate `/`), which remain
+the CPU path and the reference of tests/gpu/test_float8.py.
 
 `float8.py` wraps them in custom ops with fake kernels, opaque to torch.compile.
 """
@@ -109,91 +109,123 @@ def _launch_rowwise(
     )
 
 
-_COLUMN_CONFIGS = [
-    triton.Config({"BLOCK_M": block_m, "BLOCK_C": block_c}, num_warps=warps)
-    for block_m, block_c, warps in ((64, 64, 4), (128, 64, 8), (64, 128, 8), (128, 128, 8), (256, 64, 8))
-]
-
-
-@triton.autotune(configs=_COLUMN_CONFIGS, key=["num_cols"])
+@triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_M": block_m, "BLOCK_C": block_c}, num_warps=warps)
+        for block_m, block_c, warps in ((64, 64, 4), (128, 64, 8), (64, 128, 8), (32, 128, 4), (128, 32, 4))
+    ],
+    key=["num_cols"],
+)
 @triton.jit
-def _block_amax_kernel(
+def _columns_per_group_kernel(
     t_ptr,
-    block_amax_ptr,
-    num_rows,
-    num_cols,
-    BLOCK_M: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    ROWS_PER_BLOCK: tl.constexpr,
-):
-    """One (row tile, column tile): the column maxima of each block of ROWS_PER_BLOCK rows (each in one group)."""
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
-    t = tl.load(t_ptr + rows.to(tl.int64)[:, None] * num_cols + cols[None, :], mask=mask, other=0.0)
-    blocks_per_tile: tl.constexpr = BLOCK_M // ROWS_PER_BLOCK
-    block_amax = tl.max(tl.reshape(tl.abs(t.to(tl.float32)), (blocks_per_tile, ROWS_PER_BLOCK, BLOCK_C)), axis=1)
-    blocks = tl.program_id(1) * blocks_per_tile + tl.arange(0, blocks_per_tile)
-    out = block_amax_ptr + blocks.to(tl.int64)[:, None] * num_cols + cols[None, :]
-    tl.store(out, block_amax, mask=(blocks * ROWS_PER_BLOCK < num_rows)[:, None] & (cols < num_cols)[None, :])
-
-
-@triton.autotune(configs=_COLUMN_CONFIGS, key=["num_cols"])
-@triton.jit
-def _column_cast_kernel(
-    t_ptr,
-    group_of_block_ptr,
-    amax_ptr,
+    ends_ptr,
     q_ptr,
+    scale_ptr,
     num_rows,
     num_cols,
     num_groups,
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
-    ROWS_PER_BLOCK: tl.constexpr,
     FP8_MAX: tl.constexpr,
     EPS: tl.constexpr,
 ):
-    """One (row tile, column tile): each value times FP8_MAX / its group's column maximum, cast, stored transposed;
-    rows past the last group are zero."""
+    """One (column block, group): the column maxima over the group's rows, then the scaled cast of the same rows
+    (read again, mostly from L2), stored transposed. Group `num_groups` zeroes the rows past the last end."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    group = tl.program_id(1)
+    col_mask = cols < num_cols
+    in_group = group < num_groups
+    start = tl.load(ends_ptr + group - 1, mask=group > 0, other=0)
+    end = tl.load(ends_ptr + group, mask=in_group, other=num_rows)
+    amax = tl.zeros([BLOCK_C], dtype=tl.float32)
+    if in_group:
+        for row0 in range(start, end, BLOCK_M):
+            rows = row0 + tl.arange(0, BLOCK_M)
+            mask = (rows < end)[:, None] & col_mask[None, :]
+            t = tl.load(t_ptr + rows.to(tl.int64)[:, None] * num_cols + cols[None, :], mask=mask, other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(t.to(tl.float32)), axis=0))
+        amax = tl.maximum(amax, EPS)
+        fp8_max = tl.zeros_like(amax) + FP8_MAX
+        tl.store(scale_ptr + group * num_cols + cols, tl.math.div_rn(amax, fp8_max), mask=col_mask)
+    inverse = tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX, tl.maximum(amax, EPS))
+    for row0 in range(start, end, BLOCK_M):
+        rows = row0 + tl.arange(0, BLOCK_M)
+        mask = (rows < end)[:, None] & col_mask[None, :]
+        t = tl.load(t_ptr + rows.to(tl.int64)[:, None] * num_cols + cols[None, :], mask=mask, other=0.0)
+        q = tl.clamp(t.to(tl.float32) * inverse[None, :], -FP8_MAX, FP8_MAX)
+        q = tl.where(in_group, q, 0.0)  # padding rows may hold anything, even NaN
+        out = q_ptr + cols.to(tl.int64)[:, None] * num_rows + rows[None, :]
+        tl.store(out, tl.trans(q).to(q_ptr.dtype.element_ty), mask=tl.trans(mask))
+
+
+@triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_M": block_m, "BLOCK_C": block_c}, num_warps=warps)
+        for block_m, block_c, warps in ((64, 64, 4), (128, 64, 8), (64, 128, 8), (128, 128, 8))
+    ],
+    key=["num_cols"],
+)
+@triton.jit
+def _columns_one_group_cast_kernel(
+    t_ptr,
+    amax_ptr,
+    q_ptr,
+    num_rows,
+    num_cols,
+    end_ptr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    EPS: tl.constexpr,
+):
+    """One (row tile, column tile) of one group's rows: times FP8_MAX / the column maxima, cast, stored
+    transposed; rows from the group's end on are zero."""
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
+    col_mask = cols < num_cols
+    mask = (rows < num_rows)[:, None] & col_mask[None, :]
     t = tl.load(t_ptr + rows.to(tl.int64)[:, None] * num_cols + cols[None, :], mask=mask, other=0.0)
-    group = tl.load(group_of_block_ptr + rows // ROWS_PER_BLOCK, mask=rows < num_rows, other=num_groups)
-    in_group = (group < num_groups)[:, None]
-    amax_of = amax_ptr + tl.minimum(group, num_groups - 1).to(tl.int64)[:, None] * num_cols + cols[None, :]
-    amax = tl.maximum(tl.load(amax_of, mask=mask, other=1.0), EPS)
-    q = tl.clamp(t.to(tl.float32) * tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX, amax), -FP8_MAX, FP8_MAX)
-    q = tl.where(in_group, q, 0.0)  # padding rows may hold anything, even NaN
+    amax = tl.maximum(tl.load(amax_ptr + cols, mask=col_mask, other=1.0), EPS)
+    inverse = tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX, amax)
+    q = tl.clamp(t.to(tl.float32) * inverse[None, :], -FP8_MAX, FP8_MAX)
+    q = tl.where((rows < tl.load(end_ptr))[:, None], q, 0.0)  # padding rows may hold anything, even NaN
     out = q_ptr + cols.to(tl.int64)[:, None] * num_rows + rows[None, :]
     tl.store(out, tl.trans(q).to(q_ptr.dtype.element_ty), mask=tl.trans(mask))
 
 
-def quantize_columns_per_group_cuda(t: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """t (M, C) contiguous, groups of rows ending at `offsets` (G,), M and the ends multiples of 16 -> (fp8 t^T
-    (C, M), fp32 scales (G, C)); rows past the last end are zero. See float8.quantize_columns_per_group.
-
-    Two passes over tiles of rows and columns, so a few large groups (one, for a dense linear) fill the GPU as
-    well as many small ones: the column maxima of each 16-row block, reduced per group, then the scaled cast."""
-    from torchtitan.models.moe.float8 import ROWS_PER_BLOCK
-
+def _quantize_columns_one_group(t: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_columns_per_group_cuda` for one group (a dense linear's operand): the per-group kernel would run
+    C / BLOCK_C programs, each walking every row. Here torch's column reduction takes the maxima (padding rows
+    masked out), and the cast runs over row x column tiles."""
     num_rows, num_cols = t.shape
-    num_groups = offsets.shape[0]
-    block_starts = torch.arange(0, num_rows, ROWS_PER_BLOCK, device=t.device, dtype=torch.int32)
-    group_of_block = torch.searchsorted(offsets.to(torch.int32), block_starts, right=True).to(torch.int32)
+    in_group = torch.arange(num_rows, device=t.device) < offsets
+    amax = torch.linalg.vector_norm(torch.where(in_group[:, None], t, 0), float("inf"), dim=0, dtype=torch.float32)
     q = torch.empty(num_cols, num_rows, dtype=torch.float8_e4m3fn, device=t.device)
 
     def grid(meta):
         return (triton.cdiv(num_cols, meta["BLOCK_C"]), triton.cdiv(num_rows, meta["BLOCK_M"]))
 
-    block_amax = torch.empty(num_rows // ROWS_PER_BLOCK, num_cols, dtype=torch.float32, device=t.device)
-    _block_amax_kernel[grid](t, block_amax, num_rows, num_cols, ROWS_PER_BLOCK=ROWS_PER_BLOCK)
-    amax = block_amax.new_zeros(num_groups + 1, num_cols)
-    amax = amax.scatter_reduce_(0, group_of_block.long()[:, None].expand(block_amax.shape), block_amax, "amax")
-    amax = amax[:num_groups].contiguous()
-    _column_cast_kernel[grid](
-        t, group_of_block, amax, q, num_rows, num_cols, num_groups,
-        ROWS_PER_BLOCK=ROWS_PER_BLOCK, FP8_MAX=_FP8_MAX, EPS=_EPS,
-    )  # fmt: skip
-    return q, amax.clamp_min(_EPS) / _FP8_MAX
+    _columns_one_group_cast_kernel[grid](
+        t, amax, q, num_rows, num_cols, offsets.to(torch.int32), FP8_MAX=_FP8_MAX, EPS=_EPS
+    )
+    return q, (amax.clamp_min(_EPS) / _FP8_MAX)[None]
+
+
+def quantize_columns_per_group_cuda(t: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t (M, C) contiguous, groups of rows ending at `offsets` (G,) -> (fp8 t^T (C, M), fp32 scales (G, C)); rows
+    past the last end are zero. See float8.quantize_columns_per_group."""
+    if offsets.shape[0] == 1:
+        return _quantize_columns_one_group(t, offsets)
+    num_rows, num_cols = t.shape
+    num_groups = offsets.shape[0]
+    q = torch.empty(num_cols, num_rows, dtype=torch.float8_e4m3fn, device=t.device)
+    scale = torch.empty(num_groups, num_cols, dtype=torch.float32, device=t.device)
+
+    def grid(meta):
+        return (triton.cdiv(num_cols, meta["BLOCK_C"]), num_groups + 1)
+
+    _columns_per_group_kernel[grid](
+        t, offsets.to(torch.int32), q, scale, num_rows, num_cols, num_groups, FP8_MAX=_FP8_MAX, EPS=_EPS
+    )
+    return q, scale
