@@ -37,15 +37,21 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (ax, diff) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=(2, 1))
+    reference = next(iter(runs.values()))
     for name, losses in runs.items():
+        steps = range(1, len(losses) + 1)
         label = f"{name} (end {gaps[name]['end_loss']:.3f}, {gaps[name]['relative_gap']:+.2%})"
-        ax.plot(range(1, len(losses) + 1), losses, label=label, linewidth=1)
-    ax.set_xlabel("step")
+        ax.plot(steps, losses, label=label, linewidth=1)
+        gap = [(a - b) / b * 100 for a, b in zip(losses, reference, strict=False)]
+        diff.plot(steps[: len(gap)], gap, linewidth=1)
     ax.set_ylabel("loss")
     ax.set_yscale("log")
     ax.legend()
-    ax.grid(alpha=0.3)
+    diff.set_ylabel("vs first run (%)")
+    diff.set_xlabel("step")
+    for axis in (ax, diff):
+        axis.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)
 

@@ -159,64 +159,9 @@ def _columns_per_group_kernel(
         tl.store(out, tl.trans(q).to(q_ptr.dtype.element_ty), mask=tl.trans(mask))
 
 
-@triton.autotune(
-    configs=[
-        triton.Config({"BLOCK_M": block_m, "BLOCK_C": block_c}, num_warps=warps)
-        for block_m, block_c, warps in ((64, 64, 4), (128, 64, 8), (64, 128, 8), (128, 128, 8))
-    ],
-    key=["num_cols"],
-)
-@triton.jit
-def _columns_one_group_cast_kernel(
-    t_ptr,
-    amax_ptr,
-    q_ptr,
-    num_rows,
-    num_cols,
-    end_ptr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    EPS: tl.constexpr,
-):
-    """One (row tile, column tile) of one group's rows: times FP8_MAX / the column maxima, cast, stored
-    transposed; rows from the group's end on are zero."""
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_mask = cols < num_cols
-    mask = (rows < num_rows)[:, None] & col_mask[None, :]
-    t = tl.load(t_ptr + rows.to(tl.int64)[:, None] * num_cols + cols[None, :], mask=mask, other=0.0)
-    amax = tl.maximum(tl.load(amax_ptr + cols, mask=col_mask, other=1.0), EPS)
-    inverse = tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX, amax)
-    q = tl.clamp(t.to(tl.float32) * inverse[None, :], -FP8_MAX, FP8_MAX)
-    q = tl.where((rows < tl.load(end_ptr))[:, None], q, 0.0)  # padding rows may hold anything, even NaN
-    out = q_ptr + cols.to(tl.int64)[:, None] * num_rows + rows[None, :]
-    tl.store(out, tl.trans(q).to(q_ptr.dtype.element_ty), mask=tl.trans(mask))
-
-
-def _quantize_columns_one_group(t: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_columns_per_group_cuda` for one group (a dense linear's operand): the per-group kernel would run
-    C / BLOCK_C programs, each walking every row. Here torch's column reduction takes the maxima (padding rows
-    masked out), and the cast runs over row x column tiles."""
-    num_rows, num_cols = t.shape
-    in_group = torch.arange(num_rows, device=t.device) < offsets
-    amax = torch.linalg.vector_norm(torch.where(in_group[:, None], t, 0), float("inf"), dim=0, dtype=torch.float32)
-    q = torch.empty(num_cols, num_rows, dtype=torch.float8_e4m3fn, device=t.device)
-
-    def grid(meta):
-        return (triton.cdiv(num_cols, meta["BLOCK_C"]), triton.cdiv(num_rows, meta["BLOCK_M"]))
-
-    _columns_one_group_cast_kernel[grid](
-        t, amax, q, num_rows, num_cols, offsets.to(torch.int32), FP8_MAX=_FP8_MAX, EPS=_EPS
-    )
-    return q, (amax.clamp_min(_EPS) / _FP8_MAX)[None]
-
-
 def quantize_columns_per_group_cuda(t: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """t (M, C) contiguous, groups of rows ending at `offsets` (G,) -> (fp8 t^T (C, M), fp32 scales (G, C)); rows
     past the last end are zero. See float8.quantize_columns_per_group."""
-    if offsets.shape[0] == 1:
-        return _quantize_columns_one_group(t, offsets)
     num_rows, num_cols = t.shape
     num_groups = offsets.shape[0]
     q = torch.empty(num_cols, num_rows, dtype=torch.float8_e4m3fn, device=t.device)
