@@ -30,6 +30,7 @@ def check_job(argv: list[str], world_size: int) -> JobConfig:
     check_ep_overlap(job_config, parallel_dims)
     check_mtp(model_args, parallel_dims)
     check_float8_linears(job_config, parallel_dims)
+    check_float8_dispatch(job_config, model_args)
     check_profiling(job_config)
     check_dump_folder(job_config.job.dump_folder)
     from torchtitan.datasets.text_datasets import check_corpus
@@ -116,6 +117,15 @@ def check_float8_linears(job_config: JobConfig, parallel_dims) -> None:
         raise ConfigError(
             f"--quantize.float8_linears needs training.seq_len a multiple of 16 (FP8 GEMM alignment), got "
             f"{job_config.training.seq_len}; change --training.seq_len or drop the flag"
+        )
+
+
+def check_float8_dispatch(job_config: JobConfig, model_args) -> None:
+    """DeepEP's FP8 dispatch carries one scale per 128 channels of each token."""
+    if job_config.quantize.float8_dispatch and model_args.dim % 128:
+        raise ConfigError(
+            f"--quantize.float8_dispatch sends one scale per 128 channels, but the model dim is {model_args.dim}; "
+            "drop the flag or use a model whose dim is a multiple of 128"
         )
 
 

@@ -306,6 +306,11 @@ class Quantize:
     training.seq_len a multiple of 16 and tensor_parallel_degree 1. Only large linears gain (671B's); on the 16B
     model they are slower than bf16 (benchmarks/NOTES.md)."""
 
+    float8_dispatch: bool = False
+    """DeepEP's dispatch sends the tokens as FP8 (e4m3) with one scale per 128 channels (DeepSeek-V3's recipe, half
+    the bytes of bf16), dequantized on arrival; the combine and the backward stay bf16. Needs the deepep backend with
+    expert_parallel_degree > 1 and a model dim that is a multiple of 128."""
+
 
 @dataclass
 class JobConfig:

@@ -186,6 +186,14 @@ def validate(job_config: JobConfig) -> None:
         "drop the flag or switch the backend",
     )
 
+    _require(
+        not job_config.quantize.float8_dispatch
+        or (par.expert_parallel_comm_backend == "deepep" and par.expert_parallel_degree > 1),
+        "quantize.float8_dispatch is DeepEP's FP8 dispatch: it needs --parallelism.expert_parallel_comm_backend deepep "
+        f"and expert_parallel_degree > 1 (got {par.expert_parallel_comm_backend!r}, {par.expert_parallel_degree}); "
+        "drop the flag or switch the backend",
+    )
+
     sched = job_config.lr_scheduler
     _require(
         sched.warmup_steps >= 0,

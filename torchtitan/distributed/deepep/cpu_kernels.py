@@ -6,6 +6,7 @@ They implement the DeepEP contract that the CUDA kernels are checked against:
   `recv_topk_weights` the matching weights (0 where masked).
 - combine sends each received token's output back and sums the contributions per source token (in fp32).
 - cached dispatch replays a dispatch's layout for new data (combine's backward).
+- fp8: tokens travel as FP8 with one scale per 128 channels and are dequantized on arrival (ops.py).
 - sync_free: outputs padded to the worst case (T x ranks received tokens), as DeepEP's `num_worst_tokens`; every
   rank must send the same T (DeepEP would write past its buffer, this reference raises). The padding rows hold NaN
   (DeepEP leaves them uninitialized) and recv_topk_idx -1, so a test sees any use of them.
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.distributed.deepep.buffer import EPBuffer, get_buffer
+from torchtitan.models.moe.float8 import FP8_DTYPE, dequantize_blockwise, quantize_blockwise
 from torchtitan.models.moe.token_dispatcher import expert_major_order
 
 __all__ = ["cached_dispatch", "combine", "dispatch"]
@@ -31,6 +33,7 @@ def dispatch(
     num_experts: int,
     group_name: str,
     sync_free: bool = False,
+    fp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     buffer = _cpu_buffer(group_name, x)
     num_ranks, num_local_experts = buffer.world_size, num_experts // buffer.world_size
@@ -60,7 +63,12 @@ def dispatch(
         dist.all_to_all_single(out, t.contiguous(), recv_splits, send_splits, group=buffer.group)
         return out
 
-    recv_x = exchange(x[send_token])
+    if fp8:  # gloo has no FP8 type: the bytes travel as uint8
+        x_fp8, x_scales = quantize_blockwise(x)
+        recv_fp8 = exchange(x_fp8[send_token].view(torch.uint8)).view(FP8_DTYPE)
+        recv_x = dequantize_blockwise(recv_fp8, exchange(x_scales[send_token])).to(x.dtype)
+    else:
+        recv_x = exchange(x[send_token])
     recv_topk_idx = exchange(send_topk_idx)
     recv_topk_weights = exchange(send_topk_weights)
     recv_src_idx = exchange(send_token)

@@ -8,9 +8,10 @@ DeepEP records them on its stream, so the caching allocator cannot reuse them ea
 an event, so the wait happens inside the op; overlap comes from work queued on other streams (see `DeepEPMoE`).
 
 Tokens travel in bf16 (`WIRE_DTYPE`): DeepEP's combine kernel is bf16-only; other dtypes are cast on the way in
-and back on the way out. The non-cached dispatch syncs with the host inside DeepEP (it needs the received
-counts to allocate) unless `sync_free`, where DeepEP allocates for the worst case (`num_worst_tokens`, intranode
-only) and the per-expert counts are taken on the device; combine and the cached dispatch never sync.
+and back on the way out. A dispatch with `fp8` sends FP8 values with one scale per 128 channels instead. The
+non-cached dispatch syncs with the host inside DeepEP (it needs the received counts to allocate) unless `sync_free`,
+where DeepEP allocates for the worst case (`num_worst_tokens`, intranode only) and the per-expert counts are taken
+on the device; combine and the cached dispatch never sync.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from torchtitan.distributed.deepep.buffer import WIRE_DTYPE, EPBuffer, get_buffer
+from torchtitan.models.moe.float8 import dequantize_blockwise, quantize_blockwise
 from torchtitan.models.moe.token_dispatcher import expert_major_order
 
 __all__ = ["cached_dispatch", "combine", "dispatch"]
@@ -30,6 +32,7 @@ def dispatch(
     num_experts: int,
     group_name: str,
     sync_free: bool = False,
+    fp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     buffer = _cuda_buffer(group_name, x)
     runtime = buffer.runtime
@@ -46,7 +49,7 @@ def dispatch(
         )
     )
     recv_x, recv_topk_idx, recv_topk_weights, num_recv_list, handle, event = runtime.dispatch(
-        _to_wire(x),
+        quantize_blockwise(x) if fp8 else _to_wire(x),  # fp8: (values, scales), DeepEP's FP8 dispatch
         num_tokens_per_rank=num_tokens_per_rank,
         num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
         is_token_in_rank=is_token_in_rank,
@@ -60,6 +63,7 @@ def dispatch(
         num_worst_tokens=num_worst_tokens,
     )
     event.current_stream_wait()
+    recv_x = dequantize_blockwise(*recv_x) if fp8 else recv_x
     if sync_free:
         # recv_topk_idx is -1 on every padding row (DeepEP clears them), so the counts and the slot order see
         # only the received copies; the slots of masked entries and padding follow them.

@@ -89,12 +89,21 @@ class DeepEPTokenDispatcher(TokenDispatcher):
     sum_per_received_token = staticmethod(sum_per_received_token)
     """The local stages' computations; `compile_moe` swaps in compiled copies shared by all layers."""
 
-    def __init__(self, group_name: str, num_experts: int, score_before_experts: bool = False, sync_free: bool = False):
+    def __init__(
+        self,
+        group_name: str,
+        num_experts: int,
+        score_before_experts: bool = False,
+        sync_free: bool = False,
+        fp8: bool = False,
+    ):
         self.group_name = group_name
         self.num_experts = num_experts
         self.score_before_experts = score_before_experts
         self.sync_free = sync_free
         """Worst-case receive sizes, no host wait (ops.py); the experts skip the padding rows."""
+        self.fp8 = fp8
+        """Tokens sent as FP8 with one scale per 128 channels (ops.py, `quantize.float8_dispatch`)."""
 
     def dispatch_preprocess(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
@@ -104,7 +113,7 @@ class DeepEPTokenDispatcher(TokenDispatcher):
     def token_dispatch(self, prepared: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> DeepEPDispatched:
         x, topk_idx, topk_weights = prepared
         return DeepEPDispatched(
-            *ops.dispatch(x, topk_idx, topk_weights, self.num_experts, self.group_name, self.sync_free)
+            *ops.dispatch(x, topk_idx, topk_weights, self.num_experts, self.group_name, self.sync_free, self.fp8)
         )
 
     def dispatch_postprocess(

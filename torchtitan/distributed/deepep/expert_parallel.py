@@ -26,12 +26,14 @@ class DeepEPExpertParallel(ParallelStyle):
 
     num_sms: SMs DeepEP's kernels may use (`parallelism.deepep_num_sms`, even).
     sync_free: dispatch with worst-case receive sizes, no host wait (`parallelism.deepep_sync_free_dispatch`).
+    fp8: dispatch tokens as FP8 with one scale per 128 channels (`quantize.float8_dispatch`).
     """
 
-    def __init__(self, *, num_sms: int = 24, sync_free: bool = False):
+    def __init__(self, *, num_sms: int = 24, sync_free: bool = False, fp8: bool = False):
         super().__init__()
         self.num_sms = num_sms
         self.sync_free = sync_free
+        self.fp8 = fp8
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if device_mesh.ndim != 1:
@@ -47,7 +49,7 @@ class DeepEPExpertParallel(ParallelStyle):
             )
         distribute_experts(module.experts, device_mesh, EXPERTS_ON_EP_RANKS)
         module.dispatcher = DeepEPTokenDispatcher(
-            group.group_name, module.num_experts, module.score_before_experts, sync_free=self.sync_free
+            group.group_name, module.num_experts, module.score_before_experts, sync_free=self.sync_free, fp8=self.fp8
         )
         return module
 

@@ -1,6 +1,6 @@
 """`torch.ops.deepep.*`: expert-parallel token dispatch and combine with DeepEP semantics, as custom ops.
 
-    dispatch(x (T, H), topk_idx (T, K) int64, topk_weights (T, K) fp32, num_experts, group_name, sync_free)
+    dispatch(x (T, H), topk_idx (T, K) int64, topk_weights (T, K) fp32, num_experts, group_name, sync_free, fp8)
         -> recv_x (N, H)               tokens this rank received, rank-major (source rank, then source order)
            recv_topk_idx (N, K)        local expert ids, -1 where the expert lives on another rank
            recv_topk_weights (N, K)    matching weights, 0 where masked
@@ -17,6 +17,12 @@ through, and DeepEP's kernel waits on the host for them. With `sync_free=True` t
 T x EP ranks and M = N x K, so nothing waits on the host: the rows past the received tokens hold garbage (their
 recv_topk_idx is -1), and permuted_slots lists every slot, the sum(num_recv_tokens_per_expert) real copies first.
 Callers must ignore the rows past that sum (the routed experts give them zero output and zero gradient).
+
+With `fp8=True` the tokens travel as FP8 (e4m3) with one fp32 scale per 128 channels (`quantize_blockwise`,
+DeepEP's native FP8 dispatch, half the bytes of bf16) and recv_x is their dequantization in x's dtype: the
+received rows equal `dequantize_blockwise(*quantize_blockwise(x))` of the sent ones. The backward stays bf16 (a
+combine), and so do combine and cached_dispatch. The experts' FP8 GEMMs scale per row, not per 128 channels, so
+they cannot take the received FP8 values as they are; the dequantization is one elementwise pass.
 
 Process groups cannot be op arguments, so ops take the EP group's name and find its buffer in the
 registry of `buffer.py`. Autograd: dispatch's backward is a combine (also reducing the gradient of the routing
@@ -35,8 +41,8 @@ __all__ = ["cached_dispatch", "combine", "dispatch"]
 
 _LIB = torch.library.Library("deepep", "DEF")
 _LIB.define(
-    "dispatch(Tensor x, Tensor topk_idx, Tensor topk_weights, int num_experts, str group_name, bool sync_free) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])"
+    "dispatch(Tensor x, Tensor topk_idx, Tensor topk_weights, int num_experts, str group_name, bool sync_free, "
+    "bool fp8) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])"
 )
 # No defaults: the dispatcher drops arguments equal to their default, and autograd then expects fewer gradients
 # than the backward (written for every argument) returns.
@@ -51,8 +57,9 @@ def dispatch(
     num_experts: int,
     group_name: str,
     sync_free: bool = False,
+    fp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    return torch.ops.deepep.dispatch(x, topk_idx, topk_weights, num_experts, group_name, sync_free)
+    return torch.ops.deepep.dispatch(x, topk_idx, topk_weights, num_experts, group_name, sync_free, fp8)
 
 
 def combine(
@@ -68,12 +75,12 @@ def cached_dispatch(x: torch.Tensor, handle: list[torch.Tensor], group_name: str
 # Kernels. Looked up at call time so tests can wrap them (e.g. to count communication calls).
 
 
-def _dispatch_cpu(x, topk_idx, topk_weights, num_experts, group_name, sync_free):
-    return cpu_kernels.dispatch(x, topk_idx, topk_weights, num_experts, group_name, sync_free)
+def _dispatch_cpu(x, topk_idx, topk_weights, num_experts, group_name, sync_free, fp8):
+    return cpu_kernels.dispatch(x, topk_idx, topk_weights, num_experts, group_name, sync_free, fp8)
 
 
-def _dispatch_cuda(x, topk_idx, topk_weights, num_experts, group_name, sync_free):
-    return cuda_kernels.dispatch(x, topk_idx, topk_weights, num_experts, group_name, sync_free)
+def _dispatch_cuda(x, topk_idx, topk_weights, num_experts, group_name, sync_free, fp8):
+    return cuda_kernels.dispatch(x, topk_idx, topk_weights, num_experts, group_name, sync_free, fp8)
 
 
 def _combine_cpu(x, handle, group_name, topk_weights=None):
@@ -104,7 +111,7 @@ _LIB.impl("cached_dispatch", _cached_dispatch_cuda, "CUDA")
 
 
 @torch.library.register_fake("deepep::dispatch", lib=_LIB)
-def _dispatch_fake(x, topk_idx, topk_weights, num_experts, group_name, sync_free):
+def _dispatch_fake(x, topk_idx, topk_weights, num_experts, group_name, sync_free, fp8):
     buffer = get_buffer(group_name)
     num_tokens, top_k = topk_idx.shape
     if sync_free:
@@ -141,7 +148,7 @@ def _cached_dispatch_fake(x, handle, group_name):
 
 
 def _dispatch_setup_context(ctx, inputs, output):
-    x, _, topk_weights, _, group_name, _ = inputs
+    x, _, topk_weights, _, group_name, _, _ = inputs
     _, recv_topk_idx, _, _, _, handle = output
     ctx.group_name = group_name
     ctx.x_dtype = x.dtype
@@ -164,7 +171,7 @@ def _dispatch_backward(ctx, grad_recv_x, _g_idx, grad_recv_topk_weights, _g_coun
     )
     grad_x = grad_x.to(ctx.x_dtype)
     grad_topk_weights = None if weights_grad_in is None else grad_topk_weights.to(ctx.weights_dtype)
-    return grad_x, None, grad_topk_weights, None, None, None
+    return grad_x, None, grad_topk_weights, None, None, None, None
 
 
 def _combine_setup_context(ctx, inputs, output):

@@ -79,6 +79,7 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
             use_deepep,
             deepep_num_sms=parallelism.deepep_num_sms,
             deepep_sync_free=parallelism.deepep_sync_free_dispatch,
+            deepep_fp8=job_config.quantize.float8_dispatch,
         )
 
     if parallelism.expert_parallel_overlap:
@@ -225,6 +226,7 @@ def apply_moe_parallel(
     *,
     deepep_num_sms: int = 24,
     deepep_sync_free: bool = False,
+    deepep_fp8: bool = False,
 ) -> None:
     """Layouts at the MoE boundary plus the experts' ParallelStyle.
 
@@ -285,7 +287,7 @@ def apply_moe_parallel(
         elif use_deepep:
             from torchtitan.distributed.deepep import DeepEPExpertParallel
 
-            style = DeepEPExpertParallel(num_sms=deepep_num_sms, sync_free=deepep_sync_free)
+            style = DeepEPExpertParallel(num_sms=deepep_num_sms, sync_free=deepep_sync_free, fp8=deepep_fp8)
             parallelize_module(moe, parallel_dims.get_mesh("ep"), style)
         else:
             parallelize_module(moe, parallel_dims.get_mesh("ep"), ExpertParallel())

@@ -26,10 +26,13 @@ import torch
 
 __all__ = [
     "FP8_DTYPE",
+    "WIRE_BLOCK",
     "check_float8_supported",
     "dequantize",
+    "dequantize_blockwise",
     "float8_grouped_mm",
     "float8_linear",
+    "quantize_blockwise",
     "quantize_columns_per_group",
     "quantize_rowwise",
     "quantize_rowwise_group_scaled",
@@ -39,6 +42,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
 _EPS = 1e-12  # all-zero rows get a finite scale
 ROWS_PER_BLOCK = 16
+WIRE_BLOCK = 128  # channels per scale of FP8 tokens on the wire (DeepEP's FP8 dispatch, DeepSeek-V3's 1x128 tiles)
 
 
 def quantize_rowwise(t: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,6 +50,25 @@ def quantize_rowwise(t: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torc
     amax = t.detach().abs().amax(dim=dim, keepdim=True).float().clamp_min(_EPS)
     quantized = (t.float() * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return quantized, (amax / FP8_MAX).squeeze(dim)
+
+
+def quantize_blockwise(t: torch.Tensor, block: int = WIRE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """t (M, C), C a multiple of `block` -> (fp8 (M, C), fp32 scales (M, C / block)): one scale per `block`
+    consecutive channels of a row, the layout DeepEP's FP8 dispatch carries (`x_scales`)."""
+    rows, cols = t.shape
+    if cols % block:
+        raise ValueError(
+            f"FP8 dispatch sends one scale per {block} channels, but the hidden size is {cols}; drop "
+            "--quantize.float8_dispatch"
+        )
+    quantized, scale = quantize_rowwise(t.reshape(rows, cols // block, block))
+    return quantized.view(rows, cols), scale
+
+
+def dequantize_blockwise(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The inverse of `quantize_blockwise` (fp32)."""
+    rows, cols = quantized.shape
+    return dequantize(quantized.view(rows, scale.shape[1], cols // scale.shape[1]), scale).view(rows, cols)
 
 
 def quantize_rowwise_group_scaled(

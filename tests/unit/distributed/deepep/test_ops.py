@@ -6,9 +6,11 @@ import torch
 import torch.distributed as dist
 
 from tests.unit.distributed._spawn import run_distributed
-from torchtitan.distributed.deepep import DeepEPTokenDispatcher, destroy_buffers, get_or_create_buffer
+from torchtitan.distributed.deepep import DeepEPTokenDispatcher, cpu_kernels, destroy_buffers, get_or_create_buffer
+from torchtitan.models.moe.float8 import dequantize_blockwise, quantize_blockwise
 
 DIM, NUM_EXPERTS, TOP_K = 8, 8, 3
+FP8_DIM = 256  # two 128-channel scale blocks per token
 
 
 def _routing(rank: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -33,14 +35,28 @@ def _opcheck(rank: int, world_size: int) -> None:
     for sync_free in (False, True):
         torch.library.opcheck(
             torch.ops.deepep.dispatch.default,
-            (x.clone().requires_grad_(), topk_idx, topk_weights.clone().requires_grad_(), NUM_EXPERTS, name, sync_free),
+            (
+                x.clone().requires_grad_(),
+                topk_idx,
+                topk_weights.clone().requires_grad_(),
+                NUM_EXPERTS,
+                name,
+                sync_free,
+                False,
+            ),
         )
     recv_x, _, recv_w, _, _, handle = torch.ops.deepep.dispatch(
-        x.detach(), topk_idx, topk_weights.detach(), 8, name, False
+        x.detach(), topk_idx, topk_weights.detach(), 8, name, False, False
     )
     torch.library.opcheck(torch.ops.deepep.combine.default, (recv_x.clone().requires_grad_(), handle, name, None))
     torch.library.opcheck(torch.ops.deepep.combine.default, (recv_x.clone().requires_grad_(), handle, name, recv_w))
     torch.library.opcheck(torch.ops.deepep.cached_dispatch.default, (x.detach().clone().requires_grad_(), handle, name))
+    destroy_buffers()
+    get_or_create_buffer(group, FP8_DIM, device_type="cpu")
+    x = torch.randn(6, FP8_DIM, requires_grad=True)
+    for sync_free in (False, True):
+        args = (x, topk_idx, topk_weights.clone().requires_grad_(), NUM_EXPERTS, name, sync_free, True)
+        torch.library.opcheck(torch.ops.deepep.dispatch.default, args)
     destroy_buffers()
 
 
@@ -60,7 +76,7 @@ def _contract_matches_naive_reference(rank: int, world_size: int) -> None:
     local_experts = NUM_EXPERTS // world_size
     x, topk_idx, topk_weights = _routing(rank, _tokens_on(rank))
     recv_x, recv_idx, recv_w, counts, slots, handle = torch.ops.deepep.dispatch(
-        x, topk_idx, topk_weights, NUM_EXPERTS, group.group_name, False
+        x, topk_idx, topk_weights, NUM_EXPERTS, group.group_name, False, False
     )
 
     # Naive reference: walk every source rank's tokens in order, keep those with an expert here.
@@ -106,10 +122,10 @@ def _sync_free_is_padded_dispatch(rank: int, world_size: int) -> None:
     name = group.group_name
     x, topk_idx, topk_weights = _routing(rank, 6)  # sync-free needs the same token count on every rank
     recv_x, recv_idx, recv_w, counts, slots, _ = torch.ops.deepep.dispatch(
-        x, topk_idx, topk_weights, NUM_EXPERTS, name, False
+        x, topk_idx, topk_weights, NUM_EXPERTS, name, False, False
     )
     padded_x, padded_idx, padded_w, padded_counts, padded_slots, handle = torch.ops.deepep.dispatch(
-        x, topk_idx, topk_weights, NUM_EXPERTS, name, True
+        x, topk_idx, topk_weights, NUM_EXPERTS, name, True, False
     )
     num_recv, worst = recv_x.shape[0], x.shape[0] * world_size
     assert padded_x.shape[0] == padded_idx.shape[0] == padded_w.shape[0] == worst
@@ -129,19 +145,80 @@ def _sync_free_is_padded_dispatch(rank: int, world_size: int) -> None:
     to_expert_0 = torch.zeros(num_tokens, 1, dtype=torch.int64)
     if rank == 0:
         with pytest.raises(RuntimeError, match="every EP rank must dispatch the same number of tokens"):
-            torch.ops.deepep.dispatch(ones.expand(-1, DIM), to_expert_0, ones, NUM_EXPERTS, name, True)
+            torch.ops.deepep.dispatch(ones.expand(-1, DIM), to_expert_0, ones, NUM_EXPERTS, name, True, False)
     else:
-        torch.ops.deepep.dispatch(ones.expand(-1, DIM), to_expert_0, ones, NUM_EXPERTS, name, True)
+        torch.ops.deepep.dispatch(ones.expand(-1, DIM), to_expert_0, ones, NUM_EXPERTS, name, True, False)
     destroy_buffers()
 
 
-def _contract_and_sync_free(rank: int, world_size: int) -> None:
+def _fp8_dispatch_sends_fp8_and_dequantizes(rank: int, world_size: int) -> None:
+    """fp8: the same layout as the bf16 dispatch; each received row is the blockwise FP8 round trip of the sent one
+    (within FP8 error of it, one scale per 128 channels); FP8 bytes and scales are what cross the wire, not the
+    tokens; the backward is the bf16 dispatch's (a bf16 combine). With sync_free, the same rows plus padding."""
+    group = dist.group.WORLD
+    get_or_create_buffer(group, FP8_DIM, device_type="cpu")
+    name = group.group_name
+    _, topk_idx, topk_weights = _routing(rank, 6)
+    gen = torch.Generator().manual_seed(rank)
+    # rows and 128-channel blocks 1e3 apart: a scale shared across rows or blocks would flush the small ones
+    x = torch.randn(6, FP8_DIM, generator=gen) * torch.logspace(-1.5, 1.5, 6)[:, None]
+    x[:, 128:] *= 1e-3
+    sent = []
+    real_all_to_all = dist.all_to_all_single
+
+    def recording_all_to_all(output, input, *args, **kwargs):
+        sent.append((input.dtype, tuple(input.shape)))
+        return real_all_to_all(output, input, *args, **kwargs)
+
+    results = {}
+    for fp8 in (False, True):
+        cpu_kernels.dist.all_to_all_single = recording_all_to_all
+        sent.clear()
+        try:
+            xi, wi = x.clone().requires_grad_(), topk_weights.clone().requires_grad_()
+            out = torch.ops.deepep.dispatch(xi, topk_idx, wi, NUM_EXPERTS, name, False, fp8)
+        finally:
+            cpu_kernels.dist.all_to_all_single = real_all_to_all
+        recv_x, _, recv_w = out[:3]
+        gen_up = torch.Generator().manual_seed(10 + rank)
+        loss = (recv_x * torch.randn(recv_x.shape, generator=gen_up)).sum() + (recv_w * recv_w.detach()).sum()
+        loss.backward()
+        results[fp8] = (out, xi.grad, wi.grad, list(sent))
+    (bf16_out, bf16_gx, bf16_gw, bf16_sent), (fp8_out, fp8_gx, fp8_gw, fp8_sent) = results[False], results[True]
+    for bf16_t, fp8_t in zip(bf16_out[1:5], fp8_out[1:5], strict=True):  # idx, weights, counts, slots
+        assert torch.equal(bf16_t, fp8_t)
+    recv_bf16, recv_fp8 = bf16_out[0], fp8_out[0]
+    assert recv_fp8.dtype == x.dtype and not torch.equal(recv_fp8, recv_bf16)
+    assert torch.equal(recv_fp8, dequantize_blockwise(*quantize_blockwise(recv_bf16)))
+    _, scales = quantize_blockwise(recv_bf16)
+    bound = recv_bf16.abs() * 2**-4 + scales.repeat_interleave(128, dim=1) * 2**-9
+    assert ((recv_fp8 - recv_bf16).abs() <= bound).all()
+    rows = recv_bf16.shape[0]
+
+    def token_payloads(sent):  # (dtype, width) of what was exchanged with a token's width or its scales'
+        return [(dtype, shape[1]) for dtype, shape in sent if len(shape) == 2 and shape[1] in (FP8_DIM, 2)]
+
+    # on the wire: the tokens as FP8 bytes (uint8 for gloo) and their two fp32 scales each, never the fp32 tokens
+    assert token_payloads(fp8_sent) == [(torch.uint8, FP8_DIM), (torch.float32, 2)]
+    assert token_payloads(bf16_sent) == [(torch.float32, FP8_DIM)]
+    torch.testing.assert_close(fp8_gx, bf16_gx, rtol=0, atol=0)  # the backward is the same bf16 combine
+    torch.testing.assert_close(fp8_gw, bf16_gw, rtol=0, atol=0)
+
+    padded = torch.ops.deepep.dispatch(x, topk_idx, topk_weights, NUM_EXPERTS, name, True, True)[0]
+    assert torch.equal(padded[:rows], recv_fp8) and padded[rows:].isnan().all()
+    with pytest.raises(ValueError, match="one scale per 128 channels.*drop --quantize.float8_dispatch"):
+        torch.ops.deepep.dispatch(x[:, :64], topk_idx, topk_weights, NUM_EXPERTS, name, False, True)
+    destroy_buffers()
+
+
+def _contract_sync_free_and_fp8(rank: int, world_size: int) -> None:
     _contract_matches_naive_reference(rank, world_size)
     _sync_free_is_padded_dispatch(rank, world_size)
+    _fp8_dispatch_sends_fp8_and_dequantizes(rank, world_size)
 
 
-def test_dispatch_combine_contract_and_sync_free_padding_2_ranks():
-    run_distributed(_contract_and_sync_free, 2)
+def test_dispatch_combine_contract_sync_free_padding_and_fp8_2_ranks():
+    run_distributed(_contract_sync_free_and_fp8, 2)
 
 
 def _gradients_match_closed_form(rank: int, world_size: int) -> None:
