@@ -1,8 +1,8 @@
-"""FP8 experts and linears through the trainer, with deepep EP=2 and per-op SAC (compile: the unit tests): every
-MoE layer (and every attention / FFN linear) converts, and the losses follow the bf16 run's closely without being
-the bf16 run (CPU emulates the FP8 GEMMs; at the debug model's init the routed experts are a small part of each
-block's output, so the two differ by ~1e-6 relative, ~5e-5 with the linears in FP8 too; a broken FP8 GEMM shows
-at the 1e-1 level, an FP8 linear's output 1.5x too large at 1e-3)."""
+"""FP8 experts, linears and dispatch through the trainer, with deepep EP=2 and per-op SAC (compile: the unit
+tests): every MoE layer (and every attention / FFN linear) converts, and the losses follow the bf16 run's closely
+without being the bf16 run (CPU emulates the FP8 GEMMs; at the debug model's init the routed experts are a small
+part of each block's output, so the two differ by ~1e-6 relative, ~5e-5 with the linears and the dispatch in FP8
+too; a broken FP8 GEMM shows at the 1e-1 level, an FP8 linear's output 1.5x too large at 1e-3)."""
 
 import json
 
@@ -26,10 +26,12 @@ def _losses(tmp_path, extra):
     return proc, [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_fp8_linears_train_close_to_bf16(tmp_path):
-    proc, fp8 = _losses(tmp_path / "fp8", ["--quantize.float8_experts", "--quantize.float8_linears"])
+def test_fp8_linears_and_dispatch_train_close_to_bf16(tmp_path):
+    fp8_flags = ["--quantize.float8_experts", "--quantize.float8_linears", "--quantize.float8_dispatch"]
+    proc, fp8 = _losses(tmp_path / "fp8", fp8_flags)
     out = proc.stdout + proc.stderr
     assert "quantize.float8_linears: 28 linears run FP8 GEMMs" in out
+    assert "quantize.float8_dispatch: DeepEP dispatches FP8 tokens" in out
     _, bf16 = _losses(tmp_path / "bf16", [])
     assert fp8 != bf16
     assert fp8 == pytest.approx(bf16, rel=1e-3)

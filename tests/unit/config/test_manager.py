@@ -315,6 +315,7 @@ def test_uncaught_help_exits_process_with_zero():
         (["--parallelism.deepep_num_sms=23"], "deepep_num_sms must be a positive even"),
         (["--parallelism.deepep_num_sms=0"], "deepep_num_sms must be a positive even"),
         (["--parallelism.deepep_sync_free_dispatch"], "deepep_sync_free_dispatch needs .*deepep"),
+        (["--quantize.float8_dispatch"], "float8_dispatch is DeepEP's FP8 dispatch: it needs .*deepep"),
         (
             ["--parallelism.deepep_sync_free_dispatch", "--parallelism.expert_parallel_comm_backend=deepep"],
             "deepep_sync_free_dispatch needs .*expert_parallel_degree > 1",

@@ -82,6 +82,8 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
             deepep_fp8=job_config.quantize.float8_dispatch,
         )
 
+    if use_deepep and job_config.quantize.float8_dispatch:
+        logger.info("quantize.float8_dispatch: DeepEP dispatches FP8 tokens (one scale per 128 channels)")
     if parallelism.expert_parallel_overlap:
         model.overlap_micro_batches = 2  # preflight (check_ep_overlap) validated the combination
     if job_config.quantize.float8_experts:

@@ -1,6 +1,7 @@
 """FP8 dense linears (`quantize.float8_linears`): `float8_linear` against the product of its quantized operands
 and bf16 autograd, which modules convert (and which stay bf16), that a converted model runs the FP8 GEMMs and
-trains close to bf16, compile with a dynamic row count, and the errors. The CUDA path: tests/gpu/test_float8.py."""
+trains close to bf16, compile with a dynamic row count, and the errors (with FP8 dispatch's preflight check).
+The CUDA path: tests/gpu/test_float8.py."""
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from torchtitan.models.deepseek_v3 import DeepSeekV3Model
 from torchtitan.models.deepseek_v3.float8_linears import Float8Linear, convert_to_float8_linears
 from torchtitan.models.moe import float8
 from torchtitan.models.moe.float8 import dequantize, float8_linear, quantize_rowwise
-from torchtitan.preflight import check_float8_linears
+from torchtitan.preflight import check_float8_dispatch, check_float8_linears
 
 from .conftest import tiny_args
 
@@ -132,3 +133,11 @@ def test_preflight_rejects_what_fp8_linears_cannot_run(extra, world_size, messag
     parallel_dims = ParallelDims.from_config(job_config.parallelism, world_size)
     with pytest.raises(ConfigError, match=message):
         check_float8_linears(job_config, parallel_dims)
+
+
+def test_preflight_rejects_fp8_dispatch_when_the_dim_is_not_in_128_channel_blocks():
+    flags = ["--quantize.float8_dispatch", "--parallelism.expert_parallel_comm_backend", "deepep"]
+    job_config = ConfigManager().parse_args([*flags, "--parallelism.expert_parallel_degree", "2"])
+    with pytest.raises(ConfigError, match="one scale per 128 channels, but the model dim is 64"):
+        check_float8_dispatch(job_config, tiny_args())
+    check_float8_dispatch(job_config, tiny_args(dim=128))
