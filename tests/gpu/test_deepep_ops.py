@@ -93,6 +93,24 @@ def _check_sync_free_dispatch_matches_cpu_reference(rank, world_size, cuda_group
     torch.testing.assert_close(combined.cpu(), combined_ref, **BF16_TOL)
 
 
+def _check_fp8_dispatch_matches_cpu_reference(rank, world_size, cuda_group, cpu_group):
+    """DeepEP's FP8 dispatch ((x, x_scales) tuples, one scale per 128 channels): the CPU reference's layout, and
+    received rows that are the same FP8 round trip of the sent ones (the same torch quantization on both devices;
+    an FP8 step apart at most, where the GPU rounds a scale differently), within FP8 error of the bf16 dispatch."""
+    x, topk_idx, topk_weights = _routing(rank, 96 + 37 * rank)
+    x = x.bfloat16()
+    cuda = ops.dispatch(x.cuda(), topk_idx.cuda(), topk_weights.cuda(), NUM_EXPERTS, cuda_group.group_name, False, True)
+    ref = ops.dispatch(x, topk_idx, topk_weights, NUM_EXPERTS, cpu_group.group_name, False, True)
+    for name, got, want in zip(("idx", "weights", "counts", "slots"), cuda[1:5], ref[1:5], strict=True):
+        assert torch.equal(got.cpu(), want), f"fp8 dispatch {name} differs from the CPU reference"
+    assert cuda[0].dtype == torch.bfloat16
+    assert (cuda[0].cpu() == ref[0]).float().mean() > 0.995, "fp8 recv_x"
+    torch.testing.assert_close(cuda[0].cpu().float(), ref[0].float(), rtol=2**-3, atol=1e-6)
+    bf16 = ops.dispatch(x.cuda(), topk_idx.cuda(), topk_weights.cuda(), NUM_EXPERTS, cuda_group.group_name)
+    assert not torch.equal(cuda[0], bf16[0])  # it did go through FP8
+    torch.testing.assert_close(cuda[0].float(), bf16[0].float(), rtol=0.07, atol=1e-2)
+
+
 def _check_backward_matches_cpu_reference(rank, world_size, cuda_group, cpu_group):
     x, topk_idx, topk_weights = _routing(rank, 64 + 29 * rank)
     upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(rank))
@@ -220,14 +238,14 @@ def _measure_dispatch_combine(rank, world_size, cuda_group, cpu_group):
     x, topk_idx, topk_weights = _routing(rank, num_tokens, hidden, num_experts, top_k)
     x, topk_idx, topk_weights = x.bfloat16().cuda(), topk_idx.cuda(), topk_weights.cuda()
     timings = {}
-    for phase in ("dispatch", "dispatch_sync_free", "combine"):
+    for phase in ("dispatch", "dispatch_sync_free", "dispatch_fp8", "combine"):
         times = []
         for step in range(12):
             torch.cuda.synchronize()
             dist.barrier(group=cpu_group)
             start = time.perf_counter()
-            sync_free = phase == "dispatch_sync_free"
-            out = ops.dispatch(x, topk_idx, topk_weights, num_experts, cuda_group.group_name, sync_free)
+            sync_free, fp8 = phase == "dispatch_sync_free", phase == "dispatch_fp8"
+            out = ops.dispatch(x, topk_idx, topk_weights, num_experts, cuda_group.group_name, sync_free, fp8)
             if phase == "combine":
                 torch.cuda.synchronize()
                 start = time.perf_counter()
@@ -243,6 +261,7 @@ def _measure_dispatch_combine(rank, world_size, cuda_group, cpu_group):
 _CHECKS = (
     _check_ops_match_cpu_reference,
     _check_sync_free_dispatch_matches_cpu_reference,
+    _check_fp8_dispatch_matches_cpu_reference,
     _check_backward_matches_cpu_reference,
     _check_moe_block_eager_compiled_and_overlap,
     _check_sync_free_moe_matches_synced_without_host_syncs,
