@@ -51,7 +51,14 @@ def matmul_bound_ms(layer: dict, tokens: int) -> tuple[float, float]:
 
 
 def build_layer(
-    layer: dict, backend: str, ep_mesh, device: torch.device, num_sms: int, balanced: bool, sync_free: bool = False
+    layer: dict,
+    backend: str,
+    ep_mesh,
+    device: torch.device,
+    num_sms: int,
+    balanced: bool,
+    sync_free: bool = False,
+    fp8_dispatch: bool = False,
 ):
     moe_args = MoEArgs(
         num_experts=layer["num_experts"],
@@ -70,7 +77,7 @@ def build_layer(
         if backend == "deepep":
             from torchtitan.distributed.deepep import DeepEPExpertParallel
 
-            style = DeepEPExpertParallel(num_sms=num_sms, sync_free=sync_free)
+            style = DeepEPExpertParallel(num_sms=num_sms, sync_free=sync_free, fp8=fp8_dispatch)
         else:
             from torchtitan.distributed.expert_parallel import ExpertParallel
 
@@ -131,6 +138,11 @@ def main() -> None:
     parser.add_argument(
         "--float8-experts", action="store_true", help="routed experts in FP8 (the trainer's --quantize.float8_experts)"
     )
+    parser.add_argument(
+        "--float8-dispatch",
+        action="store_true",
+        help="deepep: tokens dispatched as FP8 (the trainer's --quantize.float8_dispatch)",
+    )
     args = parser.parse_args()
 
     device = init_nccl_from_torchrun()
@@ -139,15 +151,24 @@ def main() -> None:
     layer = LAYERS[args.layer]
     if args.sync_free and args.backend != "deepep":
         parser.error("--sync-free needs --backend deepep")
+    if args.float8_dispatch and args.backend != "deepep":
+        parser.error("--float8-dispatch needs --backend deepep")
     balanced = args.routing == "balanced"
-    moe = build_layer(layer, args.backend, ep_mesh, device, args.num_sms, balanced, sync_free=args.sync_free)
+    moe = build_layer(
+        layer, args.backend, ep_mesh, device, args.num_sms, balanced, args.sync_free, args.float8_dispatch
+    )
     if args.float8_experts:
         convert_to_float8_experts(moe)
     if args.compile:
         compile_moe(moe, "inductor")
     mode = "compile" if args.compile else "eager"
     routing_tag = "" if args.routing == "balanced" else f"_zipf{args.zipf_exponent:g}"
-    tags = (("_overlap", args.overlap), ("_syncfree", args.sync_free), ("_fp8", args.float8_experts))
+    tags = (
+        ("_overlap", args.overlap),
+        ("_syncfree", args.sync_free),
+        ("_fp8", args.float8_experts),
+        ("_fp8dispatch", args.float8_dispatch),
+    )
     overlap_tag = "".join(tag for tag, on in tags if on)
 
     for tokens in args.tokens:
@@ -206,6 +227,7 @@ def main() -> None:
             overlap=args.overlap,
             deepep_sync_free_dispatch=args.sync_free,
             float8_experts=args.float8_experts,
+            float8_dispatch=args.float8_dispatch,
             ep=ep,
             tokens_per_rank=tokens,
             **routing,

@@ -68,10 +68,13 @@ def moe_table(results: list[dict]) -> list[str]:
 
 
 def variant(result: dict) -> str:
-    """The moe_layer options that change what runs: EP overlap, FP8 experts."""
-    tags = [
-        tag for tag, on in (("overlap", result.get("overlap")), ("fp8 experts", result.get("float8_experts"))) if on
-    ]
+    """The moe_layer options that change what runs: EP overlap, FP8 experts, FP8 dispatch."""
+    options = (
+        ("overlap", result.get("overlap")),
+        ("fp8 experts", result.get("float8_experts")),
+        ("fp8 dispatch", result.get("float8_dispatch")),
+    )
+    tags = [tag for tag, on in options if on]
     return ", ".join(tags) or "-"
 
 
