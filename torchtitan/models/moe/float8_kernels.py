@@ -159,9 +159,79 @@ def _columns_per_group_kernel(
         tl.store(out, tl.trans(q).to(q_ptr.dtype.element_ty), mask=tl.trans(mask))
 
 
+_TILES = [
+    triton.Config({"BLOCK_M": block_m, "BLOCK_C": block_c}, num_warps=warps)
+    for block_m, block_c, warps in ((64, 64, 4), (128, 64, 8), (64, 128, 8), (128, 128, 8))
+]
+
+
+@triton.jit
+def _tile_column_amax_kernel(
+    t_ptr, partial_ptr, num_rows, num_cols, end_ptr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr
+):
+    """One (row tile, column tile): the column maxima of |t| over the tile's rows before the group's end."""
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < num_cols
+    mask = (rows < tl.load(end_ptr))[:, None] & col_mask[None, :]
+    t = tl.load(t_ptr + rows.to(tl.int64)[:, None] * num_cols + cols[None, :], mask=mask, other=0.0)
+    tile_amax = tl.max(tl.abs(t.to(tl.float32)), axis=0)
+    tl.store(partial_ptr + tl.program_id(1).to(tl.int64) * num_cols + cols, tile_amax, mask=col_mask)
+
+
+@triton.autotune(configs=_TILES, key=["num_cols"])
+@triton.jit
+def _tile_column_cast_kernel(
+    t_ptr,
+    amax_ptr,
+    q_ptr,
+    num_rows,
+    num_cols,
+    end_ptr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    EPS: tl.constexpr,
+):
+    """One (row tile, column tile): times FP8_MAX / the column maxima, cast, stored transposed; rows from the
+    group's end on are zero."""
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < num_cols
+    mask = (rows < num_rows)[:, None] & col_mask[None, :]
+    t = tl.load(t_ptr + rows.to(tl.int64)[:, None] * num_cols + cols[None, :], mask=mask, other=0.0)
+    amax = tl.maximum(tl.load(amax_ptr + cols, mask=col_mask, other=1.0), EPS)
+    q = tl.clamp(t.to(tl.float32) * tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX, amax)[None, :], -FP8_MAX, FP8_MAX)
+    q = tl.where((rows < tl.load(end_ptr))[:, None], q, 0.0)  # padding rows may hold anything, even NaN
+    out = q_ptr + cols.to(tl.int64)[:, None] * num_rows + rows[None, :]
+    tl.store(out, tl.trans(q).to(q_ptr.dtype.element_ty), mask=tl.trans(mask))
+
+
+def _quantize_columns_one_group(t: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_columns_per_group_cuda` for one group (a dense linear's operand), over row x column tiles: the
+    per-group kernel would run only C / BLOCK_C programs, each walking every row (0.25 ms for 16,384 x 2,048 on
+    H200). Tile maxima, their maximum over the tiles (a small torch reduction), then the cast."""
+    num_rows, num_cols = t.shape
+    end = offsets.to(torch.int32)
+    block_m, block_c = 64, 128
+    partial = torch.empty(triton.cdiv(num_rows, block_m), num_cols, dtype=torch.float32, device=t.device)
+    tiles = (triton.cdiv(num_cols, block_c), triton.cdiv(num_rows, block_m))
+    _tile_column_amax_kernel[tiles](t, partial, num_rows, num_cols, end, BLOCK_M=block_m, BLOCK_C=block_c)
+    amax = partial.amax(0)
+
+    def grid(meta):
+        return (triton.cdiv(num_cols, meta["BLOCK_C"]), triton.cdiv(num_rows, meta["BLOCK_M"]))
+
+    q = torch.empty(num_cols, num_rows, dtype=torch.float8_e4m3fn, device=t.device)
+    _tile_column_cast_kernel[grid](t, amax, q, num_rows, num_cols, end, FP8_MAX=_FP8_MAX, EPS=_EPS)
+    return q, (amax.clamp_min(_EPS) / _FP8_MAX)[None]
+
+
 def quantize_columns_per_group_cuda(t: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """t (M, C) contiguous, groups of rows ending at `offsets` (G,) -> (fp8 t^T (C, M), fp32 scales (G, C)); rows
     past the last end are zero. See float8.quantize_columns_per_group."""
+    if offsets.shape[0] == 1:
+        return _quantize_columns_one_group(t, offsets)
     num_rows, num_cols = t.shape
     num_groups = offsets.shape[0]
     q = torch.empty(num_cols, num_rows, dtype=torch.float8_e4m3fn, device=t.device)
