@@ -6,7 +6,9 @@ Same workload and formula as DeepEP's own intranode test, so the numbers compare
 4096 tokens x hidden 7168 in bf16 per rank, top-8 of 256 experts chosen at random;
     dispatch GB/s = recv_x bytes on this rank (num_recv_tokens * hidden * 2) / dispatch time
     combine  GB/s = the same bytes (sent back) / combine time
-reported as the minimum over ranks of the median over iterations.
+reported as the minimum over ranks of the median over iterations. `--fp8` also times the FP8 dispatch
+(`--quantize.float8_dispatch`: e4m3 values plus one fp32 scale per 128 channels, quantization and dequantization
+included), reported against the same bf16 bytes so the two rates compare as speeds.
 """
 
 import argparse
@@ -30,6 +32,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--num-sms", type=int, default=24)
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--fp8", action="store_true", help="also time the FP8 dispatch")
     args = parser.parse_args()
 
     device = init_nccl_from_torchrun()
@@ -48,8 +51,17 @@ def main() -> None:
             lambda: ops.dispatch(x, topk_idx, topk_weights, args.num_experts, group_name), 5, args.iters, barrier=True
         )
         combine_ms = cuda_time_ms(lambda: ops.combine(recv_x, handle, group_name, None), 5, args.iters, barrier=True)
+        fp8_ms = float("nan")
+        if args.fp8:
+            fp8_ms = cuda_time_ms(
+                lambda: ops.dispatch(x, topk_idx, topk_weights, args.num_experts, group_name, False, True),
+                5,
+                args.iters,
+                barrier=True,
+            )
     recv_bytes = recv_x.numel() * recv_x.element_size()
-    rates = torch.tensor([recv_bytes / 1e6 / dispatch_ms, recv_bytes / 1e6 / combine_ms], device=device)
+    times = (dispatch_ms, combine_ms, fp8_ms)
+    rates = torch.tensor([recv_bytes / 1e6 / ms for ms in times], device=device)
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)
     if dist.get_rank() == 0:
         result = dict(
@@ -63,9 +75,10 @@ def main() -> None:
             combine_ms=combine_ms,
             dispatch_gbps=rates[0].item(),
             combine_gbps=rates[1].item(),
+            **({"fp8_dispatch_ms": fp8_ms, "fp8_dispatch_bf16_equivalent_gbps": rates[2].item()} if args.fp8 else {}),
             formula="recv_x bytes (num_recv_tokens*hidden*2, bf16) / time; min over ranks of the median",
         )
-        write_result(result, f"deepep_bandwidth_ep{ep}")
+        write_result(result, f"deepep_bandwidth_ep{ep}" + ("_fp8" if args.fp8 else ""))
         print(f"ep={ep}: dispatch {rates[0].item():.1f} GB/s, combine {rates[1].item():.1f} GB/s", flush=True)
     dist.destroy_process_group()
 
