@@ -1,4 +1,5 @@
-"""FP8 (e4m3) grouped GEMMs with rowwise scales, for the routed experts, forward and backward.
+"""FP8 (e4m3) grouped GEMMs with rowwise scales, for the routed experts, forward and backward; the dense linears
+(`float8_linear`) are their one-group case. Also the 1x128 blockwise quantization of DeepEP's FP8 dispatch.
 
 Every GEMM quantizes its two operands along their reduction dimension (one fp32 scale per row or column that
 is not reduced), so each scale factors out of the dot products and the kernel applies it to the fp32 result:
