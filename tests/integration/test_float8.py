@@ -26,21 +26,25 @@ def _losses(tmp_path, extra):
     return proc, [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_fp8_linears_and_dispatch_train_close_to_bf16(tmp_path):
+@pytest.fixture(scope="module")
+def bf16_losses(tmp_path_factory):
+    """The bf16 run both FP8 runs are compared with (one trainer run for the module)."""
+    return _losses(tmp_path_factory.mktemp("bf16"), [])[1]
+
+
+def test_fp8_experts_train_like_bf16(tmp_path, bf16_losses):
+    proc, fp8 = _losses(tmp_path, ["--quantize.float8_experts"])
+    assert "quantize.float8_experts: 3 routed-expert modules run FP8 grouped GEMMs" in proc.stdout + proc.stderr
+    assert len(fp8) == len(bf16_losses) == 4
+    assert fp8 != bf16_losses
+    assert fp8 == pytest.approx(bf16_losses, rel=1e-3)
+
+
+def test_fp8_linears_and_dispatch_train_close_to_bf16(tmp_path, bf16_losses):
     fp8_flags = ["--quantize.float8_experts", "--quantize.float8_linears", "--quantize.float8_dispatch"]
-    proc, fp8 = _losses(tmp_path / "fp8", fp8_flags)
+    proc, fp8 = _losses(tmp_path, fp8_flags)
     out = proc.stdout + proc.stderr
     assert "quantize.float8_linears: 28 linears run FP8 GEMMs" in out
     assert "quantize.float8_dispatch: DeepEP dispatches FP8 tokens" in out
-    _, bf16 = _losses(tmp_path / "bf16", [])
-    assert fp8 != bf16
-    assert fp8 == pytest.approx(bf16, rel=1e-3)
-
-
-def test_fp8_experts_train_like_bf16(tmp_path):
-    proc, fp8 = _losses(tmp_path / "fp8", ["--quantize.float8_experts"])
-    assert "quantize.float8_experts: 3 routed-expert modules run FP8 grouped GEMMs" in proc.stdout + proc.stderr
-    _, bf16 = _losses(tmp_path / "bf16", [])
-    assert len(fp8) == len(bf16) == 4
-    assert fp8 != bf16
-    assert fp8 == pytest.approx(bf16, rel=1e-3)
+    assert fp8 != bf16_losses
+    assert fp8 == pytest.approx(bf16_losses, rel=1e-3)
