@@ -119,6 +119,11 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     `float8_grouped_mm` (on CUDA the GEMMs are then cuBLAS's `torch._scaled_mm`). x (..., K), weight (N, K); the
     rows of x (its leading dims' product) and N, K must be multiples of 16."""
     rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] % ROWS_PER_BLOCK:
+        raise ValueError(
+            f"FP8 linears need the token rows (batch x sequence) in blocks of {ROWS_PER_BLOCK}, got {rows.shape[0]}; "
+            "use a seq_len that is a multiple of 16 or drop --quantize.float8_linears"
+        )
     offsets = torch.full((1,), rows.shape[0], dtype=torch.int32, device=x.device)
     out = _Float8GroupedMM.apply(rows, offsets, weight.unsqueeze(0), None)
     return out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)

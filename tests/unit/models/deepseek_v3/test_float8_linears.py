@@ -119,6 +119,8 @@ def test_compiles_with_a_dynamic_row_count():
 def test_shapes_fp8_cannot_take_are_rejected():
     with pytest.raises(ValueError, match=r"layers.0.attention.wkv_a: .* 64 -> 40; drop --quantize.float8_linears"):
         convert_to_float8_linears(_model(tiny_args()))
+    with pytest.raises(ValueError, match="token rows .* in blocks of 16, got 30"):
+        float8_linear(torch.randn(2, 15, 32), torch.randn(16, 32))
 
 
 @pytest.mark.parametrize(
