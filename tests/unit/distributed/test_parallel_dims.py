@@ -3,11 +3,9 @@
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from tests.unit.distributed._spawn import run_distributed
 from torchtitan.distributed.parallel_dims import ParallelDims, ParallelDimsError
-from torchtitan.distributed.utils import mixed_precision_autocast
 
 
 def dims(world_size=8, dp_replicate=1, dp_shard=-1, tp=1, pp=1, ep=1, etp=1) -> ParallelDims:
@@ -93,24 +91,3 @@ def _mesh_layout(rank: int, world_size: int) -> None:
 
 def test_mesh_layout_on_4_gloo_ranks():
     run_distributed(_mesh_layout, 4)
-
-
-def test_mixed_precision_autocasts_only_where_fsdp_does_not_wrap(caplog):
-    """FSDP (data or expert parallelism) casts the parameters itself; one device autocasts to the configured dtype;
-    TP or PP alone stays fp32 and says so."""
-    single = mixed_precision_autocast(dims(world_size=1), "bfloat16", "cpu")
-    with single():
-        assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
-        assert torch.nn.functional.linear(torch.randn(2, 4), torch.randn(3, 4)).dtype == torch.bfloat16
-    assert not torch.is_autocast_enabled("cpu")
-    for fsdp_wraps in (dims(world_size=2), dims(world_size=2, dp_shard=1, tp=2, ep=2)):
-        with mixed_precision_autocast(fsdp_wraps, "bfloat16", "cpu")():
-            assert not torch.is_autocast_enabled("cpu")
-    with mixed_precision_autocast(dims(world_size=1), "float32", "cpu")():
-        assert not torch.is_autocast_enabled("cpu")
-    with (
-        caplog.at_level("WARNING"),
-        mixed_precision_autocast(dims(world_size=2, dp_shard=1, tp=2), "bfloat16", "cpu")(),
-    ):
-        assert not torch.is_autocast_enabled("cpu")
-    assert "compute stays float32" in caplog.text
