@@ -111,41 +111,33 @@ def gemm_times(rows: int, dim: int, hidden: int, experts: int, offsets: torch.Te
     """Each GEMM of the experts' forward + backward alone, bf16 vs FP8 on operands quantized beforehand (FP8 with
     and without fast accumulation), ms: where FP8 gains and where it does not, apart from the quantization."""
     device = offsets.device
+
+    def operand(*shape):
+        return torch.randn(*shape, device=device, dtype=torch.bfloat16)
+
+    def fp8(*shape):
+        return operand(*shape).to(torch.float8_e4m3fn)
+
+    def ones(*shape):
+        return torch.ones(*shape, device=device)
+
+    def against_weights(in_dim, out_dim):
+        """(bf16, FP8) arguments of rows (M, in_dim) @ per-expert (E, out_dim, in_dim) transposed."""
+        bf16 = (operand(rows, in_dim), operand(experts, out_dim, in_dim).transpose(-2, -1))
+        weights_fp8 = fp8(experts, out_dim, in_dim).transpose(-2, -1)
+        scaled = (fp8(rows, in_dim), weights_fp8, ones(rows), ones(experts, out_dim))
+        return bf16, scaled
+
     times = {}
     for weight, (n, k) in {"w1_w3": (hidden, dim), "w2": (dim, hidden)}.items():
-
-        def operand(*shape):
-            return torch.randn(*shape, device=device, dtype=torch.bfloat16)
-
-        def fp8(*shape):
-            return operand(*shape).to(torch.float8_e4m3fn)
-
-        ones = torch.ones
         gemms = {
-            # x (M, K) @ W_e^T -> (M, N)
-            "fwd": (
-                (operand(rows, k), operand(experts, n, k).transpose(-2, -1)),
-                (
-                    fp8(rows, k),
-                    fp8(experts, n, k).transpose(-2, -1),
-                    ones(rows, device=device),
-                    ones(experts, n, device=device),
-                ),
-            ),
+            "fwd": against_weights(k, n),  # x (M, K) @ W_e^T -> (M, N)
             # dout (M, N) @ W_e -> (M, K): W_e^T stored (K, N) row-major, i.e. W_e column-major
-            "dgrad": (
-                (operand(rows, n), operand(experts, k, n).transpose(-2, -1)),
-                (
-                    fp8(rows, n),
-                    fp8(experts, k, n).transpose(-2, -1),
-                    ones(rows, device=device),
-                    ones(experts, k, device=device),
-                ),
-            ),
+            "dgrad": against_weights(n, k),
             # dout_e^T (N, M_e) @ x_e (M_e, K) -> (E, N, K), grouped along M
             "wgrad": (
                 (operand(n, rows), operand(k, rows).t()),
-                (fp8(n, rows), fp8(k, rows).t(), ones(experts * n, device=device), ones(experts * k, device=device)),
+                (fp8(n, rows), fp8(k, rows).t(), ones(experts * n), ones(experts * k)),
             ),
         }
         for kind, (bf16_args, fp8_args) in gemms.items():
