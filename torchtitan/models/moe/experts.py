@@ -40,7 +40,8 @@ def run_experts_grouped_mm(
     padded_rows = (num_rows + alignment - 1) // alignment * alignment + num_experts * alignment
     x_routed = torch.where(routed, x, 0).bfloat16()
     x_padded = x.new_zeros(padded_rows, dim, dtype=torch.bfloat16).index_copy(0, row_to_padded, x_routed)
-    w1, w2, w3 = w1.bfloat16(), w2.bfloat16(), w3.bfloat16()
+    if not float8:  # the FP8 quantization reads the weights in their own dtype: no bf16 copy of fp32 weights first
+        w1, w2, w3 = w1.bfloat16(), w2.bfloat16(), w3.bfloat16()
 
     if float8:  # gate and up in one GEMM: x quantized once each way
         gate, up = float8_grouped_mm(x_padded, (w1, w3), offsets).chunk(2, dim=-1)
