@@ -41,6 +41,7 @@ def run_settings(config_file: str, train_args: list[str], ngpu: int) -> dict:
         "mtp_layers": get_model_args(job).mtp_layers,
         "float8_experts": job.quantize.float8_experts,
         "float8_linears": job.quantize.float8_linears,
+        "float8_dispatch": job.quantize.float8_dispatch,
         "compile": job.compile.enable,
         "activation_checkpoint": job.activation_checkpoint.mode
         + (

@@ -40,13 +40,12 @@ def run_experts_grouped_mm(
     padded_rows = (num_rows + alignment - 1) // alignment * alignment + num_experts * alignment
     x_routed = torch.where(routed, x, 0).bfloat16()
     x_padded = x.new_zeros(padded_rows, dim, dtype=torch.bfloat16).index_copy(0, row_to_padded, x_routed)
-    if not float8:  # the FP8 quantization reads the weights in their own dtype: no bf16 copy of fp32 weights first
-        w1, w2, w3 = w1.bfloat16(), w2.bfloat16(), w3.bfloat16()
 
-    if float8:  # gate and up in one GEMM: x quantized once each way
+    if float8:  # gate and up in one GEMM: x quantized once each way; the weights in their own dtype (no bf16 copy)
         gate, up = float8_grouped_mm(x_padded, (w1, w3), offsets).chunk(2, dim=-1)
         grouped_mm = float8_grouped_mm
     else:
+        w1, w2, w3 = w1.bfloat16(), w2.bfloat16(), w3.bfloat16()
         gate, up = _bf16_grouped_mm(x_padded, w1, offsets), _bf16_grouped_mm(x_padded, w3, offsets)
         grouped_mm = _bf16_grouped_mm
     h = F.silu(gate) * up  # (T_pad, hidden)
