@@ -5,11 +5,11 @@ two things in them cannot be traced into one graph:
 - the token exchange (`moe.dispatcher`) runs eager: under expert parallelism it exchanges variable-size token
   buffers whose split sizes are copied to the host (data-dependent shapes around a collective), and the routed
   experts module is its own FSDP2 unit whose pre/post-forward hooks are graph breaks. What runs around the
-  communication is compiled: the grouped-GEMM SwiGLU with its padding (`GroupedExperts.run_grouped_mm`) and, with
-  DeepEP, the dispatcher's local stages (gather into expert-major rows; the weighted sum per received token).
+  communication is compiled: the grouped-GEMM SwiGLU with its padding (`GroupedExperts.run_grouped_mm`) and the
+  dispatcher's local stages around the token copies (gather into expert-major rows; the weighted sum per token).
   Each is one `CompiledRegion` shared by every layer, with its token-row dims dynamic from the first call (see
-  `CompiledRegion` for why that matters under activation checkpointing).
-- the other dispatchers' local stages (sorting token copies by expert, unsorting) run eager.
+  `CompiledRegion` for why that matters under activation checkpointing). The sort by expert and the all-to-all
+  dispatcher's reordering between ranks and local experts run eager.
 Also compiled inside an MoE block: attention, the router's expert selection, the shared experts (all see a fixed
 number of tokens). The two norms stay eager: a bare `torch.nn` module compiled as its own root frame is on
 dynamo's skip list (fullgraph=True then finds no frame to compile), and an RMSNorm is one fused op anyway.
@@ -98,15 +98,16 @@ def compile_moe(moe: nn.Module, backend: str, saved_options: dict[str, Any] | No
     # (x (rows, dim), counts, w1, w2, w3, alignment): the rows vary
     experts.run_grouped_mm = compiled_region(type(experts).run_grouped_mm, backend, {0: 0})
     dispatcher = moe.dispatcher
+    # (x (tokens, dim), slots (copies,), top_k, topk_weights (tokens, top_k) | None)
+    dispatcher.gather_token_copies = compiled_region(type(dispatcher).gather_token_copies, backend, {0: 0, 1: 0, 3: 0})
     if dispatcher.backend == "deepep":
-        # (recv_x (recv, dim), permuted_slots (copies,), top_k, recv_topk_weights (recv, top_k) | None)
-        dispatcher.gather_expert_input = compiled_region(
-            type(dispatcher).gather_expert_input, backend, {0: 0, 1: 0, 3: 0}
-        )
         # (expert_output (copies, dim), permuted_slots (copies,), recv_topk_weights (recv, top_k), ...)
         dispatcher.sum_per_received_token = compiled_region(
             type(dispatcher).sum_per_received_token, backend, {0: 0, 1: 0, 2: 0}
         )
+    else:
+        # (copies (tokens * top_k, dim), token_order (tokens * top_k,), topk_weights (tokens, top_k), ...)
+        dispatcher.sum_token_copies = compiled_region(type(dispatcher).sum_token_copies, backend, {0: 0, 1: 0, 2: 0})
 
 
 class CompiledRegion:

@@ -160,7 +160,12 @@ def clip_grad_norm_(
         total = total.pow(1.0 / norm_type)
 
     clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    # one multi-tensor kernel per (device, dtype), not one kernel per gradient: the per-gradient mul_ by a 0-dim
+    # tensor took 13 ms of a 343 ms 16B_bench4 step on one H200 (4B fp32 gradients)
+    local_grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for grad in grads:
         local = grad.to_local() if isinstance(grad, DTensor) else grad
-        local.mul_(clip_coef.to(local.device, local.dtype))
+        local_grads.setdefault((local.device, local.dtype), []).append(local)
+    for (device, dtype), tensors in local_grads.items():
+        torch._foreach_mul_(tensors, clip_coef.to(device, dtype))
     return total

@@ -18,27 +18,14 @@ from dataclasses import dataclass
 import torch
 
 from torchtitan.distributed.deepep import ops
-from torchtitan.models.moe.row_gather import gather_rows
-from torchtitan.models.moe.token_dispatcher import DispatchState, TokenDispatcher
+from torchtitan.models.moe.token_dispatcher import DispatchState, TokenDispatcher, copy_weights
 
 __all__ = [
     "DeepEPDispatchState",
     "DeepEPDispatched",
     "DeepEPTokenDispatcher",
-    "gather_expert_input",
     "sum_per_received_token",
 ]
-
-
-def gather_expert_input(
-    recv_x: torch.Tensor, permuted_slots: torch.Tensor, top_k: int, recv_topk_weights: torch.Tensor | None = None
-) -> torch.Tensor:
-    """recv_x (num_recv, dim), permuted_slots (num_copies,) flat `row * top_k + k` slots -> the copies in
-    local-expert-major order (num_copies, dim), scaled by their routing weight if `recv_topk_weights` is given."""
-    expert_input = gather_rows(recv_x, permuted_slots // top_k, unique=False)
-    if recv_topk_weights is not None:
-        expert_input = (expert_input.float() * _copy_weights(recv_topk_weights, permuted_slots)).to(recv_x.dtype)
-    return expert_input
 
 
 def sum_per_received_token(
@@ -53,14 +40,9 @@ def sum_per_received_token(
     num_recv, top_k = recv_topk_weights.shape
     out = expert_output.float()
     if apply_weights:
-        out = out * _copy_weights(recv_topk_weights, permuted_slots)
+        out = out * copy_weights(recv_topk_weights, permuted_slots)
     per_token = out.new_zeros((num_recv, out.shape[1])).index_add(0, permuted_slots // top_k, out)
     return per_token.to(dtype)
-
-
-def _copy_weights(recv_topk_weights: torch.Tensor, permuted_slots: torch.Tensor) -> torch.Tensor:
-    """(num_recv, top_k) fp32 routing weights -> (num_copies, 1), the weight of each local-expert-major copy."""
-    return recv_topk_weights.reshape(-1).index_select(0, permuted_slots).unsqueeze(-1)
 
 
 @dataclass
@@ -85,9 +67,8 @@ class DeepEPDispatchState(DispatchState):
 
 class DeepEPTokenDispatcher(TokenDispatcher):
     backend = "deepep"
-    gather_expert_input = staticmethod(gather_expert_input)
     sum_per_received_token = staticmethod(sum_per_received_token)
-    """The local stages' computations; `compile_moe` swaps in compiled copies shared by all layers."""
+    """The combine's local sum; `compile_moe` swaps in a compiled copy shared by all layers."""
 
     def __init__(
         self,
@@ -121,7 +102,7 @@ class DeepEPTokenDispatcher(TokenDispatcher):
     ) -> tuple[torch.Tensor, torch.Tensor, DeepEPDispatchState]:
         top_k = dispatched.recv_topk_idx.shape[1]
         weights = dispatched.recv_topk_weights if self.score_before_experts else None
-        expert_input = self.gather_expert_input(dispatched.recv_x, dispatched.permuted_slots, top_k, weights)
+        expert_input = self.gather_token_copies(dispatched.recv_x, dispatched.permuted_slots, top_k, weights)
         state = DeepEPDispatchState(
             handle=dispatched.handle,
             permuted_slots=dispatched.permuted_slots,

@@ -25,7 +25,16 @@ import torch
 
 from torchtitan.models.moe.row_gather import gather_rows
 
-__all__ = ["DispatchState", "LocalDispatchState", "LocalTokenDispatcher", "TokenDispatcher", "expert_major_order"]
+__all__ = [
+    "DispatchState",
+    "LocalDispatchState",
+    "LocalTokenDispatcher",
+    "TokenDispatcher",
+    "copy_weights",
+    "expert_major_order",
+    "gather_token_copies",
+    "sum_token_copies",
+]
 
 
 def expert_major_order(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -38,6 +47,39 @@ def expert_major_order(expert_ids: torch.Tensor, num_experts: int) -> torch.Tens
     flat = expert_ids.reshape(-1)
     keys = torch.where(flat >= 0, flat, num_experts)
     return torch.argsort(keys, stable=True)
+
+
+def gather_token_copies(
+    x: torch.Tensor, slots: torch.Tensor, top_k: int, topk_weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x (tokens, dim), slots (copies,) flat `token * top_k + k` slots in expert-major order -> the token copies in
+    that order (copies, dim), scaled by their routing weight if `topk_weights` (tokens, top_k) is given.
+
+    Every backend's expert input: a local batch's tokens, or the tokens DeepEP delivered to this rank."""
+    copies = gather_rows(x, slots // top_k, unique=False)
+    if topk_weights is not None:
+        copies = (copies.float() * copy_weights(topk_weights, slots)).to(x.dtype)
+    return copies
+
+
+def sum_token_copies(
+    copies: torch.Tensor, token_order: torch.Tensor, topk_weights: torch.Tensor, apply_weights: bool
+) -> torch.Tensor:
+    """copies (tokens * top_k, dim) in expert-major order (`token_order`, as `expert_major_order` gave it) -> per
+    token the fp32 sum of its top_k copies (tokens, dim), weighted by `topk_weights` (tokens, top_k) if
+    `apply_weights`. Unsorts with a scatter and sums in a fixed order (deterministic, unlike an atomic index_add);
+    compiled, the unsort is one pass and the weighted sum another."""
+    num_tokens, top_k = topk_weights.shape
+    unsorted = copies.new_empty(copies.shape).index_copy(0, token_order, copies)
+    unsorted = unsorted.view(num_tokens, top_k, -1).float()  # (tokens, top_k, dim)
+    if apply_weights:
+        unsorted = unsorted * topk_weights.unsqueeze(-1)
+    return unsorted.sum(dim=1)
+
+
+def copy_weights(topk_weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """(tokens, top_k) fp32 routing weights -> (copies, 1), the weight of each copy in `slots` order."""
+    return topk_weights.reshape(-1).index_select(0, slots).unsqueeze(-1)
 
 
 @dataclass
@@ -56,6 +98,8 @@ class TokenDispatcher(ABC):
 
     backend: str = ""
     """Name of the `parallelism.expert_parallel_comm_backend` behind it ('local' when nothing is exchanged)."""
+    gather_token_copies = staticmethod(gather_token_copies)
+    """The expert input's gather, every backend's; `compile_moe` swaps in a compiled copy shared by all layers."""
 
     def dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
@@ -106,6 +150,8 @@ class LocalTokenDispatcher(TokenDispatcher):
     """
 
     backend = "local"
+    sum_token_copies = staticmethod(sum_token_copies)
+    """The combine's unsort and weighted sum; `compile_moe` swaps in a compiled copy shared by all layers."""
 
     def __init__(self, num_experts: int, score_before_experts: bool = False):
         self.num_experts = num_experts
@@ -117,9 +163,8 @@ class LocalTokenDispatcher(TokenDispatcher):
         """-> rows (N * k, dim) sorted by global expert, tokens per global expert (E,), state."""
         top_k = topk_idx.shape[1]
         token_order = expert_major_order(topk_idx, self.num_experts)  # (N * k,)
-        rows = gather_rows(x, token_order // top_k, unique=False)  # (N * k, dim)
-        if self.score_before_experts:
-            rows = (rows.float() * topk_weights.reshape(-1, 1)[token_order]).to(x.dtype)
+        weights = topk_weights if self.score_before_experts else None
+        rows = self.gather_token_copies(x, token_order, top_k, weights)  # (N * k, dim)
         flat_idx = topk_idx.reshape(-1)
         # scatter_add, not bincount: bincount syncs with the host on CUDA to size its output
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
@@ -141,9 +186,4 @@ class LocalTokenDispatcher(TokenDispatcher):
 
     def combine_postprocess(self, combined: torch.Tensor, state: LocalDispatchState) -> torch.Tensor:
         """combined (N * k, dim) sorted by global expert -> sum_k g_{t,k} FFN_k(x_t): (N, dim) fp32."""
-        num_tokens, top_k = state.topk_weights.shape
-        unsorted = combined.new_empty(combined.shape).index_copy(0, state.token_order, combined)
-        unsorted = unsorted.view(num_tokens, top_k, -1).float()  # (N, k, dim)
-        if not self.score_before_experts:
-            unsorted = unsorted * state.topk_weights.unsqueeze(-1)
-        return unsorted.sum(dim=1)
+        return self.sum_token_copies(combined, state.token_order, state.topk_weights, not self.score_before_experts)
