@@ -298,7 +298,7 @@ class Quantize:
     cores (compute capability 8.9+, e.g. H100/H200; CPU emulates them) and dim / moe_inter_dim multiples of 16.
     The router, the shared experts, attention and the output head stay in bf16 (see float8_linears). On one H200
     the 671B-like experts run 1.17x bf16's speed forward+backward, the 16B-like 1.03x, and 16B_bench4 trains at
-    1.01x bf16's tokens/s (benchmarks/NOTES.md)."""
+    1.00-1.01x bf16's tokens/s (benchmarks/NOTES.md)."""
 
     float8_linears: bool = False
     """Run the dense linears in FP8 with the experts' recipe: the attention projections, the dense layers' FFN and
