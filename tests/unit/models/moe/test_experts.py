@@ -82,21 +82,35 @@ def test_rows_past_the_routed_tokens_do_not_touch_any_expert():
         torch.testing.assert_close(grad, ref)
 
 
-def test_padded_layout_is_aligned_unique_and_in_bounds():
+def test_padded_layout_is_aligned_unique_in_bounds_and_inverted():
     counts = torch.tensor(COUNTS)
     num_rows, alignment = sum(COUNTS) + 3, 8
-    row_to_padded, offsets = padded_group_layout(counts, num_rows, len(COUNTS), alignment)
+    row_to_padded, padded_to_row, offsets = padded_group_layout(counts, num_rows, len(COUNTS), alignment)
     assert offsets.dtype == torch.int32
     assert (offsets % alignment == 0).all() and (offsets.diff() >= alignment).all()
-    assert row_to_padded.unique().numel() == num_rows
-    assert row_to_padded.max() < num_rows + len(COUNTS) * alignment
+    routed = sum(COUNTS)
+    assert row_to_padded[:routed].unique().numel() == routed and (row_to_padded[routed:] == -1).all()
+    assert padded_to_row.numel() % alignment == 0 and padded_to_row.numel() >= offsets[-1]
     # row r of expert e sits inside e's padded group, in order
     group_starts = torch.cat([torch.zeros(1, dtype=torch.int32), offsets[:-1]]).tolist()
     row = 0
     for e, n in enumerate(COUNTS):
         assert row_to_padded[row : row + n].tolist() == list(range(group_starts[e], group_starts[e] + n))
         row += n
-    assert (row_to_padded[row:] >= offsets[-1]).all()
+    # the inverse: each routed row once, -1 for padding
+    assert (padded_to_row[row_to_padded[:routed]] == torch.arange(routed)).all()
+    assert (padded_to_row >= 0).sum() == routed
+
+
+def test_rows_past_the_routed_tokens_may_hold_nan():
+    counts = torch.tensor(COUNTS)
+    routed = sum(COUNTS)
+    x = torch.randn(routed + 5, DIM)
+    x[routed:] = float("nan")
+    grad_out = torch.randn(routed + 5, DIM)
+    out, x_grad, w_grads = run(make_experts(True), x, counts, grad_out)
+    assert (out[routed:] == 0).all() and (x_grad[routed:] == 0).all()
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in w_grads)
 
 
 def test_grouped_mm_compiles_fullgraph_forward_and_backward():
