@@ -87,6 +87,22 @@ def _toy_experts(x, counts, w1, w2, w3, alignment):
     return run_experts_grouped_mm(x, counts, w1, w2, w3, alignment)
 
 
+def test_experts_region_serves_every_row_count_including_none():
+    """An expert-parallel rank may receive no tokens at all: the experts then pad 0 rows and unpad them again."""
+    torch._dynamo.reset()
+    region = CompiledRegion(_toy_experts, "aot_eager", {0: 0})
+    weights = _expert_weights()
+    for rows in (37, 0, 1, 16):
+        x = torch.randn(rows, DIM, requires_grad=True)
+        got = _layer(region, x, weights)
+        (got_grad,) = torch.autograd.grad(got.square().sum(), x)
+        want = _layer(_toy_experts, x, weights)
+        (want_grad,) = torch.autograd.grad(want.square().sum(), x)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got_grad, want_grad)
+    assert region.num_graphs == 1
+
+
 def test_recompile_between_forward_and_recompute_is_a_named_error():
     torch._dynamo.reset()
     region = compiled_region(_toy_experts, "aot_eager", {0: 0})

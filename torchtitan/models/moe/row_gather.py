@@ -13,6 +13,7 @@ directions are gathers, so neither needs a zero-filled buffer or a scatter.
 """
 
 import torch
+import torch.nn.functional as F
 
 __all__ = ["gather_rows", "permute_rows"]
 
@@ -54,9 +55,11 @@ def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) ->
 
 
 def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x[index] with zero rows where index < 0 (compiled: one pass that writes every output row once)."""
-    valid = (index >= 0).view(-1, *([1] * (x.dim() - 1)))
-    return torch.where(valid, x.index_select(0, index.clamp_min(0)), 0)
+    """x[index] with zero rows where index < 0, read from a zero row appended to x (x may have no rows: an expert-
+    parallel rank that receives no tokens). Compiled, the pad is a masked load inside the gather: one pass that
+    writes every output row once."""
+    with_zero_row = F.pad(x, (0, 0) * (x.dim() - 1) + (0, 1))
+    return with_zero_row.index_select(0, torch.where(index >= 0, index, x.shape[0]))
 
 
 class _PermuteRows(torch.autograd.Function):

@@ -68,3 +68,14 @@ def test_permute_rows_is_a_masked_index_select_both_ways():
     torch.testing.assert_close(got_grad, expected_grad, rtol=0, atol=0)
     assert got_grad[[1, 4]].abs().sum() == 0
     assert torch.autograd.gradcheck(lambda t: permute_rows(t, index, inverse), (x,))
+
+
+def test_permute_rows_from_and_to_no_rows():
+    # an expert-parallel rank may receive no tokens: its experts pad 0 rows into E * alignment zero rows and back
+    x = torch.randn(0, 3, requires_grad=True)
+    index, inverse = torch.full((8,), -1), torch.zeros(0, dtype=torch.int64)
+    out = permute_rows(x, index, inverse)
+    assert out.shape == (8, 3) and (out == 0).all()
+    (grad,) = torch.autograd.grad(out, x, torch.randn(8, 3))
+    assert grad.shape == (0, 3)
+    assert permute_rows(out, inverse, index).shape == (0, 3)
