@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan.models.moe.float8 import float8_grouped_mm
-from torchtitan.models.moe.row_gather import permute_rows
+from torchtitan.models.moe.row_gather import gather_rows
 
 
 def run_experts_grouped_mm(
@@ -26,16 +26,20 @@ def run_experts_grouped_mm(
     float8: bool = False,
 ) -> torch.Tensor:
     """float8: the three GEMMs in FP8 with rowwise scales, forward and backward (float8.py); alignment >= 16."""
+    num_rows, dim = x.shape
     num_experts = w1.shape[0]
-    row_to_padded, padded_to_row, offsets = padded_group_layout(
-        num_tokens_per_expert, x.shape[0], num_experts, alignment
-    )
-    # (T_pad, dim), T_pad ~ T + E * alignment is a static upper bound of the padded size. Padding rows are zero, and
-    # rows past sum(counts), which belong to no expert (DeepEP's sync-free padding: garbage, even NaN), are never
-    # read: their output and gradient are zero. Both directions are gathers (`permute_rows`), so every gradient that
-    # reaches the grouped GEMMs is dense, which the GEMM backward needs (it rejects the stride-0 gradients of e.g.
-    # `out.sum()`).
-    x_padded = permute_rows(x.bfloat16(), padded_to_row, row_to_padded)
+    row_to_padded, offsets = padded_group_layout(num_tokens_per_expert, num_rows, num_experts, alignment)
+    # Rows past sum(counts) belong to no expert (DeepEP's sync-free padding: garbage, even NaN). The GEMMs leave
+    # them undefined, in the output and in the input gradient: both are masked to zero.
+    routed = (torch.arange(num_rows, device=x.device) < num_tokens_per_expert.sum()).unsqueeze(1)
+
+    # (T_pad, dim), T_pad ~ T + E * alignment is a static upper bound of the padded size; padding rows are zero.
+    # Every gradient that reaches the grouped GEMMs is dense (the unpadding gather's backward is a scatter into zeros),
+    # which the GEMM backward needs (it rejects the stride-0 gradients of e.g. `out.sum()`).
+    # The total is a multiple of the alignment too: the weight-gradient GEMM reads the rows as columns (16-byte rows).
+    padded_rows = (num_rows + alignment - 1) // alignment * alignment + num_experts * alignment
+    x_routed = torch.where(routed, x, 0).bfloat16()
+    x_padded = x.new_zeros(padded_rows, dim, dtype=torch.bfloat16).index_copy(0, row_to_padded, x_routed)
 
     if float8:  # gate and up in one GEMM: x quantized once each way; the weights in their own dtype (no bf16 copy)
         gate, up = float8_grouped_mm(x_padded, (w1, w3), offsets).chunk(2, dim=-1)
@@ -46,7 +50,7 @@ def run_experts_grouped_mm(
         grouped_mm = _bf16_grouped_mm
     h = F.silu(gate) * up  # (T_pad, hidden)
     out_padded = grouped_mm(h, w2, offsets)  # (T_pad, dim)
-    return permute_rows(out_padded, row_to_padded, padded_to_row).to(x.dtype)  # (T, dim)
+    return torch.where(routed, gather_rows(out_padded, row_to_padded, unique=True), 0).to(x.dtype)  # (T, dim)
 
 
 def _bf16_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -121,15 +125,13 @@ def convert_to_float8_experts(model: nn.Module) -> int:
 
 def padded_group_layout(
     num_tokens_per_expert: torch.Tensor, num_rows: int, num_experts: int, alignment: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Where each expert-major row goes once every group is padded to a multiple of `alignment` rows.
 
-    Returns row_to_padded (T,) int64, the padded row of each routed row and -1 for rows past sum(counts);
-    padded_to_row (T_pad,) int64, its inverse, -1 for padding rows; and offsets (E,) int32, the cumulative padded
-    group ends for `torch._grouped_mm`. T_pad = T rounded up to `alignment`, plus E * alignment: a static bound
-    that is a multiple of the alignment too (the weight-gradient GEMM reads the rows as columns, 16-byte rows).
-    Each group gets at least `alignment` rows so no GEMM group is empty (an empty group's weight gradient would
-    rely on the kernel writing zeros).
+    Returns row_to_padded (T,) int64 (unique, < T + E * alignment) and offsets (E,) int32, the cumulative padded
+    group ends for `torch._grouped_mm`. Each group gets at least `alignment` rows so no GEMM group is empty (an
+    empty group's weight gradient would rely on the kernel writing zeros). Rows past sum(counts) are sent after
+    the last group, where no expert reads them.
     """
     counts = num_tokens_per_expert.to(torch.int64)  # (E,)
     ends = counts.cumsum(0)
@@ -141,13 +143,9 @@ def padded_group_layout(
     rows = torch.arange(num_rows, device=counts.device)  # (T,)
     expert_of_row = torch.searchsorted(ends, rows, right=True).clamp_max(num_experts - 1)
     row_to_padded = padded_starts[expert_of_row] + (rows - starts[expert_of_row])
-    row_to_padded = torch.where(rows < ends[-1], row_to_padded, -1)
-    # sum(padded_counts) <= sum(counts) + E * alignment <= T_pad; unrouted rows scatter to a spare slot, cut off
-    padded_rows = (num_rows + alignment - 1) // alignment * alignment + num_experts * alignment
-    slots = torch.where(row_to_padded >= 0, row_to_padded, padded_rows)
-    padded_to_row = torch.full((padded_rows + 1,), -1, dtype=torch.int64, device=counts.device)
-    padded_to_row = padded_to_row.scatter(0, slots, rows)[:padded_rows]
-    return row_to_padded, padded_to_row, padded_ends.to(torch.int32)
+    # sum(padded_counts) <= sum(counts) + E * alignment, so these rows land past every group
+    row_to_padded = torch.where(rows < ends[-1], row_to_padded, rows + num_experts * alignment)
+    return row_to_padded, padded_ends.to(torch.int32)
 
 
 def _run_experts_for_loop(

@@ -7,15 +7,11 @@ well), against < 1 ms for a plain scatter or an fp32 accumulation. MoE gathers a
   scatter, `index_copy`, no accumulation at all;
 - `unique=False`: one token copied for several experts. Backward sums the copies' gradients in (at least) fp32
   and casts once, which is also more accurate than a bf16 running sum.
-
-`permute_rows` moves rows between two layouts whose inverse map is at hand (the experts' padded groups): both
-directions are gathers, so neither needs a zero-filled buffer or a scatter.
 """
 
 import torch
-import torch.nn.functional as F
 
-__all__ = ["gather_rows", "permute_rows"]
+__all__ = ["gather_rows"]
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor, unique: bool) -> torch.Tensor:
@@ -44,35 +40,3 @@ class _GatherRows(torch.autograd.Function):
         accumulate = torch.promote_types(grad.dtype, torch.float32)  # fp32, or fp64 for fp64
         summed = grad.new_zeros(shape, dtype=accumulate).index_add(0, index, grad.to(accumulate))
         return summed.to(grad.dtype), None, None
-
-
-def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """x (R, ...), index (M,) int64 -> (M, ...): row i is x[index[i]], zero where index[i] < 0.
-
-    `inverse` (R,) is the map back: inverse[index[i]] == i wherever index[i] >= 0, and -1 for the rows of x that no
-    output row takes (not checked). The backward is then `permute_rows(grad, inverse, index)`: a gather too."""
-    return _PermuteRows.apply(x, index, inverse)
-
-
-def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x[index] with zero rows where index < 0, read from a zero row appended to x (x may have no rows: an expert-
-    parallel rank that receives no tokens). Compiled, the pad is a masked load inside the gather: one pass that
-    writes every output row once."""
-    with_zero_row = F.pad(x, (0, 0) * (x.dim() - 1) + (0, 1))
-    return with_zero_row.index_select(0, torch.where(index >= 0, index, x.shape[0]))
-
-
-class _PermuteRows(torch.autograd.Function):
-    @staticmethod
-    def forward(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        return _take(x, index)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        _, index, inverse = inputs
-        ctx.save_for_backward(index, inverse)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        index, inverse = ctx.saved_tensors
-        return _take(grad, inverse), None, None

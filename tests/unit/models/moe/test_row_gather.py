@@ -1,9 +1,9 @@
-"""gather_rows and permute_rows: same values and gradients as index_select, with the backward each promises."""
+"""gather_rows: same values and gradients as index_select, with the backward it promises."""
 
 import pytest
 import torch
 
-from torchtitan.models.moe.row_gather import gather_rows, permute_rows
+from torchtitan.models.moe.row_gather import gather_rows
 
 
 @pytest.mark.parametrize("unique", [True, False])
@@ -50,32 +50,3 @@ def test_traces_under_torch_compile():
     (got,) = torch.autograd.grad(compiled(x, index), x)
     (expected,) = torch.autograd.grad(x.index_select(0, index).square().sum(), x)
     torch.testing.assert_close(got, expected)
-
-
-def test_permute_rows_is_a_masked_index_select_both_ways():
-    torch.manual_seed(0)
-    x = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
-    index = torch.tensor([3, -1, 0, 6, -1, 2, -1, 5])  # 8 output rows; x rows 1 and 4 are taken by none
-    inverse = torch.tensor([2, -1, 5, 0, -1, 7, 3])
-    mask = (index >= 0).unsqueeze(1)
-    grad = torch.randn(8, 3, dtype=torch.float64)
-
-    out = permute_rows(x, index, inverse)
-    expected = torch.where(mask, x.index_select(0, index.clamp_min(0)), 0)
-    (expected_grad,) = torch.autograd.grad(expected, x, grad)
-    (got_grad,) = torch.autograd.grad(out, x, grad)
-    torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    torch.testing.assert_close(got_grad, expected_grad, rtol=0, atol=0)
-    assert got_grad[[1, 4]].abs().sum() == 0
-    assert torch.autograd.gradcheck(lambda t: permute_rows(t, index, inverse), (x,))
-
-
-def test_permute_rows_from_and_to_no_rows():
-    # an expert-parallel rank may receive no tokens: its experts pad 0 rows into E * alignment zero rows and back
-    x = torch.randn(0, 3, requires_grad=True)
-    index, inverse = torch.full((8,), -1), torch.zeros(0, dtype=torch.int64)
-    out = permute_rows(x, index, inverse)
-    assert out.shape == (8, 3) and (out == 0).all()
-    (grad,) = torch.autograd.grad(out, x, torch.randn(8, 3))
-    assert grad.shape == (0, 3)
-    assert permute_rows(out, inverse, index).shape == (0, 3)
