@@ -103,6 +103,7 @@ def main() -> None:
         tflops_per_gpu=median([r["tflops"] for r in steady]),
         mfu_pct=median([r["mfu"] for r in steady]),
         peak_memory_gib=max(r["memory_gib"] for r in steady),
+        peak_memory_allocated_gib=max(r["memory_allocated_gib"] for r in steady),
         last_loss=records[-1]["loss"],
         losses=[r["loss"] for r in records],
         mtp_losses=[r["mtp_loss"] for r in records if "mtp_loss" in r],
@@ -113,7 +114,15 @@ def main() -> None:
         summary = dump / "profile_traces" / f"iteration_{args.profile_step}" / "rank0_summary.json"
         result["profile_rank0"] = json.loads(summary.read_text())
     path = write_result(result, f"e2e_{args.name}")
-    keys = ("name", "tokens_per_sec_per_gpu", "mfu_pct", "peak_memory_gib", "recompiles_after_warmup", "wall_s")
+    keys = (
+        "name",
+        "tokens_per_sec_per_gpu",
+        "mfu_pct",
+        "peak_memory_gib",
+        "peak_memory_allocated_gib",
+        "recompiles_after_warmup",
+        "wall_s",
+    )
     print(json.dumps({k: result[k] for k in keys}))
     print(f"wrote {path}")
 

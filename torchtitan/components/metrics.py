@@ -62,10 +62,14 @@ def get_peak_flops(device_name: str) -> float:
 class MemoryStats:
     max_reserved_gib: float
     max_reserved_pct: float
+    max_allocated_gib: float
+    """What tensors held at the peak; reserved adds the caching allocator's free blocks (fragmentation), which
+    moves by GiBs between runs of the same code, so a memory change is judged on this one."""
 
 
 class DeviceMemoryMonitor:
-    """Peak CUDA memory reserved by the caching allocator since the last `reset_peak_stats()`; None on CPU."""
+    """Peak CUDA memory reserved by the caching allocator, and allocated to tensors, since the last
+    `reset_peak_stats()`; None on CPU."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
@@ -81,7 +85,8 @@ class DeviceMemoryMonitor:
         if not self.is_cuda:
             return None
         reserved = torch.cuda.max_memory_reserved(self.device)
-        return MemoryStats(reserved / 2**30, 100.0 * reserved / self.capacity_bytes)
+        allocated = torch.cuda.max_memory_allocated(self.device)
+        return MemoryStats(reserved / 2**30, 100.0 * reserved / self.capacity_bytes, allocated / 2**30)
 
 
 def build_device_memory_monitor(device: torch.device) -> DeviceMemoryMonitor:
@@ -191,6 +196,7 @@ class MetricsProcessor:
             "tflops": tflops,
             "mfu": mfu,
             "memory_gib": memory.max_reserved_gib if memory else None,
+            "memory_allocated_gib": memory.max_allocated_gib if memory else None,
             "lr": lr,
             "graphs_compiled": graphs_compiled,
             "time": time.time(),
@@ -215,6 +221,7 @@ class MetricsProcessor:
         scalars = {k: record[k] for k in ("loss", "grad_norm", "tps", "tflops", "mfu", "lr", "graphs_compiled")}
         scalars["mtp_loss"] = record.get("mtp_loss")
         scalars["memory_gib"] = record["memory_gib"]
+        scalars["memory_allocated_gib"] = record["memory_allocated_gib"]
         scalars["memory_pct"] = memory.max_reserved_pct if memory else None
         for tag, value in scalars.items():
             if value is not None:

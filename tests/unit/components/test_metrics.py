@@ -45,6 +45,7 @@ def test_cpu_line_has_exact_form_with_na_memory_and_mfu(tmp_path, caplog):
     assert line.startswith("step: 2  loss: 7.1235  grad_norm: 1.2346  memory: n/a  tps: ")
     assert "mfu: n/a" in line and "[step 2/10  lr 8.0e-04  eta " in line
     assert record["tps"] > 0 and record["mfu"] is None and record["memory_gib"] is None
+    assert record["memory_allocated_gib"] is None
     assert record["tflops"] == pytest.approx(1e9 * record["tps"] / 1e12)
 
 
@@ -58,7 +59,7 @@ def test_gpu_style_line_formats_memory_thousands_and_mfu():
         "mfu": 1.2345,
         "lr": None,
     }
-    line = format_metrics_line(record, MemoryStats(1.234, 4.5612))
+    line = format_metrics_line(record, MemoryStats(1.234, 4.5612, 1.1))
     assert line == (
         "step: 10  loss: 7.1234  grad_norm: 1.2345  memory: 1.23GiB(4.56%)  tps: 1,234  tflops: 1.23  mfu: 1.23%"
     )
@@ -95,6 +96,7 @@ def test_jsonl_gets_one_flushed_record_per_logged_step(tmp_path):
         "tflops",
         "mfu",
         "memory_gib",
+        "memory_allocated_gib",
         "lr",
         "graphs_compiled",
         "time",
