@@ -1,7 +1,9 @@
 """CUDA kernels of `torch.ops.deepep.*`: DeepEP's high-throughput (normal) kernels through `deep_ep.Buffer`.
 
 Streams: every call captures an event on the current (compute) stream and hands it to DeepEP as
-`previous_event`, so DeepEP's communication stream waits for the producers of the inputs; the kernels run with
+`previous_event`, so DeepEP's communication stream waits for the producers of the inputs. Every tensor DeepEP
+reads (the bf16 cast, the FP8 values and scales) must be queued before that capture: DeepEP's stream waits for
+nothing later, and would read them before they are written (FP8 dispatch did, giving NaN losses). The kernels run with
 `async_finish=True` on that stream, and before returning we make the compute stream wait on DeepEP's event
 (`current_stream_wait`). Outputs are allocated on the compute stream (`allocate_on_comm_stream=False`) and
 DeepEP records them on its stream, so the caching allocator cannot reuse them early. A custom op cannot return
@@ -41,7 +43,9 @@ def dispatch(
     num_worst_tokens = x.shape[0] * buffer.world_size if sync_free else 0
     topk_idx = topk_idx.to(torch.int64).contiguous()
     topk_weights = topk_weights.to(torch.float32).contiguous()
+    wire_x = quantize_blockwise(x) if fp8 else _to_wire(x)  # fp8: (values, scales), DeepEP's FP8 dispatch
 
+    # Captured after every input DeepEP reads is queued: its stream waits for this event and nothing later.
     previous_event = buffer.deep_ep.Buffer.capture()
     num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, layout_event = (
         runtime.get_dispatch_layout(
@@ -49,7 +53,7 @@ def dispatch(
         )
     )
     recv_x, recv_topk_idx, recv_topk_weights, num_recv_list, handle, event = runtime.dispatch(
-        quantize_blockwise(x) if fp8 else _to_wire(x),  # fp8: (values, scales), DeepEP's FP8 dispatch
+        wire_x,
         num_tokens_per_rank=num_tokens_per_rank,
         num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
         is_token_in_rank=is_token_in_rank,
@@ -78,7 +82,7 @@ def dispatch(
     # DeepEP already synced the per-expert counts to the host; reuse them instead of syncing again. The copy to the
     # device goes from pinned memory without blocking: a pageable copy would hold the host until the compute stream
     # reached it, i.e. until this dispatch had finished on the GPU, so the host could not queue the experts ahead.
-    num_recv_tokens_per_expert = torch.tensor(num_recv_list, dtype=torch.int64, pin_memory=True).to(
+    num_recv_tokens_per_expert = torch.tensor(num_recv_list, dtype=torch.int64, pin_memory=x.is_cuda).to(
         x.device, non_blocking=True
     )
     # slots of the non-masked (received token, local expert) pairs, local-expert-major
@@ -99,8 +103,9 @@ def combine(
     buffer = _cuda_buffer(group_name, x)
     if topk_weights is not None:
         topk_weights = topk_weights.to(torch.float32).contiguous()
+    wire_x = _to_wire(x)
     combined_x, combined_topk_weights, event = buffer.runtime.combine(
-        _to_wire(x),
+        wire_x,
         tuple(handle),
         topk_weights=topk_weights,
         config=buffer.combine_config,
@@ -116,8 +121,9 @@ def combine(
 
 def cached_dispatch(x: torch.Tensor, handle: list[torch.Tensor], group_name: str) -> torch.Tensor:
     buffer = _cuda_buffer(group_name, x)
+    wire_x = _to_wire(x)
     recv_x, _, _, _, _, event = buffer.runtime.dispatch(
-        _to_wire(x),
+        wire_x,
         handle=tuple(handle),
         config=buffer.dispatch_config,
         previous_event=buffer.deep_ep.Buffer.capture(),
