@@ -14,6 +14,7 @@ Routed experts are stacked/unstacked and names mapped by DeepSeekV3StateDictAdap
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -31,9 +32,11 @@ from torchtitan.models.deepseek_v3 import (  # noqa: E402
     deepseekv3_flavors,
 )
 from torchtitan.models.deepseek_v3.hf_io import load_hf_safetensors, save_hf_safetensors  # noqa: E402
+from torchtitan.models.deepseek_v3.model import MTPBlock  # noqa: E402
 from torchtitan.models.deepseek_v3.state_dict_adapter import (  # noqa: E402
     hf_config_from_model_args,
     model_args_from_hf_config,
+    mtp_layers_for_hf_checkpoint,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     if opts.direction == "to-hf":
         dcp_to_hf(opts.src, opts.dst, args, dtype, opts.max_shard_size)
     else:
-        hf_to_dcp(opts.src, opts.dst, args, dtype)
+        hf_to_dcp(opts.src, opts.dst, args, dtype, mtp_requested=opts.mtp_layers is not None)
     print(f"wrote {opts.dst}")
 
 
@@ -86,8 +89,17 @@ def dcp_to_hf(
         json.dump(config, f, indent=2)
 
 
-def hf_to_dcp(src: str, dst: str, args: DeepSeekV3ModelArgs, dtype: torch.dtype | None) -> None:
-    state_dict = DeepSeekV3StateDictAdapter(args).from_hf(load_hf_safetensors(src))
+def hf_to_dcp(
+    src: str, dst: str, args: DeepSeekV3ModelArgs, dtype: torch.dtype | None, mtp_requested: bool = False
+) -> None:
+    """mtp_requested: args.mtp_layers is the user's --mtp-layers (not the config's), so a checkpoint without MTP
+    tensors gets freshly initialized MTP modules instead of none (mtp_layers_for_hf_checkpoint)."""
+    hf_state_dict = load_hf_safetensors(src)
+    mtp_layers = mtp_layers_for_hf_checkpoint(args, hf_state_dict, src, requested=mtp_requested, flag="--mtp-layers")
+    args = dataclasses.replace(args, mtp_layers=mtp_layers)
+    state_dict = DeepSeekV3StateDictAdapter(args).from_hf(hf_state_dict)
+    if args.mtp_layers and not any(key.startswith("mtp.") for key in state_dict):
+        state_dict.update(_fresh_mtp_modules(args))
     expected = set(_model_keys(args))
     if missing := sorted(expected - set(state_dict)):
         raise ValueError(f"{src} lacks {len(missing)} tensors of this model, e.g. {missing[:3]}; check the flavor")
@@ -105,6 +117,19 @@ def load_model_from_dcp(src: str, args: DeepSeekV3ModelArgs) -> dict[str, torch.
             raise ValueError(f"{src} has no tensor {prefix + name}; check --flavor / --hf-config")
         state_dict[name] = torch.empty(entry.size, dtype=entry.properties.dtype)
     dcp.load({"model": state_dict} if prefix else state_dict, checkpoint_id=src, no_dist=True)
+    return state_dict
+
+
+def _fresh_mtp_modules(args: DeepSeekV3ModelArgs) -> dict[str, torch.Tensor]:
+    """The state of args.mtp_layers MTP modules initialized as the trainer initializes them (seed 0: the output is
+    reproducible), for a checkpoint that holds none."""
+    torch.manual_seed(0)
+    state_dict = {}
+    for k in range(args.mtp_layers):
+        module = MTPBlock(args.n_layers + k, args)
+        with torch.no_grad():
+            module.init_weights(buffer_device="cpu")
+        state_dict.update({f"mtp.{k}.{name}": value for name, value in module.state_dict().items()})
     return state_dict
 
 

@@ -6,7 +6,7 @@ import logging
 
 from .args import DeepSeekV3ModelArgs, deepseekv3_flavors
 from .model import DeepSeekV3Model
-from .state_dict_adapter import DeepSeekV3StateDictAdapter, model_args_from_hf_config
+from .state_dict_adapter import DeepSeekV3StateDictAdapter, model_args_from_hf_config, mtp_layers_for_hf_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,8 @@ def get_model_args(job_config) -> DeepSeekV3ModelArgs:
 
     max_seq_len is raised to training.seq_len if shorter (with a warning when that switches YaRN on);
     debug.moe_force_load_balance is copied into moe_args; model.attn_mask_type overrides the flavor's mask and
-    model.mtp_layers (when set) the flavor's / HF config's MTP depth.
+    model.mtp_layers (when set) the flavor's / HF config's MTP depth. With an HF initial checkpoint that holds no MTP
+    tensors, MTP is off unless model.mtp_layers asks for it (then freshly initialized; mtp_layers_for_hf_checkpoint).
     """
     if job_config.model.hf_config_path:
         with open(job_config.model.hf_config_path) as f:
@@ -50,4 +51,15 @@ def get_model_args(job_config) -> DeepSeekV3ModelArgs:
         if job_config.model.mtp_layers < 0:
             raise ValueError(f"model.mtp_layers={job_config.model.mtp_layers}: use 0 (no MTP) or a positive depth")
         args.mtp_layers = job_config.model.mtp_layers
+    checkpoint = job_config.checkpoint
+    if args.mtp_layers and checkpoint.initial_load_path and checkpoint.initial_load_in_hf:
+        from .hf_io import hf_safetensors_keys
+
+        args.mtp_layers = mtp_layers_for_hf_checkpoint(
+            args,
+            hf_safetensors_keys(checkpoint.initial_load_path),
+            checkpoint.initial_load_path,
+            requested=job_config.model.mtp_layers is not None,
+            flag="--model.mtp_layers",
+        )
     return args

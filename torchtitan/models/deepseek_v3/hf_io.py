@@ -5,6 +5,7 @@ import os
 import re
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -12,6 +13,23 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def load_hf_safetensors(folder: str) -> dict[str, torch.Tensor]:
     """All tensors of a HF folder: the shards named by its index json, or every *.safetensors file without one."""
+    state_dict: dict[str, torch.Tensor] = {}
+    for name in _shard_files(folder):
+        state_dict.update(load_file(os.path.join(folder, name)))
+    return state_dict
+
+
+def hf_safetensors_keys(folder: str) -> list[str]:
+    """The tensor names of a HF folder, read from the shards' headers (no tensor is loaded)."""
+    keys = []
+    for name in _shard_files(folder):
+        with safe_open(os.path.join(folder, name), framework="pt") as f:
+            keys.extend(f.keys())
+    return keys
+
+
+def _shard_files(folder: str) -> list[str]:
+    """The shards named by the folder's index json, or every *.safetensors file without one."""
     index_path = os.path.join(folder, INDEX_FILE)
     if os.path.exists(index_path):
         with open(index_path) as f:
@@ -20,10 +38,7 @@ def load_hf_safetensors(folder: str) -> dict[str, torch.Tensor]:
         files = sorted(name for name in os.listdir(folder) if name.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {folder}")
-    state_dict: dict[str, torch.Tensor] = {}
-    for name in files:
-        state_dict.update(load_file(os.path.join(folder, name)))
-    return state_dict
+    return files
 
 
 def save_hf_safetensors(

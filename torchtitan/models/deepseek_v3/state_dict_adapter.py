@@ -12,7 +12,9 @@ num_expert_groups / num_limited_groups <-> n_group / topk_group, moe.expert_bias
 mlp.gate.e_score_correction_bias (V3 only; added to the scores for expert selection only).
 """
 
+import logging
 import re
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -21,6 +23,9 @@ from torch.distributed.tensor import DTensor
 from torchtitan.models.moe.args import MoEArgs
 
 from .args import DeepSeekV3ModelArgs
+from .model import MTPBlock
+
+logger = logging.getLogger(__name__)
 
 # our key -> HF key, with "{}" standing for the layer index
 _KEY_MAP = {
@@ -95,15 +100,20 @@ class DeepSeekV3StateDictAdapter:
 
         Layers n_layers .. n_layers + mtp_layers - 1 become the MTP modules (their copies of the embedding and head
         are dropped: ours are shared); later layers are skipped (DeepSeek-V3's MTP layer 61 when mtp_layers is 0).
-        A checkpoint without e_score_correction_bias (DeepSeek-V2) gets a zero expert_bias.
+        An MTP module the checkpoint has no tensor of is left out (the model keeps its own init; see
+        mtp_layers_for_hf_checkpoint). A checkpoint without e_score_correction_bias (DeepSeek-V2) gets a zero
+        expert_bias.
         """
         n_layers, num_experts = self.model_args.n_layers, self.model_args.moe_args.num_experts
         n_blocks = n_layers + self.model_args.mtp_layers
         state_dict: dict[str, torch.Tensor] = {}
         experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (layer, w1|w2|w3) -> {expert: weight}
         hf_to_ours = {hf: ours for ours, hf in _EXPERT_NAMES.items()}
+        held_layers = set()
         for key, value in hf_state_dict.items():
             layer = re.match(r"model\.layers\.(\d+)\.(.*)", key)
+            if layer:
+                held_layers.add(int(layer.group(1)))
             if layer and int(layer.group(1)) >= n_blocks:
                 continue
             if layer and int(layer.group(1)) >= n_layers and layer.group(2) in _MTP_SHARED_COPIES:
@@ -122,10 +132,66 @@ class DeepSeekV3StateDictAdapter:
             state_dict[f"layers.{layer_id}.moe.experts.{name}"] = stacked
 
         for i in range(self.model_args.n_dense_layers, n_blocks):
+            if i >= n_layers and i not in held_layers:
+                continue
             state_dict.setdefault(f"layers.{i}.moe.expert_bias", torch.zeros(num_experts, dtype=torch.float32))
             for name in _OURS_ONLY:
                 state_dict[f"layers.{i}.moe.{name}"] = torch.zeros(num_experts, dtype=torch.float32)
         return {_layer_to_mtp_key(key, n_layers): value for key, value in state_dict.items()}
+
+
+def mtp_layers_for_hf_checkpoint(
+    args: DeepSeekV3ModelArgs, hf_keys: Collection[str], path: str, *, requested: bool, flag: str
+) -> int:
+    """The MTP depth to build for importing the HF checkpoint at `path`, which holds the tensors named `hf_keys`.
+
+    args.mtp_layers is the depth asked for: the HF config's num_nextn_predict_layers, or the user's `flag` when
+    `requested`. transformers' DeepseekV3Config defaults num_nextn_predict_layers to 1 while its model has no MTP
+    module, so its save_pretrained writes no model.layers.{n_layers}.* tensors. A checkpoint holding none of the MTP
+    layers therefore imports without them, with one warning: MTP stays off (returns 0), or, when `requested`, the
+    modules start freshly initialized (returns args.mtp_layers). One holding every MTP layer imports them; one
+    holding only some of the layers, or part of one, is corrupt (ValueError).
+    """
+    if args.mtp_layers == 0:
+        return 0
+    n_layers, hf_keys = args.n_layers, set(hf_keys)
+    adapter = DeepSeekV3StateDictAdapter(args)
+    held = []
+    for k in range(args.mtp_layers):
+        prefix = f"model.layers.{n_layers + k}."
+        if not any(key.startswith(prefix) for key in hf_keys):
+            continue
+        with torch.device("meta"):
+            module = MTPBlock(n_layers + k, args).state_dict()
+        # the router's selection bias is optional (a DeepSeek-V2 checkpoint has none; from_hf fills zeros)
+        expected = set(adapter.to_hf({f"mtp.{k}.{name}": t for name, t in module.items()}))
+        missing = sorted(key for key in expected - hf_keys if not key.endswith("e_score_correction_bias"))
+        if missing:
+            raise ValueError(
+                f"{path}: MTP layer {prefix}* is incomplete, it lacks {len(missing)} of its tensors, e.g. "
+                f"{missing[:3]}; the checkpoint is corrupt: re-download or re-save it ({flag} 0 imports it without MTP)"
+            )
+        held.append(k)
+    if len(held) == args.mtp_layers:
+        return args.mtp_layers
+    if held:
+        last = n_layers + args.mtp_layers - 1
+        raise ValueError(
+            f"{path} holds {len(held)} of the {args.mtp_layers} MTP layers asked for "
+            f"(model.layers.{n_layers}..{last}); set {flag} {len(held)}, or re-save the checkpoint"
+        )
+    if requested:
+        logger.warning(
+            f"{path} holds no MTP tensors (model.layers.{n_layers}.*): the {args.mtp_layers} MTP module(s) asked "
+            f"for with {flag} start freshly initialized"
+        )
+        return args.mtp_layers
+    logger.warning(
+        f"{path} holds no MTP tensors (model.layers.{n_layers}.*) though its config's num_nextn_predict_layers asks "
+        f"for {args.mtp_layers} (transformers' save_pretrained writes none): importing without MTP; set {flag} "
+        f"{args.mtp_layers} to train freshly initialized MTP modules"
+    )
+    return 0
 
 
 def model_args_from_hf_config(config: dict[str, Any]) -> DeepSeekV3ModelArgs:
