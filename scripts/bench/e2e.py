@@ -52,6 +52,76 @@ def run_settings(config_file: str, train_args: list[str], ngpu: int) -> dict:
     }
 
 
+def train_and_measure(
+    name: str,
+    ngpu: int,
+    config: str,
+    train_args: list[str],
+    warmup_steps: int,
+    profile_step: int = 0,
+    dump: Path | None = None,
+) -> dict:
+    """Run one training job through run_train.sh and summarise its metrics.jsonl (steps after its first
+    `warmup_steps`).
+
+    `dump` is the job's dump folder (a fresh temporary one by default); on failure the result holds
+    `returncode` != 0 and `error_log_tail`."""
+    dump = dump or Path(tempfile.mkdtemp(prefix=f"bench_{name}_"))
+    env = {**os.environ, "CONFIG_FILE": config, "NGPU": str(ngpu), "LOG_RANK": "0"}
+    profiling = []
+    if profile_step:
+        profiling = ["--profiling.enable_profiling", "--profiling.profile_freq", str(profile_step)]
+    cmd = ["bash", "run_train.sh", "--job.dump_folder", str(dump), "--metrics.log_freq", "1", *train_args, *profiling]
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    result = {
+        "name": name,
+        "ngpu": ngpu,
+        **run_settings(config, train_args, ngpu),
+        "train_args": train_args,
+        "command": f"CONFIG_FILE={config} NGPU={ngpu} ./run_train.sh " + shlex.join(train_args),
+        "returncode": proc.returncode,
+        "wall_s": round(time.time() - start, 1),
+    }
+    if proc.returncode != 0:
+        result["error_log_tail"] = (proc.stdout + proc.stderr)[-6000:]
+        return result
+
+    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    # the profiler traces the recorded step and its warm-up steps before it: slower, not steady-state steps
+    traced = range(profile_step - MIN_PROFILE_FREQ + 1, profile_step + 1) if profile_step else range(0)
+    # warm-up counts from the launch's first step (a resumed run starts past step 1)
+    warm = records[0]["step"] - 1 + warmup_steps if records else warmup_steps
+    steady = [r for r in records if r["step"] > warm and r["step"] not in traced]
+    if not steady:
+        result.update(returncode=1, error_log_tail=f"no steady-state steps: ran {len(records)}, warm-up {warmup_steps}")
+        return result
+
+    def summary(key: str, reduce) -> float | None:  # None where the run has no such number (CPU: no MFU)
+        values = [r.get(key) for r in steady]
+        return None if None in values else reduce(values)
+
+    result.update(
+        steps=len(records),
+        steady_steps=len(steady),
+        tokens_per_sec_per_gpu=summary("tps", median),
+        tflops_per_gpu=summary("tflops", median),
+        mfu_pct=summary("mfu", median),
+        peak_memory_gib=summary("memory_gib", max),
+        peak_memory_allocated_gib=summary("memory_allocated_gib", max),
+        last_loss=records[-1]["loss"],
+        loss_steps=[r["step"] for r in records],
+        losses=[r["loss"] for r in records],
+        mtp_losses=[r["mtp_loss"] for r in records if "mtp_loss" in r],
+        graphs_compiled_per_step=[r.get("graphs_compiled", 0) for r in records],
+        recompiles_after_warmup=sum(r.get("graphs_compiled", 0) for r in records if r["step"] > warm),
+    )
+    if profile_step:
+        summary = dump / "profile_traces" / f"iteration_{profile_step}" / "rank0_summary.json"
+        result["profile_rank0"] = json.loads(summary.read_text())
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--name", required=True)
@@ -63,57 +133,12 @@ def main() -> None:
     )
     args, train_args = parser.parse_known_args()
     train_args = [a for a in train_args if a != "--"]
-
-    dump = Path(tempfile.mkdtemp(prefix=f"bench_{args.name}_"))
-    env = {**os.environ, "CONFIG_FILE": args.config, "NGPU": str(args.ngpu), "LOG_RANK": "0"}
-    profiling = []
-    if args.profile_step:
-        profiling = ["--profiling.enable_profiling", "--profiling.profile_freq", str(args.profile_step)]
-    cmd = ["bash", "run_train.sh", "--job.dump_folder", str(dump), "--metrics.log_freq", "1", *train_args, *profiling]
-    start = time.time()
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-    wall_s = time.time() - start
-    log_tail = (proc.stdout + proc.stderr)[-6000:]
-    result = {
-        "name": args.name,
-        "ngpu": args.ngpu,
-        **run_settings(args.config, train_args, args.ngpu),
-        "train_args": train_args,
-        "returncode": proc.returncode,
-        "wall_s": round(wall_s, 1),
-    }
-    command = f"CONFIG_FILE={args.config} NGPU={args.ngpu} ./run_train.sh " + shlex.join(train_args)
-    os.environ["BENCH_COMMAND"] = command
-    if proc.returncode != 0:
-        result["error_log_tail"] = log_tail
-        write_result(result, f"e2e_{args.name}")
-        print(log_tail)
-        sys.exit(proc.returncode)
-
-    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    # the profiler traces the recorded step and its warm-up steps before it: slower, not steady-state steps
-    traced = range(args.profile_step - MIN_PROFILE_FREQ + 1, args.profile_step + 1) if args.profile_step else range(0)
-    steady = [r for r in records if r["step"] > args.warmup_steps and r["step"] not in traced]
-    if not steady:
-        sys.exit(f"no steady-state steps: ran {len(records)} steps, warm-up drops {args.warmup_steps}")
-    result.update(
-        steps=len(records),
-        steady_steps=len(steady),
-        tokens_per_sec_per_gpu=median([r["tps"] for r in steady]),
-        tflops_per_gpu=median([r["tflops"] for r in steady]),
-        mfu_pct=median([r["mfu"] for r in steady]),
-        peak_memory_gib=max(r["memory_gib"] for r in steady),
-        peak_memory_allocated_gib=max(r["memory_allocated_gib"] for r in steady),
-        last_loss=records[-1]["loss"],
-        losses=[r["loss"] for r in records],
-        mtp_losses=[r["mtp_loss"] for r in records if "mtp_loss" in r],
-        graphs_compiled_per_step=[r.get("graphs_compiled", 0) for r in records],
-        recompiles_after_warmup=sum(r.get("graphs_compiled", 0) for r in records if r["step"] > args.warmup_steps),
-    )
-    if args.profile_step:
-        summary = dump / "profile_traces" / f"iteration_{args.profile_step}" / "rank0_summary.json"
-        result["profile_rank0"] = json.loads(summary.read_text())
+    result = train_and_measure(args.name, args.ngpu, args.config, train_args, args.warmup_steps, args.profile_step)
+    os.environ["BENCH_COMMAND"] = result.pop("command")
     path = write_result(result, f"e2e_{args.name}")
+    if result["returncode"] != 0:
+        print(result["error_log_tail"])
+        sys.exit(result["returncode"])
     keys = (
         "name",
         "tokens_per_sec_per_gpu",

@@ -38,7 +38,6 @@ from torchtitan.models.moe import MoE, MoEArgs  # noqa: E402
 from torchtitan.models.moe.deepep_moe import DeepEPMoE  # noqa: E402
 
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = pytest.mark.skipif(NUM_GPUS < 2, reason="needs >= 2 GPUs")
 
 HIDDEN, NUM_EXPERTS, TOP_K, NUM_SMS = 512, 16, 4, 24
 BF16_TOL = dict(rtol=2e-2, atol=2e-2)
@@ -258,11 +257,14 @@ def _measure_dispatch_combine(rank, world_size, cuda_group, cpu_group):
     return timings
 
 
-_CHECKS = (
+_OP_CHECKS = (
     _check_ops_match_cpu_reference,
     _check_sync_free_dispatch_matches_cpu_reference,
     _check_fp8_dispatch_matches_cpu_reference,
     _check_backward_matches_cpu_reference,
+)
+_CHECKS = (
+    *_OP_CHECKS,
     _check_moe_block_eager_compiled_and_overlap,
     _check_sync_free_moe_matches_synced_without_host_syncs,
     _check_forward_only_memory_is_flat,
@@ -270,10 +272,12 @@ _CHECKS = (
 )
 
 
-def _worker(rank: int, world_size: int, init_file: str, out_dir: str | None) -> None:
-    torch.cuda.set_device(rank)
+def _worker(rank: int, world_size: int, init_file: str, out_dir: str | None, share_gpu: bool = False) -> None:
+    """One rank. With `share_gpu` every rank runs on GPU 0 and only the op checks run: NCCL refuses two ranks on
+    one GPU, but DeepEP's intranode buffer needs the group only to exchange IPC handles (gloo does)."""
+    torch.cuda.set_device(0 if share_gpu else rank)
     dist.init_process_group(
-        "nccl",
+        "gloo" if share_gpu else "nccl",
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world_size,
@@ -281,11 +285,12 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str | None) -> 
     )
     cpu_group = dist.new_group(backend="gloo")
     cuda_group = dist.group.WORLD
+    checks = _OP_CHECKS if share_gpu else _CHECKS
     get_or_create_buffer(cuda_group, HIDDEN, device_type="cuda", num_sms=NUM_SMS)
     get_or_create_buffer(cpu_group, HIDDEN, device_type="cpu")
 
     results = []
-    for check in _CHECKS:
+    for check in checks:
         start = time.perf_counter()
         result = {"check": check.__name__.lstrip("_"), "status": "passed"}
         try:
@@ -305,13 +310,15 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str | None) -> 
         os.makedirs(out_dir, exist_ok=True)
         summary = {
             "world_size": world_size,
+            "ranks_share_one_gpu": share_gpu,
             "device": torch.cuda.get_device_name(),
             "torch": torch.__version__,
             "deep_ep": getattr(deep_ep, "__version__", "unknown"),
             "passed": all(r["status"] == "passed" for rank_results in per_rank for r in rank_results),
             "ranks": per_rank,
         }
-        with open(os.path.join(out_dir, "deepep_gpu_summary.json"), "w") as f:
+        name = "deepep_gpu_summary_shared_gpu.json" if share_gpu else "deepep_gpu_summary.json"
+        with open(os.path.join(out_dir, name), "w") as f:
             json.dump(summary, f, indent=2)
     destroy_buffers()
     dist.destroy_process_group()
@@ -320,6 +327,7 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str | None) -> 
         raise AssertionError("\n".join(f"rank {rank} {r['check']}:\n{r['error']}" for r in failed))
 
 
+@pytest.mark.skipif(NUM_GPUS < 2, reason="needs >= 2 GPUs")
 def test_deepep_cuda_ops_against_cpu_reference_backward_and_compiled_moe():
     default = max(n for n in (2, 4, 8) if n <= max(NUM_GPUS, 2))
     world_size = int(os.environ.get("DEEPEP_TEST_WORLD_SIZE", default))
@@ -330,5 +338,18 @@ def test_deepep_cuda_ops_against_cpu_reference_backward_and_compiled_moe():
             _worker,
             args=(world_size, os.path.join(tmp, "init"), os.environ.get("OUT")),
             nprocs=world_size,
+            start_method="spawn",
+        )
+
+
+@pytest.mark.skipif(NUM_GPUS < 1, reason="needs a GPU")
+def test_deepep_cuda_ops_two_ranks_sharing_one_gpu():
+    """DeepEP's real kernels (bf16, sync-free and FP8 dispatch, combine, backward) against the CPU reference on a
+    one-GPU machine: two ranks on GPU 0 exchange through CUDA IPC as two GPUs would over NVLink."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(
+            _worker,
+            args=(2, os.path.join(tmp, "init"), os.environ.get("OUT"), True),
+            nprocs=2,
             start_method="spawn",
         )

@@ -232,6 +232,10 @@ deepseekv3_flavors["debugmodel_tiny"] = replace(
 # fp32 params + grads + AdamW states (16 B/param) are ~74 GB, so FSDP x EP over 2-4 H200s holds it with room
 # for activations at seq_len 4096. Trained from scratch, so no YaRN (max_seq_len == original_seq_len).
 deepseekv3_flavors["16B_bench4"] = replace(deepseekv3_flavors["16B"], n_layers=8, max_seq_len=4096)
+# GPU acceptance (scripts/bench/gpu_acceptance.py): the 16B layer shape cut to 3 layers (1 dense + 2 MoE), ~1.7B
+# params: the same kernels as 16B_bench4, and a full training state (~21 GB) that saves and resumes within the
+# acceptance's time and a 64 GiB disk.
+deepseekv3_flavors["16B_accept"] = replace(deepseekv3_flavors["16B"], n_layers=3, max_seq_len=4096)
 # GPU benchmark: the 671B layer shape (dim 7168, 256 experts, sigmoid group-limited routing) cut to 3 layers
 # (1 dense + 2 MoE): ~25B total / ~3.6B active params, ~400 GB of fp32 training state, so it needs FSDP x EP
 # over 8 H200s. Exercises DeepSeek-V3's real routing and expert sizes.
