@@ -8,8 +8,11 @@ The base run is the job the README leads with: flavor 16B_accept (the 16B layer 
 all GPUs, deepep + compile + per-op SAC, the router's own routing (one GPU: EP=1, the standard MoE). Every other row
 changes one thing and trains the same steps on the same data. A row passes when it ran, compiled nothing after the
 warm-up, and its losses stay within the row's stated bound of the base's (relative, every step):
-- 1e-4 where the math is the same and only the schedule, kernels or layout differ (AC modes, eager, backends, the
-  overlap, sync-free dispatch, checkpoint resume): what two runs of the same code differ by (atomics);
+- 1e-4 where the math and kernels are the same and only the schedule or layout differs (AC modes, the overlap,
+  sync-free dispatch, checkpoint resume): what two runs of the same code differ by (atomics);
+- 1e-3 where other kernels compute the same math (eager against inductor's fused kernels, the all-to-all backend
+  against DeepEP's bf16 combine): their roundings differ and drift apart over the steps (eager: 1.8e-4 at step 10
+  on one H200);
 - 0.5% for FP8 (the bound issue 28 sets for FP8 dispatch; FP8 experts measured within 0.3% over 200 steps);
 - 1% for block-causal attention (it masks the few document boundaries in these sequences: the loss changes a little
   by design), and MTP's main loss 10% (its extra loss trains the trunk differently) with an MTP loss that falls.
@@ -40,7 +43,7 @@ from scripts.bench.common import RESULTS_DIR, environment, git_commit  # noqa: E
 from scripts.bench.e2e import train_and_measure  # noqa: E402
 
 CONFIG = "./train_configs/deepseek_v3_16b.toml"
-SAME_MATH, FP8, BLOCK_CAUSAL, MTP = 1e-4, 5e-3, 1e-2, 0.1
+SAME_MATH, OTHER_KERNELS, FP8, BLOCK_CAUSAL, MTP = 1e-4, 1e-3, 5e-3, 1e-2, 0.1
 
 
 @dataclass
@@ -63,11 +66,11 @@ def all_rows() -> list[Row]:
     fp8_experts = ["--quantize.float8_experts"]
     return [
         Row("base", [], 0.0, "the reference"),
-        Row("standard_backend", ["--parallelism.expert_parallel_comm_backend", "standard"], SAME_MATH,
+        Row("standard_backend", ["--parallelism.expert_parallel_comm_backend", "standard"], OTHER_KERNELS,
             "other exchange kernels", needs_ep=True),
         Row("full_ac", ["--activation_checkpoint.mode", "full"], SAME_MATH, "recomputation only"),
         Row("no_ac", ["--activation_checkpoint.mode", "none"], SAME_MATH, "recomputation only"),
-        Row("eager", ["--compile.enable=false"], SAME_MATH, "unfused kernels"),
+        Row("eager", ["--compile.enable=false"], OTHER_KERNELS, "unfused kernels"),
         Row("ep_overlap", ["--parallelism.expert_parallel_overlap"], SAME_MATH, "another schedule", needs_ep=True),
         Row("sync_free_dispatch", ["--parallelism.deepep_sync_free_dispatch"], SAME_MATH, "padded layout",
             needs_ep=True),
@@ -116,12 +119,23 @@ def main() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(work / "inductor_cache"))  # warm for the later rows
 
     by_name = {row.name: row for row in rows}
+    out = opts.out or RESULTS_DIR / f"acceptance_{git_commit()[:7]}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     for row in rows:
         start = time.time()
         row.result = run_row(row, by_name, base_args, opts, ep, work)
         row.result.setdefault("wall_s", round(time.time() - start, 1))
         print(f"{row.name}: {row.result['status']} {row.result.get('reason', '')}", flush=True)
+        report = write_report(out, rows, opts, ep, base_args)  # after every row: a cut-off run keeps what it did
+    print_table(report["rows"])
+    print(f"wrote {out}")
+    if opts.work_dir is None:
+        shutil.rmtree(work, ignore_errors=True)
+    sys.exit(0 if report["passed"] else 1)
 
+
+def write_report(out: Path, rows: list[Row], opts, ep: int, base_args: list[str]) -> dict:
+    done = [row for row in rows if row.result]
     report = {
         **environment(),
         "deep_ep": _deep_ep_version(),
@@ -131,18 +145,13 @@ def main() -> None:
         "ngpu": opts.ngpu,
         "ep": ep,
         "base_args": base_args,
-        "passed": all(row.result["status"] != "failed" for row in rows),
+        "complete": len(done) == len(rows),
+        "passed": len(done) == len(rows) and all(row.result["status"] != "failed" for row in rows),
         "rows": [{"name": row.name, "changes": row.args, "tolerance": row.tolerance, "why": row.why, **row.result}
-                 for row in rows],
+                 for row in done],
     }  # fmt: skip
-    out = opts.out or RESULTS_DIR / f"acceptance_{git_commit()[:7]}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print_table(report["rows"])
-    print(f"wrote {out}")
-    if opts.work_dir is None:
-        shutil.rmtree(work, ignore_errors=True)
-    sys.exit(0 if report["passed"] else 1)
+    return report
 
 
 def run_row(row: Row, by_name: dict[str, Row], base_args: list[str], opts, ep: int, work: Path) -> dict:
@@ -242,7 +251,8 @@ def check_hf_export(by_name: dict[str, Row], work: Path, flavor: str) -> dict:
 
 
 def _logits(args, state_dict: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Logits of a fixed batch (2 x 512 token ids) on the GPU (CPU without one), in the checkpoint's dtype."""
+    """Logits of a fixed batch (2 x 512 token ids) on the GPU (CPU without one), computed in fp32 (the weights
+    as saved, cast exactly)."""
     from torchtitan.models.deepseek_v3 import DeepSeekV3Model
 
     with torch.device("meta"):
@@ -251,7 +261,6 @@ def _logits(args, state_dict: dict[str, torch.Tensor]) -> torch.Tensor:
     model.to_empty(device=device)
     model.init_weights(buffer_device=device)
     model.load_state_dict(state_dict)
-    model.to(next(iter(state_dict.values())).dtype)
     tokens = torch.randint(0, args.vocab_size, (2, 512), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         out = model(tokens)
