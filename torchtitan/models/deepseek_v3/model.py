@@ -216,7 +216,10 @@ class MTPBlock(TransformerBlock):
         (this depth's h for the next module, head_norm(h) for the output head). The norm runs here, inside the
         module's call, where FSDP has its weight unsharded."""
         x = self.eh_proj(torch.cat([self.enorm(next_embedding), self.hnorm(h)], dim=-1))
-        h = self._forward_one(x, freqs_cis, attention_mask)
+        # Under autocast (one device, no FSDP) the projection computes in bf16 but the trunk's residual stream is
+        # fp32: keep the trunk's dtype, so this block runs the compiled MoE graphs the trunk's blocks run (a bf16
+        # stream compiled second graphs mid-step, which activation checkpointing refuses).
+        h = self._forward_one(x.to(h.dtype), freqs_cis, attention_mask)
         return h, self.head_norm(h)
 
     def init_weights(self, buffer_device: torch.device | str) -> None:

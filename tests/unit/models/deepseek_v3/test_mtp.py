@@ -58,6 +58,21 @@ def test_mtp_forward_matches_the_report_equations():
     torch.testing.assert_close(model(tokens), logits)
 
 
+def test_mtp_modules_keep_the_trunks_residual_dtype_under_autocast():
+    """One device trains under autocast (no FSDP): the trunk's residual stream stays fp32 while eh_proj computes
+    in bf16. The MTP blocks must see the trunk's dtype, or the MoE regions compile a second graph mid-step (found
+    on one H200, compile + per-op SAC, by the GPU acceptance's mtp row)."""
+    args = tiny_args(mtp_layers=1)
+    model = _model(args)
+    tokens = torch.randint(0, args.vocab_size, (2, 12))
+    seen = []
+    for block in [*list(model.layers.values())[args.n_dense_layers :], *model.mtp.values()]:
+        block.moe.register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0].dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(tokens, next_tokens=torch.roll(tokens, -1, dims=1))
+    assert len(seen) == args.n_layers - args.n_dense_layers + 1 and set(seen) == {torch.float32}
+
+
 def test_mtp_targets_never_cross_a_document_or_the_sequence_end():
     gen = torch.Generator().manual_seed(0)
     stream = torch.randint(2, 50, (3, 41), generator=gen)
