@@ -230,6 +230,8 @@ def check_hf_export(by_name: dict[str, Row], work: Path, flavor: str) -> dict:
     from torchtitan.models.deepseek_v3 import deepseekv3_flavors
 
     args = deepseekv3_flavors[flavor]
+    for full in (work / "checkpoint").glob("step-*"):  # resumed already: free its disk for the conversions
+        shutil.rmtree(full)
     (hf_export,) = (work / "checkpoint" / "exports").glob("step-*")
     straight = load_model_from_dcp(str(work / "straight_export"), args)
     start = time.time()
