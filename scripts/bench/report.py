@@ -46,6 +46,47 @@ def e2e_table(results: list[dict]) -> list[str]:
     return rows
 
 
+ACCEPTANCE_FORMATS = (
+    ("max_rel_loss_diff", ".1e"),
+    ("tokens_per_sec_per_gpu", ",.0f"),
+    ("mfu_pct", ".1f"),
+    ("peak_memory_gib", ".1f"),
+    ("peak_memory_allocated_gib", ".1f"),
+    ("recompiles_after_warmup", "d"),
+)
+
+
+def acceptance_tables(results: list[dict]) -> list[str]:
+    """One table per `gpu_acceptance.py` invocation, newest first."""
+    lines = []
+    for r in sorted(results, key=lambda r: r["date"], reverse=True):
+        done = "all rows" if r["complete"] else "cut off before its last rows"
+        lines += [
+            f"`{r['command']}` on {r['ngpu']} x {r['device_name']}, torch {r['torch_version']}, DeepEP "
+            f"{r['deep_ep']}, commit {r['git_commit'][:8]}, {r['date'][:10]}, flavor {r['flavor']}, EP={r['ep']}, "
+            f"{r['steps']} steps ({done}):",
+            "",
+            "| row | status | max rel loss diff | bound | tokens/s/GPU | MFU | reserved / allocated (GiB) "
+            "| recompiles | note |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for row in r["rows"]:
+            cell = {key: "-" if row.get(key) is None else format(row[key], fmt) for key, fmt in ACCEPTANCE_FORMATS}
+            memory = "-" if row.get("peak_memory_gib") is None else f"{cell['peak_memory_gib']} / "
+            memory += cell["peak_memory_allocated_gib"] if memory != "-" else ""
+            note = row.get("reason") or row["why"]
+            if row["name"] == "hf_export_import" and row["status"] == "passed":
+                note = (f"round trip exact; export logits rel diff {row['logits_rel_diff_export']:.1e}, "
+                        f"top-1 agreement {row['top1_agreement_export']:.3f}")  # fmt: skip
+            lines.append(
+                f"| {row['name']} | {row['status']} | {cell['max_rel_loss_diff']} | {row['tolerance']:g} | "
+                f"{cell['tokens_per_sec_per_gpu']} | {cell['mfu_pct']} | {memory} | "
+                f"{cell['recompiles_after_warmup']} | {note} |"
+            )
+        lines.append("")
+    return lines
+
+
 def moe_table(results: list[dict]) -> list[str]:
     rows = [
         "| layer | backend | mode | variant | routing (max/mean expert load) | EP | tokens/rank | fwd (ms) "
@@ -134,6 +175,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main() -> None:
     e2e, moe, bw = load("e2e_"), load("moe_layer_"), load("deepep_bandwidth_")
+    acceptance = load("acceptance_")
     gemm = load("grouped_gemm_")
     lines = [
         "# Benchmarks",
@@ -142,6 +184,12 @@ def main() -> None:
         "command, device, torch version and git commit. MFU uses the bf16 dense peak of the device (H200/H100: 989",
         "TFLOP/s). Matmul bounds use the measured 790 TFLOP/s bf16 rate of our H200s.",
         "",
+        "## GPU acceptance (`scripts/bench/gpu_acceptance.py`)",
+        "",
+        "Every feature trained against a base run of the same invocation; the bounds and why are in the script's",
+        "docstring. Rows that need more GPUs than the machine had are skipped.",
+        "",
+        *acceptance_tables(acceptance),
         "## End to end",
         "",
         *e2e_table(e2e),
