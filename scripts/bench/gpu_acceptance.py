@@ -277,14 +277,19 @@ def print_table(rows: list[dict]) -> None:
     print(f"{'row':<20} {'status':<8} {'max rel loss diff':>17} {'tol':>7} {'tok/s/GPU':>10} {'MFU %':>6} "
           f"{'reserved':>8} {'alloc':>6} {'recomp':>6}  reason")  # fmt: skip
     for row in rows:
-        cells = {key: "-" if row.get(key) is None else format(row[key], fmt) for key, fmt in TABLE_FORMATS.items()}
+        cells = row_cells(row)
         print(f"{row['name']:<20} {row['status']:<8} {cells['max_rel_loss_diff']:>17} {row['tolerance']:>7g} "
               f"{cells['tokens_per_sec_per_gpu']:>10} {cells['mfu_pct']:>6} {cells['peak_memory_gib']:>8} "
               f"{cells['peak_memory_allocated_gib']:>6} {cells['recompiles_after_warmup']:>6}  "
               f"{row.get('reason', '')}")  # fmt: skip
 
 
-TABLE_FORMATS = {
+def row_cells(row: dict) -> dict[str, str]:
+    """A result row's numbers as table cells ("-" where the row has none): the console table and report.py's."""
+    return {key: "-" if row.get(key) is None else format(row[key], fmt) for key, fmt in _CELL_FORMATS.items()}
+
+
+_CELL_FORMATS = {
     "max_rel_loss_diff": ".1e",
     "tokens_per_sec_per_gpu": ",.0f",
     "mfu_pct": ".1f",

@@ -9,6 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.bench.common import RESULTS_DIR  # noqa: E402
+from scripts.bench.gpu_acceptance import row_cells  # noqa: E402
 
 BENCH_DIR = RESULTS_DIR.parent
 
@@ -46,16 +47,6 @@ def e2e_table(results: list[dict]) -> list[str]:
     return rows
 
 
-ACCEPTANCE_FORMATS = (
-    ("max_rel_loss_diff", ".1e"),
-    ("tokens_per_sec_per_gpu", ",.0f"),
-    ("mfu_pct", ".1f"),
-    ("peak_memory_gib", ".1f"),
-    ("peak_memory_allocated_gib", ".1f"),
-    ("recompiles_after_warmup", "d"),
-)
-
-
 def acceptance_tables(results: list[dict]) -> list[str]:
     """One table per `gpu_acceptance.py` invocation, newest first."""
     lines = []
@@ -71,7 +62,7 @@ def acceptance_tables(results: list[dict]) -> list[str]:
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for row in r["rows"]:
-            cell = {key: "-" if row.get(key) is None else format(row[key], fmt) for key, fmt in ACCEPTANCE_FORMATS}
+            cell = row_cells(row)
             memory = "-" if row.get("peak_memory_gib") is None else f"{cell['peak_memory_gib']} / "
             memory += cell["peak_memory_allocated_gib"] if memory != "-" else ""
             note = row.get("reason") or row["why"]
