@@ -4,8 +4,8 @@
 
 With balanced routing each EP rank computes tokens * top_k token copies spread evenly over its E / ep experts.
 Times (CUDA events, median) and achieved TFLOP/s for: the three bare `torch._grouped_mm` calls, and
-`run_experts_grouped_mm` (padding + SwiGLU + unpadding) eager and compiled, forward and forward+backward, in bf16
-and in FP8 (`--quantize.float8_experts`: rowwise-scaled `torch._scaled_grouped_mm`, quantization included).
+`run_experts_grouped_mm` (the SwiGLU on the experts' padded rows) eager and compiled, forward and forward+backward,
+in bf16 and in FP8 (`--quantize.float8_experts`: rowwise-scaled `torch._scaled_grouped_mm`, quantization included).
 This separates the GEMM rate from everything else in the MoE layer benchmark (routing, permutation, DeepEP).
 """
 
@@ -19,7 +19,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.bench.common import cuda_time_ms, profile_summary, write_result  # noqa: E402
 from scripts.bench.moe_layer import LAYERS  # noqa: E402
-from torchtitan.models.moe.experts import GroupedExperts, run_experts_grouped_mm  # noqa: E402
+from torchtitan.models.moe.experts import run_experts_grouped_mm  # noqa: E402
+from torchtitan.models.moe.permute import plan_permutation  # noqa: E402
 
 
 def main() -> None:
@@ -44,6 +45,13 @@ def main() -> None:
     grad = torch.randn_like(x)
     counts = torch.full((local_experts,), rows // local_experts, device=device, dtype=torch.int64)
     offsets = counts.cumsum(0).to(torch.int32)
+    # the experts' input as the dispatchers lay it out: groups padded to 16 rows (bf16 and FP8 alike)
+    plan = plan_permutation(torch.arange(rows, device=device), rows, counts, 16)
+    padded_x = torch.zeros(plan.padded_slot.shape[0], dim, device=device, dtype=torch.bfloat16)
+    padded_x[plan.slot_row] = x.detach()
+    padded_x.requires_grad_()
+    padded_grad = torch.randn_like(padded_x)
+    group_ends = plan.group_ends
 
     def bare(x=x):
         h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
@@ -51,13 +59,12 @@ def main() -> None:
         return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
 
     compiled = torch.compile(run_experts_grouped_mm, fullgraph=True)
-    alignment = GroupedExperts.token_group_alignment
     variants = {
         "bare_grouped_mm": bare,
-        "experts_eager": lambda: run_experts_grouped_mm(x, counts, w1, w2, w3, alignment),
-        "experts_compiled": lambda: compiled(x, counts, w1, w2, w3, alignment),
-        "experts_fp8_eager": lambda: run_experts_grouped_mm(x, counts, w1, w2, w3, 16, True),
-        "experts_fp8_compiled": lambda: compiled(x, counts, w1, w2, w3, 16, True),
+        "experts_eager": lambda: run_experts_grouped_mm(padded_x, group_ends, w1, w2, w3),
+        "experts_compiled": lambda: compiled(padded_x, group_ends, w1, w2, w3),
+        "experts_fp8_eager": lambda: run_experts_grouped_mm(padded_x, group_ends, w1, w2, w3, True),
+        "experts_fp8_compiled": lambda: compiled(padded_x, group_ends, w1, w2, w3, True),
     }
     fwd_flops = 2 * 3 * dim * hidden * rows
     result = dict(
@@ -77,9 +84,10 @@ def main() -> None:
                 fn()
 
         def fwd_bwd(fn=fn):
-            for t in (x, w1, w2, w3):
+            for t in (x, padded_x, w1, w2, w3):
                 t.grad = None  # as after zero_grad(set_to_none=True): no gradient accumulation adds
-            fn().backward(grad)
+            out = fn()
+            out.backward(grad if out.shape == grad.shape else padded_grad)
 
         fwd_ms = cuda_time_ms(fwd, 5, 20)
         fwd_bwd_ms = cuda_time_ms(fwd_bwd, 5, 20)

@@ -27,6 +27,7 @@ deep_ep = pytest.importorskip("deep_ep", reason="needs DeepEP (pip install sgl-d
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor.parallel import parallelize_module  # noqa: E402
 
+from tests.unit.models.moe._expert_rows import expert_of_padded_row  # noqa: E402
 from torchtitan.distributed.deepep import (  # noqa: E402
     DeepEPExpertParallel,
     DeepEPTokenDispatcher,
@@ -37,6 +38,7 @@ from torchtitan.distributed.deepep import (  # noqa: E402
 from torchtitan.distributed.expert_parallel import ExpertParallel  # noqa: E402
 from torchtitan.models.moe import MoE, MoEArgs  # noqa: E402
 from torchtitan.models.moe.deepep_moe import DeepEPMoE  # noqa: E402
+from torchtitan.models.moe.experts import ExpertRows  # noqa: E402
 from torchtitan.models.moe.float8 import dequantize_blockwise, quantize_blockwise  # noqa: E402
 
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -124,10 +126,8 @@ def _check_backward_matches_cpu_reference(rank, world_size, cuda_group, cpu_grou
         dispatcher = DeepEPTokenDispatcher(group.group_name, NUM_EXPERTS)
         xd = x.to(device).requires_grad_()
         wd = topk_weights.to(device).requires_grad_()
-        expert_input, tokens_per_expert, state = dispatcher.dispatch(xd, topk_idx.to(device), wd)
-        scale = (1.0 + torch.arange(local_experts, device=device) + rank * local_experts).repeat_interleave(
-            tokens_per_expert
-        )
+        expert_input, group_ends, state = dispatcher.dispatch(xd, topk_idx.to(device), wd, ExpertRows(8, xd.dtype))
+        scale = 1.0 + rank * local_experts + expert_of_padded_row(group_ends, expert_input.shape[0])
         out = dispatcher.combine(torch.tanh(expert_input) * scale.unsqueeze(1), state)
         (out * upstream.to(device)).sum().backward()
         return out.cpu(), xd.grad.cpu(), wd.grad.cpu()

@@ -6,6 +6,7 @@ bf16, and experts and linears compile with a dynamic row count."""
 import pytest
 import torch
 
+from tests.unit.models.moe._expert_rows import run_fp8_experts_on_rows, run_on_rows
 from tests.unit.models.moe._saved_layouts import compile_recording_backward_inputs, strided_by_a_dynamic_size
 from torchtitan.models.deepseek_v3.float8_linears import Float8Linear
 from torchtitan.models.moe.experts import GroupedExperts, convert_to_float8_experts
@@ -62,7 +63,7 @@ def test_fp8_experts_stay_within_fp8_error_of_bf16():
         if fp8:
             convert_to_float8_experts(experts)
         xi = x.clone().requires_grad_()
-        out = experts(xi, counts)
+        out = run_on_rows(experts, xi, counts)
         out.backward(grad_out)
         results.append((out, xi.grad, experts.w1.grad, experts.w2.grad, experts.w3.grad))
     for actual, expected in zip(*results, strict=True):
@@ -122,15 +123,15 @@ def test_fp8_experts_compile_with_a_dynamic_row_count():
     experts = GroupedExperts(2048, 1408, 32).cuda()
     experts.init_weights(0.02)
     convert_to_float8_experts(experts)
-    compiled, backward_inputs = compile_recording_backward_inputs(experts.run_grouped_mm)
+    compiled, backward_inputs = compile_recording_backward_inputs(run_fp8_experts_on_rows)
     weights = (experts.w1, experts.w2, experts.w3)
     for seed in (1, 2):
         counts = torch.randint(0, 1200, (32,), generator=torch.Generator().manual_seed(seed)).cuda()
         x = torch.randn(int(counts.sum()), 2048, device="cuda", dtype=torch.bfloat16)
         results = []
-        for fn in (experts.run_grouped_mm, compiled):
+        for fn in (run_fp8_experts_on_rows, compiled):
             xi = x.clone().requires_grad_()
-            out = fn(xi, counts, *weights, experts.token_group_alignment, True)
+            out = fn(xi, counts, *weights)
             out.float().pow(2).sum().backward()
             results.append((out, xi.grad))
         # inductor's quantization may round a value to the neighbouring FP8 step: ~2.5% apart on CPU

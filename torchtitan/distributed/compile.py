@@ -5,8 +5,8 @@ two things in them cannot be traced into one graph:
 - the token exchange (`moe.dispatcher`) runs eager: under expert parallelism it exchanges variable-size token
   buffers whose split sizes are copied to the host (data-dependent shapes around a collective), and the routed
   experts module is its own FSDP2 unit whose pre/post-forward hooks are graph breaks. What runs around the
-  communication is compiled: the grouped-GEMM SwiGLU with its padding (`GroupedExperts.run_grouped_mm`) and the
-  dispatcher's local stages around the token copies (gather into expert-major rows; the weighted sum per token).
+  communication is compiled: the grouped-GEMM SwiGLU (`GroupedExperts.run_grouped_mm`) and the dispatcher's two
+  gathers around it (into the experts' padded rows; back with the weighted sum per token, `models/moe/permute.py`).
   Each is one `CompiledRegion` shared by every layer, with its token-row dims dynamic from the first call (see
   `CompiledRegion` for why that matters under activation checkpointing). The sort by expert and the all-to-all
   dispatcher's reordering between ranks and local experts run eager.
@@ -95,19 +95,15 @@ def compile_moe(moe: nn.Module, backend: str, saved_options: dict[str, Any] | No
     if moe.shared_experts is not None:
         moe.shared_experts.compile(backend=backend, fullgraph=True, **saved_options)
     experts = moe.experts
-    # (x (rows, dim), counts, w1, w2, w3, alignment): the rows vary
+    # (x (rows, dim), group_ends, w1, w2, w3, float8): the rows vary
     experts.run_grouped_mm = compiled_region(type(experts).run_grouped_mm, backend, {0: 0})
     dispatcher = moe.dispatcher
-    # (x (tokens, dim), slots (copies,), top_k, topk_weights (tokens, top_k) | None)
-    dispatcher.gather_token_copies = compiled_region(type(dispatcher).gather_token_copies, backend, {0: 0, 1: 0, 3: 0})
-    if dispatcher.backend == "deepep":
-        # (expert_output (copies, dim), permuted_slots (copies,), recv_topk_weights (recv, top_k), ...)
-        dispatcher.sum_per_received_token = compiled_region(
-            type(dispatcher).sum_per_received_token, backend, {0: 0, 1: 0, 2: 0}
-        )
-    else:
-        # (copies (tokens * top_k, dim), token_order (tokens * top_k,), topk_weights (tokens, top_k), ...)
-        dispatcher.sum_token_copies = compiled_region(type(dispatcher).sum_token_copies, backend, {0: 0, 1: 0, 2: 0})
+    # (x (tokens, dim), order (slots,), tokens_per_expert, top_k, weights (tokens, top_k) | None, alignment, dtype)
+    dispatcher.permute_to_experts = compiled_region(type(dispatcher).permute_to_experts, backend, {0: 0, 1: 0, 4: 0})
+    # (rows (rows, dim), plan, top_k, weights (tokens, top_k) | None, dtype)
+    plan_dims = {"padded_slot": 0, "slot_row": 0}
+    unpermute = type(dispatcher).unpermute_tokens
+    dispatcher.unpermute_tokens = compiled_region(unpermute, backend, {0: 0, 1: plan_dims, 3: 0})
 
 
 class CompiledRegion:
@@ -120,20 +116,24 @@ class CompiledRegion:
     dynamic before every call, and compiling them size-oblivious (0 or 1 rows do not specialize a new graph),
     gives one graph for every row count.
 
-    `token_dims` maps a positional argument's index to its row dim (None arguments are skipped). `num_graphs`
-    counts the graphs this region compiled (the activation-checkpoint guard reads it).
+    `token_dims` maps a positional argument's index to its row dim, or for a dataclass argument to {field: row dim}
+    (None arguments are skipped). `num_graphs` counts the graphs this region compiled (the activation-checkpoint
+    guard reads it).
     """
 
-    def __init__(self, fn: Callable, backend: str, token_dims: dict[int, int]):
+    def __init__(self, fn: Callable, backend: str, token_dims: dict[int, int | dict[str, int]]):
         self.name = fn.__name__
         self.token_dims = token_dims
         self.num_graphs = 0
         self._compiled = torch.compile(fn, backend=backend, fullgraph=True)
 
     def __call__(self, *args: Any) -> Any:
-        for index, dim in self.token_dims.items():
-            if args[index] is not None:
-                torch._dynamo.mark_dynamic(args[index], dim)
+        for index, dims in self.token_dims.items():
+            if isinstance(dims, dict):
+                for field, dim in dims.items():
+                    torch._dynamo.mark_dynamic(getattr(args[index], field), dim)
+            elif args[index] is not None:
+                torch._dynamo.mark_dynamic(args[index], dims)
         before = graphs_compiled()
         with fx_config.patch(backed_size_oblivious=True):
             out = self._compiled(*args)
@@ -145,7 +145,7 @@ class CompiledRegion:
 _REGIONS: dict[tuple[Callable, str], CompiledRegion] = {}
 
 
-def compiled_region(fn: Callable, backend: str, token_dims: dict[int, int]) -> CompiledRegion:
+def compiled_region(fn: Callable, backend: str, token_dims: dict[int, int | dict[str, int]]) -> CompiledRegion:
     """The `CompiledRegion` of `fn` for `backend`, created on first use and shared afterwards."""
     if (fn, backend) not in _REGIONS:
         _REGIONS[fn, backend] = CompiledRegion(fn, backend, token_dims)

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from torchtitan.models.moe.row_gather import gather_rows
+from torchtitan.models.moe.permute import PermutePlan
 from torchtitan.models.moe.token_dispatcher import LocalDispatchState, LocalTokenDispatcher, expert_major_order
 
 __all__ = [
@@ -58,27 +58,27 @@ class TensorParallelTokenDispatcher(LocalTokenDispatcher):
         super().__init__(num_experts, score_before_experts)
         self.tp_mesh = tp_mesh
 
-    def dispatch_preprocess(self, x, topk_idx, topk_weights):
-        rows, counts, state = super().dispatch_preprocess(x, topk_idx, topk_weights)
-        return _sum_grad_over(rows, self.tp_mesh), counts, state
+    def dispatch_postprocess(self, dispatched, layout):
+        rows, group_ends, state = super().dispatch_postprocess(dispatched, layout)
+        return _sum_grad_over(rows, self.tp_mesh), group_ends, state
 
 
 @dataclass
 class AllToAllDispatchState(LocalDispatchState):
     input_splits: list[int]  # rows this rank sends to each ep rank
     output_splits: list[int]  # rows this rank receives from each ep rank
-    local_order: torch.Tensor  # (received,): rank-major row of each local-expert-major row
+    received_plan: PermutePlan  # received rows (rank-major) <-> the local experts' rows
 
 
 class AllToAllTokenDispatcher(LocalTokenDispatcher):
     """Expert parallelism with variable-size all-to-alls (`torch.distributed`, any backend).
 
-    dispatch_preprocess   sort token copies by global expert (= by destination rank), count them per expert
+    dispatch_preprocess   token copies sorted by global expert (= by destination rank), counted per expert
     token_dispatch        all-to-all of the counts, one host copy of the split sizes, all-to-all of the rows
-    dispatch_postprocess  received rows (rank-major) -> local-expert-major
+    dispatch_postprocess  received rows (rank-major) -> the local experts' padded rows
     combine_preprocess    back to rank-major
     token_combine         the reverse all-to-all
-    combine_postprocess   unsort, weight, sum over top-k (as without EP)
+    combine_postprocess   back to the tokens, weight, sum over top-k (as without EP)
 
     etp_mesh: the experts are also tensor-parallel over these ranks (`ExpertTensorParallel`).
     """
@@ -94,10 +94,13 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         self.etp_mesh = etp_mesh
 
     def dispatch_preprocess(self, x, topk_idx, topk_weights):
-        rows, counts, state = super().dispatch_preprocess(x, topk_idx, topk_weights)
+        order, counts = self.expert_order(topk_idx)
+        weights = topk_weights if self.score_before_experts else None
+        # the send buffer: copies grouped by global expert, unpadded
+        rows, plan = self.permute_to_experts(x, order, counts, topk_idx.shape[1], weights, None, x.dtype)
         if self.etp_mesh is not None:
             rows = _sum_grad_over(rows, self.etp_mesh)
-        return rows, counts, state
+        return rows, counts, LocalDispatchState(plan, topk_weights)
 
     def token_dispatch(self, prepared):
         rows, counts, state = prepared
@@ -110,7 +113,7 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         received = _wait(all_to_all_single_autograd(rows, output_splits, input_splits, self.group))
         return received, received_counts.view(self.ep, -1), state, input_splits, output_splits
 
-    def dispatch_postprocess(self, dispatched):
+    def dispatch_postprocess(self, dispatched, layout):
         received, received_counts, state, input_splits, output_splits = dispatched
         ep, num_local = received_counts.shape
         # local expert id of every received row (rank-major: source rank, then expert)
@@ -120,14 +123,16 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
             output_size=received.shape[0],
         )
         local_order = expert_major_order(local_ids, num_local)
-        expert_input = gather_rows(received, local_order, unique=True)
-        all_to_all_state = AllToAllDispatchState(
-            state.token_order, state.topk_weights, input_splits, output_splits, local_order
+        expert_input, received_plan = self.permute_to_experts(
+            received, local_order, received_counts.sum(0), 1, None, layout.alignment, layout.dtype
         )
-        return expert_input, received_counts.sum(0), all_to_all_state
+        all_to_all_state = AllToAllDispatchState(
+            state.plan, state.topk_weights, input_splits, output_splits, received_plan
+        )
+        return expert_input, received_plan.group_ends, all_to_all_state
 
     def combine_preprocess(self, expert_output, state):
-        return torch.empty_like(expert_output).index_copy(0, state.local_order, expert_output)
+        return self.unpermute_tokens(expert_output, state.received_plan, 1, None, expert_output.dtype)
 
     def token_combine(self, prepared, state):
         return _wait(all_to_all_single_autograd(prepared, state.input_splits, state.output_splits, self.group))

@@ -25,11 +25,11 @@ def test_compiled_model_matches_eager(ac_mode, ac_option):
     apply_ac(model, SimpleNamespace(mode=ac_mode, selective_ac_option=ac_option))
     apply_compile(model, SimpleNamespace(backend="aot_eager"))
     loss, grads = reference_loss_and_grads(model)
-    # It really ran compiled: the router's selection, the dispatcher's gather and weighted sum of the token copies,
+    # It really ran compiled: the router's selection, the dispatcher's gathers into the experts' rows and back,
     # and the blocks' / attention's / shared experts' forwards compiled graphs (this tiny model's experts are the
     # fp32 for-loop, which is not compiled).
     compiled = [metrics.co_name for metrics in get_compilation_metrics()]
-    for name in ("select_experts", "gather_token_copies", "sum_token_copies", "forward"):
+    for name in ("select_experts", "permute_to_experts", "unpermute_tokens", "forward"):
         assert name in compiled, (name, compiled)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for name, grad in grads.items():
@@ -43,10 +43,10 @@ def _inductor_kernels_per_step(ac_mode: str) -> tuple[int, torch.Tensor, dict[st
     model = build_reference(replace(tiny_args(), n_layers=1, n_dense_layers=0))
     apply_ac(model, SimpleNamespace(mode=ac_mode, selective_ac_option="op"))
     apply_compile(model, SimpleNamespace(backend="inductor"), per_op_sac=ac_mode == "selective")
-    # the dispatcher's regions (gather and weighted sum of the token copies) are recomputed by design, like the
+    # the dispatcher's regions (the gathers into the experts' rows and back) are recomputed by design, like the
     # routed experts' (their activations are the bulk of a block's memory): back to eager, out of the count
     dispatcher = model.layers["0"].moe.dispatcher
-    del dispatcher.gather_token_copies, dispatcher.sum_token_copies
+    del dispatcher.permute_to_experts, dispatcher.unpermute_tokens
     reference_loss_and_grads(model)  # compiles
     model.zero_grad(set_to_none=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

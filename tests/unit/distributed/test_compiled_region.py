@@ -19,8 +19,9 @@ from torchtitan.distributed.compile import (
     compiled_region,
     recompile_guard_contexts,
 )
-from torchtitan.distributed.deepep.dispatcher import sum_per_received_token
 from torchtitan.models.moe.experts import run_experts_grouped_mm
+from torchtitan.models.moe.permute import plan_permutation, unpermute_tokens
+from torchtitan.models.moe.token_dispatcher import permute_to_experts
 
 NUM_EXPERTS, DIM, HIDDEN, ALIGNMENT = 4, 16, 32, 8
 
@@ -40,20 +41,30 @@ def _counts(rows: int) -> torch.Tensor:
 
 
 def _received(rows: int, top_k: int = 2):
+    """What DeepEP delivers for `rows` token copies: (num_recv, DIM) tokens, their routed slots in expert-major
+    order, the copies per expert and (num_recv, top_k) weights."""
     gen = torch.Generator().manual_seed(rows)
     num_recv = (rows + top_k - 1) // top_k
     slots = torch.randperm(num_recv * top_k, generator=gen)[:rows]
-    return torch.randn(rows, DIM, generator=gen), slots, torch.rand(num_recv, top_k, generator=gen)
+    return torch.randn(num_recv, DIM, generator=gen), slots, _counts(rows), torch.rand(num_recv, top_k, generator=gen)
+
+
+PLAN_DIMS = {"padded_slot": 0, "slot_row": 0}
 
 
 def test_one_graph_serves_every_row_count_including_0_and_1():
     torch._dynamo.reset()
-    region = CompiledRegion(sum_per_received_token, "aot_eager", {0: 0, 1: 0, 2: 0})
+    permute = CompiledRegion(permute_to_experts, "aot_eager", {0: 0, 1: 0, 4: 0})
+    unpermute = CompiledRegion(unpermute_tokens, "aot_eager", {0: 0, 1: PLAN_DIMS, 3: 0})
     for rows in (37, 5, 0, 1, 64):
-        expert_output, slots, weights = _received(rows)
-        got = region(expert_output, slots, weights, True, torch.float32)
-        torch.testing.assert_close(got, sum_per_received_token(expert_output, slots, weights, True, torch.float32))
-    assert region.num_graphs == 1
+        x, slots, counts, weights = _received(rows)
+        got, plan = permute(x, slots, counts, 2, weights, ALIGNMENT, torch.float32)
+        want, want_plan = permute_to_experts(x, slots, counts, 2, weights, ALIGNMENT, torch.float32)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(plan.slot_row, want_plan.slot_row)
+        back = unpermute(got, plan, 2, weights, torch.float32)
+        torch.testing.assert_close(back, unpermute_tokens(want, want_plan, 2, weights, torch.float32))
+    assert permute.num_graphs == 1 and unpermute.num_graphs == 1
 
 
 def _layer(region, x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
@@ -65,16 +76,20 @@ def test_checkpointed_layers_of_different_sizes_match_eager_under_inductor():
     recomputes each. Before the fix inductor compiled a static graph for the first size and a dynamic one for the
     second, the recompute of the first layer replayed the dynamic graph, and backward raised a CheckpointError."""
     torch._dynamo.reset()
-    region = CompiledRegion(sum_per_received_token, "inductor", {0: 0, 1: 0, 2: 0})
-    layers = [_received(rows) for rows in (40, 24, 56)]
+    region = CompiledRegion(unpermute_tokens, "inductor", {0: 0, 1: PLAN_DIMS, 3: 0})
+    layers = []
+    for rows in (40, 24, 56):
+        x, slots, counts, weights = _received(rows)
+        plan = plan_permutation(slots, weights.numel(), counts, ALIGNMENT)
+        layers.append((torch.randn(plan.padded_slot.shape[0], DIM), plan, weights))
     leaves = [t.requires_grad_() for output, _, weights in layers for t in (output, weights)]
 
     def loss(run):
-        return sum((run(output, slots, weights, True, torch.float32) ** 2).sum() for output, slots, weights in layers)
+        return sum((run(output, plan, 2, weights, torch.float32) ** 2).sum() for output, plan, weights in layers)
 
     compiled = loss(lambda *args: checkpoint(region, *args, use_reentrant=False))
     grads = torch.autograd.grad(compiled, leaves)
-    eager = loss(sum_per_received_token)
+    eager = loss(unpermute_tokens)
     eager_grads = torch.autograd.grad(eager, leaves)
     torch.testing.assert_close(compiled, eager)
     for got, want in zip(grads, eager_grads, strict=True):
@@ -83,12 +98,14 @@ def test_checkpointed_layers_of_different_sizes_match_eager_under_inductor():
 
 
 def _toy_experts(x, counts, w1, w2, w3, alignment):
-    """A private function, so this test's region is its own entry in the shared registry."""
-    return run_experts_grouped_mm(x, counts, w1, w2, w3, alignment)
+    """Pad, grouped GEMMs, unpad; a private function, so this test's region is its own registry entry."""
+    order = torch.arange(x.shape[0])
+    rows, plan = permute_to_experts(x, order, counts, 1, None, alignment, torch.bfloat16)
+    return unpermute_tokens(run_experts_grouped_mm(rows, plan.group_ends, w1, w2, w3), plan, 1, None, x.dtype)
 
 
 def test_experts_region_serves_every_row_count_including_none():
-    """An expert-parallel rank may receive no tokens at all: the experts then pad 0 rows and unpad them again."""
+    """An expert-parallel rank may receive no tokens at all: the experts then get only padding rows."""
     torch._dynamo.reset()
     region = CompiledRegion(_toy_experts, "aot_eager", {0: 0})
     weights = _expert_weights()

@@ -2,13 +2,13 @@
 
     dispatch_preprocess   dtypes/contiguity DeepEP needs (int64 ids, fp32 weights)
     token_dispatch        deepep::dispatch: each token once to every rank holding one of its experts
-    dispatch_postprocess  received copies -> local-expert-major rows (index_select by the op's permuted_slots)
-    combine_preprocess    back to received-token order, weighted sum over this rank's experts of each token
+    dispatch_postprocess  received tokens -> the local experts' padded rows (one gather by the op's permuted_slots)
+    combine_preprocess    one gather back to received-token order with the weighted sum over this rank's experts
     token_combine         deepep::combine: send back, sum per source token
     combine_postprocess   nothing left to do (output is already (num_tokens, dim))
 
 No host syncs here: the data-dependent sizes come out of the op (unbacked symbols under torch.compile), or, with
-`sync_free`, are worst-case sizes with padding rows the experts skip.
+`sync_free`, are worst-case sizes whose padding rows get no expert.
 """
 
 from __future__ import annotations
@@ -18,31 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from torchtitan.distributed.deepep import ops
-from torchtitan.models.moe.token_dispatcher import DispatchState, TokenDispatcher, copy_weights
+from torchtitan.models.moe.experts import ExpertRows
+from torchtitan.models.moe.permute import PermutePlan
+from torchtitan.models.moe.token_dispatcher import DispatchState, TokenDispatcher
 
-__all__ = [
-    "DeepEPDispatchState",
-    "DeepEPDispatched",
-    "DeepEPTokenDispatcher",
-    "sum_per_received_token",
-]
-
-
-def sum_per_received_token(
-    expert_output: torch.Tensor,
-    permuted_slots: torch.Tensor,
-    recv_topk_weights: torch.Tensor,
-    apply_weights: bool,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """expert_output (num_copies, dim) local-expert-major -> (num_recv, dim) in `dtype`: for each received token
-    the fp32 sum of its copies' outputs, weighted by `recv_topk_weights` (num_recv, top_k) if `apply_weights`."""
-    num_recv, top_k = recv_topk_weights.shape
-    out = expert_output.float()
-    if apply_weights:
-        out = out * copy_weights(recv_topk_weights, permuted_slots)
-    per_token = out.new_zeros((num_recv, out.shape[1])).index_add(0, permuted_slots // top_k, out)
-    return per_token.to(dtype)
+__all__ = ["DeepEPDispatchState", "DeepEPDispatched", "DeepEPTokenDispatcher"]
 
 
 @dataclass
@@ -60,15 +40,13 @@ class DeepEPDispatched:
 @dataclass
 class DeepEPDispatchState(DispatchState):
     handle: list[torch.Tensor]
-    permuted_slots: torch.Tensor  # (num_copies,)
+    plan: PermutePlan  # received (token, k) slots <-> the local experts' rows
     recv_topk_weights: torch.Tensor  # (num_recv, top_k) fp32
     dtype: torch.dtype  # of the tokens
 
 
 class DeepEPTokenDispatcher(TokenDispatcher):
     backend = "deepep"
-    sum_per_received_token = staticmethod(sum_per_received_token)
-    """The combine's local sum; `compile_moe` swaps in a compiled copy shared by all layers."""
 
     def __init__(
         self,
@@ -82,7 +60,7 @@ class DeepEPTokenDispatcher(TokenDispatcher):
         self.num_experts = num_experts
         self.score_before_experts = score_before_experts
         self.sync_free = sync_free
-        """Worst-case receive sizes, no host wait (ops.py); the experts skip the padding rows."""
+        """Worst-case receive sizes, no host wait (ops.py); the padding rows get no expert."""
         self.fp8 = fp8
         """Tokens sent as FP8 with one scale per 128 channels (ops.py, `quantize.float8_dispatch`)."""
 
@@ -98,23 +76,32 @@ class DeepEPTokenDispatcher(TokenDispatcher):
         )
 
     def dispatch_postprocess(
-        self, dispatched: DeepEPDispatched
+        self, dispatched: DeepEPDispatched, layout: ExpertRows
     ) -> tuple[torch.Tensor, torch.Tensor, DeepEPDispatchState]:
         top_k = dispatched.recv_topk_idx.shape[1]
         weights = dispatched.recv_topk_weights if self.score_before_experts else None
-        expert_input = self.gather_token_copies(dispatched.recv_x, dispatched.permuted_slots, top_k, weights)
+        expert_input, plan = self.permute_to_experts(
+            dispatched.recv_x,
+            dispatched.permuted_slots,
+            dispatched.tokens_per_local_expert,
+            top_k,
+            weights,
+            layout.alignment,
+            layout.dtype,
+        )
         state = DeepEPDispatchState(
             handle=dispatched.handle,
-            permuted_slots=dispatched.permuted_slots,
+            plan=plan,
             recv_topk_weights=dispatched.recv_topk_weights,
             dtype=dispatched.recv_x.dtype,
         )
-        return expert_input, dispatched.tokens_per_local_expert, state
+        return expert_input, plan.group_ends, state
 
     def combine_preprocess(self, expert_output: torch.Tensor, state: DeepEPDispatchState) -> torch.Tensor:
-        return self.sum_per_received_token(
-            expert_output, state.permuted_slots, state.recv_topk_weights, not self.score_before_experts, state.dtype
-        )
+        """(rows, dim) -> (num_recv, dim) in the tokens' dtype: per received token the fp32 sum of its copies'
+        outputs, weighted unless the weights were applied before the experts."""
+        weights = None if self.score_before_experts else state.recv_topk_weights
+        return self.unpermute_tokens(expert_output, state.plan, state.recv_topk_weights.shape[1], weights, state.dtype)
 
     def token_combine(self, prepared: torch.Tensor, state: DeepEPDispatchState) -> torch.Tensor:
         combined, _ = ops.combine(prepared, state.handle, self.group_name)

@@ -106,10 +106,11 @@ def moe_overlapped(
     (`route_and_prepare`), the `streams.mark()` event after it) -> each micro-batch's MoE output (N, dim)."""
     dispatcher = moe.dispatcher
     (tokens_a, prepared_a, routed_a), (tokens_b, prepared_b, routed_b) = a, b
+    layout = moe.experts.row_layout(tokens_a.dtype)
 
     def experts(dispatched: Any) -> tuple[Any, Any]:
-        expert_input, tokens_per_expert, state = dispatcher.dispatch_postprocess(dispatched)
-        return dispatcher.combine_preprocess(moe.experts(expert_input, tokens_per_expert), state), state
+        expert_input, group_ends, state = dispatcher.dispatch_postprocess(dispatched, layout)
+        return dispatcher.combine_preprocess(moe.experts(expert_input, group_ends), state), state
 
     def output(tokens: torch.Tensor, combined: Any, state: Any, shared: Any) -> torch.Tensor:
         return moe.sum_experts(dispatcher.combine_postprocess(combined, state), shared, tokens.dtype)

@@ -1,10 +1,10 @@
 """DeepSeek-V3 MoE layer:  h_t' = u_t + sum_i FFN_i^(s)(u_t) + sum_i g_{i,t} FFN_i^(r)(u_t)   (arXiv:2412.19437).
 
-forward: route (fp32 scores, bias only for selection) -> dispatcher.dispatch (token copies to expert-major rows of
-this rank's experts) -> experts(rows, tokens_per_expert) -> dispatcher.combine (weight, sum over top-k) -> + shared
-experts. (The residual u_t is added by the transformer block.) `self.dispatcher` is a `LocalTokenDispatcher` until
-an expert-parallel ParallelStyle installs its own (all-to-all or DeepEP); each step is a method so `DeepEPMoE` and
-the micro-batch overlap scheduler can run them separately.
+forward: route (fp32 scores, bias only for selection) -> dispatcher.dispatch (token copies to the padded
+expert-major rows of this rank's experts) -> experts(rows, group_ends) -> dispatcher.combine (weight, sum over
+top-k) -> + shared experts. (The residual u_t is added by the transformer block.) `self.dispatcher` is a
+`LocalTokenDispatcher` until an expert-parallel ParallelStyle installs its own (all-to-all or DeepEP); each step is
+a method so `DeepEPMoE` and the micro-batch overlap scheduler can run them separately.
 """
 
 import logging
@@ -97,8 +97,9 @@ class MoE(nn.Module):
 
     def routed_experts(self, x: torch.Tensor, top_scores: torch.Tensor, selected_experts: torch.Tensor) -> torch.Tensor:
         """x (N, dim) -> sum_k g_{t,k} FFN_k(x_t): (N, dim), through this layer's token dispatcher."""
-        expert_input, tokens_per_expert, state = self.dispatcher.dispatch(x, selected_experts, top_scores)
-        return self.dispatcher.combine(self.experts(expert_input, tokens_per_expert), state)
+        layout = self.experts.row_layout(x.dtype)
+        expert_input, group_ends, state = self.dispatcher.dispatch(x, selected_experts, top_scores, layout)
+        return self.dispatcher.combine(self.experts(expert_input, group_ends), state)
 
     def run_shared_experts(self, x: torch.Tensor) -> torch.Tensor | None:
         """x (N, dim) -> shared_experts(x), or None without shared experts."""

@@ -1,6 +1,6 @@
 """Token dispatchers: how an MoE layer moves token copies to its experts and back, in explicit stages.
 
-    MoE.forward:  route -> dispatcher.dispatch -> experts(rows, counts) -> dispatcher.combine -> + shared experts
+    MoE.forward:  route -> dispatcher.dispatch -> experts(rows, group_ends) -> dispatcher.combine -> + shared experts
 
     dispatch:  dispatch_preprocess -> token_dispatch -> dispatch_postprocess
     combine:   combine_preprocess  -> token_combine  -> combine_postprocess
@@ -12,7 +12,8 @@ while another micro-batch computes (`models/moe/overlap.py`).
 
 `LocalTokenDispatcher` (no expert parallelism) is the MoE's default; `parallelize` installs another one through
 the expert-parallel ParallelStyles: all-to-all (`distributed/expert_parallel.py`) or DeepEP
-(`distributed/deepep/`). The model never changes with the backend.
+(`distributed/deepep/`). The model never changes with the backend. Every backend moves its tokens into the
+experts' padded rows and back with the same two gathers (`permute_to_experts`, `unpermute_tokens`: `permute.py`).
 """
 
 from __future__ import annotations
@@ -23,17 +24,16 @@ from typing import Any
 
 import torch
 
-from torchtitan.models.moe.row_gather import gather_rows
+from torchtitan.models.moe.experts import ExpertRows
+from torchtitan.models.moe.permute import PermutePlan, permute_tokens, plan_permutation, unpermute_tokens
 
 __all__ = [
     "DispatchState",
     "LocalDispatchState",
     "LocalTokenDispatcher",
     "TokenDispatcher",
-    "copy_weights",
     "expert_major_order",
-    "gather_token_copies",
-    "sum_token_copies",
+    "permute_to_experts",
 ]
 
 
@@ -41,7 +41,7 @@ def expert_major_order(expert_ids: torch.Tensor, num_experts: int) -> torch.Tens
     """Positions of the flattened `expert_ids` (-1: no expert) sorted by expert, stably (so within one expert the
     original order is kept); the -1 entries come last. Returns (expert_ids.numel(),) int64.
 
-    The one permutation every backend uses: token copies of a local batch, copies received from other ranks
+    The one ordering every backend uses: token copies of a local batch, copies received from other ranks
     (all-to-all), and DeepEP's received (token, local expert) slots.
     """
     flat = expert_ids.reshape(-1)
@@ -49,37 +49,20 @@ def expert_major_order(expert_ids: torch.Tensor, num_experts: int) -> torch.Tens
     return torch.argsort(keys, stable=True)
 
 
-def gather_token_copies(
-    x: torch.Tensor, slots: torch.Tensor, top_k: int, topk_weights: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x (tokens, dim), slots (copies,) flat `token * top_k + k` slots in expert-major order -> the token copies in
-    that order (copies, dim), scaled by their routing weight if `topk_weights` (tokens, top_k) is given.
-
-    Every backend's expert input: a local batch's tokens, or the tokens DeepEP delivered to this rank."""
-    copies = gather_rows(x, slots // top_k, unique=False)
-    if topk_weights is not None:
-        copies = (copies.float() * copy_weights(topk_weights, slots)).to(x.dtype)
-    return copies
-
-
-def sum_token_copies(
-    copies: torch.Tensor, token_order: torch.Tensor, topk_weights: torch.Tensor, apply_weights: bool
-) -> torch.Tensor:
-    """copies (tokens * top_k, dim) in expert-major order (`token_order`, as `expert_major_order` gave it) -> per
-    token the fp32 sum of its top_k copies (tokens, dim), weighted by `topk_weights` (tokens, top_k) if
-    `apply_weights`. Unsorts with a scatter and sums in a fixed order (deterministic, unlike an atomic index_add);
-    compiled, the unsort is one pass and the weighted sum another."""
-    num_tokens, top_k = topk_weights.shape
-    unsorted = copies.new_empty(copies.shape).index_copy(0, token_order, copies)
-    unsorted = unsorted.view(num_tokens, top_k, -1).float()  # (tokens, top_k, dim)
-    if apply_weights:
-        unsorted = unsorted * topk_weights.unsqueeze(-1)
-    return unsorted.sum(dim=1)
-
-
-def copy_weights(topk_weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """(tokens, top_k) fp32 routing weights -> (copies, 1), the weight of each copy in `slots` order."""
-    return topk_weights.reshape(-1).index_select(0, slots).unsqueeze(-1)
+def permute_to_experts(
+    x: torch.Tensor,
+    order: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    top_k: int,
+    weights: torch.Tensor | None,
+    alignment: int | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, PermutePlan]:
+    """x (T, dim), order (C,) slots of (T, top_k) in expert-major order -> (rows, plan): the copies in padded
+    expert-major rows (`permute.py`), scaled by `weights` (T, top_k) if given, and the plan that maps them back.
+    Every backend's permutation; `compile_moe` swaps in a compiled copy shared by all layers."""
+    plan = plan_permutation(order, x.shape[0] * top_k, tokens_per_expert, alignment)
+    return permute_tokens(x, plan, top_k, weights, dtype), plan
 
 
 @dataclass
@@ -90,22 +73,26 @@ class DispatchState:
 class TokenDispatcher(ABC):
     """Moves token copies from top-k routing to expert-major rows of this rank's experts, and back.
 
-    dispatch(x (N, dim), topk_idx (N, k) global expert ids, topk_weights (N, k) fp32) -> expert_input
-    (rows, dim) local-expert-major, tokens_per_local_expert (local experts,), state;
+    dispatch(x (N, dim), topk_idx (N, k) global expert ids, topk_weights (N, k) fp32, layout) -> expert_input
+    (rows, dim) in the experts' `layout` (padded local-expert-major groups, `ExpertRows`), group_ends (local
+    experts,) int32, state;
     combine(expert_output (rows, dim), state) -> (N, dim) in fp32 or x's dtype: per token, the routing-weighted sum
     of its copies' outputs.
     """
 
     backend: str = ""
     """Name of the `parallelism.expert_parallel_comm_backend` behind it ('local' when nothing is exchanged)."""
-    gather_token_copies = staticmethod(gather_token_copies)
-    """The expert input's gather, every backend's; `compile_moe` swaps in a compiled copy shared by all layers."""
+    permute_to_experts = staticmethod(permute_to_experts)
+    """The gather into the experts' rows, every backend's; `compile_moe` swaps in a compiled copy shared by all
+    layers."""
+    unpermute_tokens = staticmethod(unpermute_tokens)
+    """The gather back with the weighted top-k sum; `compile_moe` swaps in a compiled copy shared by all layers."""
 
     def dispatch(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertRows
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
         prepared = self.dispatch_preprocess(x, topk_idx, topk_weights)
-        return self.dispatch_postprocess(self.token_dispatch(prepared))
+        return self.dispatch_postprocess(self.token_dispatch(prepared), layout)
 
     def combine(self, expert_output: torch.Tensor, state: DispatchState) -> torch.Tensor:
         prepared = self.combine_preprocess(expert_output, state)
@@ -120,8 +107,10 @@ class TokenDispatcher(ABC):
         """Communication: send token copies to the ranks holding their experts."""
 
     @abstractmethod
-    def dispatch_postprocess(self, dispatched: Any) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
-        """Local: order received tokens for the experts -> (expert_input, tokens_per_local_expert, state)."""
+    def dispatch_postprocess(
+        self, dispatched: Any, layout: ExpertRows
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
+        """Local: received tokens into the experts' rows -> (expert_input, group_ends, state)."""
 
     @abstractmethod
     def combine_preprocess(self, expert_output: torch.Tensor, state: DispatchState) -> Any:
@@ -138,45 +127,48 @@ class TokenDispatcher(ABC):
 
 @dataclass
 class LocalDispatchState(DispatchState):
-    token_order: torch.Tensor  # (N * k,): flat (token, k) choice of each expert-major row
+    plan: PermutePlan  # the local batch's (N, k) slots <-> the rows its copies occupy
     topk_weights: torch.Tensor  # (N, k) fp32
 
 
 class LocalTokenDispatcher(TokenDispatcher):
-    """All experts on this rank: copy each token once per chosen expert, grouped expert-major, and back.
+    """All experts on this rank: copy each token once per chosen expert into padded expert-major rows, and back.
 
     Subclasses that exchange the sorted copies with other ranks (all-to-all) override the communication stages
     and the local re-ordering around them.
     """
 
     backend = "local"
-    sum_token_copies = staticmethod(sum_token_copies)
-    """The combine's unsort and weighted sum; `compile_moe` swaps in a compiled copy shared by all layers."""
 
     def __init__(self, num_experts: int, score_before_experts: bool = False):
         self.num_experts = num_experts
         self.score_before_experts = score_before_experts
 
-    def dispatch_preprocess(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, LocalDispatchState]:
-        """-> rows (N * k, dim) sorted by global expert, tokens per global expert (E,), state."""
-        top_k = topk_idx.shape[1]
-        token_order = expert_major_order(topk_idx, self.num_experts)  # (N * k,)
-        weights = topk_weights if self.score_before_experts else None
-        rows = self.gather_token_copies(x, token_order, top_k, weights)  # (N * k, dim)
+    def expert_order(self, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """topk_idx (N, k) -> the slots sorted by global expert (N * k,), tokens per global expert (E,)."""
         flat_idx = topk_idx.reshape(-1)
         # scatter_add, not bincount: bincount syncs with the host on CUDA to size its output
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=topk_idx.device).scatter_add_(
             0, flat_idx, torch.ones_like(flat_idx)
         )
-        return rows, counts, LocalDispatchState(token_order, topk_weights)
+        return expert_major_order(topk_idx, self.num_experts), counts
+
+    def dispatch_preprocess(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Any:
+        return x, topk_idx, topk_weights
 
     def token_dispatch(self, prepared: Any) -> Any:
         return prepared
 
-    def dispatch_postprocess(self, dispatched: Any) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
-        return dispatched
+    def dispatch_postprocess(
+        self, dispatched: Any, layout: ExpertRows
+    ) -> tuple[torch.Tensor, torch.Tensor, LocalDispatchState]:
+        x, topk_idx, topk_weights = dispatched
+        order, counts = self.expert_order(topk_idx)
+        weights = topk_weights if self.score_before_experts else None
+        rows, plan = self.permute_to_experts(
+            x, order, counts, topk_idx.shape[1], weights, layout.alignment, layout.dtype
+        )
+        return rows, plan.group_ends, LocalDispatchState(plan, topk_weights)
 
     def combine_preprocess(self, expert_output: torch.Tensor, state: DispatchState) -> torch.Tensor:
         return expert_output
@@ -185,5 +177,6 @@ class LocalTokenDispatcher(TokenDispatcher):
         return prepared
 
     def combine_postprocess(self, combined: torch.Tensor, state: LocalDispatchState) -> torch.Tensor:
-        """combined (N * k, dim) sorted by global expert -> sum_k g_{t,k} FFN_k(x_t): (N, dim) fp32."""
-        return self.sum_token_copies(combined, state.token_order, state.topk_weights, not self.score_before_experts)
+        """combined (rows, dim) as dispatch laid them out -> sum_k g_{t,k} FFN_k(x_t): (N, dim) fp32."""
+        weights = None if self.score_before_experts else state.topk_weights
+        return self.unpermute_tokens(combined, state.plan, state.topk_weights.shape[1], weights, torch.float32)

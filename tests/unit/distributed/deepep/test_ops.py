@@ -6,7 +6,9 @@ import torch
 import torch.distributed as dist
 
 from tests.unit.distributed._spawn import run_distributed
+from tests.unit.models.moe._expert_rows import expert_of_padded_row
 from torchtitan.distributed.deepep import DeepEPTokenDispatcher, cpu_kernels, destroy_buffers, get_or_create_buffer
+from torchtitan.models.moe.experts import ExpertRows
 from torchtitan.models.moe.float8 import dequantize_blockwise, quantize_blockwise
 
 DIM, NUM_EXPERTS, TOP_K = 8, 8, 3
@@ -231,9 +233,8 @@ def _gradients_match_closed_form(rank: int, world_size: int) -> None:
     upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(rank))
 
     xd, wd = x.clone().requires_grad_(), topk_weights.clone().requires_grad_()
-    expert_input, tokens_per_expert, state = dispatcher.dispatch(xd, topk_idx, wd)
-    expert_ids = torch.arange(local_experts) + rank * local_experts
-    scale = (1.0 + expert_ids).repeat_interleave(tokens_per_expert).unsqueeze(1)
+    expert_input, group_ends, state = dispatcher.dispatch(xd, topk_idx, wd, ExpertRows(8, xd.dtype))
+    scale = 1.0 + rank * local_experts + expert_of_padded_row(group_ends, expert_input.shape[0]).unsqueeze(1)
     out = dispatcher.combine(torch.tanh(expert_input) * scale, state)
     (out * upstream).sum().backward()
 

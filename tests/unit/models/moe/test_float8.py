@@ -5,10 +5,11 @@ is the one that runs, and clear errors. The CUDA kernel against this emulation i
 import pytest
 import torch
 
+from tests.unit.models.moe._expert_rows import run_fp8_experts_on_rows, run_on_rows
 from tests.unit.models.moe._saved_layouts import compile_recording_backward_inputs, strided_by_a_dynamic_size
 from torchtitan.models.moe import experts as experts_module
 from torchtitan.models.moe import float8
-from torchtitan.models.moe.experts import GroupedExperts, convert_to_float8_experts, run_experts_grouped_mm
+from torchtitan.models.moe.experts import GroupedExperts, convert_to_float8_experts
 from torchtitan.models.moe.float8 import (
     FP8_MAX,
     check_float8_supported,
@@ -151,7 +152,7 @@ def test_fp8_experts_take_the_scaled_path_and_stay_close_to_bf16(monkeypatch):
     for float8_on in (True, False):
         experts = _experts(float8_on)
         xi = x.clone().requires_grad_()
-        out = experts(xi, counts)
+        out = run_on_rows(experts, xi, counts)
         out.backward(grad_out)
         outputs.append((out, xi.grad, experts.w1.grad, experts.w2.grad))
     # forward: gate and up stacked in one GEMM, then down; backward: one grad-input GEMM and one weight-gradient
@@ -190,12 +191,12 @@ def test_fp8_experts_compile_with_a_dynamic_row_count():
     A column-major one has the row count as its stride, and the 16B run on H200 (5153e79) failed the compiled
     backward's check of that stride at its second step."""
     experts = _experts(True)
-    compiled, backward_inputs = compile_recording_backward_inputs(run_experts_grouped_mm)
+    compiled, backward_inputs = compile_recording_backward_inputs(run_fp8_experts_on_rows)
     for counts in (torch.tensor([5, 0, 17, 9]), torch.tensor([12, 3, 0, 30])):
         x = torch.randn(int(counts.sum()), 32)
-        args = (counts, experts.w1, experts.w2, experts.w3, 16, True)
+        args = (counts, experts.w1, experts.w2, experts.w3)
         results = []
-        for fn in (run_experts_grouped_mm, compiled):
+        for fn in (run_fp8_experts_on_rows, compiled):
             xi = x.clone().requires_grad_()
             out = fn(xi, *args)
             out.backward(torch.ones_like(out))

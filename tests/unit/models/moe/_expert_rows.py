@@ -1,0 +1,38 @@
+"""Run GroupedExperts on plain expert-major rows: pad them the way every dispatcher does, and unpad the output."""
+
+import torch
+
+from torchtitan.models.moe.experts import GroupedExperts, run_experts_grouped_mm
+from torchtitan.models.moe.permute import PermutePlan, permute_tokens, plan_permutation, unpermute_tokens
+
+
+def pad_rows(
+    x: torch.Tensor, counts: torch.Tensor, alignment: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, PermutePlan]:
+    """x (T, dim) expert-major, counts (E,) -> the experts' padded rows (P, dim) in `dtype` and their plan; rows of x
+    past sum(counts) belong to no expert."""
+    plan = plan_permutation(torch.arange(x.shape[0], device=x.device), x.shape[0], counts, alignment)
+    return permute_tokens(x, plan, 1, None, dtype), plan
+
+
+def run_on_rows(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """experts on x (T, dim) expert-major with `counts` rows per expert -> (T, dim) in x.dtype, zero past the
+    routed rows."""
+    layout = experts.row_layout(x.dtype)
+    rows, plan = pad_rows(x, counts, layout.alignment, layout.dtype)
+    return unpermute_tokens(experts(rows, plan.group_ends), plan, 1, None, x.dtype)
+
+
+def run_fp8_experts_on_rows(
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+) -> torch.Tensor:
+    """`run_on_rows` for FP8 experts as a function of tensors (what a compile test compiles): pad, grouped GEMMs,
+    unpad."""
+    rows, plan = pad_rows(x, counts, 16, torch.bfloat16)
+    return unpermute_tokens(run_experts_grouped_mm(rows, plan.group_ends, w1, w2, w3, True), plan, 1, None, x.dtype)
+
+
+def expert_of_padded_row(group_ends: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """(num_rows,) the local expert whose group holds each padded row (rows past the last group: the last expert)."""
+    rows = torch.arange(num_rows, device=group_ends.device)
+    return torch.searchsorted(group_ends.long(), rows, right=True).clamp_max(group_ends.numel() - 1)
