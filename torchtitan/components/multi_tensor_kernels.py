@@ -121,7 +121,7 @@ def _adamw_block(
     param = param * decay_factor
     exp_avg = beta1 * exp_avg + one_minus_beta1 * grad
     exp_avg_sq = beta2 * exp_avg_sq + one_minus_beta2 * grad * grad
-    denom = tl.math.div_rn(tl.sqrt_rn(exp_avg_sq), bias_correction2_sqrt) + eps
+    denom = tl.math.div_rn(tl.math.sqrt_rn(exp_avg_sq), bias_correction2_sqrt) + eps
     param = param - tl.math.div_rn(step_size * exp_avg, denom)
 
     if MASKED:
