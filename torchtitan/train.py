@@ -235,15 +235,10 @@ class Trainer:
         for (tokens, labels), targets in zip(microbatches, mtp_labels, strict=True):
             loss = loss + self.forward_backward(tokens, labels, targets)
 
-        grad_norm = dist_utils.clip_grad_norm_(
-            [p for part in self.model_parts for p in part.parameters()],
-            self.job_config.training.max_norm,
-            pp_mesh=self.parallel_dims.get_mesh("pp") if self.parallel_dims.pp_enabled else None,
-            ep_enabled=self.parallel_dims.ep_enabled,
-        )
+        grad_norm, step_kwargs = self._clip_gradients()
         self.checkpointer.maybe_wait_for_staging()
         lr = self.lr_schedulers.get_last_lr()
-        self.optimizers.step()
+        self.optimizers.step(**step_kwargs)
         self.lr_schedulers.step()
         self.last_mtp_loss = None
         if self.model_args.mtp_layers:
@@ -251,6 +246,20 @@ class Trainer:
             loss = self.step_loss.main_total.to(self.device)
             self.last_mtp_loss = self._reduce_loss_for_logging(self.step_loss.mtp_total.to(self.device))
         return self._reduce_loss_for_logging(loss), grad_norm, lr
+
+    def _clip_gradients(self) -> tuple[torch.Tensor, dict]:
+        """The total grad norm, and the optimizers' step kwargs: optimizers that fold clipping into their update get
+        the clip coefficient (`grad_scale`, gradients untouched); others get gradients clipped in place here."""
+        params = [p for part in self.model_parts for p in part.parameters()]
+        max_norm = self.job_config.training.max_norm
+        pp_mesh = self.parallel_dims.get_mesh("pp") if self.parallel_dims.pp_enabled else None
+        if self.optimizers.folds_grad_scale:
+            grad_norm, clip_coef = dist_utils.grad_norm_and_clip_coef(params, max_norm, pp_mesh=pp_mesh)
+            return grad_norm, {"grad_scale": clip_coef}
+        grad_norm = dist_utils.clip_grad_norm_(
+            params, max_norm, pp_mesh=pp_mesh, ep_enabled=self.parallel_dims.ep_enabled
+        )
+        return grad_norm, {}
 
     def _reduce_loss_for_logging(self, loss: torch.Tensor) -> torch.Tensor:
         """Each rank holds its share of the global mean: sum shares over DP, then share the last PP stage's value."""

@@ -35,6 +35,23 @@ def test_metrics_line_format(dump_folder):
     assert re.search(pattern, out), out[-2000:]
 
 
+def test_folded_clipping_trains_like_clip_grad_norm_and_torch_adamw(tmp_path):
+    """The default optimizer (MultiTensorAdamW, clipping folded into the step; its CPU path here) against torch's
+    foreach AdamW after clip_grad_norm_, with clipping active every step: the same losses and grad norms."""
+    records = {}
+    for implementation in ("triton", "foreach"):
+        folder = tmp_path / implementation
+        args = [*FAST_ARGS, "--training.steps", "4", "--training.max_norm", "0.05",
+                "--optimizer.implementation", implementation]  # fmt: skip
+        run_trainer(folder, args)
+        lines = (folder / "metrics.jsonl").read_text().splitlines()
+        records[implementation] = [json.loads(line) for line in lines]
+    assert len(records["triton"]) == 4 and all(r["grad_norm"] > 0.05 for r in records["triton"])
+    for key in ("loss", "grad_norm"):
+        values = {implementation: [r[key] for r in records[implementation]] for implementation in records}
+        assert values["triton"] == pytest.approx(values["foreach"], rel=1e-4), key
+
+
 def _run_launcher(args: list[str], env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "CONFIG_FILE": str(DEBUG_CONFIG), "NGPU": "1", "PYTHON": sys.executable, **(env_extra or {})}
     return subprocess.run(

@@ -1,4 +1,5 @@
-"""One torch.optim optimizer per model part (pipeline stage), behind a container the trainer steps once.
+"""One optimizer per model part (pipeline stage), behind a container the trainer steps once: torch.optim's, or for
+AdamW `MultiTensorAdamW` (adamw.py: one Triton launch per parameter bucket, gradient clipping folded in).
 
 Weight decay applies to every parameter, norms, biases and embeddings included: that is torchtitan's
 behaviour, kept so results stay comparable with it.
@@ -7,6 +8,7 @@ The container's state dict is the *flattened* optimizer state dict of
 `torch.distributed.checkpoint.state_dict`: keys are parameter FQNs (`state.layers.0.wq.weight.exp_avg`,
 `param_groups.layers.0.wq.weight.lr`), values are DTensors where the parameters are sharded. Pipeline stages
 therefore never collide (index-based keys would), and DCP can reshard the state into another FSDP/TP/EP/PP layout.
+torch.optim.AdamW and MultiTensorAdamW save the same keys, so a checkpoint of one loads into the other.
 """
 
 import logging
@@ -23,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.utils.hooks import RemovableHandle
 
+from torchtitan.components.adamw import MultiTensorAdamW
 from torchtitan.config.job_config import JobConfig
 
 logger = logging.getLogger(__name__)
@@ -33,6 +36,7 @@ __all__ = ["OptimizersContainer", "build_optimizers"]
 StepHook = Callable[["OptimizersContainer", tuple, dict], None]
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+_IMPLEMENTATIONS = ("triton", "fused", "foreach", "for-loop")
 
 
 class OptimizersContainer:
@@ -63,8 +67,22 @@ class OptimizersContainer:
         self._step_pre_hooks[handle.id] = hook
         return handle
 
+    @property
+    def folds_grad_scale(self) -> bool:
+        """Whether every optimizer takes `step(grad_scale=...)`: gradient clipping folded into the update."""
+        return all(getattr(optimizer, "folds_grad_scale", False) for optimizer in self.optimizers)
+
     @torch.no_grad()
-    def step(self, *args: Any, **kwargs: Any) -> None:
+    def step(self, *args: Any, grad_scale: torch.Tensor | None = None, **kwargs: Any) -> None:
+        """Step every optimizer; `grad_scale` (the clip coefficient, a 0-dim tensor) multiplies the gradients inside
+        the update and needs `folds_grad_scale`."""
+        if grad_scale is not None:
+            if not self.folds_grad_scale:
+                raise ValueError(
+                    f"step(grad_scale=...) needs optimizers that fold it, got {[type(o).__name__ for o in self]}: "
+                    "clip the gradients with clip_grad_norm_ and call step() without it"
+                )
+            kwargs["grad_scale"] = grad_scale
         for hook in list(self._step_pre_hooks.values()):
             hook(self, args, kwargs)
         for optimizer in self.optimizers:
@@ -87,16 +105,28 @@ class OptimizersContainer:
 
 
 def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig) -> OptimizersContainer:
-    """One `torch.optim.{AdamW,Adam}` per model part, configured by `job_config.optimizer`."""
+    """One optimizer per model part, configured by `job_config.optimizer`: `MultiTensorAdamW` for AdamW with
+    implementation 'triton', else `torch.optim.{AdamW,Adam}`."""
     config = job_config.optimizer
     optimizer_classes = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
     if config.name not in optimizer_classes:
         raise ValueError(f"optimizer.name={config.name!r} is not supported; use one of {list(optimizer_classes)}")
-    if config.implementation not in ("fused", "foreach", "for-loop"):
-        raise ValueError(f"optimizer.implementation={config.implementation!r}; use 'fused', 'foreach' or 'for-loop'")
+    if config.implementation not in _IMPLEMENTATIONS:
+        raise ValueError(f"optimizer.implementation={config.implementation!r}; use one of {list(_IMPLEMENTATIONS)}")
 
     params_per_part = [[p for p in part.parameters() if p.requires_grad] for part in model_parts]
+    kwargs = {
+        "lr": config.lr,
+        "betas": (config.beta1, config.beta2),
+        "eps": config.eps,
+        "weight_decay": config.weight_decay,
+    }
     implementation = config.implementation
+    if implementation == "triton":
+        if config.name == "AdamW":
+            return OptimizersContainer(model_parts, [MultiTensorAdamW(params, **kwargs) for params in params_per_part])
+        logger.info("optimizer.implementation='triton' implements AdamW only; Adam uses torch's 'fused'")
+        implementation = "fused"
     if implementation == "fused":
         unsupported = _devices_without_fused_kernel(p for params in params_per_part for p in params)
         if unsupported:
@@ -105,14 +135,7 @@ def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig) -> Opt
             )
             implementation = "foreach"
 
-    kwargs = {
-        "lr": config.lr,
-        "betas": (config.beta1, config.beta2),
-        "eps": config.eps,
-        "weight_decay": config.weight_decay,
-        "fused": implementation == "fused",
-        "foreach": implementation == "foreach",
-    }
+    kwargs |= {"fused": implementation == "fused", "foreach": implementation == "foreach"}
     optimizers = [optimizer_classes[config.name](params, **kwargs) for params in params_per_part]
     return OptimizersContainer(model_parts, optimizers)
 

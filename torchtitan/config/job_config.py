@@ -68,8 +68,11 @@ class Optimizer:
     weight_decay: float = 0.1
     """Decoupled weight decay."""
 
-    implementation: Literal["for-loop", "foreach", "fused"] = "fused"
-    """Kernel choice; `fused` falls back to `foreach` where the device has no fused kernel (CPU)."""
+    implementation: Literal["triton", "fused", "foreach", "for-loop"] = "triton"
+    """Kernel choice. `triton` (AdamW only; Adam uses `fused`): torchtitan's MultiTensorAdamW, one Triton launch per
+    parameter group and dtype on CUDA with gradient clipping folded into the update (torch foreach ops on other
+    devices, e.g. CPU); needs triton for CUDA parameters. `fused`, `foreach`, `for-loop`: torch.optim's kernels, with
+    clipping as a separate pass; `fused` falls back to `foreach` where the device has no fused kernel."""
 
 
 @dataclass

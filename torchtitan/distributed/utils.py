@@ -15,10 +15,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from torchtitan.components.multi_tensor import sum_of_squares
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "clip_grad_norm_",
+    "grad_norm_and_clip_coef",
     "device_type",
     "init_distributed",
     "mixed_precision_autocast",
@@ -133,13 +136,7 @@ def clip_grad_norm_(
     """
     del ep_enabled  # grouping by mesh handles expert parameters; kept for the trainer's call signature
     norm_type = float(norm_type)
-    groups: dict[Any, list[torch.Tensor]] = {}  # parameters with a gradient, by the gradient's mesh
-    for param in parameters:
-        if param.grad is not None:
-            grad = param.grad
-            key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
-            groups.setdefault(key, []).append(param)
-
+    groups = _params_by_grad_mesh(parameters)
     group_norms = []
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm([param.grad for param in group], norm_type)
@@ -165,3 +162,56 @@ def clip_grad_norm_(
     for group in groups.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
+
+
+@torch.no_grad()
+def grad_norm_and_clip_coef(
+    parameters: Iterable[torch.Tensor], max_norm: float, pp_mesh: DeviceMesh | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The total gradient 2-norm over all meshes and pipeline stages, as `clip_grad_norm_` computes it, and torch's
+    clip coefficient min(1, max_norm / (norm + 1e-6)): two 0-dim fp32 tensors that stay on the device (no host sync).
+
+    The gradients are NOT clipped: hand the coefficient to an optimizer that folds it into its update
+    (`OptimizersContainer.step(grad_scale=coef)`). Each (mesh, placements) group's local sum of squares is one
+    multi-tensor launch (`sum_of_squares`), summed over the mesh dims where the gradient is sharded (its shards
+    there are disjoint parts of the tensor) and not over replicated dims; the pipeline stages' sums are summed over
+    `pp_mesh`.
+    """
+    group_sums = []
+    for params in _params_by_grad_mesh(parameters).values():
+        grads = [param.grad for param in params]
+        if not isinstance(grads[0], DTensor):
+            group_sums.append(sum_of_squares(grads))
+            continue
+        mesh, placements = grads[0].device_mesh, grads[0].placements
+        if any(placement.is_partial() for placement in placements):
+            raise ValueError(
+                f"gradients with Partial placements {placements} have no local norm: set "
+                "--optimizer.implementation foreach (clip_grad_norm_ lets DTensor reduce them)"
+            )
+        local_sum = sum_of_squares([grad.to_local() for grad in grads])
+        for mesh_dim, placement in enumerate(placements):
+            if placement.is_shard():
+                dist.all_reduce(local_sum, group=mesh.get_group(mesh_dim))
+        group_sums.append(local_sum)
+    if not group_sums:
+        total = torch.zeros((), dtype=torch.float32)
+    else:
+        total = torch.stack([group_sum.to(group_sums[0].device) for group_sum in group_sums]).sum()
+    if pp_mesh is not None and pp_mesh.size() > 1:
+        total = total.to(pp_mesh.device_type)
+        dist.all_reduce(total, group=pp_mesh.get_group())
+    norm = total.sqrt()
+    return norm, torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+def _params_by_grad_mesh(parameters: Iterable[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
+    """Parameters with a gradient, by their gradient's (mesh, placements) (None for plain tensors): DTensors of
+    different meshes cannot meet in one foreach op."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for param in parameters:
+        if param.grad is not None:
+            grad = param.grad
+            key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
+            groups.setdefault(key, []).append(param)
+    return groups

@@ -3,8 +3,10 @@ import logging
 import pytest
 import torch
 
+from torchtitan.components.adamw import MultiTensorAdamW
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.utils import clip_grad_norm_, grad_norm_and_clip_coef
 
 
 def config(implementation="fused", name="AdamW"):
@@ -129,3 +131,46 @@ def test_state_dict_is_flat_by_fqn_and_round_trips():
 def test_unknown_optimizer_name_is_rejected():
     with pytest.raises(ValueError, match="optimizer.name"):
         build_optimizers(two_stages(), config(name="SGD"))
+
+
+def test_triton_is_the_default_and_builds_multi_tensor_adamw_that_folds_clipping():
+    assert JobConfig().optimizer.implementation == "triton"
+    parts = two_stages()
+    optimizers = build_optimizers(parts, config("triton"))
+    assert all(isinstance(o, MultiTensorAdamW) for o in optimizers) and optimizers.folds_grad_scale
+    torch.manual_seed(1)
+    train_step(parts, optimizers)  # the CPU path of the same class
+
+
+def test_triton_with_adam_uses_torch_fused_adam():
+    optimizers = build_optimizers(two_stages(), config("triton", name="Adam"))
+    assert type(optimizers.optimizers[0]) is torch.optim.Adam and optimizers.optimizers[0].defaults["fused"]
+    assert not optimizers.folds_grad_scale
+
+
+def test_grad_scale_is_refused_by_optimizers_that_cannot_fold_it():
+    parts = two_stages()
+    optimizers = build_optimizers(parts, config("foreach"))
+    with pytest.raises(ValueError, match="clip_grad_norm_"):
+        optimizers.step(grad_scale=torch.tensor(0.5))
+
+
+def test_folded_clipping_equals_clip_grad_norm_then_torch_adamw():
+    results = []
+    for implementation in ["triton", "foreach"]:
+        parts = two_stages()
+        optimizers = build_optimizers(parts, config(implementation))
+        torch.manual_seed(1)
+        for _ in range(3):
+            optimizers.zero_grad()
+            parts[1](parts[0](torch.randn(3, 4))).square().sum().backward()
+            params = [p for part in parts for p in part.parameters()]
+            if optimizers.folds_grad_scale:
+                norm, coef = grad_norm_and_clip_coef(params, max_norm=0.1)
+                optimizers.step(grad_scale=coef)
+            else:
+                norm = clip_grad_norm_(params, max_norm=0.1)
+                optimizers.step()
+            assert float(norm) > 0.1  # clipping is active
+        results.append(torch.cat([p.detach().flatten() for part in parts for p in part.parameters()]))
+    torch.testing.assert_close(results[0], results[1])

@@ -1,0 +1,114 @@
+"""The Triton AdamW and sum of squares (multi_tensor_kernels.py) against torch on the GPU: torch's clip_grad_norm_ +
+fused AdamW over several steps equal grad_norm_and_clip_coef + MultiTensorAdamW with the clip folded in.
+
+Tolerance (rtol 1e-5, atol 1e-6, fp32): both sides are fp32 with IEEE division and square root; they differ only in
+rounding, from the norm's summation order (relative ~1e-7 on the clip coefficient) and from the order of operations
+in the update. Each step moves a parameter by about lr (1e-2 here) with a relative error ~1e-6, so after 5 steps the
+O(1) parameters agree to ~1e-7; a real bug (a missing clip, a wrong bias correction, a chunk skipped) moves them by
+~1e-3 or more.
+"""
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from torchtitan.components.adamw import MultiTensorAdamW
+from torchtitan.components.multi_tensor import CHUNK
+from torchtitan.distributed.utils import grad_norm_and_clip_coef
+
+pytest.importorskip("triton")
+
+# 0-dim, one element, below / at / above one chunk and one 1024-element block, a 2-D tensor with odd rows
+SHAPES = [(), (1,), (1023,), (CHUNK,), (CHUNK + 1,), (3, 4097), (64, 1000), (2, 3 * CHUNK + 5)]
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def make_params(unaligned: bool) -> list[torch.nn.Parameter]:
+    """Fresh parameters (same values each call); `unaligned`: views one element into a buffer (4-byte aligned only),
+    which the kernel must read without 16-byte vector accesses."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    params = []
+    for shape in SHAPES:
+        numel = torch.Size(shape).numel()
+        base = torch.randn(numel + 1, generator=gen, device="cuda")
+        data = base[1:] if unaligned else base[:numel].clone()
+        params.append(torch.nn.Parameter(data.view(shape)))
+    return params
+
+
+def groups(params):
+    return [{"params": params[:4], "lr": 1e-2, "weight_decay": 0.1}, {"params": params[4:], "lr": 5e-3}]
+
+
+@pytest.mark.parametrize("unaligned", [False, True], ids=["aligned", "unaligned"])
+def test_matches_clip_grad_norm_and_torch_fused_adamw_over_steps(unaligned):
+    ours_params, ref_params = make_params(unaligned), make_params(unaligned)
+    ours = MultiTensorAdamW(groups(ours_params), betas=(0.9, 0.95), weight_decay=0.0)
+    ref = torch.optim.AdamW(groups(ref_params), betas=(0.9, 0.95), weight_decay=0.0, fused=True)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for step in range(5):
+        for ours_param, ref_param in zip(ours_params, ref_params, strict=True):
+            grad = torch.randn(ref_param.shape, generator=gen, device="cuda")
+            ours_param.grad, ref_param.grad = grad.clone(), grad.clone()
+        max_norm = 0.5 * float(torch.nn.utils.get_total_norm([p.grad for p in ref_params]))
+        if step == 2:
+            max_norm *= 10  # no clipping this step: coefficient 1
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, max_norm, foreach=True)
+        norm, coef = grad_norm_and_clip_coef(ours_params, max_norm)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+        ours.step(grad_scale=coef)
+        ref.step()
+        for ours_param, ref_param in zip(ours_params, ref_params, strict=True):
+            torch.testing.assert_close(ours_param, ref_param, **TOLERANCE)
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(ours.state[ours_param][key], ref.state[ref_param][key], **TOLERANCE)
+
+
+def test_bf16_gradients_equal_their_fp32_values():
+    from torchtitan.components.multi_tensor_kernels import adamw_update_
+
+    results = []
+    for grad_dtype in (torch.bfloat16, torch.float32):
+        gen = torch.Generator(device="cuda").manual_seed(2)
+        params = [torch.randn(shape, generator=gen, device="cuda") for shape in SHAPES]
+        grads = [torch.randn(shape, generator=gen, device="cuda").bfloat16().to(grad_dtype) for shape in SHAPES]
+        exp_avgs = [torch.rand_like(p) for p in params]
+        exp_avg_sqs = [torch.rand_like(p) for p in params]
+        adamw_update_(
+            params, grads, exp_avgs, exp_avg_sqs, [1e-2] * len(params), [0.5] * len(params),
+            decay_factor=0.999, beta1=0.9, beta2=0.95, eps=1e-8, grad_scale=torch.tensor(0.7, device="cuda"),
+        )  # fmt: skip
+        results.append(params + exp_avgs + exp_avg_sqs)
+    for bf16_result, fp32_result in zip(*results, strict=True):
+        torch.testing.assert_close(bf16_result, fp32_result, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_of_squares_matches_torch_norm(dtype):
+    from torchtitan.components.multi_tensor_kernels import sum_of_squares
+
+    tensors = [p.detach().to(dtype) for p in make_params(unaligned=False)]
+    tensors.append(torch.randn(CHUNK + 2, device="cuda", dtype=dtype)[1:])  # not 16-byte aligned
+    expected = torch.nn.utils.get_total_norm([t.float() for t in tensors]).square()
+    torch.testing.assert_close(sum_of_squares(tensors), expected, rtol=1e-5, atol=0)
+
+
+def test_one_update_launch_per_param_group_and_no_host_sync():
+    params = make_params(unaligned=False)
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer = MultiTensorAdamW(groups(params))
+    norm, coef = grad_norm_and_clip_coef(params, 1.0)
+    optimizer.step(grad_scale=coef)  # compile outside the trace
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda.set_sync_debug_mode("error")  # a device-to-host sync in the step raises
+        try:
+            norm, coef = grad_norm_and_clip_coef(params, 1.0)
+            optimizer.step(grad_scale=coef)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    names = [event.name for event in prof.events() if event.device_type.name == "CUDA"]
+    assert sum("_adamw_kernel" in name for name in names) == 2, names
+    assert sum("_sum_of_squares_kernel" in name for name in names) == 1, names

@@ -1,0 +1,157 @@
+"""MultiTensorAdamW on CPU (its torch path): torch.optim.AdamW's numerics and state, clipping folded into the step."""
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+
+from torchtitan.components.adamw import MultiTensorAdamW
+from torchtitan.components.multi_tensor import CHUNK, chunk_table, sum_of_squares
+from torchtitan.distributed.utils import grad_norm_and_clip_coef
+
+# 0-dim, one element, odd sizes, and sizes around the kernel's chunk
+SHAPES = [(), (1,), (7,), (3, 5), (2, 3, 4), (CHUNK + 3,)]
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def make_params(seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in SHAPES]
+
+
+def param_groups(params: list[torch.nn.Parameter]) -> list[dict]:
+    return [
+        {"params": params[:3], "lr": 0.05, "weight_decay": 0.1},
+        {"params": params[3:], "lr": 0.01, "weight_decay": 0.0},
+    ]
+
+
+def set_grads(step: int, *param_lists: list[torch.nn.Parameter]) -> None:
+    """The same gradients on each list; at step 3 the first parameter has none (its step count falls behind)."""
+    gen = torch.Generator().manual_seed(100 + step)
+    for i, shape in enumerate(SHAPES):
+        grad = torch.randn(shape, generator=gen) * (i + 1)
+        for params in param_lists:
+            params[i].grad = None if (step == 3 and i == 0) else grad.clone()
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["no-clip", "folded-clip"])
+def test_matches_torch_adamw_over_steps_with_two_groups_and_an_lr_change(clip):
+    ours_params, ref_params = make_params(), make_params()
+    ours = MultiTensorAdamW(param_groups(ours_params), betas=(0.9, 0.95), eps=1e-8)
+    ref = torch.optim.AdamW(param_groups(ref_params), betas=(0.9, 0.95), eps=1e-8)
+    for step in range(6):
+        if step == 2:
+            for optimizer in (ours, ref):
+                optimizer.param_groups[0]["lr"] = 0.02
+        set_grads(step, ours_params, ref_params)
+        if clip:
+            max_norm = 0.5 * float(torch.nn.utils.get_total_norm([p.grad for p in ref_params if p.grad is not None]))
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, max_norm)
+            grads_before = [None if p.grad is None else p.grad.clone() for p in ours_params]
+            norm, coef = grad_norm_and_clip_coef(ours_params, max_norm)
+            torch.testing.assert_close(norm, ref_norm)
+            assert float(coef) < 1.0
+            ours.step(grad_scale=coef)
+            for param, before in zip(ours_params, grads_before, strict=True):  # the step did not clip in place
+                assert (param.grad is None and before is None) or torch.equal(param.grad, before)
+        else:
+            ours.step()
+        ref.step()
+        for ours_param, ref_param in zip(ours_params, ref_params, strict=True):
+            torch.testing.assert_close(ours_param, ref_param)
+            ours_state, ref_state = ours.state[ours_param], ref.state[ref_param]
+            assert ours_state.keys() == ref_state.keys()
+            for key in ref_state:
+                torch.testing.assert_close(ours_state[key], ref_state[key])
+                assert ours_state[key].dtype == ref_state[key].dtype
+                assert ours_state[key].device == ref_state[key].device
+    assert float(ours.state[ours_params[0]]["step"]) == 5  # it had no gradient in one of the 6 steps
+
+
+def test_param_groups_carry_torch_adamw_keys():
+    ours = MultiTensorAdamW(make_params())
+    ref = torch.optim.AdamW(make_params())
+    assert ours.param_groups[0].keys() == ref.param_groups[0].keys()
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Linear(5, 3)
+        self.second = torch.nn.Linear(3, 1)
+
+    def train_step(self, optimizer: torch.optim.Optimizer, seed: int) -> None:
+        optimizer.zero_grad()
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(seed))
+        self.second(self.first(x).relu()).square().sum().backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("saved_by", ["torch", "ours"])
+def test_flattened_dcp_state_dict_loads_across_torch_adamw_both_ways(saved_by):
+    """Save with one class after 3 steps, load into a fresh model + the other class; both then take the same steps."""
+    classes = {"torch": torch.optim.AdamW, "ours": MultiTensorAdamW}
+    loaded_by = "ours" if saved_by == "torch" else "torch"
+    saver_model = TwoLayers()
+    saver = classes[saved_by](saver_model.parameters(), lr=0.01, weight_decay=0.1)
+    for seed in range(3):
+        saver_model.train_step(saver, seed)
+    # cloned, as a checkpoint on disk would be: loading keeps the very tensors it is given
+    state = {
+        k: v.clone() if isinstance(v, torch.Tensor) else v
+        for k, v in get_optimizer_state_dict(saver_model, saver, options=FLAT).items()
+    }
+
+    loader_model = TwoLayers()
+    loader_model.load_state_dict(saver_model.state_dict())
+    loader = classes[loaded_by](loader_model.parameters(), lr=0.5, weight_decay=0.0)
+    set_optimizer_state_dict(loader_model, loader, optim_state_dict=state, options=FLAT)
+    assert loader.param_groups[0]["lr"] == 0.01 and loader.param_groups[0]["weight_decay"] == 0.1
+    for seed in range(3, 6):
+        saver_model.train_step(saver, seed)
+        loader_model.train_step(loader, seed)
+    for saver_param, loader_param in zip(saver_model.parameters(), loader_model.parameters(), strict=True):
+        torch.testing.assert_close(loader_param, saver_param)
+        torch.testing.assert_close(loader.state[loader_param]["step"], saver.state[saver_param]["step"])
+
+
+@pytest.mark.parametrize("option", ["amsgrad", "maximize"])
+def test_unsupported_options_are_rejected_with_the_fix(option):
+    with pytest.raises(ValueError, match="optimizer.implementation foreach"):
+        MultiTensorAdamW(make_params(), **{option: True})
+    optimizer = MultiTensorAdamW(make_params())
+    optimizer.param_groups[0][option] = True  # as a loaded state dict could set it
+    with pytest.raises(ValueError, match=option):
+        optimizer.step()
+
+
+def test_bf16_gradients_update_fp32_params_like_their_fp32_copy():
+    params_bf16_grads, params_fp32_grads = make_params(), make_params()
+    gen = torch.Generator().manual_seed(1)
+    for bf16_param, fp32_param in zip(params_bf16_grads, params_fp32_grads, strict=True):
+        bf16_param.grad_dtype = None  # allow a gradient dtype other than the parameter's
+        bf16_param.grad = torch.randn(bf16_param.shape, generator=gen).bfloat16()
+        fp32_param.grad = bf16_param.grad.float()
+    MultiTensorAdamW(params_bf16_grads, lr=0.1).step()
+    MultiTensorAdamW(params_fp32_grads, lr=0.1).step()
+    for bf16_param, fp32_param in zip(params_bf16_grads, params_fp32_grads, strict=True):
+        torch.testing.assert_close(bf16_param, fp32_param)
+
+
+@pytest.mark.parametrize("numels", [(0, 1, CHUNK, CHUNK + 1, 3 * CHUNK - 1), (0,), (5,)])
+def test_chunk_table_covers_every_element_once(numels):
+    table = chunk_table(numels, torch.device("cpu"))
+    covered = [torch.zeros(n, dtype=torch.int64) for n in numels]
+    for tensor, chunk in zip(table.tensor_of_chunk.tolist(), table.chunk_in_tensor.tolist(), strict=True):
+        covered[tensor][chunk * CHUNK : (chunk + 1) * CHUNK] += 1
+    assert all(bool((c == 1).all()) for c in covered)
+    assert table.num_chunks == sum(-(-n // CHUNK) for n in numels)
+    assert table.numels.tolist() == list(numels)
+
+
+def test_sum_of_squares_matches_the_squared_total_norm():
+    tensors = [p.detach() for p in make_params()] + [torch.randn(4).bfloat16()]
+    expected = torch.nn.utils.get_total_norm([t.float() for t in tensors]).square()
+    torch.testing.assert_close(sum_of_squares(tensors), expected)
+    assert sum_of_squares([]).item() == 0.0

@@ -1,0 +1,198 @@
+"""AdamW that updates all parameters of a (param dtype, grad dtype) bucket of a param group in one kernel launch on
+CUDA, with the gradient-clipping coefficient folded into the update.
+
+The update is torch.optim.AdamW's: p *= 1 - lr * wd; m = beta1 m + (1 - beta1) g; v = beta2 v + (1 - beta2) g^2;
+p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps), with bias corrections bc = 1 - beta^step from each parameter's own
+step. With `step(grad_scale=c)` the update uses g = c * grad, so clipping needs no pass over the gradients of its
+own; the gradients in memory are left unscaled.
+
+State keys and layout are torch.optim.AdamW's (`step` a 0-dim fp32 CPU tensor, `exp_avg`, `exp_avg_sq` like the
+parameter, DTensors for DTensor parameters), and param groups carry all of AdamW's keys, so flattened DCP optimizer
+state dicts load across torch.optim.AdamW and this class both ways.
+
+CUDA parameters are stepped by the Triton kernel of `multi_tensor_kernels.py`; parameters on any other device by
+torch's foreach ops (the same update, the order of torch's foreach AdamW), which is also what CPU tests exercise.
+DTensor parameters (FSDP2, expert parallel) are updated through their local shards.
+"""
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from torchtitan.components.multi_tensor import cuda_kernels
+
+__all__ = ["MultiTensorAdamW"]
+
+# Param-group keys of torch.optim.AdamW that say how torch steps, not what: kept so that DCP's flattened state dict,
+# which reads every key of the loading optimizer's groups, finds them in both directions. This class ignores them.
+_TORCH_ADAMW_IMPLEMENTATION_KEYS = {
+    "foreach": None,
+    "fused": None,
+    "capturable": False,
+    "differentiable": False,
+    "decoupled_weight_decay": True,
+}
+
+
+class MultiTensorAdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW's update in one launch per bucket on CUDA; `step(grad_scale=c)` scales gradients by c."""
+
+    folds_grad_scale = True  # OptimizersContainer.step(grad_scale=...) passes the clip coefficient here
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        maximize: bool = False,
+    ) -> None:
+        _check_supported({"amsgrad": amsgrad, "maximize": maximize})
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "amsgrad": amsgrad,
+            "maximize": maximize,
+            **_TORCH_ADAMW_IMPLEMENTATION_KEYS,
+        }
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, grad_scale: torch.Tensor | None = None) -> Any:
+        """One AdamW step over every parameter with a gradient; `grad_scale` (a 0-dim tensor, e.g. the clip
+        coefficient, kept on device: no host sync) multiplies each gradient inside the update, not in memory."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            _check_supported(group)  # a loaded state dict may have switched them on
+            for bucket in self._buckets(group).values():
+                _step_bucket(bucket, group, grad_scale)
+        return loss
+
+    def _buckets(self, group: dict[str, Any]) -> dict[tuple, "_Bucket"]:
+        """The group's parameters with gradients, as local tensors, by (device, param dtype, grad dtype)."""
+        buckets: dict[tuple, _Bucket] = {}
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            if param.grad.is_sparse:
+                raise ValueError("MultiTensorAdamW does not take sparse gradients: use torch.optim.SparseAdam")
+            state = self.state[param]
+            if not state:
+                # as torch.optim.AdamW (neither fused nor capturable) makes them
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            elif state["step"].device.type != "cpu":
+                # a checkpoint of torch's fused AdamW keeps steps on the GPU: one copy here, then no syncs
+                state["step"] = state["step"].cpu()
+            local_param, local_grad = _local(param), _local(_grad_like_param(param))
+            bucket = buckets.setdefault((local_param.device, local_param.dtype, local_grad.dtype), _Bucket())
+            bucket.params.append(local_param)
+            bucket.grads.append(local_grad)
+            bucket.exp_avgs.append(_local(state["exp_avg"]))
+            bucket.exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+            bucket.steps.append(state["step"])
+        return buckets
+
+
+@dataclass
+class _Bucket:
+    """Parameters stepped together: one device, one parameter dtype, one gradient dtype."""
+
+    params: list[torch.Tensor] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+    exp_avgs: list[torch.Tensor] = field(default_factory=list)
+    exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
+    steps: list[torch.Tensor] = field(default_factory=list)  # 0-dim fp32 CPU tensors
+
+
+def _step_bucket(bucket: _Bucket, group: dict[str, Any], grad_scale: torch.Tensor | None) -> None:
+    torch._foreach_add_(bucket.steps, 1.0)
+    lr, weight_decay, eps = float(group["lr"]), group["weight_decay"], group["eps"]
+    beta1, beta2 = group["betas"]
+    # per parameter, in float64 on the host as torch computes them (steps may differ: a parameter without a
+    # gradient in some step did not advance)
+    steps = torch.stack(bucket.steps).tolist()
+    step_sizes = [lr / (1 - beta1**step) for step in steps]
+    bias_correction2_sqrts = [(1 - beta2**step) ** 0.5 for step in steps]
+    device = bucket.params[0].device
+    update = cuda_kernels().adamw_update_ if device.type == "cuda" else _foreach_adamw_update_
+    update(
+        bucket.params,
+        bucket.grads,
+        bucket.exp_avgs,
+        bucket.exp_avg_sqs,
+        step_sizes,
+        bias_correction2_sqrts,
+        decay_factor=1 - lr * weight_decay,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        grad_scale=None if grad_scale is None else grad_scale.to(device),
+    )
+
+
+def _foreach_adamw_update_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    step_sizes: list[float],
+    bias_correction2_sqrts: list[float],
+    *,
+    decay_factor: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    grad_scale: torch.Tensor | None,
+) -> None:
+    """The update on any device with torch's foreach ops, in the order of torch's foreach AdamW."""
+    if grads[0].dtype != params[0].dtype:
+        grads = [grad.to(params[0].dtype) for grad in grads]
+    if grad_scale is not None:
+        grads = torch._foreach_mul(grads, grad_scale)  # new tensors: the gradients stay as they are
+    torch._foreach_mul_(params, decay_factor)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bias_correction2_sqrts)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, [-step_size for step_size in step_sizes])
+
+
+def _check_supported(group: dict[str, Any]) -> None:
+    for option in ("amsgrad", "maximize"):
+        if group[option]:
+            raise ValueError(
+                f"MultiTensorAdamW does not implement {option}=True: set --optimizer.implementation foreach "
+                "(torch.optim.AdamW)"
+            )
+
+
+def _grad_like_param(param: torch.Tensor) -> torch.Tensor:
+    """The gradient, checked to be laid out like the parameter (the update pairs their local shards)."""
+    grad = param.grad
+    if isinstance(param, DTensor) and (
+        not isinstance(grad, DTensor) or grad.placements != param.placements or grad.device_mesh != param.device_mesh
+    ):
+        raise ValueError(
+            f"gradient of a DTensor parameter ({param.device_mesh}, {param.placements}) is laid out differently "
+            f"({getattr(grad, 'device_mesh', None)}, {getattr(grad, 'placements', None)}): set "
+            "--optimizer.implementation foreach, which lets DTensor redistribute it"
+        )
+    return grad
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

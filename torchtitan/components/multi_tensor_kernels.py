@@ -1,0 +1,272 @@
+"""Triton kernels over many tensors in one launch: the AdamW update and the sum of squares (CUDA only).
+
+torch's multi_tensor_apply launches at most 320 blocks per launch and splits its launches by tensor count, far from
+the memory bound on a few hundred large tensors. Here one launch covers every tensor of a list: program i looks up
+its (tensor, chunk) in the chunk table of `multi_tensor.py` and the tensor's address in an int64 table, cast to a
+pointer as in Triton's grouped-GEMM tutorial.
+
+Vectorized (16-byte) accesses need the compiler to know alignment: chunk starts are multiples of CHUNK by
+construction, addresses are declared 16-byte aligned when the host checked they all are (ALIGNED), and full chunks
+run an unmasked loop (a mask against a tensor's size, unknown at compile time, would force scalar accesses).
+
+Arithmetic is fp32 with IEEE-rounded division and square root (`div_rn`, `sqrt_rn`, not Triton's approximate `/`
+and `sqrt`), in the order of torch's fused AdamW kernel.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from torchtitan.components.multi_tensor import CHUNK, chunk_table, to_device_tables
+
+__all__ = ["adamw_update_", "sum_of_squares"]
+
+_BLOCK = 1024  # elements per loop iteration of a program: 8 per thread with 4 warps
+_NUM_WARPS = 4
+_GRAD_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@triton.jit
+def _adamw_kernel(
+    addresses_ptr,  # (4, num_tensors) int64: param, grad, exp_avg, exp_avg_sq
+    scalars_ptr,  # (2, num_tensors) fp32: lr / bias_correction1, sqrt(bias_correction2)
+    numels_ptr,
+    tensor_of_chunk_ptr,
+    chunk_in_tensor_ptr,
+    grad_scale_ptr,  # (1,) fp32, read when HAS_GRAD_SCALE
+    num_tensors,
+    decay_factor,  # 1 - lr * weight_decay
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    HAS_GRAD_SCALE: tl.constexpr,
+    GRAD_BF16: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    tensor = tl.load(tensor_of_chunk_ptr + chunk)
+    start = tl.load(chunk_in_tensor_ptr + chunk).to(tl.int64) * CHUNK
+    numel = tl.load(numels_ptr + tensor)
+    param_ptr = tl.load(addresses_ptr + tensor).to(tl.pointer_type(tl.float32))
+    exp_avg_ptr = tl.load(addresses_ptr + 2 * num_tensors + tensor).to(tl.pointer_type(tl.float32))
+    exp_avg_sq_ptr = tl.load(addresses_ptr + 3 * num_tensors + tensor).to(tl.pointer_type(tl.float32))
+    if GRAD_BF16:
+        grad_ptr = tl.load(addresses_ptr + num_tensors + tensor).to(tl.pointer_type(tl.bfloat16))
+    else:
+        grad_ptr = tl.load(addresses_ptr + num_tensors + tensor).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        param_ptr = tl.multiple_of(param_ptr, 16)
+        grad_ptr = tl.multiple_of(grad_ptr, 16)
+        exp_avg_ptr = tl.multiple_of(exp_avg_ptr, 16)
+        exp_avg_sq_ptr = tl.multiple_of(exp_avg_sq_ptr, 16)
+    step_size = tl.load(scalars_ptr + tensor)
+    bias_correction2_sqrt = tl.load(scalars_ptr + num_tensors + tensor)
+    if HAS_GRAD_SCALE:
+        grad_scale = tl.load(grad_scale_ptr)
+    else:
+        grad_scale = 1.0
+
+    if start + CHUNK <= numel:
+        for offset in range(0, CHUNK, BLOCK):
+            _adamw_block(
+                param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, start + offset + tl.arange(0, BLOCK), numel,
+                grad_scale, step_size, bias_correction2_sqrt, decay_factor, beta1, one_minus_beta1, beta2,
+                one_minus_beta2, eps, MASKED=False,
+            )  # fmt: skip
+    else:
+        for offset in range(0, CHUNK, BLOCK):
+            _adamw_block(
+                param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, start + offset + tl.arange(0, BLOCK), numel,
+                grad_scale, step_size, bias_correction2_sqrt, decay_factor, beta1, one_minus_beta1, beta2,
+                one_minus_beta2, eps, MASKED=True,
+            )  # fmt: skip
+
+
+@triton.jit
+def _adamw_block(
+    param_ptr,
+    grad_ptr,
+    exp_avg_ptr,
+    exp_avg_sq_ptr,
+    offsets,
+    numel,
+    grad_scale,
+    step_size,
+    bias_correction2_sqrt,
+    decay_factor,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    MASKED: tl.constexpr,
+):
+    if MASKED:
+        mask = offsets < numel
+        param = tl.load(param_ptr + offsets, mask=mask, other=0.0)
+        grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0)
+        exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0)
+    else:
+        param = tl.load(param_ptr + offsets)
+        grad = tl.load(grad_ptr + offsets).to(tl.float32)
+        exp_avg = tl.load(exp_avg_ptr + offsets)
+        exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets)
+
+    grad = grad * grad_scale  # the clip coefficient: the gradient in memory stays unclipped
+    param = param * decay_factor
+    exp_avg = beta1 * exp_avg + one_minus_beta1 * grad
+    exp_avg_sq = beta2 * exp_avg_sq + one_minus_beta2 * grad * grad
+    denom = tl.math.div_rn(tl.math.sqrt_rn(exp_avg_sq), bias_correction2_sqrt) + eps
+    param = param - tl.math.div_rn(step_size * exp_avg, denom)
+
+    if MASKED:
+        tl.store(param_ptr + offsets, param, mask=mask)
+        tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
+        tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
+    else:
+        tl.store(param_ptr + offsets, param)
+        tl.store(exp_avg_ptr + offsets, exp_avg)
+        tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq)
+
+
+@triton.jit
+def _sum_of_squares_kernel(
+    addresses_ptr,  # (num_tensors,) int64
+    numels_ptr,
+    tensor_of_chunk_ptr,
+    chunk_in_tensor_ptr,
+    partial_sums_ptr,  # (num_chunks,) fp32, one per program
+    BF16: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    tensor = tl.load(tensor_of_chunk_ptr + chunk)
+    start = tl.load(chunk_in_tensor_ptr + chunk).to(tl.int64) * CHUNK
+    numel = tl.load(numels_ptr + tensor)
+    if BF16:
+        ptr = tl.load(addresses_ptr + tensor).to(tl.pointer_type(tl.bfloat16))
+    else:
+        ptr = tl.load(addresses_ptr + tensor).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    if start + CHUNK <= numel:
+        for offset in range(0, CHUNK, BLOCK):
+            x = tl.load(ptr + start + offset + tl.arange(0, BLOCK)).to(tl.float32)
+            total += x * x
+    else:
+        for offset in range(0, CHUNK, BLOCK):
+            offsets = start + offset + tl.arange(0, BLOCK)
+            x = tl.load(ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
+            total += x * x
+    tl.store(partial_sums_ptr + chunk, tl.sum(total, axis=0))
+
+
+def adamw_update_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    step_sizes: list[float],
+    bias_correction2_sqrts: list[float],
+    *,
+    decay_factor: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    grad_scale: torch.Tensor | None,
+) -> None:
+    """One launch: param = param * decay_factor - step_size * m / (sqrt(v) / bias_correction2_sqrt + eps), after
+    updating m and v with grad * grad_scale. fp32 params and moments, fp32 or bf16 gradients, all contiguous."""
+    _check_tensors(params, grads, exp_avgs, exp_avg_sqs)
+    device = params[0].device
+    table = chunk_table(tuple(p.numel() for p in params), device)
+    if table.num_chunks == 0:
+        return
+    addresses = [t.data_ptr() for tensors in (params, grads, exp_avgs, exp_avg_sqs) for t in tensors]
+    scalars = torch.tensor([*step_sizes, *bias_correction2_sqrts], dtype=torch.float32)
+    addresses_on_device, scalars_on_device = to_device_tables(addresses, scalars, device)
+    _adamw_kernel[(table.num_chunks,)](
+        addresses_on_device,
+        scalars_on_device,
+        table.numels,
+        table.tensor_of_chunk,
+        table.chunk_in_tensor,
+        scalars_on_device if grad_scale is None else grad_scale,
+        len(params),
+        decay_factor,
+        beta1,
+        1.0 - beta1,
+        beta2,
+        1.0 - beta2,
+        eps,
+        HAS_GRAD_SCALE=grad_scale is not None,
+        GRAD_BF16=grads[0].dtype == torch.bfloat16,
+        ALIGNED=all(address % 16 == 0 for address in addresses),
+        CHUNK=CHUNK,
+        BLOCK=_BLOCK,
+        num_warps=_NUM_WARPS,
+    )
+
+
+def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """sum_i ||t_i||^2 as a 0-dim fp32 tensor: one launch per dtype writes per-chunk partial sums, one torch sum."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        if tensor.dtype not in _GRAD_DTYPES or not tensor.is_contiguous():
+            raise ValueError(
+                f"the Triton sum of squares takes contiguous {_GRAD_DTYPES} tensors, got {tensor.dtype} "
+                f"(contiguous={tensor.is_contiguous()}): set --optimizer.implementation foreach"
+            )
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    device = tensors[0].device
+    partial_sums = []
+    for dtype, group in by_dtype.items():
+        table = chunk_table(tuple(t.numel() for t in group), device)
+        if table.num_chunks == 0:
+            continue
+        addresses = [t.data_ptr() for t in group]
+        addresses_on_device, _ = to_device_tables(addresses, torch.empty(0), device)
+        partial = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
+        _sum_of_squares_kernel[(table.num_chunks,)](
+            addresses_on_device,
+            table.numels,
+            table.tensor_of_chunk,
+            table.chunk_in_tensor,
+            partial,
+            BF16=dtype == torch.bfloat16,
+            ALIGNED=all(address % 16 == 0 for address in addresses),
+            CHUNK=CHUNK,
+            BLOCK=_BLOCK,
+            num_warps=_NUM_WARPS,
+        )
+        partial_sums.append(partial)
+    if not partial_sums:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.cat(partial_sums).sum() if len(partial_sums) > 1 else partial_sums[0].sum()
+
+
+def _check_tensors(
+    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor]
+) -> None:
+    """The kernel reads flat memory: every tensor contiguous, moments and params fp32, one gradient dtype."""
+    if params[0].dtype != torch.float32 or grads[0].dtype not in _GRAD_DTYPES:
+        raise ValueError(
+            f"the Triton AdamW takes float32 parameters and {_GRAD_DTYPES} gradients, got {params[0].dtype} and "
+            f"{grads[0].dtype}: keep fp32 master weights, or set --optimizer.implementation foreach"
+        )
+    for tensors in (params, grads, exp_avgs, exp_avg_sqs):
+        for tensor in tensors:
+            if not tensor.is_contiguous():
+                raise ValueError(
+                    f"the Triton AdamW needs contiguous parameters, gradients and moments; got a {tensor.dtype} "
+                    f"tensor of shape {tuple(tensor.shape)} and strides {tensor.stride()}: set "
+                    "--optimizer.implementation foreach"
+                )
