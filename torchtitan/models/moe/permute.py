@@ -99,7 +99,8 @@ def _gather_slots(
     valid = padded_slot >= 0
     rows = F.pad(x, (0, 0, 0, 1)).index_select(0, torch.where(valid, padded_slot // top_k, num_tokens))
     if weights is not None:
-        slot_weights = F.pad(weights.reshape(-1), (0, 1)).index_select(0, torch.where(valid, padded_slot, weights.numel()))
+        slot = torch.where(valid, padded_slot, weights.numel())
+        slot_weights = F.pad(weights.reshape(-1), (0, 1)).index_select(0, slot)
         rows = rows.to(_at_least_fp32(rows)) * slot_weights.unsqueeze(1)
     return rows.to(dtype)
 
