@@ -72,8 +72,8 @@ def test_bf16_gradients_equal_their_fp32_values():
         gen = torch.Generator(device="cuda").manual_seed(2)
         params = [torch.randn(shape, generator=gen, device="cuda") for shape in SHAPES]
         grads = [torch.randn(shape, generator=gen, device="cuda").bfloat16().to(grad_dtype) for shape in SHAPES]
-        exp_avgs = [torch.rand_like(p) for p in params]
-        exp_avg_sqs = [torch.rand_like(p) for p in params]
+        exp_avgs = [torch.rand(p.shape, generator=gen, device="cuda") for p in params]
+        exp_avg_sqs = [torch.rand(p.shape, generator=gen, device="cuda") for p in params]
         adamw_update_(
             params, grads, exp_avgs, exp_avg_sqs, [1e-2] * len(params), [0.5] * len(params),
             decay_factor=0.999, beta1=0.9, beta2=0.95, eps=1e-8, grad_scale=torch.tensor(0.7, device="cuda"),

@@ -102,7 +102,7 @@ def _gather_slots(
         slot = torch.where(valid, padded_slot, weights.numel())
         slot_weights = F.pad(weights.reshape(-1), (0, 1)).index_select(0, slot)
         rows = rows.to(_at_least_fp32(rows)) * slot_weights.unsqueeze(1)
-    return rows.to(dtype)
+    return _cast(rows, dtype)
 
 
 def _sum_slots(
@@ -112,12 +112,12 @@ def _sum_slots(
     valid = (slot_row >= 0).unsqueeze(1)
     per_slot = rows.index_select(0, slot_row.clamp_min(0))  # (T * top_k, dim)
     if top_k == 1 and weights is None:
-        return torch.where(valid, per_slot, 0).to(dtype)
+        return _cast(torch.where(valid, per_slot, 0), dtype)
     per_slot = per_slot.to(_at_least_fp32(per_slot))
     if weights is not None:
         per_slot = per_slot * weights.reshape(-1, 1)
     per_slot = torch.where(valid, per_slot, 0)
-    return per_slot.view(-1, top_k, rows.shape[1]).sum(dim=1).to(dtype)
+    return _cast(per_slot.view(-1, top_k, rows.shape[1]).sum(dim=1), dtype)
 
 
 def _slot_weight_grad(rows: torch.Tensor, slot_row: torch.Tensor, tokens: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -125,6 +125,13 @@ def _slot_weight_grad(rows: torch.Tensor, slot_row: torch.Tensor, tokens: torch.
     per_slot = rows.index_select(0, slot_row.clamp_min(0)).view(-1, top_k, rows.shape[1])  # (T, k, dim)
     dots = (per_slot.to(_at_least_fp32(rows)) * tokens.to(_at_least_fp32(tokens)).unsqueeze(1)).sum(-1)
     return torch.where((slot_row >= 0).view(-1, top_k), dots, 0)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype`, with no `.to` at all when it already is: under torch.compile on torch 2.11, an autograd.Function
+    whose forward returns a no-op `.to()` (an alias of an intermediate) gets zero gradients (measured on an H200;
+    torch 2.13 on CPU is fine)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _at_least_fp32(t: torch.Tensor) -> torch.dtype:
@@ -148,7 +155,7 @@ class _PermuteTokens(torch.autograd.Function):
         grad_x = _sum_slots(grad_rows, slot_row, ctx.top_k, weights, ctx.x_dtype)
         grad_weights = None
         if weights is not None and ctx.needs_input_grad[4]:
-            grad_weights = _slot_weight_grad(grad_rows, slot_row, x, ctx.top_k).to(weights.dtype)
+            grad_weights = _cast(_slot_weight_grad(grad_rows, slot_row, x, ctx.top_k), weights.dtype)
         return grad_x, None, None, None, grad_weights, None
 
 
@@ -169,5 +176,5 @@ class _UnpermuteTokens(torch.autograd.Function):
         grad_rows = _gather_slots(grad_out, padded_slot, ctx.top_k, weights, ctx.rows_dtype)
         grad_weights = None
         if weights is not None and ctx.needs_input_grad[4]:
-            grad_weights = _slot_weight_grad(rows, slot_row, grad_out, ctx.top_k).to(weights.dtype)
+            grad_weights = _cast(_slot_weight_grad(rows, slot_row, grad_out, ctx.top_k), weights.dtype)
         return grad_rows, None, None, None, grad_weights, None
