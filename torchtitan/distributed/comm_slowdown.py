@@ -13,6 +13,11 @@ with autograd on (on detached copies of the inputs), and the result's exchanged 
 graph (`torch.autograd.grad`) before passing it on unchanged. A repeat whose output nobody uses would otherwise be
 dropped by autograd; this way each backward exchange runs `factor` times with the real gradient as its payload.
 Cost: each repeat's output stays alive until backward (one extra copy of the stage's output per repeat).
+
+Activation checkpointing: the repeats keep their own saved tensors (checkpoint's hooks would recompute the region
+again for each nested `torch.autograd.grad`, a new graph task), and the identity saves a marker after them so that a
+recompute, which stops at the last saved tensor, runs the repeats too. Per-op SAC saves their outputs like the
+stage's (communication is never recomputed).
 """
 
 from __future__ import annotations
