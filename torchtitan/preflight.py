@@ -5,12 +5,25 @@ N processes; the trainer runs the same checks again on every rank.
 """
 
 import argparse
+import logging
 import os
 import sys
 import tempfile
 
 from torchtitan.components.run_lock import DumpFolderBusyError, check_dump_folder_free
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
+
+logger = logging.getLogger(__name__)
+
+# When --parallelism.expert_parallel_overlap has nothing to gain (check_ep_overlap warns), from 2 H200s, EP=2,
+# 16B_bench4 (benchmarks/NOTES.md): with 8,192 tokens per micro-batch (local batch 4 x seq_len 4096, split in two)
+# it trained at 0.64x the tokens/s without it; with 16,384 (local batch 8) at 0.99x. Each micro-batch costs the
+# same kernel launches and host work for half the tokens, so smaller micro-batches have not paid in any run.
+OVERLAP_MIN_MICRO_BATCH_TOKENS = 16384
+# An EP group of fewer than 8 ranks fits in one 8-GPU host: its exchange runs over NVLink and is short. At EP=2
+# DeepEP's kernels took 17.7 ms without the overlap and 76.9 ms with it (they hold their SMs while waiting for the
+# other rank): the overlap cost more than there was to hide. `expert_parallel_comm_slowdown` > 1 is the exception.
+OVERLAP_MIN_EP_DEGREE = 8
 
 
 def check_job(argv: list[str], world_size: int) -> JobConfig:
@@ -91,6 +104,31 @@ def check_ep_overlap(job_config: JobConfig, parallel_dims) -> None:
             f"{flag} splits each rank's batch into two micro-batches, but training.local_batch_size is "
             f"{local_batch_size}; set --training.local_batch_size to an even number"
         )
+    reasons = overlap_cannot_pay(job_config, parallel_dims.ep)
+    if reasons:
+        logger.warning(
+            f"{flag} will likely slow this job down: {'; '.join(reasons)}. On 2 H200s (EP=2, 8,192 tokens per "
+            "micro-batch) it trained at 0.64x the tokens/s without it. It stays on as asked; drop the flag unless a "
+            "run shows a gain."
+        )
+
+
+def overlap_cannot_pay(job_config: JobConfig, ep_degree: int) -> list[str]:
+    """Why the two-micro-batch EP overlap is unlikely to be faster for this job (empty: it may pay)."""
+    reasons = []
+    if ep_degree < OVERLAP_MIN_EP_DEGREE and job_config.parallelism.expert_parallel_comm_slowdown == 1:
+        reasons.append(
+            f"expert_parallel_degree {ep_degree} < {OVERLAP_MIN_EP_DEGREE} exchanges within one host over NVLink, "
+            "too little to hide"
+        )
+    training = job_config.training
+    micro_batch_tokens = training.local_batch_size // 2 * training.seq_len
+    if micro_batch_tokens < OVERLAP_MIN_MICRO_BATCH_TOKENS:
+        reasons.append(
+            f"each micro-batch holds local_batch_size / 2 x seq_len = {micro_batch_tokens} tokens "
+            f"(< {OVERLAP_MIN_MICRO_BATCH_TOKENS}), too few to pay for its own launches"
+        )
+    return reasons
 
 
 def check_mtp(model_args, parallel_dims) -> None:

@@ -71,6 +71,30 @@ def cuda_time_ms(fn, warmup: int, iters: int, barrier: bool = False) -> float:
     return median(times)
 
 
+def time_ms(fn, warmup: int, iters: int, device: torch.device) -> float:
+    """Median milliseconds of `fn()`: CUDA events on a GPU, the host clock on CPU (gloo smoke runs only)."""
+    if device.type == "cuda":
+        return cuda_time_ms(fn, warmup, iters)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return median(times)
+
+
+def init_process_group_from_torchrun() -> torch.device:
+    """This torchrun rank's GPU with NCCL (`init_nccl_from_torchrun`), or the CPU with gloo where there is no GPU."""
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        return init_nccl_from_torchrun()
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
 def init_nccl_from_torchrun() -> torch.device:
     """This torchrun rank's GPU, with the default NCCL process group bound to it."""
     import torch.distributed as dist

@@ -8,10 +8,14 @@ are drawn from a Zipf(s) distribution over a random expert order (`--zipf-expone
 every timed iteration sees the same load, and the JSON records the max/mean expert load. The bound counts only
 the expert matmuls at the measured H200 bf16 rate:
     FLOPs(fwd) = 2 * 3 * dim * moe_inter * tokens * (top_k + num_shared),  fwd+bwd = 3 x fwd.
-`--overlap` times forward+backward of two micro-batches of `--tokens` each in the trainer's EP-overlap schedule
-(`models/deepseek_v3/overlap.py`) and reports it per micro-batch; `--sync-free` dispatches with DeepEP's worst-case
-sizes (no host wait). One JSON per (layer, backend, ep, tokens, routing, overlap, sync-free, FP8) goes to
-$BENCH_OUT or benchmarks/results/.
+Every run also times forward+backward of the EP-overlap's parts (`overlap_parts.py`), per micro-batch of `--tokens`:
+compute alone, exchange alone, the layer with the overlap off and with it on (two micro-batches in the trainer's
+schedule, `models/deepseek_v3/overlap.py`), and from them `hidden_fraction` = (T_off - T_on) / T_exchange and
+T_on / max(T_compute, T_exchange). `--overlap` makes `fwd_bwd_ms` the overlapped time (else the plain one).
+`--comm-slowdown N` moves every dispatch and combine N times, forward and backward (`distributed/comm_slowdown.py`):
+a communication-bound layer on NVLink-only machines. `--sync-free` dispatches with DeepEP's worst-case sizes (no host
+wait). One JSON per (layer, backend, ep, tokens, routing, overlap, sync-free, FP8, slowdown, SMs) goes to $BENCH_OUT
+or benchmarks/results/. Without a GPU it runs on CPU with gloo (`--layer tiny`): a smoke test, its times mean nothing.
 """
 
 import argparse
@@ -26,11 +30,13 @@ from torch.distributed.tensor.parallel import parallelize_module
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.bench.common import (  # noqa: E402
     MEASURED_H200_BF16_TFLOPS,
-    cuda_time_ms,
-    init_nccl_from_torchrun,
+    init_process_group_from_torchrun,
     profile_summary,
+    time_ms,
     write_result,
 )
+from scripts.bench.overlap_parts import compute_alone, exchange_alone  # noqa: E402
+from torchtitan.distributed.comm_slowdown import slow_down_exchange  # noqa: E402
 from torchtitan.distributed.compile import compile_moe  # noqa: E402
 from torchtitan.models.deepseek_v3.overlap import CommStreams, moe_overlapped, route_and_prepare  # noqa: E402
 from torchtitan.models.moe.args import MoEArgs  # noqa: E402
@@ -41,6 +47,8 @@ LAYERS = {
     # dim, moe_inter, experts, top_k, shared: DeepSeek-V2-Lite / Moonlight 16B, and DeepSeek-V3 671B.
     "16b": dict(dim=2048, moe_inter=1408, num_experts=64, top_k=6, num_shared=2, score_func="softmax"),
     "671b": dict(dim=7168, moe_inter=2048, num_experts=256, top_k=8, num_shared=1, score_func="sigmoid"),
+    # the CPU smoke test's
+    "tiny": dict(dim=64, moe_inter=32, num_experts=8, top_k=2, num_shared=1, score_func="sigmoid"),
 }
 
 
@@ -131,6 +139,13 @@ def main() -> None:
         "(the trainer's --parallelism.expert_parallel_overlap schedule); times are reported per --tokens",
     )
     parser.add_argument(
+        "--comm-slowdown",
+        type=int,
+        default=1,
+        help="move every dispatch and combine (and their backwards) N times, a stand-in for slow links; 1 = off "
+        "(the trainer's --parallelism.expert_parallel_comm_slowdown)",
+    )
+    parser.add_argument(
         "--sync-free",
         action="store_true",
         help="deepep: worst-case receive sizes, no host wait (the trainer's --parallelism.deepep_sync_free_dispatch)",
@@ -145,9 +160,11 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    device = init_nccl_from_torchrun()
+    if args.comm_slowdown < 1:
+        parser.error(f"--comm-slowdown must be >= 1 (1 = off), got {args.comm_slowdown}")
+    device = init_process_group_from_torchrun()
     ep = dist.get_world_size()
-    ep_mesh = init_device_mesh("cuda", (ep,), mesh_dim_names=("ep",))
+    ep_mesh = init_device_mesh(device.type, (ep,), mesh_dim_names=("ep",))
     layer = LAYERS[args.layer]
     if args.sync_free and args.backend != "deepep":
         parser.error("--sync-free needs --backend deepep")
@@ -157,6 +174,7 @@ def main() -> None:
     moe = build_layer(
         layer, args.backend, ep_mesh, device, args.num_sms, balanced, args.sync_free, args.float8_dispatch
     )
+    slow_down_exchange(moe.dispatcher, args.comm_slowdown)
     if args.float8_experts:
         convert_to_float8_experts(moe)
     if args.compile:
@@ -168,6 +186,8 @@ def main() -> None:
         ("_syncfree", args.sync_free),
         ("_fp8", args.float8_experts),
         ("_fp8dispatch", args.float8_dispatch),
+        (f"_slow{args.comm_slowdown}", args.comm_slowdown > 1),
+        (f"_sms{args.num_sms}", args.backend == "deepep" and args.num_sms != 24),
     )
     overlap_tag = "".join(tag for tag, on in tags if on)
 
@@ -210,21 +230,28 @@ def main() -> None:
             out_a, out_b = moe_overlapped(moe, streams, *routed)
             torch.autograd.backward([out_a, out_b], [grad.view_as(out_a), grad2.view_as(out_b)])
 
-        torch.cuda.reset_peak_memory_stats()
-        fwd_ms = cuda_time_ms(forward, args.warmup, args.iters)
-        if args.overlap:  # two micro-batches per call: report the time per micro-batch of `tokens`
-            fwd_bwd_ms = cuda_time_ms(forward_backward_overlapped, args.warmup, args.iters) / 2
-        else:
-            fwd_bwd_ms = cuda_time_ms(forward_backward, args.warmup, args.iters)
-        peak_gib = torch.cuda.max_memory_allocated() / 2**30
-        stats = torch.tensor([fwd_ms, fwd_bwd_ms, peak_gib], device=device)
+        def timed(fn) -> float:
+            return time_ms(fn, args.warmup, args.iters, device)
+
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        fwd_ms = timed(forward)
+        off_ms = timed(forward_backward)
+        on_ms = timed(forward_backward_overlapped) / 2  # two micro-batches per call: per micro-batch of `tokens`
+        compute_ms = timed(compute_alone(moe, x))
+        exchange_ms = timed(exchange_alone(moe, x))
+        peak_gib = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+        stats = torch.tensor([fwd_ms, off_ms, on_ms, compute_ms, exchange_ms, peak_gib], device=device)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank is the layer's time
+        fwd_ms, off_ms, on_ms, compute_ms, exchange_ms, peak_gib = stats.tolist()
         bound_fwd, bound_fwd_bwd = matmul_bound_ms(layer, tokens)
         result = dict(
             layer=args.layer,
             backend=args.backend,
             mode=mode,
             overlap=args.overlap,
+            comm_slowdown=args.comm_slowdown,
+            deepep_num_sms=args.num_sms if args.backend == "deepep" else None,
             deepep_sync_free_dispatch=args.sync_free,
             float8_experts=args.float8_experts,
             float8_dispatch=args.float8_dispatch,
@@ -232,14 +259,25 @@ def main() -> None:
             tokens_per_rank=tokens,
             **routing,
             **layer,
-            fwd_ms=stats[0].item(),
-            fwd_bwd_ms=stats[1].item(),
-            peak_memory_gib=stats[2].item(),
+            fwd_ms=fwd_ms,
+            fwd_bwd_ms=on_ms if args.overlap else off_ms,
+            compute_fwd_bwd_ms=compute_ms,
+            exchange_fwd_bwd_ms=exchange_ms,
+            overlap_off_fwd_bwd_ms=off_ms,
+            overlap_on_fwd_bwd_ms=on_ms,
+            hidden_fraction=(off_ms - on_ms) / exchange_ms,
+            on_over_max_compute_exchange=on_ms / max(compute_ms, exchange_ms),
+            parts="per micro-batch of tokens_per_rank, fwd+bwd; compute: router + shared experts on the rank's "
+            "tokens + routed experts on the rows it receives; exchange: token_dispatch + token_combine and their "
+            "backwards (with comm_slowdown); off: the layer; on: two micro-batches in the overlap schedule, / 2; "
+            "peak_memory_gib: the largest over all of them",
+            peak_memory_gib=peak_gib,
             bound_fwd_ms=bound_fwd,
             bound_fwd_bwd_ms=bound_fwd_bwd,
             bound_formula="2*3*dim*moe_inter*tokens*(top_k+num_shared) FLOPs fwd, x3 fwd+bwd, at "
             f"{MEASURED_H200_BF16_TFLOPS} TFLOP/s",
-            timing=f"median of {args.iters} iterations after {args.warmup} warm-up, CUDA events, max over ranks",
+            timing=f"median of {args.iters} iterations after {args.warmup} warm-up, "
+            f"{'CUDA events' if device.type == 'cuda' else 'host clock (CPU smoke)'}, max over ranks",
         )
         if args.profile:
             result["profile_fwd_bwd_rank0"] = profile_summary(forward_backward)
@@ -251,7 +289,10 @@ def main() -> None:
                 f"{args.layer} {args.backend} {mode} {args.routing} ep={ep} tokens={tokens}: "
                 f"fwd {result['fwd_ms']:.2f} ms, "
                 f"fwd+bwd {result['fwd_bwd_ms']:.2f} ms (bound {bound_fwd_bwd:.2f} ms, "
-                f"{result['fwd_bwd_ms'] / bound_fwd_bwd:.2f}x), peak {result['peak_memory_gib']:.1f} GiB",
+                f"{result['fwd_bwd_ms'] / bound_fwd_bwd:.2f}x), peak {result['peak_memory_gib']:.1f} GiB\n"
+                f"  comm x{args.comm_slowdown}: compute {compute_ms:.2f} ms, exchange {exchange_ms:.2f} ms, "
+                f"overlap off {off_ms:.2f} ms, on {on_ms:.2f} ms: hidden {result['hidden_fraction']:.0%} of the "
+                f"exchange, on / max(compute, exchange) {result['on_over_max_compute_exchange']:.2f}",
                 flush=True,
             )
     dist.destroy_process_group()

@@ -100,11 +100,13 @@ def moe_table(results: list[dict]) -> list[str]:
 
 
 def variant(result: dict) -> str:
-    """The moe_layer options that change what runs: EP overlap, FP8 experts, FP8 dispatch."""
+    """The moe_layer options that change what runs: EP overlap, FP8 experts, FP8 dispatch, comm slowdown."""
+    slowdown = result.get("comm_slowdown", 1)
     options = (
         ("overlap", result.get("overlap")),
         ("fp8 experts", result.get("float8_experts")),
         ("fp8 dispatch", result.get("float8_dispatch")),
+        (f"comm x{slowdown}", slowdown > 1),
     )
     tags = [tag for tag, on in options if on]
     return ", ".join(tags) or "-"

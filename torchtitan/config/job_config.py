@@ -182,6 +182,15 @@ class Parallelism:
     other's compute, in forward and backward (needs expert_parallel_degree > 1 and an even local_batch_size; not
     with pipeline or tensor parallelism)."""
 
+    deepep_overlap_num_sms: int | None = None
+    """SMs DeepEP's kernels may use while expert_parallel_overlap is on (even number), where they share the GPU
+    with the other micro-batch's compute; None keeps deepep_num_sms. Needs the deepep backend and the overlap."""
+
+    expert_parallel_comm_slowdown: int = 1
+    """Benchmarking only: every expert-parallel dispatch and combine, and their backwards, moves its tokens this
+    many times (the repeats are discarded) to stand in for slower links; 1 = off. Results are unchanged; each
+    repeat holds one more copy of the exchange's output until backward (distributed/comm_slowdown.py)."""
+
 
 @dataclass
 class Checkpoint:

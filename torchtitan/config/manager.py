@@ -178,6 +178,31 @@ def validate(job_config: JobConfig) -> None:
         f"pass e.g. --parallelism.deepep_num_sms {max(2, sms + sms % 2)}",
     )
 
+    overlap_sms = par.deepep_overlap_num_sms
+    if overlap_sms is not None:
+        _require(
+            overlap_sms > 0 and overlap_sms % 2 == 0,
+            f"parallelism.deepep_overlap_num_sms must be a positive even number, got {overlap_sms}; "
+            f"pass e.g. --parallelism.deepep_overlap_num_sms {max(2, overlap_sms + overlap_sms % 2)}",
+        )
+        _require(
+            par.expert_parallel_comm_backend == "deepep" and par.expert_parallel_overlap,
+            "parallelism.deepep_overlap_num_sms sets DeepEP's SMs while overlapping: it needs "
+            "--parallelism.expert_parallel_comm_backend deepep and --parallelism.expert_parallel_overlap; drop it "
+            "or add them",
+        )
+    slowdown = par.expert_parallel_comm_slowdown
+    _require(
+        slowdown >= 1,
+        f"parallelism.expert_parallel_comm_slowdown must be >= 1 (1 = off), got {slowdown}; pass "
+        "--parallelism.expert_parallel_comm_slowdown 1 to turn it off",
+    )
+    _require(
+        slowdown == 1 or par.expert_parallel_degree > 1,
+        f"parallelism.expert_parallel_comm_slowdown {slowdown} repeats the expert-parallel exchange, but "
+        "expert_parallel_degree is 1 (nothing is exchanged); set --parallelism.expert_parallel_degree > 1 or drop it",
+    )
+
     _require(
         not par.deepep_sync_free_dispatch
         or (par.expert_parallel_comm_backend == "deepep" and par.expert_parallel_degree > 1),

@@ -315,6 +315,10 @@ def test_uncaught_help_exits_process_with_zero():
         (["--parallelism.deepep_num_sms=23"], "deepep_num_sms must be a positive even"),
         (["--parallelism.deepep_num_sms=0"], "deepep_num_sms must be a positive even"),
         (["--parallelism.deepep_sync_free_dispatch"], "deepep_sync_free_dispatch needs .*deepep"),
+        (["--parallelism.deepep_overlap_num_sms=7"], "deepep_overlap_num_sms must be a positive even"),
+        (["--parallelism.deepep_overlap_num_sms=8"], "deepep_overlap_num_sms .* needs .*deepep .*overlap"),
+        (["--parallelism.expert_parallel_comm_slowdown=0"], "expert_parallel_comm_slowdown must be >= 1"),
+        (["--parallelism.expert_parallel_comm_slowdown=2"], "comm_slowdown 2 .*expert_parallel_degree is 1"),
         (["--quantize.float8_dispatch"], "float8_dispatch is DeepEP's FP8 dispatch: it needs .*deepep"),
         (
             ["--parallelism.deepep_sync_free_dispatch", "--parallelism.expert_parallel_comm_backend=deepep"],
@@ -340,6 +344,13 @@ def test_validation_rejects_bad_values(flags, message):
         ["--parallelism.tensor_parallel_degree=2", "--parallelism.expert_tensor_parallel_degree=2"],
         ["--lr_scheduler.decay_ratio=0", "--lr_scheduler.warmup_steps=0"],
         ["--compile.components=loss"],
+        [
+            "--parallelism.expert_parallel_comm_backend=deepep",
+            "--parallelism.expert_parallel_degree=2",
+            "--parallelism.expert_parallel_overlap",
+            "--parallelism.deepep_overlap_num_sms=8",
+            "--parallelism.expert_parallel_comm_slowdown=4",
+        ],
     ],
 )
 def test_validation_accepts_good_values(flags):

@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.comm_slowdown import slow_down_exchange
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.expert_parallel import (
     ExpertParallel,
@@ -77,10 +78,12 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
             model,
             parallel_dims,
             use_deepep,
-            deepep_num_sms=parallelism.deepep_num_sms,
+            deepep_num_sms=_deepep_num_sms(parallelism),
             deepep_sync_free=parallelism.deepep_sync_free_dispatch,
             deepep_fp8=job_config.quantize.float8_dispatch,
         )
+    if parallelism.expert_parallel_comm_slowdown > 1:
+        _slow_down_moe_exchanges(model, parallelism.expert_parallel_comm_slowdown)
 
     if use_deepep and job_config.quantize.float8_dispatch:
         logger.info("quantize.float8_dispatch: DeepEP dispatches FP8 tokens (one scale per 128 channels)")
@@ -124,6 +127,24 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
             ep_degree=parallel_dims.ep,
         )
     return model
+
+
+def _deepep_num_sms(parallelism: Any) -> int:
+    """DeepEP's SMs: `deepep_overlap_num_sms` when the overlap is on and it is set, else `deepep_num_sms`."""
+    if parallelism.expert_parallel_overlap and parallelism.deepep_overlap_num_sms is not None:
+        return parallelism.deepep_overlap_num_sms
+    return parallelism.deepep_num_sms
+
+
+def _slow_down_moe_exchanges(model: nn.Module, factor: int) -> None:
+    """`parallelism.expert_parallel_comm_slowdown`: every MoE layer's exchange runs `factor` times (benchmarking)."""
+    for block in transformer_blocks(model):
+        if block.moe_enabled:
+            slow_down_exchange(block.moe.dispatcher, factor)
+    logger.warning(
+        f"parallelism.expert_parallel_comm_slowdown {factor}: every expert-parallel dispatch and combine moves its "
+        f"tokens {factor} times (a benchmark of slow links, not for training runs)"
+    )
 
 
 def _warn_if_experts_stay_bf16(model: nn.Module, param_dtype: str, use_deepep: bool) -> None:

@@ -94,3 +94,28 @@ def test_schedule_interleaves_one_micro_batch_communication_with_the_other_compu
     model(torch.randint(0, 128, (2, 8)))
     # A: dispatch, experts, combine; B: dispatch, experts, combine
     assert calls == ["dispatch", "experts", "dispatch", "combine", "experts", "combine"]
+
+
+@pytest.mark.parametrize(
+    "args, world_size, reasons",
+    [
+        (["--parallelism.expert_parallel_degree", "2"], 2, ["expert_parallel_degree 2 < 8", "= 512 tokens"]),
+        (["--parallelism.expert_parallel_degree", "8", "--training.seq_len", "4096"], 8, []),
+        (["--parallelism.expert_parallel_degree", "8"], 8, ["= 512 tokens (< 16384)"]),
+        (["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_parallel_comm_slowdown", "4",
+          "--training.seq_len", "4096"], 2, []),
+    ],
+    ids=["small-ep-and-batch", "ep8-large-batch", "small-batch", "slowed-exchange"],
+)  # fmt: skip
+def test_preflight_warns_in_one_line_when_the_overlap_cannot_pay_and_keeps_it(args, world_size, reasons, caplog):
+    with caplog.at_level("WARNING", logger="torchtitan.preflight"):
+        job = check_job([*DEBUG_TOML, OVERLAP, *args], world_size=world_size)
+    assert job.parallelism.expert_parallel_overlap
+    warnings = [record.getMessage() for record in caplog.records if record.name == "torchtitan.preflight"]
+    if not reasons:
+        assert warnings == []
+        return
+    assert len(warnings) == 1 and "\n" not in warnings[0] and "0.64x" in warnings[0], warnings
+    for reason in reasons:
+        assert reason in warnings[0]
+    assert ("expert_parallel_degree" in warnings[0]) == any("expert_parallel_degree" in r for r in reasons)

@@ -1,0 +1,139 @@
+"""A communication-bound testbed: every token exchange of an MoE layer moves its payload `factor` times.
+
+`slow_down_exchange(dispatcher, factor)` wraps a `TokenDispatcher`'s two communication stages (`token_dispatch`,
+`token_combine`): each call runs the stage once for its result and `factor - 1` more times on the same inputs,
+results discarded, on the same stream. The exchange then costs about `factor` times as much while compute stays the
+same, a stand-in for slow (inter-node) links on a machine that only has NVLink. Outputs and gradients are those of
+`factor` 1. Benchmarking only (`parallelism.expert_parallel_comm_slowdown`, `scripts/bench/moe_layer.py
+--comm-slowdown`).
+
+Backward: the backward of a dispatch is a combine and vice versa, and it must be slowed down too. The repeats run
+with autograd on (on detached copies of the inputs), and the result's exchanged tensors pass through an identity
+`autograd.Function` (`_RepeatInBackward`) whose backward sends the incoming gradient back through each repeat's
+graph (`torch.autograd.grad`) before passing it on unchanged. A repeat whose output nobody uses would otherwise be
+dropped by autograd; this way each backward exchange runs `factor` times with the real gradient as its payload.
+Cost: each repeat's output stays alive until backward (one extra copy of the stage's output per repeat).
+
+Activation checkpointing: the repeats keep their own saved tensors (checkpoint's hooks would recompute the region
+again for each nested `torch.autograd.grad`, a new graph task), and the identity saves a marker after them so that a
+recompute, which stops at the last saved tensor, runs the repeats too. Per-op SAC saves their outputs like the
+stage's (communication is never recomputed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torchtitan.models.moe.token_dispatcher import TokenDispatcher
+
+__all__ = ["map_tensors", "slow_down_exchange", "tensors_in"]
+
+
+def slow_down_exchange(dispatcher: TokenDispatcher, factor: int) -> None:
+    """Make `dispatcher`'s token_dispatch and token_combine (and their backwards) exchange `factor` times (1: as is).
+
+    Installed on the instance, so the dispatcher classes stay as they are; call it once per dispatcher, after the
+    expert-parallel style installed it."""
+    if not isinstance(factor, int) or factor < 1:
+        raise ValueError(f"comm slowdown factor must be an integer >= 1 (1 = off), got {factor!r}")
+    if factor == 1:
+        return
+    dispatcher.token_dispatch = _repeated(dispatcher.token_dispatch, factor - 1)
+    dispatcher.token_combine = _repeated(dispatcher.token_combine, factor - 1)
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`obj` with `fn` applied to every tensor in it, through nested tuples, lists and dataclasses. Containers are
+    rebuilt only where a tensor changed (the others are returned as they are), never modified."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (tuple, list)):
+        items = [map_tensors(item, fn) for item in obj]
+        return obj if all(new is old for new, old in zip(items, obj, strict=True)) else type(obj)(items)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changed = {}
+        for field in dataclasses.fields(obj):
+            value = getattr(obj, field.name)
+            new = map_tensors(value, fn)
+            if new is not value:
+                changed[field.name] = new
+        return dataclasses.replace(obj, **changed) if changed else obj
+    return obj
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in nested tuples, lists and dataclasses, in `map_tensors` order."""
+    found: list[torch.Tensor] = []
+    map_tensors(obj, lambda tensor: found.append(tensor) or tensor)
+    return found
+
+
+def _repeated(stage: Callable, repeats: int) -> Callable:
+    """`stage` plus `repeats` more calls on the same inputs whose forward and backward exchanges are real work."""
+
+    def slowed_stage(*args: Any) -> Any:
+        result = stage(*args)
+        exchanged = _exchanged_tensors(args, result)
+        graphs = []
+        for _ in range(repeats):
+            repeat_args, leaves = _detached(args)
+            # The repeat keeps what its backward needs itself: activation checkpointing's hooks would recompute the
+            # whole checkpointed region again for each `torch.autograd.grad` of `_RepeatInBackward` (a new graph task).
+            with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+                repeat_result = stage(*repeat_args)
+            if exchanged:
+                graphs.append((_exchanged_tensors(repeat_args, repeat_result), leaves))
+        if not exchanged:  # no autograd (forward only, or nothing differentiable): the repeats are done
+            return result
+        passed = dict(zip(map(id, exchanged), _RepeatInBackward.apply(graphs, *exchanged), strict=True))
+        return map_tensors(result, lambda t: passed.get(id(t), t))
+
+    return slowed_stage
+
+
+def _keep(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _detached(args: Any) -> tuple[Any, list[torch.Tensor]]:
+    """A repeat's inputs: `args` with every tensor that needs a gradient detached (so the repeat's backward stops at
+    it instead of reaching the real graph) -> (the inputs, those detached leaves)."""
+    leaves: list[torch.Tensor] = []
+
+    def leaf(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.requires_grad:
+            return tensor
+        leaves.append(tensor.detach().requires_grad_())
+        return leaves[-1]
+
+    return map_tensors(args, leaf), leaves
+
+
+def _exchanged_tensors(args: Any, result: Any) -> list[torch.Tensor]:
+    """The tensors of `result` that the stage produced with a gradient path (not inputs passed through, e.g. the
+    dispatch state)."""
+    inputs = {id(tensor) for tensor in tensors_in(args)}
+    return [tensor for tensor in tensors_in(result) if tensor.requires_grad and id(tensor) not in inputs]
+
+
+class _RepeatInBackward(torch.autograd.Function):
+    """Identity on the stage's exchanged tensors; in backward, first runs each repeat's backward exchange on the same
+    gradients (results discarded)."""
+
+    @staticmethod
+    def forward(ctx, graphs: list[tuple[list[torch.Tensor], list[torch.Tensor]]], *tensors: torch.Tensor):
+        ctx.graphs = graphs
+        # Saved after the repeats: a checkpointed region's recompute (which stops at the last saved tensor) then
+        # runs the repeats too, as it runs the stage itself.
+        ctx.save_for_backward(tensors[0].new_empty(0))
+        return tuple(tensor.view_as(tensor) for tensor in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        for outputs, leaves in ctx.graphs:
+            torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
+        return (None, *grads)
