@@ -37,6 +37,9 @@ def run_experts_grouped_mm(
     """x (P, dim) bf16 padded expert-major rows, group_ends (E,) int32 -> (P, dim) bf16; rows past the last group
     end are undefined (no caller reads them). float8: the three GEMMs in FP8 with rowwise scales, forward and
     backward (float8.py); needs groups aligned to 16 rows."""
+    # A no-op in training. FSDP casts module inputs to its parameter dtype (fp32 with mixed_precision_param=float32),
+    # so the rows may arrive in another dtype than the dispatcher wrote them in.
+    x = x.bfloat16()
     if float8:  # gate and up in one GEMM: x quantized once each way; the weights in their own dtype (no bf16 copy)
         gate, up = float8_grouped_mm(x, (w1, w3), group_ends).chunk(2, dim=-1)
         grouped_mm = float8_grouped_mm
