@@ -21,14 +21,13 @@ Times are CUDA-event medians after warm-up; kernel launches are counted by torch
 import argparse
 import math
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scripts.bench.common import RESULTS_DIR, cuda_time_ms, median, write_result  # noqa: E402
+from scripts.bench.common import RESULTS_DIR, time_ms, write_result  # noqa: E402
 from torchtitan.components.adamw import MultiTensorAdamW  # noqa: E402
 from torchtitan.distributed.utils import grad_norm_and_clip_coef  # noqa: E402
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model  # noqa: E402
@@ -84,7 +83,7 @@ def main() -> None:
     )
     for name, build in PATHS.items():
         step = build(params)
-        ms = time_ms(step, device, args.warmup, args.iters)
+        ms = time_ms(step, args.warmup, args.iters, device)
         entry = {
             "ms": ms,
             "ratio_to_measured_bound": ms / bound_ms["measured_copy"],
@@ -163,25 +162,12 @@ PATHS = {
 }
 
 
-def time_ms(fn: Callable[[], None], device: torch.device, warmup: int, iters: int) -> float:
-    if device.type == "cuda":
-        return cuda_time_ms(fn, warmup, iters)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return median(times)
-
-
 def measure_copy_bandwidth(device: torch.device, warmup: int, iters: int) -> float:
     """Bytes/s of a large device-to-device copy, counting its read and its write."""
     num_bytes = 4 << 30 if device.type == "cuda" else 64 << 20
     src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), device, warmup, iters)
+    ms = time_ms(lambda: dst.copy_(src), warmup, iters, device)
     return 2 * num_bytes / (ms / 1e3)
 
 
