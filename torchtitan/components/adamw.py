@@ -181,16 +181,11 @@ def _check_supported(group: dict[str, Any]) -> None:
 
 
 def _grad_like_param(param: torch.Tensor) -> torch.Tensor:
-    """The gradient, checked to be laid out like the parameter (the update pairs their local shards)."""
+    """The gradient laid out like the parameter (the update pairs their local shards): a DTensor gradient on another
+    layout (partial sums under tensor parallelism) is redistributed, as DTensor does for torch's optimizers."""
     grad = param.grad
-    if isinstance(param, DTensor) and (
-        not isinstance(grad, DTensor) or grad.placements != param.placements or grad.device_mesh != param.device_mesh
-    ):
-        raise ValueError(
-            f"gradient of a DTensor parameter ({param.device_mesh}, {param.placements}) is laid out differently "
-            f"({getattr(grad, 'device_mesh', None)}, {getattr(grad, 'placements', None)}): set "
-            "--optimizer.implementation foreach, which lets DTensor redistribute it"
-        )
+    if isinstance(grad, DTensor) and (grad.placements != param.placements or grad.device_mesh != param.device_mesh):
+        return grad.redistribute(param.device_mesh, param.placements)
     return grad
 
 

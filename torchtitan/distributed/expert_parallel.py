@@ -58,9 +58,9 @@ class TensorParallelTokenDispatcher(LocalTokenDispatcher):
         super().__init__(num_experts, score_before_experts)
         self.tp_mesh = tp_mesh
 
-    def dispatch_postprocess(self, dispatched, layout):
-        rows, group_ends, state = super().dispatch_postprocess(dispatched, layout)
-        return _sum_grad_over(rows, self.tp_mesh), group_ends, state
+    def dispatch_preprocess(self, x, topk_idx, topk_weights):
+        # the tokens' gradient, not the token copies': the same sum over tp in 1 / top_k of the rows
+        return super().dispatch_preprocess(_sum_grad_over(x, self.tp_mesh), topk_idx, topk_weights)
 
 
 @dataclass

@@ -171,12 +171,20 @@ def grad_norm_and_clip_coef(
     """The total gradient 2-norm over all meshes and pipeline stages, as `clip_grad_norm_` computes it, and torch's
     clip coefficient min(1, max_norm / (norm + 1e-6)): two 0-dim fp32 tensors that stay on the device (no host sync).
 
-    The gradients are NOT clipped: hand the coefficient to an optimizer that folds it into its update
+    The gradients are NOT clipped (gradients holding partial sums are reduced to their parameter's layout, in
+    place): hand the coefficient to an optimizer that folds it into its update
     (`OptimizersContainer.step(grad_scale=coef)`). Each (mesh, placements) group's local sum of squares is one
     multi-tensor launch (`sum_of_squares`), summed over the mesh dims where the gradient is sharded (its shards
     there are disjoint parts of the tensor) and not over replicated dims; the pipeline stages' sums are summed over
     `pp_mesh`.
     """
+    parameters = list(parameters)
+    for param in parameters:
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(placement.is_partial() for placement in grad.placements):
+            # Partial sums have no local norm (e.g. a tensor-parallel layer's replicated weight): reduce them once
+            # here to the parameter's layout, which torch's optimizers and clip_grad_norm_ do implicitly
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
     group_sums = []
     for params in _params_by_grad_mesh(parameters).values():
         grads = [param.grad for param in params]
@@ -184,11 +192,6 @@ def grad_norm_and_clip_coef(
             group_sums.append(sum_of_squares(grads))
             continue
         mesh, placements = grads[0].device_mesh, grads[0].placements
-        if any(placement.is_partial() for placement in placements):
-            raise ValueError(
-                f"gradients with Partial placements {placements} have no local norm: set "
-                "--optimizer.implementation foreach (clip_grad_norm_ lets DTensor reduce them)"
-            )
         local_sum = sum_of_squares([grad.to_local() for grad in grads])
         for mesh_dim, placement in enumerate(placements):
             if placement.is_shard():

@@ -6,7 +6,7 @@ import copy
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from tests.unit.distributed._model_parity import batch, build_reference, job_config, loss_of, tiny_args
 from tests.unit.distributed._spawn import run_distributed
@@ -55,7 +55,8 @@ def test_clip_grad_norm_across_meshes_and_stages():
 
 
 def _dtensor_params(meshes) -> list[torch.nn.Parameter]:
-    """Sharded evenly and unevenly, replicated, on a 2-D mesh, and one plain tensor; the same values on every rank."""
+    """Sharded evenly and unevenly, replicated, on a 2-D mesh, and one plain tensor; the same values on every rank.
+    One replicated parameter's gradient holds partial sums (as under tensor parallelism)."""
     flat, square = meshes
     gen = torch.Generator().manual_seed(0)
     layouts = [((6, 3), flat, [Shard(0)]), ((5,), flat, [Shard(0)]), ((4,), flat, [Replicate()]),
@@ -66,9 +67,11 @@ def _dtensor_params(meshes) -> list[torch.nn.Parameter]:
     ]
     for param in params:
         param.grad = distribute_tensor(torch.randn(param.shape, generator=gen), param.device_mesh, param.placements)
+    partial = torch.nn.Parameter(distribute_tensor(torch.randn(3, generator=gen), flat, [Replicate()]))
+    partial.grad = DTensor.from_local(torch.randn(3, generator=gen), flat, [Partial()], run_check=False)
     plain = torch.nn.Parameter(torch.randn(2, generator=gen))
     plain.grad = torch.randn(2, generator=gen)
-    return [*params, plain]
+    return [*params, partial, plain]
 
 
 def _folded_clip_on_dtensors(rank: int, world_size: int) -> None:
