@@ -22,15 +22,15 @@ stage's (communication is never recomputed).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from torchtitan.models.moe.token_dispatcher import TokenDispatcher
+from torchtitan.tools.tensor_tree import map_tensors, tensors_in
 
-__all__ = ["map_tensors", "slow_down_exchange", "tensors_in"]
+__all__ = ["slow_down_exchange"]
 
 
 def slow_down_exchange(dispatcher: TokenDispatcher, factor: int) -> None:
@@ -44,32 +44,6 @@ def slow_down_exchange(dispatcher: TokenDispatcher, factor: int) -> None:
         return
     dispatcher.token_dispatch = _repeated(dispatcher.token_dispatch, factor - 1)
     dispatcher.token_combine = _repeated(dispatcher.token_combine, factor - 1)
-
-
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """`obj` with `fn` applied to every tensor in it, through nested tuples, lists and dataclasses. Containers are
-    rebuilt only where a tensor changed (the others are returned as they are), never modified."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, (tuple, list)):
-        items = [map_tensors(item, fn) for item in obj]
-        return obj if all(new is old for new, old in zip(items, obj, strict=True)) else type(obj)(items)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changed = {}
-        for field in dataclasses.fields(obj):
-            value = getattr(obj, field.name)
-            new = map_tensors(value, fn)
-            if new is not value:
-                changed[field.name] = new
-        return dataclasses.replace(obj, **changed) if changed else obj
-    return obj
-
-
-def tensors_in(obj: Any) -> list[torch.Tensor]:
-    """Every tensor in nested tuples, lists and dataclasses, in `map_tensors` order."""
-    found: list[torch.Tensor] = []
-    map_tensors(obj, lambda tensor: found.append(tensor) or tensor)
-    return found
 
 
 def _repeated(stage: Callable, repeats: int) -> Callable:

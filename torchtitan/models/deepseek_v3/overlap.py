@@ -33,27 +33,16 @@ backward's communication through autograd's ordering alone.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from torchtitan.tools.tensor_tree import tensors_in
+
 __all__ = ["CommStreams", "forward_moe_block_overlapped", "moe_overlapped", "route_and_prepare"]
 
 _COMM_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in nested tuples, lists and dataclasses."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from _tensors(item)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for field in dataclasses.fields(obj):
-            yield from _tensors(getattr(obj, field.name))
 
 
 class CommStreams:
@@ -78,7 +67,7 @@ class CommStreams:
         self.comm.wait_event(after)
         with torch.cuda.stream(self.comm):
             result = fn(*args)
-        for tensor in _tensors(args):
+        for tensor in tensors_in(args):
             tensor.record_stream(self.comm)
         return result, self.comm.record_event()
 
@@ -87,7 +76,7 @@ class CommStreams:
         result, done = pending
         if done is not None:
             self.compute.wait_event(done)
-            for tensor in _tensors(result):
+            for tensor in tensors_in(result):
                 tensor.record_stream(self.compute)
         return result
 
