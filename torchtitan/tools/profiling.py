@@ -7,11 +7,12 @@ step after three warm-up steps and writes, per rank, under `<dump_folder>/<save_
     rank<R>_summary.json       ops and kernels by self device time (what the benchmarks quote)
 With `enable_memory_snapshot` (CUDA only) the allocator history is recorded from the start and dumped at the
 same steps to `<dump_folder>/memory_snapshot/iteration_<step>/rank<R>_memory_snapshot.pickle`
-(open it at pytorch.org/memory_viz).
+(open it at pytorch.org/memory_viz, or summarise it with scripts/bench/memory_breakdown.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import pickle
@@ -27,6 +28,7 @@ __all__ = ["MIN_PROFILE_FREQ", "StepProfiler", "kernel_summary"]
 _WARMUP_STEPS = 3
 _ACTIVE_STEPS = 1
 MIN_PROFILE_FREQ = _WARMUP_STEPS + _ACTIVE_STEPS
+_SNAPSHOT_ENTRIES = 1_000_000
 
 
 class StepProfiler:
@@ -51,8 +53,14 @@ class StepProfiler:
             )
             self._profiler.start()
             logger.info(f"profiling step {self.freq} and every {self.freq} steps after it into {self.trace_dir}")
+        self._exit_stack = contextlib.ExitStack()
         if self._snapshot:
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            # torch 2.11 loses an exception while recording stacks inside a checkpointed compiled region when the
+            # checkpoint stops its recompute early (pytorch/pytorch#179536: "apply ... returned NULL without
+            # setting an exception"); recompute the whole region instead while recording.
+            self._exit_stack.enter_context(torch.utils.checkpoint.set_checkpoint_early_stop(False))
+            # Python stacks only (C++ unwinding slows every allocation); enough entries for a few compiled steps.
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=_SNAPSHOT_ENTRIES)
 
     def step(self, training_step: int) -> None:
         self._steps_run += 1
@@ -72,6 +80,7 @@ class StepProfiler:
         if self._snapshot:
             torch.cuda.memory._record_memory_history(enabled=None)
             self._snapshot = False
+        self._exit_stack.close()
 
     def __enter__(self) -> StepProfiler:
         return self

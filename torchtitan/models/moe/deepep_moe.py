@@ -8,6 +8,9 @@ current stream before starting (x is ready), the current stream waits for the si
 (allocated on the side stream, read on the current stream) alive until both streams are done with them. Autograd
 runs each backward op on its forward op's stream and syncs between them. On CPU and while torch.compile traces
 (`torch.compiler.is_compiling()`), the shared experts run inline on the current stream instead.
+
+Every layer uses the same side stream: the caching allocator keeps a memory pool per stream, and a stream per layer
+left one idle pool per MoE layer (0.43 GiB each on 16B_bench4, 3 GiB reserved over 7 layers).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import torch
 from torchtitan.models.moe.moe import MoE
 
 __all__ = ["DeepEPMoE"]
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 class DeepEPMoE(MoE):
@@ -37,7 +42,7 @@ class DeepEPMoE(MoE):
         top_scores, selected_experts = self.route(x)
         x = x.view(-1, dim)  # (N, dim)
         compute_stream = torch.cuda.current_stream(x.device)
-        side_stream = self._side_stream(x.device)
+        side_stream = _side_stream(x.device)
         side_stream.wait_stream(compute_stream)
         with torch.cuda.stream(side_stream):
             shared = self.shared_experts(x)
@@ -50,9 +55,9 @@ class DeepEPMoE(MoE):
     def _use_side_stream(self, x: torch.Tensor) -> bool:
         return self.overlap_shared_experts and x.is_cuda and not torch.compiler.is_compiling()
 
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        stream = getattr(self, "_shared_experts_stream", None)
-        if stream is None or stream.device != device:
-            stream = torch.cuda.Stream(device=device)
-            self._shared_experts_stream = stream
-        return stream
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The shared experts' side stream of `device`, one for all layers."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[device]
