@@ -42,6 +42,7 @@ from torchtitan.models.deepseek_v3 import DeepSeekV3Model, get_model_args
 from torchtitan.models.deepseek_v3.parallelize import expert_bias_reduce_group, parallelize_deepseekv3
 from torchtitan.models.moe import MoE
 from torchtitan.models.moe.load_balance import build_expert_bias_hook
+from torchtitan.models.output_head import chunk_loss_and_grad
 from torchtitan.preflight import check_batch_sizes, check_job
 from torchtitan.tools.profiling import StepProfiler
 
@@ -118,6 +119,8 @@ class Trainer:
             self.parallel_dims, job_config.training.mixed_precision_param, self.device.type
         )
 
+        self.fused_output_loss = self._use_fused_output_loss(job_config)
+
         tokens_per_step = self.grad_accum_steps * job_config.training.local_batch_size * self.parallel_dims.dp_size
         for part in self.model_parts:
             for module in part.modules():
@@ -174,6 +177,30 @@ class Trainer:
             return None
         return (tokens == self.tokenizer.bos_id).cumsum(dim=1)
 
+    def _use_fused_output_loss(self, job_config: JobConfig) -> bool:
+        """training.fused_output_loss where it applies: the head computes the loss sum (OutputHead), compiled with
+        the loss. TP (vocab-sharded logits), PP (the schedule's loss) and MTP (logits of several heads) keep the
+        plain head."""
+        if not job_config.training.fused_output_loss:
+            return False
+        plain_because = [
+            reason
+            for reason, applies in (
+                ("tensor parallelism", self.parallel_dims.tp_enabled),
+                ("pipeline parallelism", self.parallel_dims.pp_enabled),
+                ("MTP modules", self.model_args.mtp_layers > 0),
+            )
+            if applies
+        ]
+        if plain_because:
+            logger.info(f"training.fused_output_loss: the plain output head runs ({', '.join(plain_because)})")
+            return False
+        compile_config = job_config.compile
+        if compile_config.enable and "loss" in compile_config.components:
+            head = self.model_parts[0].output
+            head.chunk_fn = torch.compile(chunk_loss_and_grad, backend=compile_config.backend)
+        return True
+
     def forward_backward(
         self, tokens: torch.Tensor, labels: torch.Tensor, mtp_labels: list[torch.Tensor]
     ) -> torch.Tensor:
@@ -194,7 +221,10 @@ class Trainer:
             if self.parallel_dims.pp_enabled:
                 return self._forward_backward_pipeline(tokens, target, kwargs)
             with self.autocast():
-                loss = self.step_loss(self.model_parts[0](tokens, **kwargs), target)
+                if self.fused_output_loss:  # the head returns the token sum of the loss (no MTP here)
+                    loss = self.model_parts[0](tokens, labels=labels, **kwargs) / self.loss_fn.global_valid_tokens
+                else:
+                    loss = self.step_loss(self.model_parts[0](tokens, **kwargs), target)
             loss.backward()  # nothing else holds the (bs, seqlen, vocab) logits: backward frees them
         loss = loss.detach()
         # Under loss parallel the loss is a replicated DTensor; callers reduce and log plain tensors.

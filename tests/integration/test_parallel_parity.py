@@ -36,6 +36,8 @@ def _local_batch(dp: int, accumulation: int = 1) -> list[str]:
 
 
 LAYOUTS = {
+    # one process too: the plain output head (logits, then the loss) against the fused one of the reference run
+    "plain_output_head": (1, ["--training.fused_output_loss=false", *_local_batch(1)]),
     "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2", *_local_batch(2)]),
     "hsdp2x2": (
         4,

@@ -9,6 +9,7 @@ from torch import nn
 
 from torchtitan.models.moe.feed_forward import FeedForward
 from torchtitan.models.moe.moe import build_moe
+from torchtitan.models.output_head import OutputHead
 
 from .args import DeepSeekV3ModelArgs
 from .attention import MLA, AttentionMask, build_attention_mask
@@ -26,7 +27,7 @@ class DeepSeekV3Model(nn.Module):
             {str(i): TransformerBlock(i, args, comm_backend, ep_degree) for i in range(args.n_layers)}
         )
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output: OutputHead | None = OutputHead(args.dim, args.vocab_size)
         # Multi-token prediction modules "0".."D-1" (HF: model.layers.{n_layers + k}); they share the embedding and
         # the output head with the main model.
         self.mtp = nn.ModuleDict(
@@ -44,6 +45,7 @@ class DeepSeekV3Model(nn.Module):
         *,
         document_ids: torch.Tensor | None = None,
         next_tokens: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """tokens: (bs, seqlen) int, or hidden states (bs, seqlen, dim) on a pipeline stage without tok_embeddings.
 
@@ -52,6 +54,8 @@ class DeepSeekV3Model(nn.Module):
         logits: MTP module k (0-based) at position i predicts token i + k + 2 from token i + k + 1's embedding.
         mtp_embeddings: (mtp_layers, bs, seqlen, dim), those embeddings, passed between pipeline stages: the stage
         holding the embedding computes them and every later stage carries them to the MTP modules on the last one.
+        labels: (bs, seqlen) targets (IGNORE_INDEX: none); returns the fp32 cross-entropy token SUM instead of the
+        logits, computed by the output head in row chunks (`OutputHead`). Not with MTP modules or pipeline stages.
         Returns logits (bs, seqlen, vocab), or hidden states (bs, seqlen, dim) on a stage without `output`;
         (logits, MTP logits (bs, seqlen, vocab) of each module) when next_tokens is given and MTP modules exist (a
         flat tuple of tensors: pipeline stages send and return nothing else);
@@ -59,6 +63,8 @@ class DeepSeekV3Model(nn.Module):
         """
         if self.args.attn_mask_type == "block_causal" and document_ids is None:
             raise ValueError("attn_mask_type='block_causal' needs document_ids; pass model(tokens, document_ids=...)")
+        if labels is not None and (self.args.mtp_layers or self.output is None or self.norm is None):
+            raise ValueError("labels= (the fused output loss) needs the whole model without MTP modules")
         if mtp_embeddings is not None and (self.tok_embeddings is not None or not self.args.mtp_layers):
             raise ValueError(
                 "mtp_embeddings only pass between pipeline stages of a model with MTP modules; pass document_ids "
@@ -90,6 +96,8 @@ class DeepSeekV3Model(nn.Module):
             h = self._forward_micro_batches(h, freqs_cis, document_ids)
         if mtp_later:
             return h, mtp_embeddings
+        if labels is not None:
+            return self.output(self.norm(h), labels=labels)
         logits = self.norm(h) if self.norm is not None else h
         logits = self.output(logits) if self.output is not None else logits
         if not mtp_here:
