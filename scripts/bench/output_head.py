@@ -58,9 +58,8 @@ def main() -> None:
         rows[f"fused_chunk{chunk}"] = measure(head, h, labels, fused=True, loss_fn=None)
     for name, row in rows.items():
         row["gemm_tflops"] = gemm_tflop / (row["ms"] / 1e3)
-        print(
-            f"{name:20s} {row['ms']:7.2f} ms  {row['gemm_tflops']:6.0f} TFLOP/s  peak +{row['peak_above_inputs_gib']:.2f} GiB"
-        )
+        peak = row["peak_above_inputs_gib"]
+        print(f"{name:20s} {row['ms']:7.2f} ms  {row['gemm_tflops']:6.0f} TFLOP/s  peak +{peak:.2f} GiB")
     result = {"rows": args.rows, "dim": args.dim, "vocab": args.vocab, "gemm_tflop": gemm_tflop, "results": rows}
     print(write_result(result, f"output_head_{args.rows}x{args.dim}x{args.vocab}"))
 
