@@ -48,8 +48,8 @@ def main() -> None:
     torch.manual_seed(0)
     head = OutputHead(args.dim, args.vocab).cuda().bfloat16()
     head.chunk_fn = torch.compile(chunk_loss_and_grad)
-    h = torch.randn(args.rows, args.dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    labels = torch.randint(0, args.vocab, (args.rows,), device="cuda")
+    h = torch.randn(1, args.rows, args.dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, args.vocab, (1, args.rows), device="cuda")
     gemm_tflop = 3 * 2 * args.rows * args.dim * args.vocab / 1e12
 
     rows = {"plain": measure(head, h, labels, fused=False, loss_fn=torch.compile(cross_entropy_sum))}
