@@ -29,16 +29,15 @@ ChunkFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tenso
 
 def chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk: the fp32 sum of cross entropy over labels != IGNORE_INDEX, and d(sum)/d(logits) in the logits'
-    dtype (softmax minus one-hot, zero on ignored rows). torch.compile fuses it into two passes over the logits;
-    eager, it works in place on one fp32 copy of them (the caller drops the logits)."""
+    dtype (softmax minus one-hot, zero on ignored rows). Written as one reduction and one elementwise expression
+    (the one-hot as a comparison, no scatter) so torch.compile makes two passes over the logits."""
     logits32 = logits.float()
     valid = labels != IGNORE_INDEX
     target = torch.where(valid, labels, 0).unsqueeze(1)
     lse = torch.logsumexp(logits32, dim=-1, keepdim=True)
     loss = torch.where(valid, (lse - logits32.gather(1, target)).squeeze(1), 0.0).sum()
-    grad = logits32.sub_(lse).exp_()  # softmax
-    grad.scatter_add_(1, target, torch.full(target.shape, -1.0, dtype=grad.dtype, device=grad.device))
-    grad.mul_(valid.unsqueeze(1))
+    one_hot = torch.arange(logits.shape[-1], device=logits.device) == target
+    grad = (torch.exp(logits32 - lse) - one_hot.float()) * valid.unsqueeze(1)
     return loss, grad.to(logits.dtype)
 
 
@@ -55,7 +54,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             loss, grad_logits = chunk_fn(torch.mm(h_chunk, w.t()), labels[rows])
             total += loss
             torch.mm(grad_logits, w, out=grad_h[rows])
-            if grad_w is not None:
+            if grad_w is not None and grad_w.is_cuda:  # the GEMM adds into the fp32 sum (cuBLAS, fp32 C)
+                torch.addmm(grad_w, grad_logits.t(), h_chunk, out_dtype=torch.float32, out=grad_w)
+            elif grad_w is not None:
                 grad_w += torch.mm(grad_logits.t(), h_chunk)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (h.dtype, weight.dtype)
