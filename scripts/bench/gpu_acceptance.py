@@ -72,6 +72,7 @@ def all_rows() -> list[Row]:
         Row("full_ac", ["--activation_checkpoint.mode", "full"], SAME_MATH, "recomputation only"),
         Row("no_ac", ["--activation_checkpoint.mode", "none"], SAME_MATH, "recomputation only"),
         Row("eager", ["--compile.enable=false"], OTHER_KERNELS, "unfused kernels"),
+        Row("plain_output_head", ["--training.fused_output_loss=false"], OTHER_KERNELS, "whole logits, bf16 head grad"),
         Row("ep_overlap", ["--parallelism.expert_parallel_overlap"], SAME_MATH, "another schedule", needs_ep=True),
         Row("sync_free_dispatch", ["--parallelism.deepep_sync_free_dispatch"], SAME_MATH, "padded layout",
             needs_ep=True),
