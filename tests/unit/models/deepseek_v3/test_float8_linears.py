@@ -14,6 +14,7 @@ from torchtitan.models.deepseek_v3 import DeepSeekV3Model
 from torchtitan.models.deepseek_v3.float8_linears import Float8Linear, convert_to_float8_linears
 from torchtitan.models.moe import float8
 from torchtitan.models.moe.float8 import dequantize, float8_linear, quantize_rowwise
+from torchtitan.models.output_head import OutputHead
 from torchtitan.preflight import check_float8_dispatch, check_float8_linears
 
 from .conftest import tiny_args
@@ -62,7 +63,7 @@ def test_attention_and_ffn_linears_convert_and_the_rest_stay_bf16():
     assert convert_to_float8_linears(model) == 4 * 7
     assert list(model.state_dict()) == keys  # checkpoints load either way
     float8_names = {name for name, m in model.named_modules() if isinstance(m, Float8Linear)}
-    bf16_names = {name for name, m in model.named_modules() if type(m) is nn.Linear}
+    bf16_names = {name for name, m in model.named_modules() if type(m) in (nn.Linear, OutputHead)}
     assert "layers.0.attention.wkv_b" in float8_names and "layers.1.moe.shared_experts.w2" in float8_names
     assert bf16_names == {"output", "layers.1.moe.router.gate", "layers.2.moe.router.gate"} | {
         name
