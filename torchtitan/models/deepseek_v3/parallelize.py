@@ -43,6 +43,7 @@ from torchtitan.distributed.expert_parallel import (
     SyncGradColumns,
     TensorParallel,
 )
+from torchtitan.distributed.fsdp_gradients import allocate_gradients_from_compute_pool
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.utils import device_type, transformer_blocks
 from torchtitan.models.deepseek_v3.float8_linears import convert_to_float8_linears
@@ -377,6 +378,7 @@ def apply_fsdp(
             # plain SUM (gloo has no PREMUL_SUM; a factor of 1 makes the post-division a no-op)
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+    allocate_gradients_from_compute_pool(model)
 
     if experts_mesh is not None:
         _set_explicit_prefetch(model, blocks)
