@@ -119,7 +119,7 @@ class Trainer:
             self.parallel_dims, job_config.training.mixed_precision_param, self.device.type
         )
 
-        self.fused_output_loss = self._use_fused_output_loss(job_config)
+        self.fused_output_loss = self._setup_fused_output_loss(job_config)
 
         tokens_per_step = self.grad_accum_steps * job_config.training.local_batch_size * self.parallel_dims.dp_size
         for part in self.model_parts:
@@ -177,10 +177,10 @@ class Trainer:
             return None
         return (tokens == self.tokenizer.bos_id).cumsum(dim=1)
 
-    def _use_fused_output_loss(self, job_config: JobConfig) -> bool:
-        """training.fused_output_loss where it applies: the head computes the loss sum (OutputHead), compiled with
-        the loss. TP (vocab-sharded logits), PP (the schedule's loss) and MTP (logits of several heads) keep the
-        plain head."""
+    def _setup_fused_output_loss(self, job_config: JobConfig) -> bool:
+        """training.fused_output_loss where it applies (returns True): the head computes the loss sum (OutputHead),
+        its chunk function compiled with the loss. TP (vocab-sharded logits), PP (the schedule's loss) and MTP
+        (logits of several heads) keep the plain head."""
         if not job_config.training.fused_output_loss:
             return False
         plain_because = [
