@@ -386,8 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    trainer = None
     try:
-        Trainer(job_config).train()
+        trainer = Trainer(job_config)
+        trainer.train()
         _release_deepep_buffers()
     except (DatasetError, CheckpointError, FloatingPointError, DumpFolderBusyError) as err:
         # The user's data, folder or hyperparameters: one line with the fix, no traceback.
@@ -396,8 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130  # Ctrl-C: the launcher (torchtitan.launch) prints the one line saying where training stopped
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        world_mesh = trainer.parallel_dims.world_mesh if trainer is not None else None
+        del trainer
+        dist_utils.destroy_process_groups(world_mesh)
     return 0
 
 

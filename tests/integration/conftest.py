@@ -35,16 +35,21 @@ def _free_port() -> int:
 
 
 def run_trainer(
-    dump_folder: Path, args: list[str], nproc: int = 1, timeout: int = 600, check: bool = True
+    dump_folder: Path,
+    args: list[str],
+    nproc: int = 1,
+    timeout: int = 600,
+    check: bool = True,
+    entry: tuple[str, ...] = ("-m", "torchtitan.train"),
 ) -> subprocess.CompletedProcess:
-    """Run `python -m torchtitan.train` with the debug config on `nproc` ranks; return the finished run, its stdout
-    and stderr the ranks' in rank order.
+    """Run `python -m torchtitan.train` (or `python *entry`) with the debug config on `nproc` ranks; return the
+    finished run, its stdout and stderr the ranks' in rank order.
 
     The ranks are started directly with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...): torchrun
     itself only adds its own start-up and exit, seconds per run on two cores. run_train.sh's tests and
     test_process_faults.py cover the launcher. A rank that fails stops the others, as torchrun does."""
     cmd = [
-        sys.executable, "-m", "torchtitan.train",
+        sys.executable, *entry,
         "--job.config_file", str(DEBUG_CONFIG),
         "--job.dump_folder", str(dump_folder),
         *args,

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.integration.conftest import DEBUG_CONFIG, FAST_ARGS, REPO_ROOT
+from tests.integration.conftest import DEBUG_CONFIG, FAST_ARGS, REPO_ROOT, run_trainer
 
 
 def _env() -> dict[str, str]:
@@ -92,3 +92,26 @@ def test_ctrl_c_ends_with_one_line_and_exit_code_130(tmp_path):
     assert "Traceback" not in stderr, stderr[-3000:]
     assert stderr.strip().splitlines()[-1].startswith("interrupted: training stopped after step ")
     assert _wait_gone(workers, 10) == []
+
+
+# main(), then the names of the process's threads that are still running.
+_MAIN_THEN_THREADS = """
+import os, sys
+from torchtitan.train import main
+code = main(sys.argv[1:])
+threads = sorted(open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task"))
+print("threads after main:", threads)
+sys.exit(code)
+"""
+
+
+def test_finished_run_frees_its_process_groups_before_exit(tmp_path):
+    """Gloo's worker threads are joined when main() returns: left to interpreter finalization, one that still
+    releases a collective's tensors aborts the finished process ("terminate called without an active exception")."""
+    args = [*FAST_ARGS, "--training.steps", "2", "--training.local_batch_size", "2",
+            "--parallelism.expert_parallel_degree", "2", "--checkpoint.enable=false"]  # fmt: skip
+    run = run_trainer(tmp_path, args, nproc=2, entry=("-c", _MAIN_THEN_THREADS))
+    reports = [line for line in run.stdout.splitlines() if line.startswith("threads after main:")]
+    assert len(reports) == 2, run.stdout[-2000:]
+    for report in reports:
+        assert "gloo" not in report, report
