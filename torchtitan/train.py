@@ -178,9 +178,9 @@ class Trainer:
         return (tokens == self.tokenizer.bos_id).cumsum(dim=1)
 
     def _setup_fused_output_loss(self, job_config: JobConfig) -> bool:
-        """training.fused_output_loss where it applies (returns True): the head computes the loss sum (OutputHead),
-        its chunk function compiled with the loss. TP (vocab-sharded logits), PP (the schedule's loss) and MTP
-        (logits of several heads) keep the plain head."""
+        """training.fused_output_loss where it applies (returns True): the head computes the loss sums (OutputHead;
+        of the main model and of each MTP module), its chunk function compiled with the loss. TP (vocab-sharded
+        logits) and PP (the schedule's loss) keep the plain head."""
         if not job_config.training.fused_output_loss:
             return False
         plain_because = [
@@ -188,7 +188,6 @@ class Trainer:
             for reason, applies in (
                 ("tensor parallelism", self.parallel_dims.tp_enabled),
                 ("pipeline parallelism", self.parallel_dims.pp_enabled),
-                ("MTP modules", self.model_args.mtp_layers > 0),
             )
             if applies
         ]
@@ -221,8 +220,8 @@ class Trainer:
             if self.parallel_dims.pp_enabled:
                 return self._forward_backward_pipeline(tokens, target, kwargs)
             with self.autocast():
-                if self.fused_output_loss:  # the head returns the token sum of the loss (no MTP here)
-                    loss = self.model_parts[0](tokens, labels=labels, **kwargs) / self.loss_fn.global_valid_tokens
+                if self.fused_output_loss:  # the heads return the loss token sums
+                    loss = self.step_loss.from_token_sums(self.model_parts[0](tokens, labels=target, **kwargs))
                 else:
                     loss = self.step_loss(self.model_parts[0](tokens, **kwargs), target)
             loss.backward()  # nothing else holds the (bs, seqlen, vocab) logits: backward frees them

@@ -7,7 +7,7 @@ default: set the gradient divide factor to 1, or multiply the loss by the DP deg
 """
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,9 +64,13 @@ class RescaledLoss:
         self.global_valid_tokens = global_valid_tokens
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.from_token_sums(self.loss_fn(logits, labels))
+
+    def from_token_sums(self, token_sum: torch.Tensor) -> torch.Tensor:
+        """The share from the loss's token sum (what the fused output head returns)."""
         if self.global_valid_tokens is None:
             raise RuntimeError("RescaledLoss.global_valid_tokens is unset: set it each step before the forward")
-        return self.loss_fn(logits, labels) / self.global_valid_tokens
+        return token_sum / self.global_valid_tokens
 
 
 def rescale_loss(loss_fn: LossFn, global_valid_tokens: torch.Tensor | float) -> RescaledLoss:
@@ -102,17 +106,13 @@ def mtp_targets(tokens: torch.Tensor, labels: torch.Tensor, module: int, bos_id:
     return targets
 
 
-def mtp_loss(
-    loss_fn: LossFn,
-    mtp_logits: list[torch.Tensor],
-    mtp_labels: list[torch.Tensor],
-    valid_tokens: list[torch.Tensor | float],
-) -> torch.Tensor:
+def mtp_loss(token_sums: Sequence[torch.Tensor], valid_tokens: Sequence[torch.Tensor | float]) -> torch.Tensor:
     """DeepSeek-V3's L_MTP / lambda: the mean over MTP modules of each module's token mean, as this micro-batch's
-    share (`loss_fn` is a token sum; valid_tokens[k] counts module k's targets over the whole step)."""
+    share (token_sums[k]: module k's loss summed over this micro-batch's tokens; valid_tokens[k] counts module k's
+    targets over the whole step)."""
     per_module = [
-        loss_fn(logits, labels) / torch.as_tensor(count).clamp_min(1)  # a module may have no target at all
-        for logits, labels, count in zip(mtp_logits, mtp_labels, valid_tokens, strict=True)
+        token_sum / torch.as_tensor(count).clamp_min(1)  # a module may have no target at all
+        for token_sum, count in zip(token_sums, valid_tokens, strict=True)
     ]
     return sum(per_module) / len(per_module)
 
@@ -122,8 +122,9 @@ class LossWithMTP:
     pipeline schedules (which call loss_fn(output, target) per micro-batch and keep only the sum).
 
     output: the model's (logits, MTP logits of each module); target: (bs, 1 + modules, seqlen), the labels followed by
-    each module's `mtp_targets`. Call `start_step` each step; the detached parts accumulate in `main_total` /
-    `mtp_total` for logging (they stay zero on ranks that never compute the loss).
+    each module's `mtp_targets`. `from_token_sums` takes the fused output head's loss sums instead. Call `start_step`
+    each step; the detached parts accumulate in `main_total` / `mtp_total` for logging (they stay zero on ranks that
+    never compute the loss).
     """
 
     def __init__(self, main_loss: RescaledLoss, weight: float) -> None:
@@ -137,9 +138,14 @@ class LossWithMTP:
         self.main_total = self.mtp_total = torch.zeros(())
 
     def __call__(self, output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
-        logits, *mtp_logits = output
-        main = self.main_loss(logits, target[:, 0])
-        mtp = mtp_loss(self.main_loss.loss_fn, mtp_logits, list(target[:, 1:].unbind(1)), self.valid_tokens)
+        pairs = zip(output, target.unbind(1), strict=True)
+        return self.from_token_sums(tuple(self.main_loss.loss_fn(logits, labels) for logits, labels in pairs))
+
+    def from_token_sums(self, token_sums: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The share from the loss token sums of the main head and of each MTP module's head."""
+        main_sum, *mtp_sums = token_sums
+        main = self.main_loss.from_token_sums(main_sum)
+        mtp = mtp_loss(mtp_sums, self.valid_tokens)
         self.main_total = self.main_total.to(main.device) + main.detach()
         self.mtp_total = self.mtp_total.to(mtp.device) + mtp.detach()
         return main + self.weight * mtp

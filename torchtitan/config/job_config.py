@@ -125,8 +125,8 @@ class Training:
     fused_output_loss: bool = True
     """Compute the output head and the cross-entropy together in chunks of rows, the gradient included, so the
     (tokens, vocab) logits and their gradient never exist whole (6.25 GiB at the start of backward on 16B_bench4,
-    16,384 tokens per GPU). Same FLOPs. Jobs with tensor parallelism, pipeline parallelism or MTP modules use the
-    plain head (logits, then the loss) whatever this says."""
+    16,384 tokens per GPU). Same FLOPs. MTP modules' heads are fused too. Jobs with tensor or pipeline parallelism
+    use the plain head (logits, then the loss) whatever this says."""
 
     gc_freq: int = 50
     """Run Python garbage collection every N steps (automatic GC is disabled during training)."""

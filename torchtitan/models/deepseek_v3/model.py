@@ -55,7 +55,9 @@ class DeepSeekV3Model(nn.Module):
         mtp_embeddings: (mtp_layers, bs, seqlen, dim), those embeddings, passed between pipeline stages: the stage
         holding the embedding computes them and every later stage carries them to the MTP modules on the last one.
         labels: (bs, seqlen) targets (IGNORE_INDEX: none); returns the fp32 cross-entropy token SUM instead of the
-        logits, computed by the output head in row chunks (`OutputHead`). Not with MTP modules or pipeline stages.
+        logits, computed by the output head in row chunks (`OutputHead`). With MTP modules and next_tokens:
+        (bs, 1 + modules, seqlen), the labels followed by each module's targets (`mtp_targets`), and returns the
+        token sums (main, each module). Not on pipeline stages.
         Returns logits (bs, seqlen, vocab), or hidden states (bs, seqlen, dim) on a stage without `output`;
         (logits, MTP logits (bs, seqlen, vocab) of each module) when next_tokens is given and MTP modules exist (a
         flat tuple of tensors: pipeline stages send and return nothing else);
@@ -63,8 +65,8 @@ class DeepSeekV3Model(nn.Module):
         """
         if self.args.attn_mask_type == "block_causal" and document_ids is None:
             raise ValueError("attn_mask_type='block_causal' needs document_ids; pass model(tokens, document_ids=...)")
-        if labels is not None and (self.args.mtp_layers or self.output is None or self.norm is None):
-            raise ValueError("labels= (the fused output loss) needs the whole model without MTP modules")
+        if labels is not None and (self.output is None or self.norm is None):
+            raise ValueError("labels= (the fused output loss) needs the whole model, not a pipeline stage")
         if mtp_embeddings is not None and (self.tok_embeddings is not None or not self.args.mtp_layers):
             raise ValueError(
                 "mtp_embeddings only pass between pipeline stages of a model with MTP modules; pass document_ids "
@@ -96,18 +98,37 @@ class DeepSeekV3Model(nn.Module):
             h = self._forward_micro_batches(h, freqs_cis, document_ids)
         if mtp_later:
             return h, mtp_embeddings
-        if labels is not None:
-            return self.output(self.norm(h), labels=labels)
+        head_labels = self._head_labels(labels, mtp_here)
         logits = self.norm(h) if self.norm is not None else h
-        logits = self.output(logits) if self.output is not None else logits
+        logits = self._head(logits, head_labels[0]) if self.output is not None else logits
         if not mtp_here:
             return logits
         mtp_logits = []
         for k, block in enumerate(self.mtp.values()):
             embedding = mtp_embeddings[k] if mtp_embeddings is not None else self._mtp_embedding(next_tokens, k)
             h, normed = block(h, embedding, freqs_cis, attention_mask)
-            mtp_logits.append(self.output(normed))
+            mtp_logits.append(self._head(normed, head_labels[k + 1]))
         return logits, *mtp_logits
+
+    def _head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """Logits, or with labels the loss token sum (`OutputHead`)."""
+        return self.output(h) if labels is None else self.output(h, labels=labels)
+
+    def _head_labels(self, labels: torch.Tensor | None, mtp_here: bool) -> list[torch.Tensor | None]:
+        """The labels of the main head and of each MTP module's head (None: the head returns logits)."""
+        heads = 1 + (self.args.mtp_layers if mtp_here else 0)
+        if labels is None:
+            return [None] * heads
+        if not mtp_here:
+            if labels.dim() != 2:
+                raise ValueError(f"labels= without MTP is (bs, seqlen), got shape {tuple(labels.shape)}")
+            return [labels]
+        if labels.dim() != 3 or labels.shape[1] != heads:
+            raise ValueError(
+                f"labels= with {self.args.mtp_layers} MTP modules is (bs, {heads}, seqlen): the labels, then each "
+                f"module's targets; got shape {tuple(labels.shape)}"
+            )
+        return list(labels.unbind(1))
 
     def _mtp_embedding(self, next_tokens: torch.Tensor, module: int) -> torch.Tensor:
         """The embedding of token i + module + 1 at position i; the last `module` positions repeat the final token

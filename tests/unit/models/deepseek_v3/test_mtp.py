@@ -8,7 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan.components.loss import IGNORE_INDEX, cross_entropy_sum, mtp_loss, mtp_targets
+from torchtitan.components.loss import (
+    IGNORE_INDEX,
+    LossWithMTP,
+    RescaledLoss,
+    cross_entropy_sum,
+    mtp_loss,
+    mtp_targets,
+)
 from torchtitan.config import ConfigError
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3StateDictAdapter
 from torchtitan.models.deepseek_v3.state_dict_adapter import hf_config_from_model_args, model_args_from_hf_config
@@ -106,7 +113,52 @@ def test_mtp_loss_is_the_mean_of_each_module_token_mean():
         )
         / 2
     )
-    torch.testing.assert_close(mtp_loss(cross_entropy_sum, logits, labels, counts), expected)
+    token_sums = [cross_entropy_sum(x, y) for x, y in zip(logits, labels, strict=True)]
+    torch.testing.assert_close(mtp_loss(token_sums, counts), expected)
+
+
+def test_fused_output_loss_with_mtp_equals_the_plain_heads():
+    """model(tokens, next_tokens=, labels=stacked targets) returns the loss token sums of the main head and of each
+    MTP module's head; LossWithMTP makes the same loss and gradients from them as from the plain heads' logits."""
+    args = tiny_args(mtp_layers=2)
+    tokens = torch.randint(2, args.vocab_size, (2, 12))
+    tokens[1, 5] = BOS
+    labels = torch.cat([tokens[:, 1:], torch.randint(2, args.vocab_size, (2, 1))], dim=1)
+    target = torch.stack([labels, *(mtp_targets(tokens, labels, k, BOS) for k in range(2))], dim=1)
+    valid = [(target[:, k] != IGNORE_INDEX).sum().float() for k in range(3)]
+
+    results = []
+    for fused in (False, True):
+        model = _model(args)
+        model.output.chunk_rows = 5  # several chunks, the last one partial
+        loss_fn = LossWithMTP(RescaledLoss(cross_entropy_sum, valid[0]), weight=0.3)
+        loss_fn.start_step(valid[1:])
+        if fused:
+            sums = model(tokens, next_tokens=labels, labels=target)
+            assert len(sums) == 3 and all(s.dim() == 0 for s in sums)
+            loss = loss_fn.from_token_sums(sums)
+        else:
+            loss = loss_fn(model(tokens, next_tokens=labels), target)
+        loss.backward()
+        results.append((loss, loss_fn.mtp_total, {n: p.grad for n, p in model.named_parameters()}))
+    (plain_loss, plain_mtp, plain_grads), (fused_loss, fused_mtp, fused_grads) = results
+    torch.testing.assert_close(fused_loss, plain_loss)
+    torch.testing.assert_close(fused_mtp, plain_mtp)
+    assert plain_grads.keys() == fused_grads.keys()
+    for name, grad in plain_grads.items():
+        if grad is None:
+            assert fused_grads[name] is None, name
+        else:
+            torch.testing.assert_close(fused_grads[name], grad, msg=name)
+
+
+def test_fused_output_loss_labels_must_match_the_mtp_modules():
+    model = _model(tiny_args(mtp_layers=2))
+    tokens = torch.randint(2, model.args.vocab_size, (2, 12))
+    with pytest.raises(ValueError, match=r"\(bs, 3, seqlen\)"):
+        model(tokens, next_tokens=tokens, labels=tokens)
+    with pytest.raises(ValueError, match=r"without MTP is \(bs, seqlen\)"):
+        model(tokens, labels=tokens.unsqueeze(1))
 
 
 def test_hf_round_trip_with_a_transformers_saved_mtp_config(tmp_path):
