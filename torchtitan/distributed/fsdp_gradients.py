@@ -17,10 +17,9 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-__all__ = ["ComputePoolReduceScatter", "allocate_gradients_from_compute_pool"]
+__all__ = ["ComputePoolReduceScatter"]
 
 
 class ComputePoolReduceScatter(ReduceScatter):
@@ -47,12 +46,3 @@ class ComputePoolReduceScatter(ReduceScatter):
         async_op: bool = False,
     ) -> dist.Work | None:
         return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-
-
-def allocate_gradients_from_compute_pool(model: torch.nn.Module) -> int:
-    """Give every FSDP unit of `model` a `ComputePoolReduceScatter`; returns how many units."""
-    comm = ComputePoolReduceScatter()
-    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
-    for unit in units:
-        unit.set_custom_reduce_scatter(comm)
-    return len(units)

@@ -43,7 +43,7 @@ from torchtitan.distributed.expert_parallel import (
     SyncGradColumns,
     TensorParallel,
 )
-from torchtitan.distributed.fsdp_gradients import allocate_gradients_from_compute_pool
+from torchtitan.distributed.fsdp_gradients import ComputePoolReduceScatter
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.utils import device_type, transformer_blocks
 from torchtitan.models.deepseek_v3.float8_linears import convert_to_float8_linears
@@ -376,15 +376,16 @@ def apply_fsdp(
         fully_shard([model.norm, model.output], **config, reshard_after_forward=not keep_unsharded)
     fully_shard(model, **config)
 
+    reduce_scatter = ComputePoolReduceScatter()  # gradients from the compute stream's pool (fsdp_gradients.py)
     for module in model.modules():
         if isinstance(module, FSDPModule):
+            module.set_custom_reduce_scatter(reduce_scatter)
             module.set_force_sum_reduction_for_comms(True)
             # plain SUM (gloo has no PREMUL_SUM; a factor of 1 makes the post-division a no-op). On one rank FSDP
             # divides by nothing already, and a factor there only makes it copy the gradients through a temporary
             # (1 GiB per MoE layer on 16B_bench4 at EP = FSDP degree).
             if dp_mesh.size() > 1 and not any(module is unit for unit in one_rank_units):
                 module.set_gradient_divide_factor(1.0)
-    allocate_gradients_from_compute_pool(model)
 
     if experts_mesh is not None:
         _set_explicit_prefetch(model, blocks)
