@@ -25,13 +25,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
+from torchtitan.components.hf_safetensors import load_hf_safetensors, save_hf_safetensors  # noqa: E402
 from torchtitan.models.deepseek_v3 import (  # noqa: E402
     DeepSeekV3Model,
     DeepSeekV3ModelArgs,
     DeepSeekV3StateDictAdapter,
     deepseekv3_flavors,
 )
-from torchtitan.models.deepseek_v3.hf_io import load_hf_safetensors, save_hf_safetensors  # noqa: E402
 from torchtitan.models.deepseek_v3.model import MTPBlock  # noqa: E402
 from torchtitan.models.deepseek_v3.state_dict_adapter import (  # noqa: E402
     hf_config_from_model_args,

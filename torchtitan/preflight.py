@@ -22,12 +22,12 @@ logger = logging.getLogger(__name__)
 OVERLAP_MIN_MICRO_BATCH_TOKENS = 16384
 # An EP group of fewer than 8 ranks fits in one 8-GPU host: its exchange runs over NVLink and is short. At EP=2
 # DeepEP's kernels took 17.7 ms without the overlap and 76.9 ms with it (they hold their SMs while waiting for the
-# other rank): the overlap cost more than there was to hide. `expert_parallel_comm_slowdown` > 1 is the exception.
+# other rank): the overlap cost more than there was to hide.
 OVERLAP_MIN_EP_DEGREE = 8
 
 
 def check_job(argv: list[str], world_size: int) -> JobConfig:
-    """Parse the config and validate everything that depends only on config + world size.
+    """Parse the config and validate everything that depends on the config, the world size and the model args.
 
     Raises ConfigError / ValueError with a message that names the fix.
     """
@@ -38,7 +38,7 @@ def check_job(argv: list[str], world_size: int) -> JobConfig:
 
     parallel_dims = ParallelDims.from_config(job_config.parallelism, world_size)
     model_args = get_model_args(job_config)
-    parallel_dims.validate_for_model(model_args, job_config.training.seq_len)
+    check_parallel_dims(parallel_dims, model_args)
     check_batch_sizes(job_config, parallel_dims.dp_size)
     check_ep_overlap(job_config, parallel_dims)
     check_mtp(model_args, parallel_dims)
@@ -50,12 +50,76 @@ def check_job(argv: list[str], world_size: int) -> JobConfig:
 
     check_corpus(job_config.training.dataset, job_config.training.dataset_path)
     if job_config.parallelism.expert_parallel_comm_backend == "deepep":
-        import torch
-
-        from torchtitan.distributed.deepep import validate_deepep_config
-
-        validate_deepep_config(parallel_dims, device_type="cuda" if torch.cuda.is_available() else "cpu")
+        check_deepep(parallel_dims)
     return job_config
+
+
+def check_parallel_dims(dims, model_args) -> None:
+    """The degrees must multiply out to the world size, leave EP whole ranks to borrow, and divide the model."""
+    others = dims.dp_replicate * dims.tp * dims.pp
+    if dims.world_size < 1 or dims.world_size != others * dims.dp_shard:
+        raise ConfigError(
+            f"dp_replicate({dims.dp_replicate}) * dp_shard({dims.dp_shard}) * tp({dims.tp}) * pp({dims.pp}) = "
+            f"{others * dims.dp_shard} but the world size is {dims.world_size}; make the product equal the number of "
+            "processes (data_parallel_shard_degree=-1 fills in the rest when the world size is a multiple of "
+            f"dp_replicate * tp * pp = {others})"
+        )
+    if dims.etp > 1 and dims.dp_shard % dims.ep:  # experts are TP-sharded, so EP can only borrow data-parallel ranks
+        raise ConfigError(
+            f"expert_parallel_degree ({dims.ep}) must divide data_parallel_shard_degree ({dims.dp_shard}) when "
+            "expert_tensor_parallel_degree == tensor_parallel_degree; lower ep, raise dp_shard, or set "
+            "expert_tensor_parallel_degree=1 to let EP borrow TP ranks"
+        )
+    if dims.etp == 1 and dims.dp_shard * dims.tp % dims.ep:
+        raise ConfigError(
+            f"expert_parallel_degree ({dims.ep}) must divide data_parallel_shard_degree * tensor_parallel_degree "
+            f"({dims.dp_shard} * {dims.tp} = {dims.dp_shard * dims.tp}): EP borrows its ranks from FSDP and TP; "
+            "change expert_parallel_degree"
+        )
+    for divisor, name, count, what in [
+        (dims.ep, "expert_parallel_degree", model_args.moe_args.num_experts, "moe num_experts"),
+        (dims.etp, "expert_tensor_parallel_degree", model_args.moe_inter_dim, "moe_inter_dim"),
+        (dims.tp, "tensor_parallel_degree", model_args.n_heads, "n_heads"),
+    ]:
+        if count % divisor:
+            raise ConfigError(
+                f"{what} ({count}) is not divisible by {name} ({divisor}); set --parallelism.{name} to a divisor"
+            )
+    if model_args.n_layers < dims.pp:
+        raise ConfigError(
+            f"n_layers ({model_args.n_layers}) is smaller than pipeline_parallel_degree ({dims.pp}); every stage needs "
+            "at least one layer, lower --parallelism.pipeline_parallel_degree"
+        )
+
+
+DEEPEP_EP_SIZES = (2, 4, 8, 16, 24, 32, 64, 128, 144, 160)
+"""EP sizes DeepEP v1 has dispatch/combine configs for (`deep_ep.Buffer.get_dispatch_config`); others assert."""
+
+
+def check_deepep(parallel_dims) -> None:
+    """Raise if `expert_parallel_comm_backend='deepep'` cannot run with these degrees / this install.
+
+    TP (and so ETP) is rejected: DeepEP dispatch expects every rank to send its own tokens, and sequence-sharding
+    the MoE input over TP ranks before dispatch is not implemented.
+    """
+    if parallel_dims.tp > 1 or parallel_dims.etp > 1:
+        raise ValueError(
+            f"expert_parallel_comm_backend='deepep' does not support tensor_parallel_degree={parallel_dims.tp} / "
+            f"expert_tensor_parallel_degree={parallel_dims.etp}; set both to 1 (use FSDP + EP), or use "
+            "--parallelism.expert_parallel_comm_backend standard."
+        )
+    if parallel_dims.ep > 1 and parallel_dims.ep not in DEEPEP_EP_SIZES:
+        raise ValueError(
+            f"expert_parallel_degree={parallel_dims.ep}: DeepEP has kernel configs only for EP sizes "
+            f"{', '.join(map(str, DEEPEP_EP_SIZES))}; pick one of them, or use "
+            "--parallelism.expert_parallel_comm_backend standard."
+        )
+    import torch
+
+    if torch.cuda.is_available() and parallel_dims.ep > 1:
+        from torchtitan.distributed.deepep.buffer import import_deep_ep
+
+        import_deep_ep()
 
 
 def check_batch_sizes(job_config: JobConfig, dp_degree: int) -> int:
@@ -116,7 +180,7 @@ def check_ep_overlap(job_config: JobConfig, parallel_dims) -> None:
 def overlap_cannot_pay(job_config: JobConfig, ep_degree: int) -> list[str]:
     """Why the two-micro-batch EP overlap is unlikely to be faster for this job (empty: it may pay)."""
     reasons = []
-    if ep_degree < OVERLAP_MIN_EP_DEGREE and job_config.parallelism.expert_parallel_comm_slowdown == 1:
+    if ep_degree < OVERLAP_MIN_EP_DEGREE:
         reasons.append(
             f"expert_parallel_degree {ep_degree} < {OVERLAP_MIN_EP_DEGREE} exchanges within one host over NVLink, "
             "too little to hide"

@@ -38,10 +38,9 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.compile import graphs_compiled
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.weight_init import copy_from_unsharded_init
-from torchtitan.models.deepseek_v3 import DeepSeekV3Model, get_model_args
+from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3StateDictAdapter, get_model_args
 from torchtitan.models.deepseek_v3.parallelize import expert_bias_reduce_group, parallelize_deepseekv3
-from torchtitan.models.moe import MoE
-from torchtitan.models.moe.load_balance import build_expert_bias_hook
+from torchtitan.models.moe import MoE, build_expert_bias_hook
 from torchtitan.models.output_head import chunk_loss_and_grad
 from torchtitan.preflight import check_batch_sizes, check_job
 from torchtitan.tools.profiling import StepProfiler
@@ -87,11 +86,8 @@ class Trainer:
         self.dataloader = build_dataloader(job_config, self.tokenizer, dp_rank, dp_degree)
 
         # Model: built on meta, parallelized, then materialized, so no rank ever holds the full model.
-        ep = self.parallel_dims.ep
         with torch.device("meta"):
-            model = DeepSeekV3Model(
-                self.model_args, comm_backend=job_config.parallelism.expert_parallel_comm_backend, ep_degree=ep
-            )
+            model = DeepSeekV3Model(self.model_args)
         nparams, self.flops_per_token = self.model_args.get_nparams_and_flops(model, job_config.training.seq_len)
         logger.info(f"model {job_config.model.flavor}: {nparams:,} parameters, {self.flops_per_token:,.0f} FLOPs/token")
 
@@ -152,7 +148,7 @@ class Trainer:
             dataloader=self.dataloader,
             train_state=self.train_state,
             dp_rank=dp_rank,
-            model_args=self.model_args,
+            state_dict_adapter=DeepSeekV3StateDictAdapter(self.model_args),
         )
         self.metrics = MetricsProcessor(
             job_config, num_flops_per_token=self.flops_per_token, device=self.device, is_logging_rank=self.rank == 0

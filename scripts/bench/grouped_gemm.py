@@ -19,8 +19,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.bench.common import cuda_time_ms, profile_summary, write_result  # noqa: E402
 from scripts.bench.moe_layer import LAYERS  # noqa: E402
+from torchtitan.kernels.permute import plan_permutation  # noqa: E402
 from torchtitan.models.moe.experts import run_experts_grouped_mm  # noqa: E402
-from torchtitan.models.moe.permute import plan_permutation  # noqa: E402
 
 
 def main() -> None:

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.bench.common import cuda_time_ms, write_result  # noqa: E402
+from torchtitan.kernels.float8 import float8_linear, quantize_rowwise  # noqa: E402
 from torchtitan.models.deepseek_v3 import deepseekv3_flavors  # noqa: E402
-from torchtitan.models.moe.float8 import float8_linear, quantize_rowwise  # noqa: E402
 
 
 def block_linears(flavor: str) -> dict[str, tuple[int, int]]:

@@ -28,18 +28,13 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor.parallel import parallelize_module  # noqa: E402
 
 from tests.unit.models.moe._expert_rows import expert_of_padded_row  # noqa: E402
-from torchtitan.distributed.deepep import (  # noqa: E402
-    DeepEPExpertParallel,
-    DeepEPTokenDispatcher,
-    destroy_buffers,
-    get_or_create_buffer,
-    ops,
-)
-from torchtitan.distributed.expert_parallel import ExpertParallel  # noqa: E402
+from torchtitan.distributed.deepep import destroy_buffers, get_or_create_buffer, ops  # noqa: E402
+from torchtitan.distributed.expert_parallel.deepep_dispatcher import DeepEPTokenDispatcher  # noqa: E402
+from torchtitan.distributed.expert_parallel.dispatcher import ExpertRows  # noqa: E402
+from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel  # noqa: E402
+from torchtitan.kernels.float8 import dequantize_blockwise, quantize_blockwise  # noqa: E402
 from torchtitan.models.moe import MoE, MoEArgs  # noqa: E402
 from torchtitan.models.moe.deepep_moe import DeepEPMoE  # noqa: E402
-from torchtitan.models.moe.experts import ExpertRows  # noqa: E402
-from torchtitan.models.moe.float8 import dequantize_blockwise, quantize_blockwise  # noqa: E402
 
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -169,12 +164,13 @@ def _check_moe_block_eager_compiled_and_overlap(rank, world_size, cuda_group, cp
 
     reference = _forward_backward(_build(MoE, mesh, ExpertParallel()), x)
     moe = _build(DeepEPMoE, mesh, DeepEPExpertParallel(num_sms=NUM_SMS))
+    side_stream = moe.side_stream = torch.cuda.Stream()
     eager = _forward_backward(moe, x)
     moe.zero_grad()
-    moe.overlap_shared_experts = False
+    moe.side_stream = None
     inline = _forward_backward(moe, x)
     moe.zero_grad()
-    moe.overlap_shared_experts = True
+    moe.side_stream = side_stream
     compiled = _forward_backward(moe, x, call=torch.compile(moe, fullgraph=True))
 
     for label, got, tol in (

@@ -13,8 +13,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from torchtitan.components.adamw import MultiTensorAdamW
-from torchtitan.components.multi_tensor import CHUNK
 from torchtitan.distributed.utils import grad_norm_and_clip_coef
+from torchtitan.kernels.chunk_table import CHUNK
 
 pytest.importorskip("triton")
 
@@ -65,7 +65,7 @@ def test_matches_clip_grad_norm_and_torch_fused_adamw_over_steps(unaligned):
 
 
 def test_bf16_gradients_give_the_update_of_their_fp32_values():
-    from torchtitan.components.multi_tensor_kernels import adamw_update_
+    from torchtitan.kernels.multi_tensor_kernels import adamw_update_
 
     results = []
     for grad_dtype in (torch.bfloat16, torch.float32):
@@ -87,7 +87,7 @@ def test_bf16_gradients_give_the_update_of_their_fp32_values():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sum_of_squares_matches_torch_norm(dtype):
-    from torchtitan.components.multi_tensor_kernels import sum_of_squares
+    from torchtitan.kernels.multi_tensor_kernels import sum_of_squares
 
     tensors = [p.detach().to(dtype) for p in make_params(unaligned=False)]
     tensors.append(torch.randn(CHUNK + 2, device="cuda", dtype=dtype)[1:])  # not 16-byte aligned

@@ -6,8 +6,7 @@ matched: a forward that returned a no-op `.to()` lost its gradient. CPU tests (t
 import pytest
 import torch
 
-from torchtitan.models.moe.permute import unpermute_tokens
-from torchtitan.models.moe.token_dispatcher import expert_major_order, permute_to_experts
+from torchtitan.kernels.permute import expert_major_order, permute_to_experts, unpermute_tokens
 
 TOKENS, TOP_K, NUM_EXPERTS, DIM = 1000, 6, 32, 256
 

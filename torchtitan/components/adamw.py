@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.multi_tensor import cuda_kernels
+from torchtitan.kernels.multi_tensor import cuda_kernels
 
 __all__ = ["MultiTensorAdamW"]
 

@@ -83,8 +83,9 @@ class CheckpointManager:
         dataloader, train_state: objects with state_dict()/load_state_dict(); either may be None.
         dp_rank: this rank's data-parallel rank, which keys the dataloader state. Required when
             torch.distributed runs with more than one rank and a dataloader is given.
-        state_dict_adapter: an object with `to_hf(sd)`/`from_hf(sd)` for HF import/export; built lazily as
-            `DeepSeekV3StateDictAdapter(model_args)` when only `model_args` is given.
+        state_dict_adapter: the model's HF interop for HF import/export: `to_hf(sd)`, `from_hf(sd)`, and
+            `hf_config()` (a config.json for exports; may return None). The model package provides it
+            (`DeepSeekV3StateDictAdapter`); this layer knows no model.
     """
 
     def __init__(
@@ -97,7 +98,6 @@ class CheckpointManager:
         train_state: Stateful | None = None,
         *,
         dp_rank: int | None = None,
-        model_args: Any = None,
         state_dict_adapter: Any = None,
     ) -> None:
         config = job_config.checkpoint
@@ -133,13 +133,10 @@ class CheckpointManager:
         self.dataloader = dataloader
         self.train_state = train_state
         self.dp_rank = dp_rank
-        self.model_args = model_args
         self.state_dict_adapter = state_dict_adapter
         needs_hf = (config.last_save_in_hf and self.enable) or (config.initial_load_path and config.initial_load_in_hf)
-        if needs_hf and state_dict_adapter is None and model_args is None:
-            raise ValueError(
-                "HF checkpoint import/export needs CheckpointManager(model_args=...) or state_dict_adapter=..."
-            )
+        if needs_hf and state_dict_adapter is None:
+            raise ValueError("HF checkpoint import/export needs CheckpointManager(state_dict_adapter=...)")
         if config.last_save_in_hf and self.enable and any(_is_pipeline_stage(part) for part in model_parts):
             raise ValueError(
                 "checkpoint.last_save_in_hf is not supported with pipeline parallelism yet; use "
@@ -254,18 +251,17 @@ class CheckpointManager:
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             full_state.update(get_model_state_dict(part, options=options))
         if self.rank == 0:
-            from torchtitan.models.deepseek_v3.hf_io import save_hf_safetensors
+            from torchtitan.components.hf_safetensors import save_hf_safetensors
 
             full_state = {
                 k: v.to(self.export_dtype) if torch.is_floating_point(v) else v for k, v in full_state.items()
             }
             os.makedirs(tmp_path, exist_ok=True)
-            save_hf_safetensors(self._adapter().to_hf(full_state), tmp_path)
-            if self.model_args is not None:  # config.json makes the folder loadable by transformers as is
-                from torchtitan.models.deepseek_v3.state_dict_adapter import hf_config_from_model_args
-
+            save_hf_safetensors(self.state_dict_adapter.to_hf(full_state), tmp_path)
+            hf_config = self.state_dict_adapter.hf_config()
+            if hf_config is not None:  # config.json makes the folder loadable by transformers as is
                 with open(os.path.join(tmp_path, "config.json"), "w") as f:
-                    json.dump(hf_config_from_model_args(self.model_args), f, indent=2)
+                    json.dump(hf_config, f, indent=2)
 
     # ---- load ----------------------------------------------------------------------------------------
 
@@ -370,9 +366,9 @@ class CheckpointManager:
         return True
 
     def _load_hf(self, path: str) -> None:
-        from torchtitan.models.deepseek_v3.hf_io import load_hf_safetensors
+        from torchtitan.components.hf_safetensors import load_hf_safetensors
 
-        state = self._adapter().from_hf(load_hf_safetensors(path))
+        state = self.state_dict_adapter.from_hf(load_hf_safetensors(path))
         for part in self.model_parts:
             missing = sorted(set(get_model_state_dict(part)) - set(state))
             if not any(key.startswith("mtp.") for key in state):
@@ -430,13 +426,6 @@ class CheckpointManager:
         for name, state in states.items():
             if name.startswith("rng.") and isinstance(state, PickledState):
                 state.target.apply_loaded()
-
-    def _adapter(self) -> Any:
-        if self.state_dict_adapter is None:
-            from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
-
-            self.state_dict_adapter = DeepSeekV3StateDictAdapter(self.model_args)
-        return self.state_dict_adapter
 
     # ---- collectives ---------------------------------------------------------------------------------
 

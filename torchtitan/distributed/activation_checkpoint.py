@@ -43,7 +43,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from torchtitan.distributed.compile import recompile_guard_contexts
+from torchtitan.distributed.compile import CompiledRegion, recompile_guard_contexts
 
 __all__ = ["apply_ac", "op_sac_save_list", "per_op_sac_contexts"]
 
@@ -58,7 +58,7 @@ def op_sac_save_list() -> set[Any]:
         lambda: aten._scaled_mm.default,
         lambda: aten._grouped_mm.default,
         lambda: aten._scaled_grouped_mm.default,
-        lambda: ops.torchtitan.fp8_scaled_grouped_mm_emulated.default,  # its CPU emulation (models/moe/float8.py)
+        lambda: ops.torchtitan.fp8_scaled_grouped_mm_emulated.default,  # its CPU emulation (kernels/float8.py)
         lambda: aten._scaled_dot_product_efficient_attention.default,
         lambda: aten._scaled_dot_product_flash_attention.default,
         lambda: aten._scaled_dot_product_flash_attention_for_cpu.default,
@@ -107,25 +107,25 @@ def _deepep_ops() -> set[Any]:
     return ops
 
 
-def apply_ac(model: nn.Module, ac_config: Any) -> None:
+def apply_ac(model: nn.Module, ac_config: Any, compiled_regions: tuple[CompiledRegion, ...] = ()) -> None:
     """Wrap the blocks of `model.layers` (and `model.mtp`) in non-reentrant checkpoint wrappers per `ac_config`.
 
     mode "none": nothing. "full": every block. "selective" with selective_ac_option "op": per-op SAC on every block;
     with an integer N: full checkpointing of every Nth block (blocks 0, N, 2N, ... by position in this model part).
-    MoE blocks also get the recompile guard of `compile.recompile_guard_contexts` (their compiled regions run
-    inside an eager checkpoint; dense blocks are compiled together with theirs).
+    MoE blocks also get the recompile guard of `compile.recompile_guard_contexts` over `compiled_regions` (the
+    model's `MoERegions` run inside an eager checkpoint; dense blocks are compiled together with theirs).
     """
     mode, option = ac_config.mode, str(ac_config.selective_ac_option)
     if mode == "none":
         return
     if mode == "full":
-        _wrap_blocks(model, lambda position: True, sac_save_ops=None)
+        _wrap_blocks(model, lambda position: True, None, compiled_regions)
         return
     if mode != "selective":
         raise ValueError(f"activation_checkpoint.mode={mode!r}: use none, full or selective")
     if option == "op":
         _ignore_profiler_ops_in_sac()
-        _wrap_blocks(model, lambda position: True, sac_save_ops=op_sac_save_list())
+        _wrap_blocks(model, lambda position: True, op_sac_save_list(), compiled_regions)
         return
     if not option.isdigit() or int(option) < 1:
         raise ValueError(
@@ -133,7 +133,7 @@ def apply_ac(model: nn.Module, ac_config: Any) -> None:
             "(checkpoint every Nth block)"
         )
     every = int(option)
-    _wrap_blocks(model, lambda position: position % every == 0, sac_save_ops=None)
+    _wrap_blocks(model, lambda position: position % every == 0, None, compiled_regions)
 
 
 def per_op_sac_contexts(num_experts: int | None):
@@ -157,7 +157,12 @@ def _ignore_profiler_ops_in_sac() -> None:
     )
 
 
-def _wrap_blocks(model: nn.Module, selected: Callable[[int], bool], sac_save_ops: set[Any] | None) -> None:
+def _wrap_blocks(
+    model: nn.Module,
+    selected: Callable[[int], bool],
+    sac_save_ops: set[Any] | None,
+    compiled_regions: tuple[CompiledRegion, ...],
+) -> None:
     """Checkpoint the selected blocks; per-op SAC when `sac_save_ops` is given, else whole-block recompute."""
     num_experts = _num_routed_experts(model)
     # the transformer blocks, then the multi-token prediction modules (blocks too), by position
@@ -169,22 +174,28 @@ def _wrap_blocks(model: nn.Module, selected: Callable[[int], bool], sac_save_ops
         if not selected(position):
             continue
         is_moe = getattr(block, "moe_enabled", False)
-        guard_name = f"{prefix}.{name}" if is_moe else None
+        guard_name = f"{prefix}.{name}" if is_moe and compiled_regions else None
         save_ops = sac_save_ops
         if save_ops is not None and is_moe:
             save_ops = save_ops | _compiled_region_op()
         # dynamo traces a dense block's checkpoint: pass no context_fn unless there is something to run in it
         kwargs = {}
         if save_ops is not None or guard_name is not None:
-            kwargs["context_fn"] = partial(_checkpoint_contexts, save_ops, num_experts, guard_name)
+            guarded = compiled_regions if guard_name is not None else ()  # dynamo traces a dense block's partial
+            kwargs["context_fn"] = partial(_checkpoint_contexts, save_ops, num_experts, guard_name, guarded)
         container.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False, **kwargs))
 
 
-def _checkpoint_contexts(sac_save_ops: set[Any] | None, num_experts: int | None, guard_name: str | None):
+def _checkpoint_contexts(
+    sac_save_ops: set[Any] | None,
+    num_experts: int | None,
+    guard_name: str | None,
+    compiled_regions: tuple[CompiledRegion, ...],
+):
     """checkpoint's context_fn: (forward, recompute) contexts of SAC and, for MoE blocks, the recompile guard."""
     contexts = [_sac_contexts(sac_save_ops, num_experts)] if sac_save_ops is not None else []
     if guard_name is not None:
-        contexts.append(recompile_guard_contexts(guard_name))
+        contexts.append(recompile_guard_contexts(guard_name, compiled_regions))
     if len(contexts) == 1:
         return contexts[0]
     return _stacked(c[0] for c in contexts), _stacked(c[1] for c in contexts)

@@ -6,8 +6,9 @@ two things in them cannot be traced into one graph:
   buffers whose split sizes are copied to the host (data-dependent shapes around a collective), and the routed
   experts module is its own FSDP2 unit whose pre/post-forward hooks are graph breaks. What runs around the
   communication is compiled: the grouped-GEMM SwiGLU (`GroupedExperts.run_grouped_mm`) and the dispatcher's two
-  gathers around it (into the experts' padded rows; back with the weighted sum per token, `models/moe/permute.py`).
-  Each is one `CompiledRegion` shared by every layer, with its token-row dims dynamic from the first call (see
+  gathers around it (into the experts' padded rows; back with the weighted sum per token, `kernels/permute.py`).
+  Each is one `CompiledRegion` shared by every layer of the model (`MoERegions`, created once per model by
+  `parallelize` so the dispatchers are built with theirs), with its token-row dims dynamic from the first call (see
   `CompiledRegion` for why that matters under activation checkpointing). The sort by expert and the all-to-all
   dispatcher's reordering between ranks and local experts run eager.
 Also compiled inside an MoE block: attention, the router's expert selection, the shared experts (all see a fixed
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,26 +33,30 @@ from torch import nn
 from torch._dynamo.utils import counters, get_compilation_metrics
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+from torchtitan.distributed.expert_parallel.dispatcher import TokenPermutation
 from torchtitan.distributed.utils import transformer_blocks
+from torchtitan.kernels.permute import permute_to_experts, unpermute_tokens
 
 __all__ = [
     "CompiledRegion",
+    "MoERegions",
     "RecompiledDuringCheckpointError",
     "apply_compile",
     "compile_moe",
-    "compiled_region",
     "graphs_compiled",
     "recompile_guard_contexts",
 ]
 
 
-def apply_compile(model: nn.Module, compile_config: Any, per_op_sac: bool = False) -> None:
-    """Compile each block of `model.layers` in place with `compile_config.backend`.
+def apply_compile(model: nn.Module, backend: str, regions: MoERegions, per_op_sac: bool = False) -> None:
+    """Compile each block of `model.layers` (and `model.mtp`) in place with `backend`; MoE blocks run `regions`.
 
     per_op_sac: the blocks run under per-op SAC; compile the MoE blocks' attention, router selection and shared
     experts so that SAC saves their outputs instead of running them again in backward (`saved_by_sac_options`).
     """
-    backend = compile_config.backend
+    # Token counts become Python ints in the expert-parallel dispatch; let dynamo capture them as unbacked symbols
+    # instead of breaking the graph wherever such a count is read (process-wide: dynamo has no per-region setting).
+    torch._dynamo.config.capture_scalar_outputs = True
     saved = saved_by_sac_options(backend) if per_op_sac else {}
     for block in transformer_blocks(model):
         inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
@@ -58,7 +64,7 @@ def apply_compile(model: nn.Module, compile_config: Any, per_op_sac: bool = Fals
             block.compile(backend=backend, fullgraph=True)
             continue
         inner.attention.compile(backend=backend, fullgraph=True, **saved)
-        compile_moe(inner.moe, backend, saved)
+        compile_moe(inner.moe, backend, regions, saved)
 
 
 def saved_by_sac_options(backend: str) -> dict[str, Any]:
@@ -75,18 +81,15 @@ def saved_by_sac_options(backend: str) -> dict[str, Any]:
     return {"options": {"wrap_inductor_compiled_regions": True}}
 
 
-def compile_moe(moe: nn.Module, backend: str, saved_options: dict[str, Any] | None = None) -> None:
-    """Compile what can be compiled of one MoE layer (see the module docstring), in place.
+def compile_moe(moe: nn.Module, backend: str, regions: MoERegions, saved_options: dict[str, Any] | None = None) -> None:
+    """Compile what can be compiled of one MoE layer (see the module docstring), in place; its dispatcher was built
+    with `regions.permutation` already.
 
     saved_options (`saved_by_sac_options`, or none) go to the router selection and the shared experts, regions
     with few activations whose forward is worth saving. The routed experts' regions never get them: their
-    activations (every token copy's SwiGLU input and hidden state) are the bulk of an MoE block's memory, and
-    saving them bought no speed we could measure (16B_bench4, 2x H200) for ~1.4 GiB more per layer.
+    activations (every token copy's SwiGLU input and hidden state) are the bulk of an MoE block's memory.
     """
     saved_options = saved_options or {}
-    # Token counts become Python ints in the expert-parallel dispatch; let dynamo capture them as unbacked symbols
-    # instead of breaking the graph wherever such a count is read.
-    torch._dynamo.config.capture_scalar_outputs = True
     # MoE.route calls the router's two methods, not router.forward. Only the selection (top-k, group masking,
     # counting: many small ops on fixed shapes) is compiled; the scoring is one linear layer plus a sigmoid.
     moe.router.select_experts = torch.compile(
@@ -94,16 +97,7 @@ def compile_moe(moe: nn.Module, backend: str, saved_options: dict[str, Any] | No
     )
     if moe.shared_experts is not None:
         moe.shared_experts.compile(backend=backend, fullgraph=True, **saved_options)
-    experts = moe.experts
-    # (x (rows, dim), group_ends, w1, w2, w3, float8): the rows vary
-    experts.run_grouped_mm = compiled_region(type(experts).run_grouped_mm, backend, {0: 0})
-    dispatcher = moe.dispatcher
-    # (x (tokens, dim), order (slots,), tokens_per_expert, top_k, weights (tokens, top_k) | None, alignment, dtype)
-    dispatcher.permute_to_experts = compiled_region(type(dispatcher).permute_to_experts, backend, {0: 0, 1: 0, 4: 0})
-    # (rows (rows, dim), plan, top_k, weights (tokens, top_k) | None, dtype)
-    plan_dims = {"padded_slot": 0, "slot_row": 0}
-    unpermute = type(dispatcher).unpermute_tokens
-    dispatcher.unpermute_tokens = compiled_region(unpermute, backend, {0: 0, 1: plan_dims, 3: 0})
+    moe.experts.run_grouped_mm = regions.grouped_mm
 
 
 class CompiledRegion:
@@ -141,15 +135,30 @@ class CompiledRegion:
         return out
 
 
-# (function, backend) -> its region. One per pair so every layer shares the same compiled graph and guards.
-_REGIONS: dict[tuple[Callable, str], CompiledRegion] = {}
+@dataclass(frozen=True)
+class MoERegions:
+    """The compiled regions every MoE layer of one model shares: the permutation its dispatchers are built with and
+    the experts' grouped GEMMs. `parallelize` creates them once per model, before the expert-parallel styles."""
 
+    permutation: TokenPermutation
+    grouped_mm: CompiledRegion
 
-def compiled_region(fn: Callable, backend: str, token_dims: dict[int, int | dict[str, int]]) -> CompiledRegion:
-    """The `CompiledRegion` of `fn` for `backend`, created on first use and shared afterwards."""
-    if (fn, backend) not in _REGIONS:
-        _REGIONS[fn, backend] = CompiledRegion(fn, backend, token_dims)
-    return _REGIONS[fn, backend]
+    @classmethod
+    def build(cls, backend: str, grouped_mm: Callable) -> MoERegions:
+        """grouped_mm: (x (rows, dim), group_ends, w1, w2, w3, float8) -> (rows, dim), `run_experts_grouped_mm`."""
+        plan_dims = {"padded_slot": 0, "slot_row": 0}
+        return cls(
+            permutation=TokenPermutation(
+                # (x (tokens, dim), order (slots,), counts, top_k, weights (tokens, top_k) | None, alignment, dtype)
+                to_experts=CompiledRegion(permute_to_experts, backend, {0: 0, 1: 0, 4: 0}),
+                # (rows (rows, dim), plan, top_k, weights (tokens, top_k) | None, dtype)
+                from_experts=CompiledRegion(unpermute_tokens, backend, {0: 0, 1: plan_dims, 3: 0}),
+            ),
+            grouped_mm=CompiledRegion(grouped_mm, backend, {0: 0}),
+        )
+
+    def all(self) -> tuple[CompiledRegion, ...]:
+        return (self.permutation.to_experts, self.permutation.from_experts, self.grouped_mm)
 
 
 def graphs_compiled() -> int:
@@ -161,7 +170,9 @@ class RecompiledDuringCheckpointError(RuntimeError):
     """A compiled region compiled a new graph between a checkpointed block's forward and its recompute."""
 
 
-def recompile_guard_contexts(block_name: str) -> tuple[contextlib.AbstractContextManager, ...]:
+def recompile_guard_contexts(
+    block_name: str, regions: tuple[CompiledRegion, ...]
+) -> tuple[contextlib.AbstractContextManager, ...]:
     """(forward, recompute) contexts for `torch.utils.checkpoint`'s `context_fn` of an MoE block.
 
     The recompute must run the graphs its forward ran. If a `CompiledRegion` compiled a graph after the block's
@@ -174,25 +185,27 @@ def recompile_guard_contexts(block_name: str) -> tuple[contextlib.AbstractContex
     @contextlib.contextmanager
     def forward() -> Iterator[None]:
         yield
-        forward_graphs.update(_graphs_per_region())
+        forward_graphs.update(_graphs_per_region(regions))
 
     @contextlib.contextmanager
     def recompute() -> Iterator[None]:
-        _check_no_recompile(block_name, forward_graphs, "before")
+        _check_no_recompile(block_name, regions, forward_graphs, "before")
         try:
             yield
         finally:
-            _check_no_recompile(block_name, forward_graphs, "during")
+            _check_no_recompile(block_name, regions, forward_graphs, "during")
 
     return forward(), recompute()
 
 
-def _graphs_per_region() -> dict[str, int]:
-    return {region.name: region.num_graphs for region in _REGIONS.values()}
+def _graphs_per_region(regions: tuple[CompiledRegion, ...]) -> dict[str, int]:
+    return {region.name: region.num_graphs for region in regions}
 
 
-def _check_no_recompile(block_name: str, forward_graphs: dict[str, int], when: str) -> None:
-    changed = [name for name, graphs in _graphs_per_region().items() if graphs != forward_graphs.get(name, 0)]
+def _check_no_recompile(
+    block_name: str, regions: tuple[CompiledRegion, ...], forward_graphs: dict[str, int], when: str
+) -> None:
+    changed = [name for name, graphs in _graphs_per_region(regions).items() if graphs != forward_graphs.get(name, 0)]
     if not changed:
         return
     reasons = {m.co_name: m.recompile_reason for m in get_compilation_metrics() if m.co_name in changed}

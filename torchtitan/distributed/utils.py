@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.multi_tensor import sum_of_squares
+from torchtitan.kernels.multi_tensor import sum_of_squares
 
 logger = logging.getLogger(__name__)
 

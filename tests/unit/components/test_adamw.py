@@ -5,8 +5,9 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from torchtitan.components.adamw import MultiTensorAdamW
-from torchtitan.components.multi_tensor import CHUNK, chunk_table, sum_of_squares
 from torchtitan.distributed.utils import grad_norm_and_clip_coef
+from torchtitan.kernels.chunk_table import CHUNK, chunk_table
+from torchtitan.kernels.multi_tensor import sum_of_squares
 
 # 0-dim, one element, odd sizes, and sizes around the kernel's chunk
 SHAPES = [(), (1,), (7,), (3, 5), (2, 3, 4), (CHUNK + 3,)]

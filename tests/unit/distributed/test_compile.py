@@ -11,19 +11,31 @@ from torch._dynamo.utils import get_compilation_metrics
 
 from tests.unit.distributed._model_parity import build_reference, reference_loss_and_grads, tiny_args
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.compile import MoERegions, apply_compile
+from torchtitan.distributed.expert_parallel.dispatcher import EAGER_PERMUTATION, LocalTokenDispatcher
+from torchtitan.models.moe.experts import run_experts_grouped_mm
 
 
-@pytest.mark.parametrize("ac_mode, ac_option", [("none", "op"), ("full", "op"), ("selective", "op")])
-def test_compiled_model_matches_eager(ac_mode, ac_option):
+def _compile(model, backend: str, ac_mode: str, compiled_permutation: bool = True) -> None:
+    """What parallelize does without EP: dispatchers built with the model's regions, then AC, then compile."""
+    regions = MoERegions.build(backend, run_experts_grouped_mm)
+    for block in model.layers.values():
+        if block.moe_enabled:
+            permutation = regions.permutation if compiled_permutation else EAGER_PERMUTATION
+            block.moe.dispatcher = LocalTokenDispatcher(block.moe.num_experts, False, permutation)
+    apply_ac(model, SimpleNamespace(mode=ac_mode, selective_ac_option="op"), regions.all())
+    apply_compile(model, backend, regions, per_op_sac=ac_mode == "selective")
+
+
+@pytest.mark.parametrize("ac_mode", ["none", "full", "selective"])
+def test_compiled_model_matches_eager(ac_mode):
     torch._dynamo.reset()
     reference = build_reference(tiny_args())
     ref_loss, ref_grads = reference_loss_and_grads(reference)
     model = copy.deepcopy(reference)
     for p in model.parameters():
         p.grad = None
-    apply_ac(model, SimpleNamespace(mode=ac_mode, selective_ac_option=ac_option))
-    apply_compile(model, SimpleNamespace(backend="aot_eager"))
+    _compile(model, "aot_eager", ac_mode)
     loss, grads = reference_loss_and_grads(model)
     # It really ran compiled: the router's selection, the dispatcher's gathers into the experts' rows and back,
     # and the blocks' / attention's / shared experts' forwards compiled graphs (this tiny model's experts are the
@@ -41,12 +53,9 @@ def _inductor_kernels_per_step(ac_mode: str) -> tuple[int, torch.Tensor, dict[st
     """Train one step of a one-MoE-block model compiled with inductor; count the generated kernels that ran."""
     torch._dynamo.reset()
     model = build_reference(replace(tiny_args(), n_layers=1, n_dense_layers=0))
-    apply_ac(model, SimpleNamespace(mode=ac_mode, selective_ac_option="op"))
-    apply_compile(model, SimpleNamespace(backend="inductor"), per_op_sac=ac_mode == "selective")
     # the dispatcher's regions (the gathers into the experts' rows and back) are recomputed by design, like the
-    # routed experts' (their activations are the bulk of a block's memory): back to eager, out of the count
-    dispatcher = model.layers["0"].moe.dispatcher
-    del dispatcher.permute_to_experts, dispatcher.unpermute_tokens
+    # routed experts' (their activations are the bulk of a block's memory): eager here, out of the count
+    _compile(model, "inductor", ac_mode, compiled_permutation=False)
     reference_loss_and_grads(model)  # compiles
     model.zero_grad(set_to_none=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -16,12 +16,10 @@ from torch.utils.checkpoint import checkpoint
 from torchtitan.distributed.compile import (
     CompiledRegion,
     RecompiledDuringCheckpointError,
-    compiled_region,
     recompile_guard_contexts,
 )
+from torchtitan.kernels.permute import permute_to_experts, plan_permutation, unpermute_tokens
 from torchtitan.models.moe.experts import run_experts_grouped_mm
-from torchtitan.models.moe.permute import plan_permutation, unpermute_tokens
-from torchtitan.models.moe.token_dispatcher import permute_to_experts
 
 NUM_EXPERTS, DIM, HIDDEN, ALIGNMENT = 4, 16, 32, 8
 
@@ -98,7 +96,7 @@ def test_checkpointed_layers_of_different_sizes_match_eager_under_inductor():
 
 
 def _toy_experts(x, counts, w1, w2, w3, alignment):
-    """Pad, grouped GEMMs, unpad; a private function, so this test's region is its own registry entry."""
+    """Pad, grouped GEMMs, unpad."""
     order = torch.arange(x.shape[0])
     rows, plan = permute_to_experts(x, order, counts, 1, None, alignment, torch.bfloat16)
     return unpermute_tokens(run_experts_grouped_mm(rows, plan.group_ends, w1, w2, w3), plan, 1, None, x.dtype)
@@ -122,7 +120,7 @@ def test_experts_region_serves_every_row_count_including_none():
 
 def test_recompile_between_forward_and_recompute_is_a_named_error():
     torch._dynamo.reset()
-    region = compiled_region(_toy_experts, "aot_eager", {0: 0})
+    region = CompiledRegion(_toy_experts, "aot_eager", {0: 0})
     weights = _expert_weights()
     x = torch.randn(24, DIM)
     out = checkpoint(
@@ -130,7 +128,7 @@ def test_recompile_between_forward_and_recompute_is_a_named_error():
         x,
         weights,
         use_reentrant=False,
-        context_fn=partial(recompile_guard_contexts, "layers.3"),
+        context_fn=partial(recompile_guard_contexts, "layers.3", (region,)),
     )
     # Another dtype cannot reuse the graph: the region compiles again before the recompute of layers.3.
     _layer(region, x.double(), [w.detach().double() for w in weights])
@@ -140,7 +138,7 @@ def test_recompile_between_forward_and_recompute_is_a_named_error():
 
 def test_guard_is_silent_when_nothing_recompiles():
     torch._dynamo.reset()
-    region = compiled_region(_toy_experts, "aot_eager", {0: 0})
+    region = CompiledRegion(_toy_experts, "aot_eager", {0: 0})
     weights = _expert_weights()
     outs = [
         checkpoint(
@@ -148,7 +146,7 @@ def test_guard_is_silent_when_nothing_recompiles():
             torch.randn(rows, DIM),
             weights,
             use_reentrant=False,
-            context_fn=partial(recompile_guard_contexts, f"layers.{i}"),
+            context_fn=partial(recompile_guard_contexts, f"layers.{i}", (region,)),
         )
         for i, rows in enumerate((24, 9, 40))
     ]

@@ -7,9 +7,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from tests.unit.distributed._spawn import run_distributed
-from torchtitan.distributed.expert_parallel import ExpertParallel
+from torchtitan.distributed.expert_parallel.styles import ExpertParallel
+from torchtitan.kernels.permute import expert_major_order
 from torchtitan.models.moe import MoE, MoEArgs
-from torchtitan.models.moe.token_dispatcher import expert_major_order
 
 DIM, HIDDEN, TOKENS_PER_RANK = 16, 32, 12
 

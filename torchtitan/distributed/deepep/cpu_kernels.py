@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.distributed.deepep.buffer import EPBuffer, get_buffer
-from torchtitan.models.moe.float8 import FP8_DTYPE, dequantize_blockwise, quantize_blockwise
-from torchtitan.models.moe.token_dispatcher import expert_major_order
+from torchtitan.kernels.float8 import FP8_DTYPE, dequantize_blockwise, quantize_blockwise
+from torchtitan.kernels.permute import expert_major_order
 
 __all__ = ["cached_dispatch", "combine", "dispatch"]
 

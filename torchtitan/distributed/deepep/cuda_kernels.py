@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from torchtitan.distributed.deepep.buffer import WIRE_DTYPE, EPBuffer, get_buffer
-from torchtitan.models.moe.float8 import dequantize_blockwise, quantize_blockwise
-from torchtitan.models.moe.token_dispatcher import expert_major_order
+from torchtitan.kernels.float8 import dequantize_blockwise, quantize_blockwise
+from torchtitan.kernels.permute import expert_major_order
 
 __all__ = ["cached_dispatch", "combine", "dispatch"]
 

@@ -53,7 +53,7 @@ def get_model_args(job_config) -> DeepSeekV3ModelArgs:
         args.mtp_layers = job_config.model.mtp_layers
     checkpoint = job_config.checkpoint
     if args.mtp_layers and checkpoint.initial_load_path and checkpoint.initial_load_in_hf:
-        from .hf_io import hf_safetensors_keys
+        from torchtitan.components.hf_safetensors import hf_safetensors_keys
 
         args.mtp_layers = mtp_layers_for_hf_checkpoint(
             args,

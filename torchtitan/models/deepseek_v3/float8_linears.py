@@ -5,9 +5,9 @@ routed experts' recipe (`float8_linear`). The router gate, the output head and t
 import torch
 from torch import nn
 
+from torchtitan.kernels.float8 import float8_linear
 from torchtitan.models.deepseek_v3.attention import MLA
 from torchtitan.models.moe.feed_forward import FeedForward
-from torchtitan.models.moe.float8 import float8_linear
 
 __all__ = ["Float8Linear", "convert_to_float8_linears"]
 

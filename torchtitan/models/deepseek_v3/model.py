@@ -1,42 +1,38 @@
 """DeepSeek-V3: embedding -> n_layers x (MLA + dense FFN or MoE) -> norm -> output head.
 
 Module names follow docs/design.md (the parallelize and pipeline plans depend on them).
-The model knows nothing about parallelism: `comm_backend` and `ep_degree` are only forwarded to `build_moe`.
+The model knows nothing about parallelism: `parallelize` installs what the parallel layouts need.
 """
 
 import torch
 from torch import nn
 
 from torchtitan.models.moe.feed_forward import FeedForward
-from torchtitan.models.moe.moe import build_moe
+from torchtitan.models.moe.moe import MoE
 from torchtitan.models.output_head import OutputHead
 
 from .args import DeepSeekV3ModelArgs
 from .attention import MLA, AttentionMask, build_attention_mask
-from .overlap import forward_moe_block_overlapped
 from .rope import precompute_freqs_cis
 
 
 class DeepSeekV3Model(nn.Module):
-    def __init__(self, args: DeepSeekV3ModelArgs, comm_backend: str = "standard", ep_degree: int = 1):
+    def __init__(self, args: DeepSeekV3ModelArgs):
         super().__init__()
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         # ModuleDict keyed "0".."n-1" so pipeline splitting can delete layers and keep the others' names.
         self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, args, comm_backend, ep_degree) for i in range(args.n_layers)}
+            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
         )
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: OutputHead | None = OutputHead(args.dim, args.vocab_size)
         # Multi-token prediction modules "0".."D-1" (HF: model.layers.{n_layers + k}); they share the embedding and
         # the output head with the main model.
         self.mtp = nn.ModuleDict(
-            {str(k): MTPBlock(args.n_layers + k, args, comm_backend, ep_degree) for k in range(args.mtp_layers)}
+            {str(k): MTPBlock(args.n_layers + k, args) for k in range(args.mtp_layers)}
         )
         self.register_buffer("freqs_cis", precompute_freqs_cis(args), persistent=False)
-        self.overlap_micro_batches = 1
-        """2: run the layers on two halves of the batch so MoE blocks overlap one half's expert-parallel token
-        exchange with the other's compute (`parallelism.expert_parallel_overlap`, set by parallelize)."""
 
     def forward(
         self,
@@ -88,14 +84,9 @@ class DeepSeekV3Model(nn.Module):
         mtp_later = training_mtp and len(self.mtp) == 0
         if mtp_later and mtp_embeddings is None:
             mtp_embeddings = torch.stack([self._mtp_embedding(next_tokens, k) for k in range(self.args.mtp_layers)])
-        # the whole batch's mask: for the layers unless they run on micro-batches (own masks), and for MTP
-        full_batch = self.overlap_micro_batches == 1
-        attention_mask = build_attention_mask(document_ids) if full_batch or mtp_here else None
-        if full_batch:
-            for layer in self.layers.values():
-                h = layer(h, freqs_cis, attention_mask)
-        else:
-            h = self._forward_micro_batches(h, freqs_cis, document_ids)
+        attention_mask = build_attention_mask(document_ids)
+        for layer in self.layers.values():
+            h = layer(h, freqs_cis, attention_mask)
         if mtp_later:
             return h, mtp_embeddings
         head_labels = self._head_labels(labels, mtp_here)
@@ -136,25 +127,6 @@ class DeepSeekV3Model(nn.Module):
         shifted = torch.cat([next_tokens[:, module:], next_tokens[:, -1:].expand(-1, module)], dim=1)
         return self.tok_embeddings(shifted)
 
-    def _forward_micro_batches(
-        self, h: torch.Tensor, freqs_cis: torch.Tensor, document_ids: torch.Tensor | None
-    ) -> torch.Tensor:
-        """The layers on `overlap_micro_batches` slices of the batch, passed through every block together so MoE
-        blocks can overlap one slice's token exchange with another's compute (overlap.py)."""
-        if h.shape[0] % self.overlap_micro_batches:
-            raise ValueError(
-                f"expert-parallel overlap splits the batch into {self.overlap_micro_batches} micro-batches, but it "
-                f"holds {h.shape[0]} sequences; use a local batch size divisible by {self.overlap_micro_batches}"
-            )
-        hs = h.chunk(self.overlap_micro_batches)
-        if document_ids is None:
-            masks = (None,) * len(hs)
-        else:
-            masks = tuple(build_attention_mask(ids) for ids in document_ids.chunk(self.overlap_micro_batches))
-        for layer in self.layers.values():
-            hs = layer(hs, freqs_cis, masks)
-        return torch.cat(hs)
-
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
         """Initialize all parameters in place (works on DTensor parameters) and recompute freqs_cis.
@@ -181,33 +153,21 @@ class DeepSeekV3Model(nn.Module):
 class TransformerBlock(nn.Module):
     """x + attention(attention_norm(x)), then h + ffn(ffn_norm(h)) with a dense FFN or an MoE."""
 
-    def __init__(self, layer_id: int, args: DeepSeekV3ModelArgs, comm_backend: str = "standard", ep_degree: int = 1):
+    def __init__(self, layer_id: int, args: DeepSeekV3ModelArgs):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = MLA(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.moe_enabled = layer_id >= args.n_dense_layers
         if self.moe_enabled:
-            self.moe = build_moe(args.moe_args, args.dim, args.moe_inter_dim, comm_backend, ep_degree)
+            self.moe = MoE(args.moe_args, args.dim, args.moe_inter_dim)
         else:
             self.feed_forward = FeedForward(args.dim, args.inter_dim)
         # Output projections get smaller init the deeper the layer (torchtitan's depth init).
         self.init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
-    def forward(
-        self,
-        x: torch.Tensor | tuple[torch.Tensor, ...],
-        freqs_cis: torch.Tensor,
-        attention_mask: AttentionMask | tuple[AttentionMask, ...],
-    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """x (bs, slen, dim) -> (bs, slen, dim); or micro-batches: tuples of x and masks -> tuple of outputs."""
-        if not isinstance(x, tuple):
-            return self._forward_one(x, freqs_cis, attention_mask)
-        if self.moe_enabled and len(x) == 2:
-            return forward_moe_block_overlapped(self, x, freqs_cis, attention_mask)
-        return tuple(self._forward_one(h, freqs_cis, mask) for h, mask in zip(x, attention_mask, strict=True))
-
-    def _forward_one(self, x: torch.Tensor, freqs_cis: torch.Tensor, attention_mask: AttentionMask) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, attention_mask: AttentionMask) -> torch.Tensor:
+        """x (bs, slen, dim) -> (bs, slen, dim)."""
         h = x + self.attention(self.attention_norm(x), freqs_cis, attention_mask)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))
@@ -231,8 +191,8 @@ class MTPBlock(TransformerBlock):
     block's own weights; the embedding and the output head are the main model's.
     """
 
-    def __init__(self, layer_id: int, args: DeepSeekV3ModelArgs, comm_backend: str = "standard", ep_degree: int = 1):
-        super().__init__(layer_id, args, comm_backend, ep_degree)
+    def __init__(self, layer_id: int, args: DeepSeekV3ModelArgs):
+        super().__init__(layer_id, args)
         self.enorm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.hnorm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
@@ -248,7 +208,7 @@ class MTPBlock(TransformerBlock):
         # Under autocast (one device, no FSDP) the projection computes in bf16 but the trunk's residual stream is
         # fp32: keep the trunk's dtype, so this block runs the compiled MoE graphs the trunk's blocks run (a bf16
         # stream compiled second graphs mid-step, which activation checkpointing refuses).
-        h = self._forward_one(x.to(h.dtype), freqs_cis, attention_mask)
+        h = super().forward(x.to(h.dtype), freqs_cis, attention_mask)
         return h, self.head_norm(h)
 
     def init_weights(self, buffer_device: torch.device | str) -> None:

@@ -33,22 +33,23 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.distributed.comm_slowdown import slow_down_exchange
-from torchtitan.distributed.compile import apply_compile
-from torchtitan.distributed.expert_parallel import (
+from torchtitan.distributed.compile import MoERegions, apply_compile
+from torchtitan.distributed.expert_parallel.dispatcher import EAGER_PERMUTATION, LocalTokenDispatcher, TokenPermutation
+from torchtitan.distributed.expert_parallel.styles import (
+    DeepEPExpertParallel,
     ExpertParallel,
     ExpertTensorParallel,
-    NoParallel,
-    ReplicateOverTokenShards,
-    SyncGradColumns,
     TensorParallel,
 )
 from torchtitan.distributed.fsdp_gradients import ComputePoolReduceScatter
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.tensor_parallel import NoParallel, ReplicateOverTokenShards, SyncGradColumns
 from torchtitan.distributed.utils import device_type, transformer_blocks
+from torchtitan.kernels.float8 import check_float8_supported
 from torchtitan.models.deepseek_v3.float8_linears import convert_to_float8_linears
-from torchtitan.models.moe.experts import GroupedExperts, convert_to_float8_experts
-from torchtitan.models.moe.float8 import check_float8_supported
+from torchtitan.models.moe.deepep_moe import DeepEPMoE
+from torchtitan.models.moe.experts import GroupedExperts, convert_to_float8_experts, run_experts_grouped_mm
+from torchtitan.models.moe.overlap import MicroBatchOverlap
 
 logger = logging.getLogger(__name__)
 
@@ -58,38 +59,41 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_config: Any) -> nn.Module:
-    """Apply TP/SP -> EP/ETP -> AC -> compile -> FSDP2 in place; returns the model."""
+    """Apply TP/SP -> EP/ETP -> AC -> compile -> FSDP2 in place; returns the model. The config was validated by
+    `preflight.check_job` (every rank runs it before building the model)."""
     parallelism = job_config.parallelism
-    if job_config.training.seq_len % parallel_dims.seq_len_divisor != 0:
-        raise ValueError(
-            f"training.seq_len ({job_config.training.seq_len}) must be divisible by tensor_parallel_degree "
-            f"({parallel_dims.tp}) for sequence parallelism; change seq_len or tensor_parallel_degree."
-        )
     use_deepep = parallelism.expert_parallel_comm_backend == "deepep" and parallel_dims.ep_enabled
     _warn_if_experts_stay_bf16(model, job_config.training.mixed_precision_param, use_deepep)
-    if use_deepep:
-        from torchtitan.distributed.deepep import validate_deepep_config
-
-        validate_deepep_config(parallel_dims, device_type=device_type())
+    compile_config = job_config.compile
+    compiled = compile_config.enable and "model" in compile_config.components
+    # Created once for this model: the compiled regions its MoE layers share (the dispatchers are built with them)
+    # and, on CUDA, the streams of the shared-expert and micro-batch overlaps.
+    regions = MoERegions.build(compile_config.backend, run_experts_grouped_mm) if compiled else None
+    on_cuda = device_type() == "cuda"
 
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.get_mesh("tp"), parallel_dims.loss_parallel_enabled)
-    if parallel_dims.tp_enabled or parallel_dims.ep_enabled:
-        apply_moe_parallel(
-            model,
-            parallel_dims,
-            use_deepep,
-            deepep_num_sms=_deepep_num_sms(parallelism),
-            deepep_sync_free=parallelism.deepep_sync_free_dispatch,
-            deepep_fp8=job_config.quantize.float8_dispatch,
+    apply_moe_parallel(
+        model,
+        parallel_dims,
+        regions.permutation if regions is not None else EAGER_PERMUTATION,
+        deepep=DeepEPExpertParallel(
+            num_sms=_deepep_num_sms(parallelism),
+            sync_free=parallelism.deepep_sync_free_dispatch,
+            fp8=job_config.quantize.float8_dispatch,
+            permutation=regions.permutation if regions is not None else EAGER_PERMUTATION,
         )
-    if parallelism.expert_parallel_comm_slowdown > 1:
-        _slow_down_moe_exchanges(model, parallelism.expert_parallel_comm_slowdown)
-
+        if use_deepep
+        else None,
+        side_stream=torch.cuda.Stream() if use_deepep and on_cuda else None,
+    )
     if use_deepep and job_config.quantize.float8_dispatch:
         logger.info("quantize.float8_dispatch: DeepEP dispatches FP8 tokens (one scale per 128 channels)")
     if parallelism.expert_parallel_overlap:
-        model.overlap_micro_batches = 2  # preflight (check_ep_overlap) validated the combination
+        overlap = MicroBatchOverlap(torch.cuda.Stream() if on_cuda else None)
+        for block in transformer_blocks(model):
+            if block.moe_enabled:
+                block.moe.overlap = overlap
     if job_config.quantize.float8_experts:
         check_float8_supported(torch.device(device_type()))
         converted = convert_to_float8_experts(model)
@@ -99,11 +103,11 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
         converted = convert_to_float8_linears(model)
         logger.info(f"quantize.float8_linears: {converted} linears run FP8 GEMMs")
 
-    apply_ac(model, job_config.activation_checkpoint)
-    if job_config.compile.enable and "model" in job_config.compile.components:
+    apply_ac(model, job_config.activation_checkpoint, regions.all() if regions is not None else ())
+    if regions is not None:
         ac = job_config.activation_checkpoint
         per_op_sac = ac.mode == "selective" and str(ac.selective_ac_option) == "op"
-        apply_compile(model, job_config.compile, per_op_sac=per_op_sac)
+        apply_compile(model, compile_config.backend, regions, per_op_sac=per_op_sac)
 
     if parallel_dims.dp_enabled or parallel_dims.ep_enabled:
         dense_mesh = (
@@ -135,17 +139,6 @@ def _deepep_num_sms(parallelism: Any) -> int:
     if parallelism.expert_parallel_overlap and parallelism.deepep_overlap_num_sms is not None:
         return parallelism.deepep_overlap_num_sms
     return parallelism.deepep_num_sms
-
-
-def _slow_down_moe_exchanges(model: nn.Module, factor: int) -> None:
-    """`parallelism.expert_parallel_comm_slowdown`: every MoE layer's exchange runs `factor` times (benchmarking)."""
-    for block in transformer_blocks(model):
-        if block.moe_enabled:
-            slow_down_exchange(block.moe.dispatcher, factor)
-    logger.warning(
-        f"parallelism.expert_parallel_comm_slowdown {factor}: every expert-parallel dispatch and combine moves its "
-        f"tokens {factor} times (a benchmark of slow links, not for training runs)"
-    )
 
 
 def _warn_if_experts_stay_bf16(model: nn.Module, param_dtype: str, use_deepep: bool) -> None:
@@ -246,11 +239,10 @@ def _full_sequence_freqs_cis(model: nn.Module, module: nn.Module, args: tuple) -
 def apply_moe_parallel(
     model: nn.Module,
     parallel_dims: ParallelDims,
-    use_deepep: bool = False,
+    permutation: TokenPermutation = EAGER_PERMUTATION,
     *,
-    deepep_num_sms: int = 24,
-    deepep_sync_free: bool = False,
-    deepep_fp8: bool = False,
+    deepep: DeepEPExpertParallel | None = None,
+    side_stream: torch.cuda.Stream | None = None,
 ) -> None:
     """Layouts at the MoE boundary plus the experts' ParallelStyle.
 
@@ -260,6 +252,8 @@ def apply_moe_parallel(
     | tp > 1, etp == 1, ep  | local sequence shard  | replicated weights, own tokens | ExpertParallel (ep)         |
     | tp == 1, ep > 1       | plain tensor          | plain                          | ExpertParallel (ep)         |
     With a Replicate input the MoE output is a partial sum over tp, reduce-scattered to the sequence shard.
+    Every layer's dispatcher is built with `permutation`; with `deepep` (the DeepEP style, EP > 1) each layer becomes
+    a `DeepEPMoE` whose shared experts run on `side_stream`. Without TP or EP the layers keep a local dispatcher.
     """
     tp_mesh = parallel_dims.get_optional_mesh("tp")
     for block in transformer_blocks(model):
@@ -304,17 +298,17 @@ def apply_moe_parallel(
             parallelize_module(block, tp_mesh, plan)
 
         # the experts' sharding and the token dispatcher that feeds them
-        if not parallel_dims.ep_enabled:
-            parallelize_module(moe, tp_mesh, TensorParallel())
+        if deepep is not None:
+            block.moe = moe = DeepEPMoE.from_moe(moe, side_stream)
+            parallelize_module(moe, parallel_dims.get_mesh("ep"), deepep)
         elif parallel_dims.etp_enabled:
-            parallelize_module(moe, parallel_dims.get_mesh(["ep", "etp"]), ExpertTensorParallel())
-        elif use_deepep:
-            from torchtitan.distributed.deepep import DeepEPExpertParallel
-
-            style = DeepEPExpertParallel(num_sms=deepep_num_sms, sync_free=deepep_sync_free, fp8=deepep_fp8)
-            parallelize_module(moe, parallel_dims.get_mesh("ep"), style)
+            parallelize_module(moe, parallel_dims.get_mesh(["ep", "etp"]), ExpertTensorParallel(permutation))
+        elif parallel_dims.ep_enabled:
+            parallelize_module(moe, parallel_dims.get_mesh("ep"), ExpertParallel(permutation))
+        elif tp_mesh is not None:
+            parallelize_module(moe, tp_mesh, TensorParallel(permutation))
         else:
-            parallelize_module(moe, parallel_dims.get_mesh("ep"), ExpertParallel())
+            moe.dispatcher = LocalTokenDispatcher(moe.num_experts, moe.score_before_experts, permutation)
 
 
 def apply_fsdp(

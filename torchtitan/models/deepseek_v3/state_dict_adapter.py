@@ -70,6 +70,10 @@ class DeepSeekV3StateDictAdapter:
         self.to_hf_map = {_pattern(ours): hf for ours, hf in _KEY_MAP.items()}
         self.from_hf_map = {_pattern(hf): ours for ours, hf in _KEY_MAP.items()}
 
+    def hf_config(self) -> dict[str, Any]:
+        """The transformers config.json of these model args."""
+        return hf_config_from_model_args(self.model_args)
+
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Our (full or DTensor) state dict -> HF keys with per-expert tensors. DTensors are gathered.
 

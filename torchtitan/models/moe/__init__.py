@@ -3,8 +3,8 @@
 from torchtitan.models.moe.args import MoEArgs
 from torchtitan.models.moe.experts import GroupedExperts
 from torchtitan.models.moe.feed_forward import FeedForward
-from torchtitan.models.moe.load_balance import build_expert_bias_hook, update_expert_bias
-from torchtitan.models.moe.moe import MoE, build_moe
+from torchtitan.models.moe.load_balance import update_expert_bias
+from torchtitan.models.moe.moe import MoE, build_expert_bias_hook
 from torchtitan.models.moe.router import TokenChoiceTopKRouter
 
 __all__ = [
@@ -14,6 +14,5 @@ __all__ = [
     "MoEArgs",
     "TokenChoiceTopKRouter",
     "build_expert_bias_hook",
-    "build_moe",
     "update_expert_bias",
 ]

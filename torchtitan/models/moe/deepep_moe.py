@@ -1,17 +1,16 @@
-"""`DeepEPMoE`: the MoE layer used with DeepEP token exchange. Same parameters, routing and dispatcher path as `MoE`
-(`DeepEPExpertParallel` installs the DeepEP token dispatcher); only where the shared experts run differs.
+"""`DeepEPMoE`: the MoE layer of DeepEP expert parallelism, made by `parallelize` from a built `MoE` together with
+its DeepEP dispatcher. Same parameters, routing and stages as `MoE`; only where the shared experts run differs.
 
-Shared-expert overlap (CUDA, eager only): the shared experts run on a side stream, launched before the routed
-path, so they overlap the dispatch, the routed experts and the combine. Ordering: the side stream waits for the
-current stream before starting (x is ready), the current stream waits for the side stream before the sum;
-`record_stream` keeps x (allocated on the current stream, read on the side stream) and the shared output
+While DeepEP's kernels hold their SMs for the exchange, the shared experts run on a side stream, launched before the
+dispatch, so they overlap the dispatch, the routed experts and the combine. Ordering: the side stream waits for the
+current stream before starting (the tokens are ready), the current stream waits for the side stream before the sum;
+`record_stream` keeps the tokens (allocated on the current stream, read on the side stream) and the shared output
 (allocated on the side stream, read on the current stream) alive until both streams are done with them. Autograd
-runs each backward op on its forward op's stream and syncs between them. On CPU and while torch.compile traces
-(`torch.compiler.is_compiling()`), the shared experts run inline on the current stream instead.
+runs each backward op on its forward op's stream and syncs between them. On CPU, without a side stream and while
+torch.compile traces, the shared experts run inline on the current stream instead.
 
-Every layer uses the same side stream: the caching allocator keeps a memory pool per stream, and one stream per layer
-rounded up a pool per layer (16B_bench4, FSDP x EP=2, per rank: 7 pools of 0.43 GiB, 3.0 GiB, against 2.5 GiB for
-the one shared pool; the pool holds the shared experts' saved activations until backward).
+All layers of a model share one side stream: the caching allocator keeps a memory pool per stream, and a pool per
+layer would each hold its layer's shared-expert activations until backward.
 """
 
 from __future__ import annotations
@@ -22,43 +21,34 @@ from torchtitan.models.moe.moe import MoE
 
 __all__ = ["DeepEPMoE"]
 
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
 
 class DeepEPMoE(MoE):
-    overlap_shared_experts: bool = True
-    """Run the shared experts on a side CUDA stream (eager mode only); False runs them inline."""
+    side_stream: torch.cuda.Stream | None = None
+    """The shared experts' stream, one per model (`parallelize` creates it); None runs them inline."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (bs, slen, dim) -> (bs, slen, dim)."""
-        if self.dispatcher.backend != "deepep":
-            raise RuntimeError(
-                "DeepEPMoE needs the DeepEP token dispatcher, installed by DeepEPExpertParallel (parallelize applies "
-                "it when expert_parallel_comm_backend='deepep' and expert_parallel_degree > 1)."
-            )
-        if self.shared_experts is None or not self._use_side_stream(x):
-            return super().forward(x)  # shared experts first there too: the same gradient summation order
+    @classmethod
+    def from_moe(cls, moe: MoE, side_stream: torch.cuda.Stream | None) -> DeepEPMoE:
+        """A DeepEPMoE holding `moe`'s submodules, parameters, buffers and hooks (so every name stays the same)."""
+        layer = cls.__new__(cls)
+        layer.__dict__.update(moe.__dict__)
+        layer.side_stream = side_stream
+        return layer
 
-        bs, slen, dim = x.shape
-        top_scores, selected_experts = self.route(x)
-        x = x.view(-1, dim)  # (N, dim)
-        compute_stream = torch.cuda.current_stream(x.device)
-        side_stream = _side_stream(x.device)
-        side_stream.wait_stream(compute_stream)
-        with torch.cuda.stream(side_stream):
-            shared = self.shared_experts(x)
-        x.record_stream(side_stream)
-        routed = self.routed_experts(x, top_scores, selected_experts)
-        compute_stream.wait_stream(side_stream)
-        shared.record_stream(compute_stream)
-        return self.sum_experts(routed, shared, x.dtype).view(bs, slen, dim)
+    def start_shared_experts(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        if self.shared_experts is None or not self._use_side_stream(tokens):
+            return super().start_shared_experts(tokens)
+        self.side_stream.wait_stream(torch.cuda.current_stream(tokens.device))
+        with torch.cuda.stream(self.side_stream):
+            shared = self.shared_experts(tokens)
+        tokens.record_stream(self.side_stream)
+        return shared
+
+    def finish_shared_experts(self, shared: torch.Tensor | None) -> torch.Tensor | None:
+        if shared is not None and self._use_side_stream(shared):
+            compute_stream = torch.cuda.current_stream(shared.device)
+            compute_stream.wait_stream(self.side_stream)
+            shared.record_stream(compute_stream)
+        return shared
 
     def _use_side_stream(self, x: torch.Tensor) -> bool:
-        return self.overlap_shared_experts and x.is_cuda and not torch.compiler.is_compiling()
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The shared experts' side stream of `device`, one for all layers."""
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
-    return _SIDE_STREAMS[device]
+        return self.side_stream is not None and x.is_cuda and not torch.compiler.is_compiling()

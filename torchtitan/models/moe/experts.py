@@ -4,26 +4,17 @@
 
 The rows come padded: each expert's group starts at a multiple of `token_group_alignment` rows, which
 `torch._grouped_mm` needs (16 bytes along the token dimension in the weight-gradient GEMM: 8 rows for bf16, 16 for
-fp8), and padding rows are zero. The dispatchers produce that layout directly (`permute.py`), so no padding copy
+fp8), and padding rows are zero. The dispatchers produce that layout directly (`kernels/permute.py`), so no padding copy
 happens here.
 """
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan.models.moe.float8 import float8_grouped_mm
-
-
-@dataclass(frozen=True)
-class ExpertRows:
-    """How the experts want their input rows: groups padded to `alignment` rows, in `dtype`."""
-
-    alignment: int
-    dtype: torch.dtype
+from torchtitan.distributed.expert_parallel.dispatcher import ExpertRows
+from torchtitan.kernels.float8 import float8_grouped_mm
 
 
 def run_experts_grouped_mm(
@@ -75,7 +66,7 @@ class GroupedExperts(nn.Module):
     """FP8 rowwise-scaled grouped GEMMs (`quantize.float8_experts`, set by `convert_to_float8_experts`)."""
 
     run_grouped_mm = staticmethod(run_experts_grouped_mm)
-    """The grouped-GEMM computation; `compile_moe` swaps in one compiled copy shared by all layers."""
+    """The grouped-GEMM computation; `apply_compile` sets the compiled region its model's layers share."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
         super().__init__()

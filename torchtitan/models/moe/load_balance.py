@@ -19,20 +19,16 @@ weighted by its share of the optimizer step's tokens (`MoE.tokens_per_optimizer_
 gradient accumulation and data parallelism never scale alpha.
 """
 
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-if TYPE_CHECKING:
-    from torchtitan.models.moe.moe import MoE
-
 
 @torch.no_grad()
-def update_expert_bias(moe_modules: Iterable["MoE"], reduce_group: dist.ProcessGroup | None) -> None:
+def update_expert_bias(moe_modules: Iterable[nn.Module], reduce_group: dist.ProcessGroup | None) -> None:
     """b += coeff * sign(mean(c) - c); b -= mean(b); c = 0, for every MoE layer with a load_balance_coeff.
 
     `reduce_group` spans the ranks that see different tokens of the same layers (data parallel x context
@@ -53,23 +49,6 @@ def update_expert_bias(moe_modules: Iterable["MoE"], reduce_group: dist.ProcessG
         bias.add_(layer.load_balance_coeff * torch.sign(layer_counts.mean() - layer_counts))
         bias.sub_(bias.mean())  # only differences between experts matter; keep b centred so it cannot drift
         local_counts.zero_()
-
-
-def build_expert_bias_hook(
-    model_parts: list[nn.Module], reduce_group: dist.ProcessGroup | None
-) -> Callable[[Any, Any, Any], None]:
-    """A `register_step_pre_hook` hook (optimizer, args, kwargs) that runs `update_expert_bias`.
-
-    Register it once per training step (on the optimizers container, not on each optimizer of it).
-    """
-    from torchtitan.models.moe.moe import MoE  # moe.py imports this module
-
-    moe_modules = [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
-
-    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-        update_expert_bias(moe_modules, reduce_group)
-
-    return hook
 
 
 def local_buffer(buffer: torch.Tensor) -> torch.Tensor:

@@ -1,17 +1,21 @@
 """DeepSeek-V3 MoE layer:  h_t' = u_t + sum_i FFN_i^(s)(u_t) + sum_i g_{i,t} FFN_i^(r)(u_t)   (arXiv:2412.19437).
 
-forward: route (fp32 scores, bias only for selection) -> dispatcher.dispatch (token copies to the padded
-expert-major rows of this rank's experts) -> experts(rows, group_ends) -> dispatcher.combine (weight, sum over
-top-k) -> + shared experts. (The residual u_t is added by the transformer block.) `self.dispatcher` is a
-`LocalTokenDispatcher` until an expert-parallel ParallelStyle installs its own (all-to-all or DeepEP); each step is
-a method so `DeepEPMoE` and the micro-batch overlap scheduler can run them separately.
+forward: route (fp32 scores, bias only for selection) -> shared experts -> the dispatcher's dispatch stages (token
+copies to the padded expert-major rows of this rank's experts) -> experts(rows, group_ends) -> its combine stages
+(weight, sum over top-k) -> + shared experts. (The residual u_t is added by the transformer block.) That sequence is
+written once, in `stages`, a generator that yields each communication stage: `forward` runs them inline, and the
+micro-batch overlap (`overlap.py`) interleaves two micro-batches' stages. `self.dispatcher` is a
+`LocalTokenDispatcher` until `parallelize` installs the one of its backend (all-to-all or DeepEP).
 """
 
-import logging
+from collections.abc import Callable, Generator
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from torchtitan.distributed.expert_parallel.dispatcher import LocalTokenDispatcher, TokenDispatcher
 from torchtitan.models.moe.args import MoEArgs
 from torchtitan.models.moe.experts import GroupedExperts
 from torchtitan.models.moe.feed_forward import FeedForward
@@ -20,13 +24,13 @@ from torchtitan.models.moe.load_balance import (
     count_tokens_in_backward,
     local_buffer,
     sequence_balance_loss,
+    update_expert_bias,
 )
+from torchtitan.models.moe.overlap import MicroBatchOverlap
 from torchtitan.models.moe.router import TokenChoiceTopKRouter
-from torchtitan.models.moe.token_dispatcher import LocalTokenDispatcher, TokenDispatcher
 
-logger = logging.getLogger(__name__)
-
-COMM_BACKENDS = ("standard", "deepep")
+Stages = Generator[tuple[Callable[..., Any], tuple], Any, torch.Tensor]
+"""`MoE.stages`: yields (communication stage, its arguments), receives the stage's result, returns the output."""
 
 
 class MoE(nn.Module):
@@ -50,6 +54,8 @@ class MoE(nn.Module):
         )
         self.dispatcher: TokenDispatcher = LocalTokenDispatcher(num_experts, moe_args.score_before_experts)
         """Replaced by the expert-parallel ParallelStyles (`parallelize`); not a module, holds no parameters."""
+        self.overlap: MicroBatchOverlap | None = None
+        """Set by `parallelize` for `parallelism.expert_parallel_overlap`: run two micro-batches' stages interleaved."""
         # Aux-loss-free balancing state. expert_bias is always used for selection (it may come from a checkpoint);
         # load_balance_coeff=None only stops updating it. Both are updated outside the forward (load_balance.py).
         self.tokens_per_optimizer_step: int | None = None
@@ -62,12 +68,25 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (bs, slen, dim) -> (bs, slen, dim)."""
+        if self.overlap is not None:
+            return self.overlap(self.stages, x)
+        return run_inline(self.stages(x))
+
+    def stages(self, x: torch.Tensor) -> Stages:
+        """The layer on x (bs, slen, dim), yielding each communication stage as (stage, args) for the caller to run
+        and send back its result; returns the output (bs, slen, dim)."""
         bs, slen, dim = x.shape
         top_scores, selected_experts = self.route(x)
-        x = x.view(-1, dim)  # (N, dim), N = bs * slen
-        shared = self.run_shared_experts(x)
-        routed = self.routed_experts(x, top_scores, selected_experts)
-        return self.sum_experts(routed, shared, x.dtype).view(bs, slen, dim)
+        tokens = x.view(-1, dim)  # (N, dim), N = bs * slen
+        shared = self.start_shared_experts(tokens)
+        dispatcher = self.dispatcher
+        prepared = dispatcher.dispatch_preprocess(tokens, selected_experts, top_scores)
+        dispatched = yield dispatcher.token_dispatch, (prepared,)
+        expert_input, group_ends, state = dispatcher.dispatch_postprocess(dispatched, self.experts.row_layout(x.dtype))
+        to_combine = dispatcher.combine_preprocess(self.experts(expert_input, group_ends), state)
+        combined = yield dispatcher.token_combine, (to_combine, state)
+        routed = dispatcher.combine_postprocess(combined, state)  # sum_k g_{t,k} FFN_k(x_t): (N, dim)
+        return self.sum_experts(routed, self.finish_shared_experts(shared), x.dtype).view(bs, slen, dim)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (bs, slen, dim) -> top_scores (N, k) fp32, selected_experts (N, k).
@@ -95,15 +114,13 @@ class MoE(nn.Module):
                 )
         return top_scores, selected_experts
 
-    def routed_experts(self, x: torch.Tensor, top_scores: torch.Tensor, selected_experts: torch.Tensor) -> torch.Tensor:
-        """x (N, dim) -> sum_k g_{t,k} FFN_k(x_t): (N, dim), through this layer's token dispatcher."""
-        layout = self.experts.row_layout(x.dtype)
-        expert_input, group_ends, state = self.dispatcher.dispatch(x, selected_experts, top_scores, layout)
-        return self.dispatcher.combine(self.experts(expert_input, group_ends), state)
+    def start_shared_experts(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """tokens (N, dim) -> shared_experts(tokens), or None without shared experts."""
+        return self.shared_experts(tokens) if self.shared_experts is not None else None
 
-    def run_shared_experts(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x (N, dim) -> shared_experts(x), or None without shared experts."""
-        return self.shared_experts(x) if self.shared_experts is not None else None
+    def finish_shared_experts(self, shared: torch.Tensor | None) -> torch.Tensor | None:
+        """The shared experts' output, ready to be summed on the current stream."""
+        return shared
 
     @staticmethod
     def sum_experts(routed: torch.Tensor, shared: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -122,16 +139,28 @@ class MoE(nn.Module):
         self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
 
 
-def build_moe(moe_args: MoEArgs, dim: int, hidden_dim: int, comm_backend: str = "standard", ep_degree: int = 1) -> MoE:
-    """The MoE layer for `parallelism.expert_parallel_comm_backend`: `MoE`, or `DeepEPMoE` when DeepEP has
-    ranks to exchange tokens with (ep_degree > 1)."""
-    if comm_backend == "standard":
-        return MoE(moe_args, dim, hidden_dim)
-    if comm_backend == "deepep":
-        if ep_degree > 1:
-            from torchtitan.models.moe.deepep_moe import DeepEPMoE  # needs the DeepEP stack; import only if used
 
-            return DeepEPMoE(moe_args, dim, hidden_dim)
-        logger.info("expert_parallel_comm_backend='deepep' with ep_degree=1: no token exchange, using the standard MoE")
-        return MoE(moe_args, dim, hidden_dim)
-    raise ValueError(f"unknown MoE comm_backend {comm_backend!r}; choose one of {', '.join(COMM_BACKENDS)}")
+def run_inline(stages: Stages) -> torch.Tensor:
+    """Run `MoE.stages` in order on the current stream: each communication stage as it is yielded."""
+    result = None
+    while True:
+        try:
+            stage, args = stages.send(result)
+        except StopIteration as done:
+            return done.value
+        result = stage(*args)
+
+
+def build_expert_bias_hook(
+    model_parts: list[nn.Module], reduce_group: dist.ProcessGroup | None
+) -> Callable[[Any, Any, Any], None]:
+    """A `register_step_pre_hook` hook (optimizer, args, kwargs) that runs `update_expert_bias`.
+
+    Register it once per training step (on the optimizers container, not on each optimizer of it).
+    """
+    moe_modules = [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
+
+    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        update_expert_bias(moe_modules, reduce_group)
+
+    return hook

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_leaves
 from torchtitan.distributed.deepep import buffer as buffer_registry
 from torchtitan.distributed.deepep import cuda_kernels
 from torchtitan.distributed.deepep.handle_layout import intranode_layout
-from torchtitan.models.moe.float8 import FP8_DTYPE, WIRE_BLOCK, dequantize_blockwise, quantize_blockwise
+from torchtitan.kernels.float8 import FP8_DTYPE, WIRE_BLOCK, dequantize_blockwise, quantize_blockwise
 
 GROUP, NUM_SMS, WORLD_SIZE, NUM_EXPERTS, TOP_K, HIDDEN = "stand-in", 24, 2, 4, 2, 256
 LOCAL_EXPERTS = NUM_EXPERTS // WORLD_SIZE

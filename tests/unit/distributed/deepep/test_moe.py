@@ -14,11 +14,12 @@ from torch.utils.checkpoint import checkpoint
 
 from tests.unit.distributed._spawn import run_distributed
 from torchtitan.distributed.activation_checkpoint import per_op_sac_contexts
-from torchtitan.distributed.deepep import DeepEPExpertParallel, cpu_kernels, destroy_buffers, validate_deepep_config
+from torchtitan.distributed.deepep import cpu_kernels, destroy_buffers
 from torchtitan.distributed.deepep.buffer import import_deep_ep
-from torchtitan.distributed.expert_parallel import ExpertParallel
+from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel
 from torchtitan.models.moe import MoE, MoEArgs
 from torchtitan.models.moe.deepep_moe import DeepEPMoE
+from torchtitan.preflight import check_deepep
 
 DIM, HIDDEN = 16, 32
 
@@ -220,29 +221,24 @@ class _Dims:
         self.tp, self.etp, self.ep = tp, etp, ep
 
 
-def test_validate_deepep_config_rejects_tensor_parallel():
+def test_check_deepep_rejects_tensor_parallel():
     with pytest.raises(ValueError, match="tensor_parallel_degree=2"):
-        validate_deepep_config(_Dims(tp=2), device_type="cpu")
+        check_deepep(_Dims(tp=2))
     with pytest.raises(ValueError, match="expert_tensor_parallel_degree=2"):
-        validate_deepep_config(_Dims(tp=2, etp=2), device_type="cpu")
-    validate_deepep_config(_Dims(), device_type="cpu")
+        check_deepep(_Dims(tp=2, etp=2))
+    check_deepep(_Dims())
 
 
-def test_validate_deepep_config_rejects_ep_sizes_deepep_has_no_config_for():
+def test_check_deepep_rejects_ep_sizes_deepep_has_no_config_for():
     with pytest.raises(ValueError, match=r"expert_parallel_degree=6: DeepEP has kernel configs only for EP sizes 2, 4"):
-        validate_deepep_config(_Dims(ep=6), device_type="cpu")
-    validate_deepep_config(_Dims(ep=8), device_type="cpu")
+        check_deepep(_Dims(ep=6))
+    check_deepep(_Dims(ep=8))
 
 
 def test_missing_deep_ep_raises_install_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_ep", None)  # makes `import deep_ep` fail
     with pytest.raises(ImportError, match="pip install sgl-deep-ep"):
         import_deep_ep()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ImportError, match="build DeepEP from source"):
-        validate_deepep_config(_Dims(), device_type="cuda")
-
-
-def test_deepep_moe_without_expert_parallel_raises():
-    moe = _build(DeepEPMoE)
-    with pytest.raises(RuntimeError, match="DeepEP token dispatcher"):
-        moe(torch.randn(1, 4, DIM))
+        check_deepep(_Dims())

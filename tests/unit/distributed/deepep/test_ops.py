@@ -7,9 +7,10 @@ import torch.distributed as dist
 
 from tests.unit.distributed._spawn import run_distributed
 from tests.unit.models.moe._expert_rows import expert_of_padded_row
-from torchtitan.distributed.deepep import DeepEPTokenDispatcher, cpu_kernels, destroy_buffers, get_or_create_buffer
-from torchtitan.models.moe.experts import ExpertRows
-from torchtitan.models.moe.float8 import dequantize_blockwise, quantize_blockwise
+from torchtitan.distributed.deepep import cpu_kernels, destroy_buffers, get_or_create_buffer
+from torchtitan.distributed.expert_parallel.deepep_dispatcher import DeepEPTokenDispatcher
+from torchtitan.distributed.expert_parallel.dispatcher import ExpertRows
+from torchtitan.kernels.float8 import dequantize_blockwise, quantize_blockwise
 
 DIM, NUM_EXPERTS, TOP_K = 8, 8, 3
 FP8_DIM = 256  # two 128-channel scale blocks per token

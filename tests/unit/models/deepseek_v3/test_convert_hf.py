@@ -5,8 +5,8 @@ import os
 import torch
 import torch.distributed.checkpoint as dcp
 
+from torchtitan.components.hf_safetensors import load_hf_safetensors
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model
-from torchtitan.models.deepseek_v3.hf_io import load_hf_safetensors
 from torchtitan.models.deepseek_v3.state_dict_adapter import hf_config_from_model_args
 
 from .conftest import tiny_args

@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
+from torchtitan.components.hf_safetensors import INDEX_FILE, load_hf_safetensors, parse_size, save_hf_safetensors
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3StateDictAdapter
-from torchtitan.models.deepseek_v3.hf_io import INDEX_FILE, load_hf_safetensors, parse_size, save_hf_safetensors
 from torchtitan.models.deepseek_v3.state_dict_adapter import hf_config_from_model_args, model_args_from_hf_config
 
 from .conftest import tiny_args

@@ -10,11 +10,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.hf_safetensors import load_hf_safetensors, save_hf_safetensors
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config.job_config import JobConfig
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3StateDictAdapter, get_model_args
-from torchtitan.models.deepseek_v3.hf_io import load_hf_safetensors, save_hf_safetensors
 from torchtitan.models.deepseek_v3.state_dict_adapter import hf_config_from_model_args, model_args_from_hf_config
 
 from .conftest import tiny_args
@@ -182,7 +182,8 @@ def test_trainer_with_explicit_mtp_layers_keeps_fresh_mtp_modules(transformers_c
     fresh_mtp = {key: value.clone() for key, value in model.mtp.state_dict().items()}
     optimizers = build_optimizers([model], job_config)
     manager = CheckpointManager(
-        job_config, [model], optimizers, build_lr_schedulers(optimizers, job_config), model_args=args
+        job_config, [model], optimizers, build_lr_schedulers(optimizers, job_config),
+        state_dict_adapter=DeepSeekV3StateDictAdapter(args),
     )
     assert manager.load() is False
     for key, value in model.mtp.state_dict().items():

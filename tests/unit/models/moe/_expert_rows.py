@@ -2,8 +2,8 @@
 
 import torch
 
+from torchtitan.kernels.permute import PermutePlan, permute_tokens, plan_permutation, unpermute_tokens
 from torchtitan.models.moe.experts import GroupedExperts, run_experts_grouped_mm
-from torchtitan.models.moe.permute import PermutePlan, permute_tokens, plan_permutation, unpermute_tokens
 
 
 def pad_rows(

@@ -10,8 +10,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from tests.unit.distributed._spawn import run_distributed
 from torchtitan.models.moe.args import MoEArgs
-from torchtitan.models.moe.load_balance import build_expert_bias_hook, update_expert_bias
-from torchtitan.models.moe.moe import MoE
+from torchtitan.models.moe.load_balance import update_expert_bias
+from torchtitan.models.moe.moe import MoE, build_expert_bias_hook
 
 DIM, HIDDEN = 16, 24
 

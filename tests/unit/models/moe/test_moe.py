@@ -1,17 +1,15 @@
-"""MoE layer: forward against a dense per-token reference, sequence aux loss gradient, build_moe rules."""
+"""MoE layer: forward against a dense per-token reference, sequence aux loss gradient, DeepEPMoE from an MoE."""
 
 import dataclasses
-import logging
-import sys
-import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from torchtitan.models.moe.args import MoEArgs
+from torchtitan.models.moe.deepep_moe import DeepEPMoE
 from torchtitan.models.moe.load_balance import sequence_balance_loss
-from torchtitan.models.moe.moe import MoE, build_moe
+from torchtitan.models.moe.moe import MoE
 
 DIM, HIDDEN = 16, 24
 
@@ -129,28 +127,15 @@ def test_sequence_balance_loss_is_one_when_uniform():
     assert sequence_balance_loss(scores, selected, top_k=2, num_experts=8).item() == pytest.approx(1.0)
 
 
-def test_build_moe_standard_and_deepep_without_ep_give_base_moe(caplog):
-    args = MoEArgs(num_experts=4, top_k=2)
-    assert type(build_moe(args, DIM, HIDDEN)) is MoE
-    with caplog.at_level(logging.INFO, logger="torchtitan.models.moe.moe"):
-        assert type(build_moe(args, DIM, HIDDEN, comm_backend="deepep", ep_degree=1)) is MoE
-    assert "ep_degree=1" in caplog.text
-
-
-def test_build_moe_deepep_with_ep_imports_deepep_moe_lazily(monkeypatch):
-    class FakeDeepEPMoE(MoE):
-        pass
-
-    fake_module = types.ModuleType("torchtitan.models.moe.deepep_moe")
-    fake_module.DeepEPMoE = FakeDeepEPMoE
-    monkeypatch.setitem(sys.modules, "torchtitan.models.moe.deepep_moe", fake_module)
-    moe = build_moe(MoEArgs(num_experts=4, top_k=2), DIM, HIDDEN, comm_backend="deepep", ep_degree=2)
-    assert type(moe) is FakeDeepEPMoE
-
-
-def test_build_moe_unknown_backend_names_the_choices():
-    with pytest.raises(ValueError, match="standard.*deepep"):
-        build_moe(MoEArgs(), DIM, HIDDEN, comm_backend="alltoallv")
+def test_deepep_moe_from_a_built_moe_keeps_its_names_and_computes_the_same():
+    moe = make_moe()
+    x = torch.randn(2, 5, DIM)
+    names = [name for name, _ in moe.named_parameters()] + [name for name, _ in moe.named_buffers()]
+    want = moe(x)
+    layer = DeepEPMoE.from_moe(moe, side_stream=None)
+    assert type(layer) is DeepEPMoE
+    assert [name for name, _ in layer.named_parameters()] + [name for name, _ in layer.named_buffers()] == names
+    torch.testing.assert_close(layer(x), want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("overrides", [dict(load_balance_coeff=0.0), dict(seq_aux_loss_coeff=-1.0)])

@@ -5,8 +5,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchtitan.models.moe.permute import permute_tokens, plan_permutation, unpermute_tokens
-from torchtitan.models.moe.token_dispatcher import expert_major_order, permute_to_experts
+from torchtitan.kernels.permute import (
+    expert_major_order,
+    permute_to_experts,
+    permute_tokens,
+    plan_permutation,
+    unpermute_tokens,
+)
 
 TOKENS, TOP_K, NUM_EXPERTS, DIM, ALIGNMENT = 7, 3, 4, 5, 4
 

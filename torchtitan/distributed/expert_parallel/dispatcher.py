@@ -1,7 +1,5 @@
 """Token dispatchers: how an MoE layer moves token copies to its experts and back, in explicit stages.
 
-    MoE.forward:  route -> dispatcher.dispatch -> experts(rows, group_ends) -> dispatcher.combine -> + shared experts
-
     dispatch:  dispatch_preprocess -> token_dispatch -> dispatch_postprocess
     combine:   combine_preprocess  -> token_combine  -> combine_postprocess
 
@@ -10,59 +8,53 @@ and returns explicit values, and what combine needs from dispatch travels in the
 returns (no module state, no FIFO), so a scheduler can run one micro-batch's communication on another stream
 while another micro-batch computes (`models/moe/overlap.py`).
 
-`LocalTokenDispatcher` (no expert parallelism) is the MoE's default; `parallelize` installs another one through
-the expert-parallel ParallelStyles: all-to-all (`distributed/expert_parallel.py`) or DeepEP
-(`distributed/deepep/`). The model never changes with the backend. Every backend moves its tokens into the
-experts' padded rows and back with the same two gathers (`permute_to_experts`, `unpermute_tokens`: `permute.py`).
+`LocalTokenDispatcher` (no expert parallelism) is the MoE's default; `parallelize` installs the one its backend
+needs through the expert-parallel ParallelStyles (`styles.py`): all-to-all (`all_to_all.py`) or DeepEP
+(`deepep_dispatcher.py`). A dispatcher is built with everything that shapes it and never changed afterwards. Every
+backend moves its tokens into the experts' padded rows and back with the same two gathers, `TokenPermutation`:
+eager, or the compiled regions `parallelize` creates once per model.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from torchtitan.models.moe.experts import ExpertRows
-from torchtitan.models.moe.permute import PermutePlan, permute_tokens, plan_permutation, unpermute_tokens
+from torchtitan.kernels.permute import PermutePlan, expert_major_order, permute_to_experts, unpermute_tokens
 
 __all__ = [
+    "EAGER_PERMUTATION",
     "DispatchState",
+    "ExpertRows",
     "LocalDispatchState",
     "LocalTokenDispatcher",
     "TokenDispatcher",
-    "expert_major_order",
-    "permute_to_experts",
+    "TokenPermutation",
 ]
 
 
-def expert_major_order(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Positions of the flattened `expert_ids` (-1: no expert) sorted by expert, stably (so within one expert the
-    original order is kept); the -1 entries come last. Returns (expert_ids.numel(),) int64.
+@dataclass(frozen=True)
+class ExpertRows:
+    """How the experts want their input rows: groups padded to `alignment` rows, in `dtype`."""
 
-    The one ordering every backend uses: token copies of a local batch, copies received from other ranks
-    (all-to-all), and DeepEP's received (token, local expert) slots.
-    """
-    flat = expert_ids.reshape(-1)
-    keys = torch.where(flat >= 0, flat, num_experts)
-    return torch.argsort(keys, stable=True)
+    alignment: int
+    dtype: torch.dtype
 
 
-def permute_to_experts(
-    x: torch.Tensor,
-    order: torch.Tensor,
-    tokens_per_expert: torch.Tensor,
-    top_k: int,
-    weights: torch.Tensor | None,
-    alignment: int | None,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, PermutePlan]:
-    """x (T, dim), order (C,) slots of (T, top_k) in expert-major order -> (rows, plan): the copies in padded
-    expert-major rows (`permute.py`), scaled by `weights` (T, top_k) if given, and the plan that maps them back.
-    Every backend's permutation; `compile_moe` swaps in a compiled copy shared by all layers."""
-    plan = plan_permutation(order, x.shape[0] * top_k, tokens_per_expert, alignment)
-    return permute_tokens(x, plan, top_k, weights, dtype), plan
+@dataclass(frozen=True)
+class TokenPermutation:
+    """The two gathers around the experts, with the signatures of `kernels/permute.py`'s `permute_to_experts` and
+    `unpermute_tokens`: eager, or compiled regions shared by a model's MoE layers (`distributed/compile.py`)."""
+
+    to_experts: Callable[..., tuple[torch.Tensor, PermutePlan]] = permute_to_experts
+    from_experts: Callable[..., torch.Tensor] = unpermute_tokens
+
+
+EAGER_PERMUTATION = TokenPermutation()
 
 
 @dataclass
@@ -82,11 +74,11 @@ class TokenDispatcher(ABC):
 
     backend: str = ""
     """Name of the `parallelism.expert_parallel_comm_backend` behind it ('local' when nothing is exchanged)."""
-    permute_to_experts = staticmethod(permute_to_experts)
-    """The gather into the experts' rows, every backend's; `compile_moe` swaps in a compiled copy shared by all
-    layers."""
-    unpermute_tokens = staticmethod(unpermute_tokens)
-    """The gather back with the weighted top-k sum; `compile_moe` swaps in a compiled copy shared by all layers."""
+
+    def __init__(self, num_experts: int, score_before_experts: bool, permutation: TokenPermutation):
+        self.num_experts = num_experts
+        self.score_before_experts = score_before_experts
+        self.permutation = permutation
 
     def dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertRows
@@ -140,9 +132,10 @@ class LocalTokenDispatcher(TokenDispatcher):
 
     backend = "local"
 
-    def __init__(self, num_experts: int, score_before_experts: bool = False):
-        self.num_experts = num_experts
-        self.score_before_experts = score_before_experts
+    def __init__(
+        self, num_experts: int, score_before_experts: bool = False, permutation: TokenPermutation = EAGER_PERMUTATION
+    ):
+        super().__init__(num_experts, score_before_experts, permutation)
 
     def expert_order(self, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """topk_idx (N, k) -> the slots sorted by global expert (N * k,), tokens per global expert (E,)."""
@@ -165,7 +158,7 @@ class LocalTokenDispatcher(TokenDispatcher):
         x, topk_idx, topk_weights = dispatched
         order, counts = self.expert_order(topk_idx)
         weights = topk_weights if self.score_before_experts else None
-        rows, plan = self.permute_to_experts(
+        rows, plan = self.permutation.to_experts(
             x, order, counts, topk_idx.shape[1], weights, layout.alignment, layout.dtype
         )
         return rows, plan.group_ends, LocalDispatchState(plan, topk_weights)
@@ -179,4 +172,4 @@ class LocalTokenDispatcher(TokenDispatcher):
     def combine_postprocess(self, combined: torch.Tensor, state: LocalDispatchState) -> torch.Tensor:
         """combined (rows, dim) as dispatch laid them out -> sum_k g_{t,k} FFN_k(x_t): (N, dim) fp32."""
         weights = None if self.score_before_experts else state.topk_weights
-        return self.unpermute_tokens(combined, state.plan, state.topk_weights.shape[1], weights, torch.float32)
+        return self.permutation.from_experts(combined, state.plan, state.topk_weights.shape[1], weights, torch.float32)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torchtitan.components.multi_tensor import CHUNK, chunk_table, to_device_tables
+from torchtitan.kernels.chunk_table import CHUNK, chunk_table, to_device_tables
 
 __all__ = ["adamw_update_", "sum_of_squares"]
 

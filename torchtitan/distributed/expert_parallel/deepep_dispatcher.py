@@ -18,9 +18,14 @@ from dataclasses import dataclass
 import torch
 
 from torchtitan.distributed.deepep import ops
-from torchtitan.models.moe.experts import ExpertRows
-from torchtitan.models.moe.permute import PermutePlan
-from torchtitan.models.moe.token_dispatcher import DispatchState, TokenDispatcher
+from torchtitan.distributed.expert_parallel.dispatcher import (
+    EAGER_PERMUTATION,
+    DispatchState,
+    ExpertRows,
+    TokenDispatcher,
+    TokenPermutation,
+)
+from torchtitan.kernels.permute import PermutePlan
 
 __all__ = ["DeepEPDispatchState", "DeepEPDispatched", "DeepEPTokenDispatcher"]
 
@@ -53,12 +58,13 @@ class DeepEPTokenDispatcher(TokenDispatcher):
         group_name: str,
         num_experts: int,
         score_before_experts: bool = False,
+        *,
         sync_free: bool = False,
         fp8: bool = False,
+        permutation: TokenPermutation = EAGER_PERMUTATION,
     ):
+        super().__init__(num_experts, score_before_experts, permutation)
         self.group_name = group_name
-        self.num_experts = num_experts
-        self.score_before_experts = score_before_experts
         self.sync_free = sync_free
         """Worst-case receive sizes, no host wait (ops.py); the padding rows get no expert."""
         self.fp8 = fp8
@@ -80,7 +86,7 @@ class DeepEPTokenDispatcher(TokenDispatcher):
     ) -> tuple[torch.Tensor, torch.Tensor, DeepEPDispatchState]:
         top_k = dispatched.recv_topk_idx.shape[1]
         weights = dispatched.recv_topk_weights if self.score_before_experts else None
-        expert_input, plan = self.permute_to_experts(
+        expert_input, plan = self.permutation.to_experts(
             dispatched.recv_x,
             dispatched.permuted_slots,
             dispatched.tokens_per_local_expert,
@@ -101,7 +107,8 @@ class DeepEPTokenDispatcher(TokenDispatcher):
         """(rows, dim) -> (num_recv, dim) in the tokens' dtype: per received token the fp32 sum of its copies'
         outputs, weighted unless the weights were applied before the experts."""
         weights = None if self.score_before_experts else state.recv_topk_weights
-        return self.unpermute_tokens(expert_output, state.plan, state.recv_topk_weights.shape[1], weights, state.dtype)
+        top_k = state.recv_topk_weights.shape[1]
+        return self.permutation.from_experts(expert_output, state.plan, top_k, weights, state.dtype)
 
     def token_combine(self, prepared: torch.Tensor, state: DeepEPDispatchState) -> torch.Tensor:
         combined, _ = ops.combine(prepared, state.handle, self.group_name)

@@ -187,7 +187,7 @@ class _Float8GroupedMM(torch.autograd.Function):
 def _rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """t (..., C) -> (fp8 (..., C) contiguous, scales (...)), as `quantize_rowwise`."""
     if t.is_cuda and t.shape[-1] <= 16384:
-        from torchtitan.models.moe.float8_kernels import quantize_rowwise_cuda
+        from torchtitan.kernels.float8_kernels import quantize_rowwise_cuda
 
         return quantize_rowwise_cuda(t.contiguous())
     quantized, scale = quantize_rowwise(t)
@@ -204,7 +204,7 @@ def _rowwise_stacked(weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, tor
     """weights (E, N_i, K) -> (fp8 (E, sum N_i, K), scales (E, sum N_i)): `quantize_rowwise` of the weights stacked
     along N per expert, written in place on CUDA (no bf16 copy of the stack)."""
     if weights[0].is_cuda and weights[0].shape[-1] <= 16384:
-        from torchtitan.models.moe.float8_kernels import quantize_rowwise_stacked_cuda
+        from torchtitan.kernels.float8_kernels import quantize_rowwise_stacked_cuda
 
         return quantize_rowwise_stacked_cuda([w.contiguous() for w in weights])
     quantized, scale = quantize_rowwise(torch.cat(list(weights), dim=1))
@@ -224,7 +224,7 @@ def _rowwise_group_scaled(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """t (M, C), col_scale (G, C), offsets (G,) -> (fp8 (M, C), scales (M,)), as `quantize_rowwise_group_scaled`."""
     if t.is_cuda and t.shape[-1] <= 16384:
-        from torchtitan.models.moe.float8_kernels import quantize_rowwise_cuda
+        from torchtitan.kernels.float8_kernels import quantize_rowwise_cuda
 
         return quantize_rowwise_cuda(t.contiguous(), col_scale, offsets)
     quantized, scale = quantize_rowwise_group_scaled(t, col_scale, offsets)
@@ -248,7 +248,7 @@ def _grad_weight_operands(
     (rows, C) tensor whose stride is the dynamic row count; on H200 the compiled backward then asserted the first
     step's stride at the second step (5153e79). Saved activations stay row-major, with static strides."""
     if grad_out.is_cuda:
-        from torchtitan.models.moe.float8_kernels import quantize_columns_per_group_cuda as quantize
+        from torchtitan.kernels.float8_kernels import quantize_columns_per_group_cuda as quantize
     else:
         quantize = quantize_columns_per_group
     return (*quantize(grad_out.contiguous(), offsets), *quantize(x.contiguous(), offsets))

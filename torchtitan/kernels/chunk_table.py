@@ -1,23 +1,19 @@
-"""What lets one kernel launch walk a list of tensors, and the multi-tensor sum of squares built on it.
+"""What lets one kernel launch walk a list of tensors: the chunk table and the per-step address table.
 
 A launch over tensors t_0..t_{n-1} runs one program per chunk of `CHUNK` elements; the chunk table tells a program
 which tensor and which chunk of it it owns (a tensor of 0 elements owns none). The table depends only on the
 tensors' sizes, so it is built once per size list and cached. The tensors' addresses change between steps (every
 backward makes new gradients), so they go into an address table built on the host and copied to the device each
 step: one host-to-device copy, no device synchronization.
-
-CUDA tensors use the Triton kernels of `multi_tensor_kernels.py`, imported on first use so that importing this
-module never needs triton; other devices use torch ops.
 """
 
 import functools
 import math
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
-__all__ = ["CHUNK", "ChunkTable", "chunk_table", "cuda_kernels", "sum_of_squares", "to_device_tables"]
+__all__ = ["CHUNK", "ChunkTable", "chunk_table", "to_device_tables"]
 
 # Elements per program. Large enough that a program's table lookups are a small part of its work, small enough
 # that the last wave of programs is short (2.2B elements are 270k programs).
@@ -65,26 +61,3 @@ def to_device_tables(
     host[num_addresses:].view(torch.float32)[:num_scalars] = scalars
     on_device = host.to(device, non_blocking=True)
     return on_device[:num_addresses], on_device[num_addresses:].view(torch.float32)[:num_scalars]
-
-
-def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """sum_i ||t_i||^2 in fp32, a 0-dim tensor on the tensors' (one) device: one Triton launch per dtype on CUDA
-    (per-chunk partial sums, then one torch sum), `torch._foreach_norm` elsewhere."""
-    if not tensors:
-        return torch.zeros((), dtype=torch.float32)
-    if tensors[0].device.type == "cuda":
-        return cuda_kernels().sum_of_squares(tensors)
-    norms = torch._foreach_norm(tensors, 2.0)
-    return torch.stack([norm.float() for norm in norms]).square().sum()
-
-
-def cuda_kernels() -> ModuleType:
-    """The Triton kernels; a clear error where triton is missing."""
-    try:
-        from torchtitan.components import multi_tensor_kernels
-    except ImportError as err:
-        raise ImportError(
-            f"CUDA parameters are stepped by Triton kernels (optimizer.implementation 'triton') and importing them "
-            f"failed ({err}): install triton, or set --optimizer.implementation foreach"
-        ) from err
-    return multi_tensor_kernels

@@ -31,7 +31,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PermutePlan", "permute_tokens", "plan_permutation", "unpermute_tokens"]
+__all__ = [
+    "PermutePlan",
+    "expert_major_order",
+    "permute_to_experts",
+    "permute_tokens",
+    "plan_permutation",
+    "unpermute_tokens",
+]
 
 
 @dataclass
@@ -178,3 +185,31 @@ class _UnpermuteTokens(torch.autograd.Function):
         if weights is not None and ctx.needs_input_grad[4]:
             grad_weights = _cast(_slot_weight_grad(rows, slot_row, grad_out, ctx.top_k), weights.dtype)
         return grad_rows, None, None, None, grad_weights, None
+
+
+def expert_major_order(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Positions of the flattened `expert_ids` (-1: no expert) sorted by expert, stably (so within one expert the
+    original order is kept); the -1 entries come last. Returns (expert_ids.numel(),) int64.
+
+    The one ordering every backend uses: token copies of a local batch, copies received from other ranks
+    (all-to-all), and DeepEP's received (token, local expert) slots.
+    """
+    flat = expert_ids.reshape(-1)
+    keys = torch.where(flat >= 0, flat, num_experts)
+    return torch.argsort(keys, stable=True)
+
+
+def permute_to_experts(
+    x: torch.Tensor,
+    order: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    top_k: int,
+    weights: torch.Tensor | None,
+    alignment: int | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, PermutePlan]:
+    """x (T, dim), order (C,) slots of (T, top_k) in expert-major order -> (rows, plan): the copies in padded
+    expert-major rows (`permute.py`), scaled by `weights` (T, top_k) if given, and the plan that maps them back.
+    Every backend's permutation into the experts' rows."""
+    plan = plan_permutation(order, x.shape[0] * top_k, tokens_per_expert, alignment)
+    return permute_tokens(x, plan, top_k, weights, dtype), plan

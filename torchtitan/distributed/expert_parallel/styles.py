@@ -1,0 +1,123 @@
+"""ParallelStyles for an `MoE` layer's routed experts: each shards `moe.experts` and installs the layer's token
+dispatcher, built with the permutation (eager or compiled) it is given. The experts module never changes and no
+hooks rewrite its arguments.
+
+- `ExpertParallel` (ep mesh): weights Shard(0) (each rank owns E / ep experts); all-to-all token exchange.
+- `ExpertTensorParallel` ([ep, etp] mesh): EP across ranks plus TP inside each expert: w1/w3 [Shard(0), Shard(1)]
+  (column-wise), w2 [Shard(0), Shard(2)] (row-wise). Tokens are identical on the etp ranks, so the expert output
+  is a partial sum over etp, reduced by the MoE module's output layout (reduce-scatter to the sequence shard).
+- `TensorParallel` (tp mesh, ep == 1): TP inside experts, no token exchange.
+- `DeepEPExpertParallel` (1-D ep mesh): weights Shard(0); DeepEP's dispatch and combine. It creates the group's
+  communication buffer here, at parallelize time, never in forward.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from torchtitan.distributed.deepep.buffer import get_or_create_buffer
+from torchtitan.distributed.expert_parallel.all_to_all import AllToAllTokenDispatcher, TensorParallelTokenDispatcher
+from torchtitan.distributed.expert_parallel.deepep_dispatcher import DeepEPTokenDispatcher
+from torchtitan.distributed.expert_parallel.dispatcher import EAGER_PERMUTATION, TokenPermutation
+
+__all__ = ["DeepEPExpertParallel", "ExpertParallel", "ExpertTensorParallel", "TensorParallel", "distribute_experts"]
+
+EXPERTS_ON_EP_RANKS = {"w1": [Shard(0)], "w2": [Shard(0)], "w3": [Shard(0)]}
+"""Routed-expert weight placements over a 1-D EP mesh: each rank owns E / ep whole experts."""
+
+
+class _ExpertStyle(ParallelStyle):
+    def __init__(self, permutation: TokenPermutation = EAGER_PERMUTATION):
+        super().__init__()
+        self.permutation = permutation
+
+
+class ExpertParallel(_ExpertStyle):
+    """On an `MoE`: experts sharded on dim 0 over the ep mesh; tokens exchanged with all-to-all."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        distribute_experts(module.experts, device_mesh, EXPERTS_ON_EP_RANKS)
+        module.dispatcher = AllToAllTokenDispatcher(
+            module.num_experts, module.score_before_experts, device_mesh, permutation=self.permutation
+        )
+        return module
+
+
+class ExpertTensorParallel(_ExpertStyle):
+    """On an `MoE`: EP x TP on the experts over a 2-D [ep, etp] mesh."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # w1, w3: (E, hidden, dim) column-wise on hidden; w2: (E, dim, hidden) row-wise on hidden.
+        placements = {"w1": [Shard(0), Shard(1)], "w2": [Shard(0), Shard(2)], "w3": [Shard(0), Shard(1)]}
+        distribute_experts(module.experts, device_mesh, placements)
+        module.dispatcher = AllToAllTokenDispatcher(
+            module.num_experts,
+            module.score_before_experts,
+            device_mesh["ep"],
+            etp_mesh=device_mesh["etp"],
+            permutation=self.permutation,
+        )
+        return module
+
+
+class TensorParallel(_ExpertStyle):
+    """On an `MoE`, ep == 1: every rank holds all experts' hidden shard; the experts' output is partial."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        distribute_experts(module.experts, device_mesh, {"w1": [Shard(1)], "w2": [Shard(2)], "w3": [Shard(1)]})
+        module.dispatcher = TensorParallelTokenDispatcher(
+            module.num_experts, module.score_before_experts, device_mesh, permutation=self.permutation
+        )
+        return module
+
+
+class DeepEPExpertParallel(_ExpertStyle):
+    """On an `MoE` (parallelize makes it a `DeepEPMoE`): experts sharded on dim 0 over the 1-D EP mesh, tokens
+    exchanged with DeepEP.
+
+    num_sms: SMs DeepEP's kernels may use (`parallelism.deepep_num_sms`, even).
+    sync_free: dispatch with worst-case receive sizes, no host wait (`parallelism.deepep_sync_free_dispatch`).
+    fp8: dispatch tokens as FP8 with one scale per 128 channels (`quantize.float8_dispatch`).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_sms: int = 24,
+        sync_free: bool = False,
+        fp8: bool = False,
+        permutation: TokenPermutation = EAGER_PERMUTATION,
+    ):
+        super().__init__(permutation)
+        self.num_sms = num_sms
+        self.sync_free = sync_free
+        self.fp8 = fp8
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+        dim = module.experts.w1.shape[2]  # (E, hidden, dim)
+        buffer = get_or_create_buffer(group, dim, device_type=device_mesh.device_type, num_sms=self.num_sms)
+        if self.sync_free and buffer.layout.name == "internode":
+            raise ValueError(
+                "parallelism.deepep_sync_free_dispatch: DeepEP's worst-case receive sizes are intranode only and this "
+                "EP group spans nodes; drop --parallelism.deepep_sync_free_dispatch"
+            )
+        distribute_experts(module.experts, device_mesh, EXPERTS_ON_EP_RANKS)
+        module.dispatcher = DeepEPTokenDispatcher(
+            group.group_name,
+            module.num_experts,
+            module.score_before_experts,
+            sync_free=self.sync_free,
+            fp8=self.fp8,
+            permutation=self.permutation,
+        )
+        return module
+
+
+def distribute_experts(experts: nn.Module, mesh: DeviceMesh, placements: dict[str, list]) -> None:
+    """Replace the routed experts' w1/w2/w3 by DTensors with `placements` over `mesh` (every EP style uses it)."""
+    for name, param in experts.named_parameters(recurse=False):
+        experts.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, placements[name])))
