@@ -1,11 +1,11 @@
 """A communication-bound testbed: every token exchange of an MoE layer moves its payload `factor` times.
 
-`slow_down_exchange(dispatcher, factor)` wraps a `TokenDispatcher`'s two communication stages (`token_dispatch`,
-`token_combine`): each call runs the stage once for its result and `factor - 1` more times on the same inputs,
-results discarded, on the same stream. The exchange then costs about `factor` times as much while compute stays the
-same, a stand-in for slow (inter-node) links on a machine that only has NVLink. Outputs and gradients are those of
-`factor` 1. Benchmarking only (`parallelism.expert_parallel_comm_slowdown`, `scripts/bench/moe_layer.py
---comm-slowdown`).
+`SlowedDispatcher(inner, factor)` is a `TokenDispatcher` that runs `inner`'s stages; its two communication stages
+(`token_dispatch`, `token_combine`) run `inner`'s stage once for the result and `factor - 1` more times on the same
+inputs, results discarded, on the same stream. The exchange then costs about `factor` times as much while compute
+stays the same, a stand-in for slow (inter-node) links on a machine that only has NVLink. Outputs and gradients are
+those of `inner`. Benchmarking only (`scripts/bench/moe_layer.py --comm-slowdown`), built around the dispatcher the
+expert-parallel style installed: `moe.dispatcher = SlowedDispatcher(moe.dispatcher, factor)`.
 
 Backward: the backward of a dispatch is a combine and vice versa, and it must be slowed down too. The repeats run
 with autograd on (on detached copies of the inputs), and the result's exchanged tensors pass through an identity
@@ -27,46 +27,61 @@ from typing import Any
 
 import torch
 
-from torchtitan.models.moe.token_dispatcher import TokenDispatcher
+from torchtitan.distributed.expert_parallel.dispatcher import DispatchState, ExpertRows, TokenDispatcher
 from torchtitan.tools.tensor_tree import map_tensors, tensors_in
 
-__all__ = ["slow_down_exchange"]
+__all__ = ["SlowedDispatcher"]
 
 
-def slow_down_exchange(dispatcher: TokenDispatcher, factor: int) -> None:
-    """Make `dispatcher`'s token_dispatch and token_combine (and their backwards) exchange `factor` times (1: as is).
+class SlowedDispatcher(TokenDispatcher):
+    """`inner` with token_dispatch and token_combine (and their backwards) exchanging `factor` times (1: as is)."""
 
-    Installed on the instance, so the dispatcher classes stay as they are; call it once per dispatcher, after the
-    expert-parallel style installed it."""
-    if not isinstance(factor, int) or factor < 1:
-        raise ValueError(f"comm slowdown factor must be an integer >= 1 (1 = off), got {factor!r}")
-    if factor == 1:
-        return
-    dispatcher.token_dispatch = _repeated(dispatcher.token_dispatch, factor - 1)
-    dispatcher.token_combine = _repeated(dispatcher.token_combine, factor - 1)
+    def __init__(self, inner: TokenDispatcher, factor: int):
+        if not isinstance(factor, int) or factor < 1:
+            raise ValueError(f"comm slowdown factor must be an integer >= 1 (1 = off), got {factor!r}")
+        super().__init__(inner.num_experts, inner.score_before_experts, inner.permutation)
+        self.backend = inner.backend
+        self.inner = inner
+        self.repeats = factor - 1
+
+    def dispatch_preprocess(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Any:
+        return self.inner.dispatch_preprocess(x, topk_idx, topk_weights)
+
+    def token_dispatch(self, prepared: Any) -> Any:
+        return _repeated(self.inner.token_dispatch, self.repeats, prepared)
+
+    def dispatch_postprocess(
+        self, dispatched: Any, layout: ExpertRows
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
+        return self.inner.dispatch_postprocess(dispatched, layout)
+
+    def combine_preprocess(self, expert_output: torch.Tensor, state: DispatchState) -> Any:
+        return self.inner.combine_preprocess(expert_output, state)
+
+    def token_combine(self, prepared: Any, state: DispatchState) -> Any:
+        return _repeated(self.inner.token_combine, self.repeats, prepared, state)
+
+    def combine_postprocess(self, combined: Any, state: DispatchState) -> torch.Tensor:
+        return self.inner.combine_postprocess(combined, state)
 
 
-def _repeated(stage: Callable, repeats: int) -> Callable:
-    """`stage` plus `repeats` more calls on the same inputs whose forward and backward exchanges are real work."""
-
-    def slowed_stage(*args: Any) -> Any:
-        result = stage(*args)
-        exchanged = _exchanged_tensors(args, result)
-        graphs = []
-        for _ in range(repeats):
-            repeat_args, leaves = _detached(args)
-            # The repeat keeps what its backward needs itself: activation checkpointing's hooks would recompute the
-            # whole checkpointed region again for each `torch.autograd.grad` of `_RepeatInBackward` (a new graph task).
-            with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
-                repeat_result = stage(*repeat_args)
-            if exchanged:
-                graphs.append((_exchanged_tensors(repeat_args, repeat_result), leaves))
-        if not exchanged:  # no autograd (forward only, or nothing differentiable): the repeats are done
-            return result
-        passed = dict(zip(map(id, exchanged), _RepeatInBackward.apply(graphs, *exchanged), strict=True))
-        return map_tensors(result, lambda t: passed.get(id(t), t))
-
-    return slowed_stage
+def _repeated(stage: Callable, repeats: int, *args: Any) -> Any:
+    """stage(*args), plus `repeats` more calls on the same inputs whose forward and backward exchanges are real work."""
+    result = stage(*args)
+    exchanged = _exchanged_tensors(args, result)
+    graphs = []
+    for _ in range(repeats):
+        repeat_args, leaves = _detached(args)
+        # The repeat keeps what its backward needs itself: activation checkpointing's hooks would recompute the
+        # whole checkpointed region again for each `torch.autograd.grad` of `_RepeatInBackward` (a new graph task).
+        with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+            repeat_result = stage(*repeat_args)
+        if exchanged:
+            graphs.append((_exchanged_tensors(repeat_args, repeat_result), leaves))
+    if not graphs:  # factor 1, or no autograd (forward only, nothing differentiable): the repeats are done
+        return result
+    passed = dict(zip(map(id, exchanged), _RepeatInBackward.apply(graphs, *exchanged), strict=True))
+    return map_tensors(result, lambda t: passed.get(id(t), t))
 
 
 def _keep(tensor: torch.Tensor) -> torch.Tensor:

@@ -10,10 +10,10 @@ the expert matmuls at the measured H200 bf16 rate:
     FLOPs(fwd) = 2 * 3 * dim * moe_inter * tokens * (top_k + num_shared),  fwd+bwd = 3 x fwd.
 Every run also times forward+backward of the EP-overlap's parts (`overlap_parts.py`), per micro-batch of `--tokens`:
 compute alone, exchange alone, the layer with the overlap off and with it on (two micro-batches in the trainer's
-schedule, `models/deepseek_v3/overlap.py`), and from them `hidden_fraction` = (T_off - T_on) / T_exchange and
+schedule, `models/moe/overlap.py`), and from them `hidden_fraction` = (T_off - T_on) / T_exchange and
 T_on / max(T_compute, T_exchange). `--overlap` makes `fwd_bwd_ms` the overlapped time (else the plain one).
-`--comm-slowdown N` moves every dispatch and combine N times, forward and backward (`distributed/comm_slowdown.py`):
-a communication-bound layer on NVLink-only machines. `--sync-free` dispatches with DeepEP's worst-case sizes (no host
+`--comm-slowdown N` moves every dispatch and combine N times, forward and backward (`comm_slowdown.py`): a
+communication-bound layer on NVLink-only machines. `--sync-free` dispatches with DeepEP's worst-case sizes (no host
 wait). One JSON per (layer, backend, ep, tokens, routing, overlap, sync-free, FP8, slowdown, SMs) goes to $BENCH_OUT
 or benchmarks/results/. Without a GPU it runs on CPU with gloo (`--layer tiny`): a smoke test, its times mean nothing.
 """
@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from scripts.bench.comm_slowdown import SlowedDispatcher  # noqa: E402
 from scripts.bench.common import (  # noqa: E402
     MEASURED_H200_BF16_TFLOPS,
     init_process_group_from_torchrun,
@@ -36,12 +37,18 @@ from scripts.bench.common import (  # noqa: E402
     write_result,
 )
 from scripts.bench.overlap_parts import compute_alone, exchange_alone  # noqa: E402
-from torchtitan.distributed.comm_slowdown import slow_down_exchange  # noqa: E402
-from torchtitan.distributed.compile import compile_moe  # noqa: E402
-from torchtitan.models.deepseek_v3.overlap import CommStreams, moe_overlapped, route_and_prepare  # noqa: E402
+from torchtitan.distributed.compile import MoERegions, compile_moe  # noqa: E402
+from torchtitan.distributed.expert_parallel.dispatcher import (  # noqa: E402
+    EAGER_PERMUTATION,
+    LocalTokenDispatcher,
+    TokenPermutation,
+)
+from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel  # noqa: E402
 from torchtitan.models.moe.args import MoEArgs  # noqa: E402
-from torchtitan.models.moe.experts import convert_to_float8_experts  # noqa: E402
-from torchtitan.models.moe.moe import build_moe  # noqa: E402
+from torchtitan.models.moe.deepep_moe import DeepEPMoE  # noqa: E402
+from torchtitan.models.moe.experts import convert_to_float8_experts, run_experts_grouped_mm  # noqa: E402
+from torchtitan.models.moe.moe import MoE  # noqa: E402
+from torchtitan.models.moe.overlap import MicroBatchOverlap  # noqa: E402
 
 LAYERS = {
     # dim, moe_inter, experts, top_k, shared: DeepSeek-V2-Lite / Moonlight 16B, and DeepSeek-V3 671B.
@@ -67,7 +74,11 @@ def build_layer(
     balanced: bool,
     sync_free: bool = False,
     fp8_dispatch: bool = False,
-):
+    permutation: TokenPermutation = EAGER_PERMUTATION,
+    comm_slowdown: int = 1,
+) -> MoE:
+    """The layer on `device` with bf16 weights, its experts sharded over `ep_mesh` as `parallelize` does it, and
+    its dispatcher (built with `permutation`) wrapped in a `SlowedDispatcher` of `comm_slowdown`."""
     moe_args = MoEArgs(
         num_experts=layer["num_experts"],
         num_shared_experts=layer["num_shared"],
@@ -76,21 +87,20 @@ def build_layer(
         route_norm=True,
         force_load_balance=balanced,
     )
-    moe = build_moe(moe_args, layer["dim"], layer["moe_inter"], comm_backend=backend, ep_degree=ep_mesh.size())
+    moe = MoE(moe_args, layer["dim"], layer["moe_inter"])
     moe.to(device)
     moe.init_weights(0.02, buffer_device=device)
     for sub in (moe.router, moe.experts, moe.shared_experts):
         sub.to(torch.bfloat16)
-    if ep_mesh.size() > 1:
-        if backend == "deepep":
-            from torchtitan.distributed.deepep import DeepEPExpertParallel
-
-            style = DeepEPExpertParallel(num_sms=num_sms, sync_free=sync_free, fp8=fp8_dispatch)
-        else:
-            from torchtitan.distributed.expert_parallel import ExpertParallel
-
-            style = ExpertParallel()
+    if ep_mesh.size() == 1:
+        moe.dispatcher = LocalTokenDispatcher(moe.num_experts, moe.score_before_experts, permutation)
+    elif backend == "deepep":
+        moe = DeepEPMoE.from_moe(moe, torch.cuda.Stream() if device.type == "cuda" else None)
+        style = DeepEPExpertParallel(num_sms=num_sms, sync_free=sync_free, fp8=fp8_dispatch, permutation=permutation)
         parallelize_module(moe, ep_mesh, style)
+    else:
+        parallelize_module(moe, ep_mesh, ExpertParallel(permutation))
+    moe.dispatcher = SlowedDispatcher(moe.dispatcher, comm_slowdown)
     return moe
 
 
@@ -142,8 +152,7 @@ def main() -> None:
         "--comm-slowdown",
         type=int,
         default=1,
-        help="move every dispatch and combine (and their backwards) N times, a stand-in for slow links; 1 = off "
-        "(the trainer's --parallelism.expert_parallel_comm_slowdown)",
+        help="move every dispatch and combine (and their backwards) N times, a stand-in for slow links; 1 = off",
     )
     parser.add_argument(
         "--sync-free",
@@ -171,14 +180,24 @@ def main() -> None:
     if args.float8_dispatch and args.backend != "deepep":
         parser.error("--float8-dispatch needs --backend deepep")
     balanced = args.routing == "balanced"
+    regions = MoERegions.build("inductor", run_experts_grouped_mm) if args.compile else None
     moe = build_layer(
-        layer, args.backend, ep_mesh, device, args.num_sms, balanced, args.sync_free, args.float8_dispatch
+        layer,
+        args.backend,
+        ep_mesh,
+        device,
+        args.num_sms,
+        balanced,
+        args.sync_free,
+        args.float8_dispatch,
+        regions.permutation if regions is not None else EAGER_PERMUTATION,
+        args.comm_slowdown,
     )
-    slow_down_exchange(moe.dispatcher, args.comm_slowdown)
     if args.float8_experts:
         convert_to_float8_experts(moe)
-    if args.compile:
-        compile_moe(moe, "inductor")
+    if regions is not None:
+        compile_moe(moe, "inductor", regions)
+    overlap = MicroBatchOverlap(torch.cuda.Stream() if device.type == "cuda" else None)
     mode = "compile" if args.compile else "eager"
     routing_tag = "" if args.routing == "balanced" else f"_zipf{args.zipf_exponent:g}"
     tags = (
@@ -218,17 +237,14 @@ def main() -> None:
             x.grad = None
             moe(x).backward(grad)
 
-        def forward_backward_overlapped(x=x, grad=grad):
+        # x and a second micro-batch (x rolled), the batch that the overlap splits in two
+        pair = torch.cat([x, x.roll(1, dims=1)]).detach().requires_grad_()
+        pair_grad = torch.cat([grad, grad.roll(1, dims=1)])
+
+        def forward_backward_overlapped(pair=pair, pair_grad=pair_grad):
             moe.zero_grad(set_to_none=True)
-            x.grad = None
-            x2, grad2 = x.detach().roll(1, dims=1).requires_grad_(), grad.roll(1, dims=1)  # a second micro-batch
-            streams = CommStreams(device)
-            routed = []
-            for micro_batch in (x, x2):
-                tokens_, prepared = route_and_prepare(moe, micro_batch)
-                routed.append((tokens_, prepared, streams.mark()))
-            out_a, out_b = moe_overlapped(moe, streams, *routed)
-            torch.autograd.backward([out_a, out_b], [grad.view_as(out_a), grad2.view_as(out_b)])
+            pair.grad = None
+            overlap(moe.stages, pair).backward(pair_grad)
 
         def timed(fn) -> float:
             return time_ms(fn, args.warmup, args.iters, device)

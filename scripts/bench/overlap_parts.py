@@ -11,13 +11,11 @@ Both functions record the stages' real inputs from one forward of the layer (a c
 in the same order), so they see the routing, the received token counts and any `--comm-slowdown` of that layer.
 """
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
-from torchtitan.distributed.comm_slowdown import map_tensors, tensors_in
+from torchtitan.tools.tensor_tree import map_tensors, tensors_in
 
 __all__ = ["compute_alone", "exchange_alone"]
 
@@ -25,16 +23,18 @@ __all__ = ["compute_alone", "exchange_alone"]
 def compute_alone(moe: torch.nn.Module, x: torch.Tensor) -> Callable[[], None]:
     """fwd+bwd of the layer's compute without its exchange: the router and the shared experts on this rank's tokens
     x (bs, slen, dim), the routed experts on the rows this rank receives, backward from fixed random gradients."""
-    with _recorded_calls(moe.experts, "forward") as calls:
-        with torch.no_grad():
-            moe(x)
-    expert_input, tokens_per_expert = calls["forward"]
+    experts_args: list[tuple] = []
+    hook = moe.experts.register_forward_pre_hook(lambda module, args: experts_args.append(args))
+    with torch.no_grad():
+        moe(x)
+    hook.remove()
+    expert_input, group_ends = experts_args[0]
     expert_input = expert_input.detach().requires_grad_()  # the experts' input gradient is part of their backward
 
     def forward() -> list[torch.Tensor]:
         top_scores, _ = moe.route(x)
-        shared = moe.run_shared_experts(x.view(-1, x.shape[-1]))
-        routed = moe.experts(expert_input, tokens_per_expert)
+        shared = moe.finish_shared_experts(moe.start_shared_experts(x.view(-1, x.shape[-1])))
+        routed = moe.experts(expert_input, group_ends)
         return [out for out in (top_scores, shared, routed) if out is not None]
 
     return _forward_backward(moe, x, forward)
@@ -44,22 +44,31 @@ def exchange_alone(moe: torch.nn.Module, x: torch.Tensor) -> Callable[[], None]:
     """fwd+bwd of the layer's communication stages alone: `token_dispatch` and `token_combine` on the inputs they
     had in a forward of the layer on x, then their backwards (a combine and a dispatch) from fixed random
     gradients."""
-    dispatcher = moe.dispatcher
-    with _recorded_calls(dispatcher, "token_dispatch", "token_combine") as calls:
-        with torch.no_grad():
-            moe(x)
+    with torch.no_grad():
+        (dispatch, dispatch_args), (combine, combine_args) = _communication_stages(moe, x)
     # floating-point inputs (tokens, routing weights) need gradients, as in training
     dispatch_args, combine_args = (
-        map_tensors(calls[name], lambda t: t.detach().requires_grad_() if t.is_floating_point() else t)
-        for name in ("token_dispatch", "token_combine")
+        map_tensors(args, lambda t: t.detach().requires_grad_() if t.is_floating_point() else t)
+        for args in (dispatch_args, combine_args)
     )
 
     def forward() -> list[torch.Tensor]:
-        outputs = tensors_in(dispatcher.token_dispatch(*dispatch_args))
-        outputs += tensors_in(dispatcher.token_combine(*combine_args))
+        outputs = tensors_in(dispatch(*dispatch_args)) + tensors_in(combine(*combine_args))
         return [out for out in outputs if out.grad_fn is not None]  # what was exchanged, not inputs passed through
 
     return _forward_backward(moe, x, forward)
+
+
+def _communication_stages(moe: torch.nn.Module, x: torch.Tensor) -> list[tuple[Callable, tuple]]:
+    """Runs the layer on x through `MoE.stages` -> each communication stage it yielded, with its arguments."""
+    stages, yielded, result = moe.stages(x), [], None
+    while True:
+        try:
+            stage, args = stages.send(result)
+        except StopIteration:
+            return yielded
+        yielded.append((stage, args))
+        result = stage(*args)
 
 
 def _forward_backward(
@@ -75,26 +84,3 @@ def _forward_backward(
         torch.autograd.backward(forward(), grads)
 
     return run
-
-
-@contextmanager
-def _recorded_calls(obj: Any, *names: str) -> Iterator[dict[str, tuple]]:
-    """While active, calls of obj's methods `names` record their arguments (the last call's) in the yielded dict."""
-    calls: dict[str, tuple] = {}
-    installed = {name: vars(obj)[name] for name in names if name in vars(obj)}  # e.g. the comm slowdown's
-    for name in names:
-        method = getattr(obj, name)
-
-        def record(*args, _name=name, _method=method):
-            calls[_name] = args
-            return _method(*args)
-
-        setattr(obj, name, record)
-    try:
-        yield calls
-    finally:
-        for name in names:
-            if name in installed:
-                setattr(obj, name, installed[name])
-            else:
-                delattr(obj, name)

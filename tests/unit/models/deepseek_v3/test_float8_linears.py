@@ -10,10 +10,10 @@ from torch import nn
 from tests.unit.models.moe._saved_layouts import compile_recording_backward_inputs, strided_by_a_dynamic_size
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.kernels import float8
 from torchtitan.kernels.float8 import dequantize, float8_linear, quantize_rowwise
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model
 from torchtitan.models.deepseek_v3.float8_linears import Float8Linear, convert_to_float8_linears
-from torchtitan.kernels import float8
 from torchtitan.models.output_head import OutputHead
 from torchtitan.preflight import check_float8_dispatch, check_float8_linears
 

@@ -7,6 +7,7 @@ import torch
 
 from tests.unit.models.moe._expert_rows import run_fp8_experts_on_rows, run_on_rows
 from tests.unit.models.moe._saved_layouts import compile_recording_backward_inputs, strided_by_a_dynamic_size
+from torchtitan.kernels import float8
 from torchtitan.kernels.float8 import (
     FP8_MAX,
     check_float8_supported,
@@ -17,7 +18,6 @@ from torchtitan.kernels.float8 import (
     quantize_rowwise_group_scaled,
 )
 from torchtitan.models.moe import experts as experts_module
-from torchtitan.kernels import float8
 from torchtitan.models.moe.experts import GroupedExperts, convert_to_float8_experts
 
 # e4m3: 3 mantissa bits, so a normal value rounds to within 2^-4 of itself; below 2^-6 (subnormals) the step is

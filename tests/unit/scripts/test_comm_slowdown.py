@@ -1,6 +1,6 @@
-"""The communication-bound testbed (`comm_slowdown.py`) multiplies every exchange, forward and backward, by its
-factor, and changes no output or gradient: all-to-all and DeepEP (CPU kernels) on gloo ranks, plain, under
-activation checkpointing and in the two-micro-batch overlap schedule."""
+"""The communication-bound testbed (`scripts/bench/comm_slowdown.py`) multiplies every exchange, forward and
+backward, by its factor, and changes no output or gradient: all-to-all and DeepEP (CPU kernels) on gloo ranks,
+plain, under activation checkpointing and in the two-micro-batch overlap schedule."""
 
 import functools
 from collections import Counter
@@ -12,15 +12,15 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
+from scripts.bench.comm_slowdown import SlowedDispatcher
 from tests.unit.distributed._spawn import run_distributed
 from torchtitan.distributed.activation_checkpoint import per_op_sac_contexts
-from torchtitan.distributed.comm_slowdown import slow_down_exchange
-from torchtitan.distributed.deepep import DeepEPExpertParallel, destroy_buffers
-from torchtitan.distributed.expert_parallel import ExpertParallel
-from torchtitan.models.deepseek_v3.overlap import CommStreams, moe_overlapped, route_and_prepare
+from torchtitan.distributed.deepep import destroy_buffers
+from torchtitan.distributed.expert_parallel.dispatcher import LocalTokenDispatcher
+from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel
 from torchtitan.models.moe import MoE, MoEArgs
 from torchtitan.models.moe.deepep_moe import DeepEPMoE
-from torchtitan.models.moe.token_dispatcher import LocalTokenDispatcher
+from torchtitan.models.moe.overlap import MicroBatchOverlap
 
 DIM, HIDDEN, FACTOR = 16, 32, 3
 EXCHANGE_OPS = ("all_to_all_single", "deepep.dispatch", "deepep.combine", "deepep.cached_dispatch")
@@ -41,13 +41,17 @@ class _CountExchanges(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _build(backend: str, mesh, factor: int) -> MoE:
+def _build(backend: str, mesh, factor: int | None) -> MoE:
+    """The layer with `backend`'s dispatcher, wrapped in a `SlowedDispatcher` of `factor` (None: not wrapped)."""
     torch.manual_seed(0)
     args = MoEArgs(num_experts=8, num_shared_experts=1, top_k=3, score_func="sigmoid", route_norm=True)
-    moe = (DeepEPMoE if backend == "deepep" else MoE)(args, DIM, HIDDEN)
+    moe = MoE(args, DIM, HIDDEN)
     moe.init_weights(init_std=0.02)
+    if backend == "deepep":
+        moe = DeepEPMoE.from_moe(moe, side_stream=None)
     parallelize_module(moe, mesh, DeepEPExpertParallel() if backend == "deepep" else ExpertParallel())
-    slow_down_exchange(moe.dispatcher, factor)
+    if factor is not None:
+        moe.dispatcher = SlowedDispatcher(moe.dispatcher, factor)
     return moe
 
 
@@ -69,12 +73,7 @@ def _run(moe: MoE, forward) -> tuple[torch.Tensor, torch.Tensor, dict, Counter, 
 
 def _overlapped(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """The trainer's overlap schedule on the two sequences of x as micro-batches (inline on CPU)."""
-    streams = CommStreams(x.device)
-    routed = []
-    for micro_batch in x.chunk(2):
-        tokens, prepared = route_and_prepare(moe, micro_batch)
-        routed.append((tokens, prepared, streams.mark()))
-    return torch.cat([out.view(1, -1, DIM) for out in moe_overlapped(moe, streams, *routed)])
+    return MicroBatchOverlap(comm_stream=None)(moe.stages, x)
 
 
 def _slowed_matches_plain(rank: int, world_size: int) -> None:
@@ -88,7 +87,7 @@ def _slowed_matches_plain(rank: int, world_size: int) -> None:
     }
     for backend in ("standard", "deepep"):
         for name, forward in forwards.items():
-            reference = _run(_build(backend, mesh, 1), forward)
+            reference = _run(_build(backend, mesh, None), forward)
             slowed = _run(_build(backend, mesh, FACTOR), forward)
             what = f"{backend}, {name}"
             for got, expected in zip(slowed[:2], reference[:2], strict=True):
@@ -107,4 +106,12 @@ def test_slowed_exchange_repeats_forward_and_backward_and_keeps_results_on_2_ran
 @pytest.mark.parametrize("factor", [0, -1, 1.5])
 def test_factor_below_one_or_fractional_is_a_clear_error(factor):
     with pytest.raises(ValueError, match="integer >= 1"):
-        slow_down_exchange(LocalTokenDispatcher(num_experts=4), factor)
+        SlowedDispatcher(LocalTokenDispatcher(num_experts=4), factor)
+
+
+def test_slowed_dispatcher_takes_backend_experts_scoring_and_permutation_from_the_inner_one():
+    inner = LocalTokenDispatcher(num_experts=4, score_before_experts=True)
+    slowed = SlowedDispatcher(inner, 2)
+    assert (slowed.backend, slowed.num_experts, slowed.score_before_experts, slowed.permutation) == (
+        "local", 4, True, inner.permutation,
+    )  # fmt: skip
