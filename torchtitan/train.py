@@ -69,7 +69,6 @@ class Trainer:
         self._dump_folder_lock = acquire_dump_folder(job_config.job.dump_folder) if _global_rank() == 0 else None
         self.parallel_dims = ParallelDims.from_config(job_config.parallelism, world_size)
         self.model_args = get_model_args(job_config)
-        self.parallel_dims.validate_for_model(self.model_args, job_config.training.seq_len)
         self.grad_accum_steps = check_batch_sizes(job_config, self.parallel_dims.dp_size)
 
         self.device = _select_device()

@@ -16,13 +16,10 @@ class Job:
     dump_folder: str = "./outputs"
     """Folder for checkpoints, TensorBoard logs, metrics.jsonl and traces."""
 
-    description: str = "default job"
-    """Free-form description, printed at start."""
-
 
 @dataclass
 class Model:
-    name: str = "deepseek_v3"
+    name: Literal["deepseek_v3"] = "deepseek_v3"
     """Model family; only `deepseek_v3` is implemented."""
 
     flavor: str = "debugmodel"
@@ -191,11 +188,6 @@ class Parallelism:
     deepep_overlap_num_sms: int | None = None
     """SMs DeepEP's kernels may use while expert_parallel_overlap is on (even number), where they share the GPU
     with the other micro-batch's compute; None keeps deepep_num_sms. Needs the deepep backend and the overlap."""
-
-    expert_parallel_comm_slowdown: int = 1
-    """Benchmarking only: every expert-parallel dispatch and combine, and their backwards, moves its tokens this
-    many times (the repeats are discarded) to stand in for slower links; 1 = off. Results are unchanged; each
-    repeat holds one more copy of the exchange's output until backward (distributed/comm_slowdown.py)."""
 
 
 @dataclass

@@ -121,138 +121,107 @@ def help_for(argv: list[str]) -> str:
 def validate(job_config: JobConfig) -> None:
     """Reject values that are wrong for any world size, naming the key and the fix.
 
-    Checks that need the world size or the model (degrees multiplying out, layers per stage) live in
-    ParallelDims and preflight; this runs first so those never see a nonsensical value.
+    Checks that need the world size or the model (degrees multiplying out, experts per EP rank) live in
+    preflight; this runs first so those never see a nonsensical value.
     """
-    training = job_config.training
-    for key, value in [
-        ("training.seq_len", training.seq_len),
-        ("training.steps", training.steps),
-        ("training.local_batch_size", training.local_batch_size),
-        ("training.gc_freq", training.gc_freq),
-        ("metrics.log_freq", job_config.metrics.log_freq),
-        ("checkpoint.interval", job_config.checkpoint.interval),
-        ("profiling.profile_freq", job_config.profiling.profile_freq),
-        ("comm.init_timeout_seconds", job_config.comm.init_timeout_seconds),
-        ("comm.train_timeout_seconds", job_config.comm.train_timeout_seconds),
-    ]:
+    for key in _POSITIVE_KEYS:
+        value = _value(job_config, key)
         _require(value > 0, f"{key} must be a positive integer, got {value}; pass --{key} N with N >= 1")
+    for key in _DEGREE_KEYS:
+        value = _value(job_config, key)
+        _require(value >= 1, f"{key} must be >= 1, got {value}; pass --{key} 1 to disable it")
+    for key in ("parallelism.deepep_num_sms", "parallelism.deepep_overlap_num_sms"):
+        sms = _value(job_config, key)
+        if sms is not None:
+            _require(
+                sms > 0 and sms % 2 == 0,
+                f"{key} must be a positive even number, got {sms}; pass e.g. --{key} {max(2, sms + sms % 2)}",
+            )
 
-    gbs, lbs = training.global_batch_size, training.local_batch_size
+    # The loops above make every divisor below >= 1.
+    training, par = job_config.training, job_config.parallelism
+    gbs, lbs, tp = training.global_batch_size, training.local_batch_size, par.tensor_parallel_degree
     _require(
         gbs == -1 or (gbs > 0 and gbs % lbs == 0),
         f"training.global_batch_size must be -1 or a positive multiple of training.local_batch_size ({lbs}), "
         f"got {gbs}; pass --training.global_batch_size -1 or a multiple of {lbs}",
     )
     _require(training.max_norm > 0, f"training.max_norm must be > 0, got {training.max_norm}")
-
-    par = job_config.parallelism
-    for key, value in [
-        ("parallelism.data_parallel_replicate_degree", par.data_parallel_replicate_degree),
-        ("parallelism.tensor_parallel_degree", par.tensor_parallel_degree),
-        ("parallelism.pipeline_parallel_degree", par.pipeline_parallel_degree),
-        ("parallelism.pipeline_parallel_microbatch_size", par.pipeline_parallel_microbatch_size),
-        ("parallelism.expert_parallel_degree", par.expert_parallel_degree),
-        ("parallelism.expert_tensor_parallel_degree", par.expert_tensor_parallel_degree),
-    ]:
-        _require(value >= 1, f"{key} must be >= 1, got {value}; pass --{key} 1 to disable it")
+    _require(
+        training.seq_len % tp == 0,
+        f"training.seq_len ({training.seq_len}) must be divisible by tensor_parallel_degree ({tp}) for sequence "
+        "parallelism; change --training.seq_len or --parallelism.tensor_parallel_degree",
+    )
     dp_shard = par.data_parallel_shard_degree
     _require(
         dp_shard == -1 or dp_shard >= 1,
         f"parallelism.data_parallel_shard_degree must be -1 (use the remaining ranks) or >= 1, got {dp_shard}",
     )
     _require(
-        par.expert_tensor_parallel_degree in (1, par.tensor_parallel_degree),
-        f"parallelism.expert_tensor_parallel_degree must be 1 or equal to parallelism.tensor_parallel_degree "
-        f"({par.tensor_parallel_degree}), got {par.expert_tensor_parallel_degree}",
+        par.expert_tensor_parallel_degree in (1, tp),
+        "parallelism.expert_tensor_parallel_degree must be 1 or equal to parallelism.tensor_parallel_degree "
+        f"({tp}), got {par.expert_tensor_parallel_degree}",
     )
     layers = par.pipeline_parallel_layers_per_stage
     _require(
         layers is None or layers >= 1,
         f"parallelism.pipeline_parallel_layers_per_stage must be None or >= 1, got {layers}",
     )
-    sms = par.deepep_num_sms
+    backend, ep = par.expert_parallel_comm_backend, par.expert_parallel_degree
     _require(
-        sms > 0 and sms % 2 == 0,
-        f"parallelism.deepep_num_sms must be a positive even number, got {sms}; "
-        f"pass e.g. --parallelism.deepep_num_sms {max(2, sms + sms % 2)}",
+        par.deepep_overlap_num_sms is None or (backend == "deepep" and par.expert_parallel_overlap),
+        "parallelism.deepep_overlap_num_sms sets DeepEP's SMs while overlapping: it needs "
+        "--parallelism.expert_parallel_comm_backend deepep and --parallelism.expert_parallel_overlap; drop it "
+        "or add them",
     )
-
-    overlap_sms = par.deepep_overlap_num_sms
-    if overlap_sms is not None:
+    for flag in ("parallelism.deepep_sync_free_dispatch", "quantize.float8_dispatch"):
         _require(
-            overlap_sms > 0 and overlap_sms % 2 == 0,
-            f"parallelism.deepep_overlap_num_sms must be a positive even number, got {overlap_sms}; "
-            f"pass e.g. --parallelism.deepep_overlap_num_sms {max(2, overlap_sms + overlap_sms % 2)}",
+            not _value(job_config, flag) or (backend == "deepep" and ep > 1),
+            f"{flag} needs --parallelism.expert_parallel_comm_backend deepep and expert_parallel_degree > 1 (it is "
+            f"a DeepEP feature; got {backend!r}, {ep}); drop the flag or switch the backend",
         )
-        _require(
-            par.expert_parallel_comm_backend == "deepep" and par.expert_parallel_overlap,
-            "parallelism.deepep_overlap_num_sms sets DeepEP's SMs while overlapping: it needs "
-            "--parallelism.expert_parallel_comm_backend deepep and --parallelism.expert_parallel_overlap; drop it "
-            "or add them",
-        )
-    slowdown = par.expert_parallel_comm_slowdown
-    _require(
-        slowdown >= 1,
-        f"parallelism.expert_parallel_comm_slowdown must be >= 1 (1 = off), got {slowdown}; pass "
-        "--parallelism.expert_parallel_comm_slowdown 1 to turn it off",
-    )
-    _require(
-        slowdown == 1 or par.expert_parallel_degree > 1,
-        f"parallelism.expert_parallel_comm_slowdown {slowdown} repeats the expert-parallel exchange, but "
-        "expert_parallel_degree is 1 (nothing is exchanged); set --parallelism.expert_parallel_degree > 1 or drop it",
-    )
-
-    _require(
-        not par.deepep_sync_free_dispatch
-        or (par.expert_parallel_comm_backend == "deepep" and par.expert_parallel_degree > 1),
-        "parallelism.deepep_sync_free_dispatch needs --parallelism.expert_parallel_comm_backend deepep and "
-        f"expert_parallel_degree > 1 (got {par.expert_parallel_comm_backend!r}, {par.expert_parallel_degree}); "
-        "drop the flag or switch the backend",
-    )
-
-    _require(
-        not job_config.quantize.float8_dispatch
-        or (par.expert_parallel_comm_backend == "deepep" and par.expert_parallel_degree > 1),
-        "quantize.float8_dispatch is DeepEP's FP8 dispatch: it needs --parallelism.expert_parallel_comm_backend deepep "
-        f"and expert_parallel_degree > 1 (got {par.expert_parallel_comm_backend!r}, {par.expert_parallel_degree}); "
-        "drop the flag or switch the backend",
-    )
 
     sched = job_config.lr_scheduler
-    _require(
-        sched.warmup_steps >= 0,
-        f"lr_scheduler.warmup_steps must be >= 0, got {sched.warmup_steps}",
-    )
+    _require(sched.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be >= 0, got {sched.warmup_steps}")
     _require(
         sched.decay_ratio is None or 0.0 <= sched.decay_ratio <= 1.0,
         f"lr_scheduler.decay_ratio must be in [0, 1] or none, got {sched.decay_ratio}",
     )
     _require(
-        0.0 <= sched.min_lr_factor <= 1.0,
-        f"lr_scheduler.min_lr_factor must be in [0, 1], got {sched.min_lr_factor}",
+        0.0 <= sched.min_lr_factor <= 1.0, f"lr_scheduler.min_lr_factor must be in [0, 1], got {sched.min_lr_factor}"
     )
     _require(job_config.optimizer.lr >= 0, f"optimizer.lr must be >= 0, got {job_config.optimizer.lr}")
-
-    ckpt = job_config.checkpoint
-    _require(
-        ckpt.keep_latest_k >= 0,
-        f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {ckpt.keep_latest_k}",
-    )
+    keep = job_config.checkpoint.keep_latest_k
+    _require(keep >= 0, f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {keep}")
 
     unknown = sorted(set(job_config.compile.components) - {"model", "loss"})
     _require(
         not unknown,
         f"compile.components may only contain 'model' and 'loss', got {unknown}; "
-        f"pass e.g. --compile.components model,loss",
+        "pass e.g. --compile.components model,loss",
     )
-
     option = job_config.activation_checkpoint.selective_ac_option
     _require(
         option == "op" or (option.isdigit() and int(option) > 0),
         f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, got {option!r}; "
-        f"pass --activation_checkpoint.selective_ac_option op (or e.g. 2)",
+        "pass --activation_checkpoint.selective_ac_option op (or e.g. 2)",
     )
+
+
+_POSITIVE_KEYS = (
+    "training.seq_len training.steps training.local_batch_size training.gc_freq metrics.log_freq checkpoint.interval "
+    "profiling.profile_freq comm.init_timeout_seconds comm.train_timeout_seconds"
+).split()
+_DEGREE_KEYS = (
+    "parallelism.data_parallel_replicate_degree parallelism.tensor_parallel_degree "
+    "parallelism.pipeline_parallel_degree parallelism.pipeline_parallel_microbatch_size "
+    "parallelism.expert_parallel_degree parallelism.expert_tensor_parallel_degree"
+).split()
+
+
+def _value(job_config: JobConfig, key: str) -> Any:
+    section, _, name = key.partition(".")
+    return getattr(getattr(job_config, section), name)
 
 
 def _require(condition: bool, message: str) -> None:

@@ -20,12 +20,7 @@ from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["ParallelDims", "ParallelDimsError"]
-
-
-class ParallelDimsError(ValueError):
-    """An impossible combination of parallelism degrees; the message names the fix."""
-
+__all__ = ["ParallelDims"]
 
 # Names accepted by `get_mesh`, beyond the ones built directly.
 _ALIASES = {"dp_cp": "dp", "dp_shard_cp": "dp_shard", "fsdp": "dp_shard", "efsdp": "dp_shard_mod_ep"}
@@ -46,7 +41,7 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, parallelism_config: Any, world_size: int) -> ParallelDims:
-        """Build from `JobConfig.parallelism`; raises `ParallelDimsError` on an invalid combination."""
+        """Build from `JobConfig.parallelism`; `data_parallel_shard_degree` -1 takes the rest of the world size."""
         return cls(
             dp_replicate=parallelism_config.data_parallel_replicate_degree,
             dp_shard=parallelism_config.data_parallel_shard_degree,
@@ -59,91 +54,9 @@ class ParallelDims:
         )
 
     def __post_init__(self) -> None:
-        self._validate()
-
-    def _validate(self) -> None:
-        # All checks are pure arithmetic so a bad config fails on every rank before any collective.
-        degrees = {
-            "data_parallel_replicate_degree": self.dp_replicate,
-            "tensor_parallel_degree": self.tp,
-            "pipeline_parallel_degree": self.pp,
-            "expert_parallel_degree": self.ep,
-            "expert_tensor_parallel_degree": self.etp,
-        }
-        for name, degree in degrees.items():
-            if degree < 1:
-                raise ParallelDimsError(f"parallelism.{name} is {degree}; set it to an integer >= 1.")
-        if self.world_size < 1:
-            raise ParallelDimsError(f"world size is {self.world_size}; launch at least one process.")
+        # preflight.check_parallel_dims explains a layout that does not fill the world size; build_mesh fails on one.
         if self.dp_shard == -1:
-            others = self.dp_replicate * self.tp * self.pp
-            if self.world_size % others != 0:
-                raise ParallelDimsError(
-                    f"world size {self.world_size} is not divisible by dp_replicate({self.dp_replicate}) * "
-                    f"tp({self.tp}) * pp({self.pp}) = {others}, so data_parallel_shard_degree=-1 has no "
-                    "value; change the degrees or the number of processes."
-                )
-            self.dp_shard = self.world_size // others
-        elif self.dp_shard < 1:
-            raise ParallelDimsError(
-                f"parallelism.data_parallel_shard_degree is {self.dp_shard}; set it to -1 (the rest of the "
-                "world size) or an integer >= 1."
-            )
-        product = self.dp_replicate * self.dp_shard * self.tp * self.pp
-        if product != self.world_size:
-            raise ParallelDimsError(
-                f"dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * tp({self.tp}) * "
-                f"pp({self.pp}) = {product} but the world size is {self.world_size}; make the product equal "
-                "the number of processes (data_parallel_shard_degree=-1 fills in the rest)."
-            )
-        if self.etp not in (1, self.tp):
-            raise ParallelDimsError(
-                f"parallelism.expert_tensor_parallel_degree is {self.etp}; it must be 1 or equal "
-                f"tensor_parallel_degree ({self.tp})."
-            )
-        if self.etp == self.tp and self.tp > 1:
-            # Experts are TP-sharded over the tp ranks, so EP can only borrow data-parallel ranks.
-            if self.dp_shard % self.ep != 0:
-                raise ParallelDimsError(
-                    f"expert_parallel_degree ({self.ep}) must divide data_parallel_shard_degree "
-                    f"({self.dp_shard}) when expert_tensor_parallel_degree == tensor_parallel_degree; "
-                    "lower ep, raise dp_shard, or set expert_tensor_parallel_degree=1 to let EP borrow TP ranks."
-                )
-        elif (self.dp_shard * self.tp) % self.ep != 0:
-            raise ParallelDimsError(
-                f"expert_parallel_degree ({self.ep}) must divide data_parallel_shard_degree * "
-                f"tensor_parallel_degree ({self.dp_shard} * {self.tp} = {self.dp_shard * self.tp}): EP borrows "
-                "its ranks from FSDP and TP; change expert_parallel_degree."
-            )
-
-    def validate_for_model(self, model_args: Any, seq_len: int | None = None) -> None:
-        """Checks that need the model: expert count, head count, layer count, and sequence length."""
-        num_experts = model_args.moe_args.num_experts
-        if self.ep > 1 and num_experts % self.ep != 0:
-            raise ParallelDimsError(
-                f"moe num_experts ({num_experts}) is not divisible by expert_parallel_degree ({self.ep}); "
-                "choose an expert_parallel_degree that divides it."
-            )
-        if self.etp > 1 and model_args.moe_inter_dim % self.etp != 0:
-            raise ParallelDimsError(
-                f"moe_inter_dim ({model_args.moe_inter_dim}) is not divisible by "
-                f"expert_tensor_parallel_degree ({self.etp}); set expert_tensor_parallel_degree=1."
-            )
-        if self.tp > 1 and model_args.n_heads % self.tp != 0:
-            raise ParallelDimsError(
-                f"n_heads ({model_args.n_heads}) is not divisible by tensor_parallel_degree ({self.tp}); "
-                "choose a tensor_parallel_degree that divides it."
-            )
-        if self.pp > 1 and model_args.n_layers < self.pp:
-            raise ParallelDimsError(
-                f"n_layers ({model_args.n_layers}) is smaller than pipeline_parallel_degree ({self.pp}); "
-                "every stage needs at least one layer, lower pipeline_parallel_degree."
-            )
-        if seq_len is not None and seq_len % self.seq_len_divisor != 0:
-            raise ParallelDimsError(
-                f"training.seq_len ({seq_len}) must be divisible by tensor_parallel_degree ({self.tp}) "
-                "for sequence parallelism; change seq_len or tensor_parallel_degree."
-            )
+            self.dp_shard = self.world_size // (self.dp_replicate * self.tp * self.pp)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Create the world mesh and every named submesh. Collective: call on all ranks."""
@@ -278,8 +191,3 @@ class ParallelDims:
     @property
     def non_data_parallel_size(self) -> int:
         return self.tp * self.pp
-
-    @property
-    def seq_len_divisor(self) -> int:
-        """Sequence parallel splits the sequence over tp ranks."""
-        return self.tp

@@ -1,11 +1,14 @@
-"""ParallelDims: invalid degree combinations fail with one message naming the fix; meshes have the right ranks."""
+"""ParallelDims: the degrees resolve into meshes with the right ranks; preflight rejects a layout that cannot fill
+the world size or divide the model with one message naming the fix."""
 
 from types import SimpleNamespace
 
 import pytest
 
 from tests.unit.distributed._spawn import run_distributed
-from torchtitan.distributed.parallel_dims import ParallelDims, ParallelDimsError
+from torchtitan.config import ConfigError
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.preflight import check_parallel_dims
 
 
 def dims(world_size=8, dp_replicate=1, dp_shard=-1, tp=1, pp=1, ep=1, etp=1) -> ParallelDims:
@@ -14,53 +17,40 @@ def dims(world_size=8, dp_replicate=1, dp_shard=-1, tp=1, pp=1, ep=1, etp=1) -> 
     )
 
 
-def test_dp_shard_minus_one_takes_the_rest():
-    assert dims(world_size=16, dp_replicate=2, tp=2, pp=2).dp_shard == 2
-
-
-@pytest.mark.parametrize(
-    "kwargs, fragment",
-    [
-        (dict(world_size=8, dp_shard=3), "world size is 8"),
-        (dict(world_size=6, tp=4), "not divisible by"),
-        (dict(tp=0), "tensor_parallel_degree is 0"),
-        (dict(ep=-2), "expert_parallel_degree is -2"),
-        (dict(dp_shard=0), "data_parallel_shard_degree is 0"),
-        (dict(tp=2, etp=4, dp_shard=4), "must be 1 or equal tensor_parallel_degree"),
-        (dict(world_size=8, tp=2, ep=3), "must divide data_parallel_shard_degree * tensor_parallel_degree"),
-        (dict(world_size=8, tp=4, etp=4, ep=4), "must divide data_parallel_shard_degree (2)"),
-    ],
-)
-def test_invalid_degrees_raise_before_any_communication(kwargs, fragment):
-    with pytest.raises(ParallelDimsError) as info:
-        dims(**kwargs)
-    assert fragment in str(info.value)
-    assert "\n" not in str(info.value)
-
-
-def test_ep_may_borrow_tp_ranks_when_etp_is_1():
-    parallel = dims(world_size=8, tp=2, ep=4)
-    assert parallel.dp_shard == 4 and parallel.dp_shard_mod_ep == 2 and parallel.moe_tokens_sequence_sharded
-
-
 def _model_args(**overrides):
     args = dict(n_heads=16, n_layers=6, moe_inter_dim=256, moe_args=SimpleNamespace(num_experts=8))
     args.update(overrides)
     return SimpleNamespace(**args)
 
 
+def test_dp_shard_minus_one_takes_the_rest():
+    assert dims(world_size=16, dp_replicate=2, tp=2, pp=2).dp_shard == 2
+
+
+def test_ep_may_borrow_tp_ranks_when_etp_is_1():
+    parallel = dims(world_size=8, tp=2, ep=4)
+    check_parallel_dims(parallel, _model_args())
+    assert parallel.dp_shard == 4 and parallel.dp_shard_mod_ep == 2 and parallel.moe_tokens_sequence_sharded
+
+
 @pytest.mark.parametrize(
-    "kwargs, model_overrides, seq_len, fragment",
+    "kwargs, model_overrides, fragment",
     [
-        (dict(ep=8), dict(moe_args=SimpleNamespace(num_experts=12)), 64, "num_experts (12)"),
-        (dict(tp=8), dict(n_heads=12), 64, "n_heads (12)"),
-        (dict(pp=8), dict(n_layers=6), 64, "n_layers (6)"),
-        (dict(tp=2), {}, 33, "training.seq_len (33)"),
+        (dict(world_size=8, dp_shard=3), {}, "but the world size is 8"),
+        (dict(world_size=6, tp=4), {}, "a multiple of dp_replicate * tp * pp = 4"),
+        (dict(world_size=8, tp=2, ep=3), {}, "must divide data_parallel_shard_degree * tensor_parallel_degree"),
+        (dict(world_size=8, tp=4, etp=4, ep=4), {}, "must divide data_parallel_shard_degree (2)"),
+        (dict(ep=8), dict(moe_args=SimpleNamespace(num_experts=12)), "num_experts (12)"),
+        (dict(tp=2, etp=2), dict(moe_inter_dim=255), "moe_inter_dim (255)"),
+        (dict(tp=8), dict(n_heads=12), "n_heads (12)"),
+        (dict(pp=8), dict(n_layers=6), "n_layers (6)"),
     ],
 )
-def test_model_dependent_checks(kwargs, model_overrides, seq_len, fragment):
-    with pytest.raises(ParallelDimsError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
-        dims(**kwargs).validate_for_model(_model_args(**model_overrides), seq_len)
+def test_preflight_rejects_layouts_that_do_not_fill_the_world_or_divide_the_model(kwargs, model_overrides, fragment):
+    with pytest.raises(ConfigError) as info:
+        check_parallel_dims(dims(**kwargs), _model_args(**model_overrides))
+    assert fragment in str(info.value)
+    assert "\n" not in str(info.value)
 
 
 def _mesh_layout(rank: int, world_size: int) -> None:

@@ -120,14 +120,8 @@ def pipeline_deepseekv3(
     num_stages = parallel_dims.pp * stages_per_rank
     names_per_stage = module_names_per_stage(num_stages, num_layers, mtp_layers=model_args.mtp_layers)
 
-    local_batch_size = job_config.training.local_batch_size
-    microbatch_size = parallelism.pipeline_parallel_microbatch_size
-    if local_batch_size % microbatch_size != 0:
-        raise ValueError(
-            f"training.local_batch_size ({local_batch_size}) must be divisible by "
-            f"parallelism.pipeline_parallel_microbatch_size ({microbatch_size})."
-        )
-    n_microbatches = local_batch_size // microbatch_size
+    # preflight.check_batch_sizes: local_batch_size is a multiple of the micro-batch size
+    n_microbatches = job_config.training.local_batch_size // parallelism.pipeline_parallel_microbatch_size
 
     pp_rank, pp_size = pp_mesh.get_local_rank(), pp_mesh.size()
     v_style = schedule_class in (ScheduleZBVZeroBubble, ScheduleDualPipeV)
