@@ -38,7 +38,6 @@ def _local_batch(dp: int, accumulation: int = 1) -> list[str]:
 LAYOUTS = {
     # one process too: the plain output head (logits, then the loss) against the fused one of the reference run
     "plain_output_head": (1, ["--training.fused_output_loss=false", *_local_batch(1)]),
-    "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2", *_local_batch(2)]),
     "hsdp2x2": (
         4,
         ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
@@ -49,7 +48,6 @@ LAYOUTS = {
     ),
     # vocab-sharded logits: the trainer must compute the loss under torch.distributed.tensor.parallel.loss_parallel()
     "tp2_sp_loss_parallel": (2, ["--parallelism.tensor_parallel_degree", "2", *_local_batch(1)]),
-    "ep2_fsdp2": (2, ["--parallelism.expert_parallel_degree", "2", *_local_batch(2)]),
     "ep4_fsdp4": (4, ["--parallelism.expert_parallel_degree", "4", *_local_batch(4)]),
     "tp2_ep2_etp2": (
         4,
@@ -57,19 +55,16 @@ LAYOUTS = {
          "--parallelism.expert_tensor_parallel_degree", "2",
          *_local_batch(2)],
     ),
-    "pp2_1f1b": (
-        2,
-        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
-         "--parallelism.pipeline_parallel_microbatch_size", "2", *_local_batch(1)],
-    ),
     "pp2_interleaved_1f1b": (
         2,
         ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
          "--parallelism.pipeline_parallel_microbatch_size", "2", *_local_batch(1)],
     ),
+    # FSDP=2 alone is this run without activation checkpointing
     "fsdp2_full_ac": (
         2, ["--parallelism.data_parallel_shard_degree", "2", "--activation_checkpoint.mode", "full", *_local_batch(2)]
     ),
+    # EP=2 (x FSDP=2) alone is this run without activation checkpointing
     "ep2_op_sac": (
         2,
         ["--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "selective",
@@ -81,6 +76,7 @@ LAYOUTS = {
         ["--parallelism.expert_parallel_degree", "2", "--compile.enable", "--compile.backend", "aot_eager",
          *_local_batch(2)],
     ),
+    # 1F1B (the default schedule); test_mtp.py runs it with PP alone
     "pp2_dp2_ep2": (
         4,
         ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",

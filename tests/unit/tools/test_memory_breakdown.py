@@ -6,7 +6,7 @@ from scripts.bench.memory_breakdown import GIB, analyse, holder
 
 OURS = [
     {"filename": "/x/site-packages/torch/nn/functional.py", "line": 3, "name": "linear"},
-    {"filename": "/repo/torchtitan.kernels.permute.py", "line": 42, "name": "permute_tokens"},
+    {"filename": "/repo/torchtitan/kernels/permute.py", "line": 42, "name": "permute_tokens"},
 ]
 TORCH_ONLY = [{"filename": "/x/site-packages/torch/optim/adamw.py", "line": 7, "name": "step"}]
 
@@ -52,7 +52,7 @@ def test_peak_and_its_holders():
     assert summary["peak_event_index"] == 2
     assert summary["allocated_at_end_gib"] == pytest.approx(5.0)
     holders = {row["holder"]: row["gib"] for row in summary["holders_at_peak"]}
-    assert holders["torchtitan.kernels.permute.py:42 permute_tokens"] == pytest.approx(3.0)
+    assert holders["torchtitan/kernels/permute.py:42 permute_tokens"] == pytest.approx(3.0)
     assert holders["/x/site-packages/torch/optim/adamw.py:7 step"] == pytest.approx(5.0)
     assert holders["unknown (allocated before the trace window)"] == pytest.approx(1.0)
 
@@ -67,7 +67,7 @@ def test_reserved_per_stream():
 
 
 def test_holder_prefers_our_innermost_frame():
-    assert holder(OURS).startswith("torchtitan.kernels.permute.py:42")
+    assert holder(OURS).startswith("torchtitan/kernels/permute.py:42")
     assert holder(TORCH_ONLY).startswith("/x/site-packages/torch/optim/adamw.py")
     assert holder(None).startswith("unknown")
     fsdp = [
@@ -78,4 +78,4 @@ def test_holder_prefers_our_innermost_frame():
         },
         *OURS,
     ]
-    assert holder(fsdp) == "torchtitan.kernels.permute.py:42 permute_tokens [FSDP foreach_all_gather]"
+    assert holder(fsdp) == "torchtitan/kernels/permute.py:42 permute_tokens [FSDP foreach_all_gather]"
