@@ -69,6 +69,7 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
     # Created once for this model: the compiled regions its MoE layers share (the dispatchers are built with them)
     # and, on CUDA, the streams of the shared-expert and micro-batch overlaps.
     regions = MoERegions.build(compile_config.backend, run_experts_grouped_mm) if compiled else None
+    permutation = regions.permutation if regions is not None else EAGER_PERMUTATION
     on_cuda = device_type() == "cuda"
 
     if parallel_dims.tp_enabled:
@@ -76,12 +77,12 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
     apply_moe_parallel(
         model,
         parallel_dims,
-        regions.permutation if regions is not None else EAGER_PERMUTATION,
+        permutation,
         deepep=DeepEPExpertParallel(
             num_sms=_deepep_num_sms(parallelism),
             sync_free=parallelism.deepep_sync_free_dispatch,
             fp8=job_config.quantize.float8_dispatch,
-            permutation=regions.permutation if regions is not None else EAGER_PERMUTATION,
+            permutation=permutation,
         )
         if use_deepep
         else None,
