@@ -15,14 +15,12 @@ from torchtitan.config import ConfigError, ConfigManager, JobConfig
 
 logger = logging.getLogger(__name__)
 
-# When --parallelism.expert_parallel_overlap has nothing to gain (check_ep_overlap warns), from 2 H200s, EP=2,
-# 16B_bench4 (benchmarks/NOTES.md): with 8,192 tokens per micro-batch (local batch 4 x seq_len 4096, split in two)
-# it trained at 0.64x the tokens/s without it; with 16,384 (local batch 8) at 0.99x. Each micro-batch costs the
-# same kernel launches and host work for half the tokens, so smaller micro-batches have not paid in any run.
+# When --parallelism.expert_parallel_overlap has nothing to gain (check_ep_overlap warns; the runs behind both
+# thresholds are in benchmarks/NOTES.md, "Expert-parallel overlap"): each micro-batch costs the same kernel launches
+# and host work for half the tokens, so micro-batches under 16,384 tokens have not paid in any run.
 OVERLAP_MIN_MICRO_BATCH_TOKENS = 16384
-# An EP group of fewer than 8 ranks fits in one 8-GPU host: its exchange runs over NVLink and is short. At EP=2
-# DeepEP's kernels took 17.7 ms without the overlap and 76.9 ms with it (they hold their SMs while waiting for the
-# other rank): the overlap cost more than there was to hide.
+# An EP group of fewer than 8 ranks fits in one 8-GPU host: its exchange runs over NVLink and is short, and DeepEP's
+# kernels hold their SMs while waiting for the other rank, so the overlap cost more than there was to hide.
 OVERLAP_MIN_EP_DEGREE = 8
 
 

@@ -25,10 +25,8 @@ elementwise ops, index ops) in backward:
   together with their checkpoint (dynamo traces the policy, which must not refer to that op there): the
   partitioner applies the policy op by op inside the graph.
 
-Measured (16B_bench4, FSDP x EP=2, deepep + compile, natural routing, 2x H200, one call): saving every compiled
-MoE region ran as fast as no AC but held 5 GiB more than no AC (SAC also keeps outputs that nothing in backward
-reads); saving the routed experts' regions alone bought no speed beyond the runs' +-3% spread, for ~1.4 GiB more
-per layer.
+Why not save the routed experts' regions too: it bought no speed and cost memory per layer (benchmarks/NOTES.md,
+"Per-op SAC keeps the compiled attention, router and shared experts").
 """
 
 from __future__ import annotations
@@ -145,7 +143,9 @@ def _ignore_profiler_ops_in_sac() -> None:
     """SAC replays ops by (op, call index) during recompute, so every op must run as often in recompute as in
     forward. FSDP2's hooks of the routed experts' unit (inside the block) open a different number of profiler
     `record_function` ranges in recompute (e.g. FSDP::root_pre_forward) than in forward. Those ops carry no tensor
-    data; torch.utils.checkpoint.SAC_IGNORED_OPS is the set SAC passes through untracked, so add them to it."""
+    data; torch.utils.checkpoint.SAC_IGNORED_OPS is the set SAC passes through untracked, so add them to it (once
+    per process; idempotent). Remove it when torch's SAC leaves profiler ops untracked itself: a per-op SAC run with
+    FSDP x EP=2 and --profiling.enable_profiling then trains without it."""
     profiler = torch.ops.profiler
     torch.utils.checkpoint.SAC_IGNORED_OPS.update(
         {

@@ -18,13 +18,11 @@ values are bf16 values) with the scales applied to the results, so CPU tests see
 The weights stay bf16/fp32 parameters and are quantized in every forward.
 
 Accumulation: the experts' three grouped GEMMs accumulate fast (Hopper's FP8 tensor-core sums, no promotion to fp32
-registers), as torchao's FP8 MoE recipe does. torch's precise grouped kernel for groups under 2,048 rows (the
-16B-like shapes) runs at half the bf16 GEMM's speed (H200): with it 16B_bench4 trained at 0.89x bf16's speed.
-What fast accumulation costs, measured on H200 against an fp64 product of the same FP8 operands: for sums of
-random sign (products of a zero-mean weight, and per-token gradient contributions) 2e-3 relative error at K=2,048
-and 5e-3 at 32,768, against 1.7e-3 precise; for sums that all add up (all-positive operands, the worst case) 3%
-at K=2,048 and 37% at 32,768. The dense linears (cuBLAS, not slower when precise) accumulate fast only in the
-forward, as torchao's Float8Linear does.
+registers), as torchao's FP8 MoE recipe does: torch's precise grouped kernel for groups under 2,048 rows (the
+16B-like shapes) runs at half the bf16 GEMM's speed. Fast accumulation's error on sums of random sign (products
+with a zero-mean weight, per-token gradient contributions) is close to precise accumulation's; benchmarks/NOTES.md
+("FP8 accumulation") has the measurements. The dense linears (cuBLAS, not slower when precise) accumulate fast only
+in the forward, as torchao's Float8Linear does.
 
 Rows past the last group end (padding after the last expert) belong to no group: they are left out of every
 scale, and their outputs are unspecified, as with `torch._grouped_mm`.
@@ -180,7 +178,7 @@ class _Float8GroupedMM(torch.autograd.Function):
 
 # The quantization as custom ops: CUDA runs the Triton kernels of float8_kernels.py (one pass per operand), other
 # devices the torch versions above. Opaque to torch.compile with explicit fake kernels: traced into, the Triton
-# launches specialized the dynamic row count and the compiled backward asserted a stale stride (H200, 33ec81e).
+# launches specialized the dynamic row count and the compiled backward asserted a stale stride.
 
 
 @torch.library.custom_op("torchtitan::fp8_quantize_rowwise", mutates_args=())

@@ -17,9 +17,7 @@ permutation and its way back are both gathers, forward and backward:
         backward:     grad_rows[r] = w[s] * grad_out[s // k]                           (a gather)
 
 (w = 1 where no weights are applied.) No zero-filled staging buffer, no index_add: compiled, each direction is one
-kernel with the weighting, the top-k sum and the dtype casts folded in. Under the old layout the copies were
-gathered, then copied again into a zero-filled padded buffer, and their gradients summed with an fp32 index_add
-into another zero-filled buffer (~15% of a 16B step's kernel time on H200s went to such glue).
+kernel with the weighting, the top-k sum and the dtype casts folded in.
 Written as PyTorch ops rather than a hand-written kernel: inductor fuses each gather with its mask, weighting,
 reduction and cast into one Triton kernel, and the same code is the CPU path.
 """
@@ -136,8 +134,8 @@ def _slot_weight_grad(rows: torch.Tensor, slot_row: torch.Tensor, tokens: torch.
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t in `dtype`, with no `.to` at all when it already is: under torch.compile on torch 2.11, an autograd.Function
-    whose forward returns a no-op `.to()` (an alias of an intermediate) gets zero gradients (measured on an H200;
-    torch 2.13 on CPU is fine)."""
+    whose forward returns a no-op `.to()` (an alias of an intermediate) gets zero gradients. Needed while torch 2.11
+    is supported; torch 2.13 does not need it."""
     return t if t.dtype == dtype else t.to(dtype)
 
 

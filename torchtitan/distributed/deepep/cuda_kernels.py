@@ -3,8 +3,7 @@
 Streams: every call captures an event on the current (compute) stream and hands it to DeepEP as
 `previous_event`, so DeepEP's communication stream waits for the producers of the inputs. Every tensor DeepEP
 reads (the bf16 cast, the FP8 values and scales) must be queued before that capture: DeepEP's stream waits for
-nothing later, and would read them before they are written (FP8 dispatch did; a suspected cause of its NaN loss on
-2 H200s, not confirmed there). The kernels run with
+nothing later, and would read them before they are written. The kernels run with
 `async_finish=True` on that stream, and before returning we make the compute stream wait on DeepEP's event
 (`current_stream_wait`). Outputs are allocated on the compute stream (`allocate_on_comm_stream=False`) and
 DeepEP records them on its stream, so the caching allocator cannot reuse them early. A custom op cannot return
