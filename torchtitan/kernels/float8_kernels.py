@@ -209,7 +209,8 @@ def _tile_column_cast_kernel(
 
 def _quantize_columns_one_group(t: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_columns_per_group_cuda` for one group (a dense linear's operand), over row x column tiles: the
-    per-group kernel would run only C / BLOCK_C programs, each walking every row. Tile maxima, their maximum over the tiles (a small torch reduction), then the cast."""
+    per-group kernel would run only C / BLOCK_C programs, each walking every row. Tile maxima, their maximum over
+    the tiles (a small torch reduction), then the cast."""
     num_rows, num_cols = t.shape
     end = offsets.to(torch.int32)
     block_m, block_c = 64, 128
