@@ -107,11 +107,9 @@ def init_nccl_from_torchrun() -> torch.device:
 
 
 def profile_summary(fn, iters: int = 3, top: int = 25) -> list[dict]:
-    """torch.profiler over `iters` calls of `fn()`: the trainer's op/kernel summary (`kernel_summary`), where one
-    "step" is one call of `fn`."""
+    """torch.profiler over `iters` calls of `fn()`, the device synchronized before and after (every kernel in the window
+    is one of theirs): the `top` ops and kernels by self device time, per call."""
     from torch.profiler import ProfilerActivity, profile
-
-    from torchtitan.tools.profiling import kernel_summary
 
     fn()  # outside the trace: lazy init, autotuning
     torch.cuda.synchronize()
@@ -119,4 +117,16 @@ def profile_summary(fn, iters: int = 3, top: int = 25) -> list[dict]:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    return kernel_summary(prof, steps=iters, top=top)
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events) or 1.0
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return [
+        {
+            "name": e.key[:160],
+            "ms_per_step": e.self_device_time_total / 1e3 / iters,
+            "calls_per_step": e.count / iters,
+            "pct": 100.0 * e.self_device_time_total / total,
+            "time": "device",
+        }
+        for e in events[:top]
+    ]

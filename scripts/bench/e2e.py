@@ -5,7 +5,9 @@
 
 Writes benchmarks/results/e2e_<name>.json (or $BENCH_OUT) with median tokens/s per GPU, TFLOPS, MFU,
 peak memory, the losses, the graphs torch.compile compiled per step (recompiles after warm-up should be 0) and the
-routing ("natural": the router's own; "balanced": forced round-robin), read from the run's metrics.jsonl.
+routing ("natural": the router's own; "balanced": forced round-robin), read from the run's metrics.jsonl. With
+`--profile-step N`: rank 0's summary of step N (`profile_rank0`) and its kernels by class (`profile_breakdown`,
+scripts/bench/trace_breakdown.py).
 """
 
 import argparse
@@ -20,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.bench.common import REPO_ROOT, median, write_result  # noqa: E402
+from scripts.bench.trace_breakdown import breakdown, markdown_table  # noqa: E402
 from torchtitan.tools.profiling import MIN_PROFILE_FREQ  # noqa: E402
 
 
@@ -117,8 +120,9 @@ def train_and_measure(
         recompiles_after_warmup=sum(r.get("graphs_compiled", 0) for r in records if r["step"] > warm),
     )
     if profile_step:
-        summary = dump / "profile_traces" / f"iteration_{profile_step}" / "rank0_summary.json"
-        result["profile_rank0"] = json.loads(summary.read_text())
+        traces = dump / "profile_traces" / f"iteration_{profile_step}"
+        result["profile_rank0"] = json.loads((traces / "rank0_summary.json").read_text())
+        result["profile_breakdown"] = breakdown(json.loads((traces / "rank0_trace.json").read_text()))
     return result
 
 
@@ -129,7 +133,10 @@ def main() -> None:
     parser.add_argument("--config", default="./train_configs/deepseek_v3_16b.toml")
     parser.add_argument("--warmup-steps", type=int, default=5, help="first steps dropped (compile, allocator warm-up)")
     parser.add_argument(
-        "--profile-step", type=int, default=0, help="record this step with torch.profiler, add rank 0's op summary"
+        "--profile-step",
+        type=int,
+        default=0,
+        help="record this step with torch.profiler, add rank 0's step summary and kernel-class breakdown",
     )
     args, train_args = parser.parse_known_args()
     train_args = [a for a in train_args if a != "--"]
@@ -149,6 +156,8 @@ def main() -> None:
         "wall_s",
     )
     print(json.dumps({k: result[k] for k in keys}))
+    for step in result.get("profile_breakdown", {}).get("steps", []):
+        print("\n".join(markdown_table(step, result["profile_breakdown"])))
     print(f"wrote {path}")
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.bench.common import RESULTS_DIR  # noqa: E402
 from scripts.bench.gpu_acceptance import row_cells  # noqa: E402
+from scripts.bench.trace_breakdown import markdown_table  # noqa: E402
 
 BENCH_DIR = RESULTS_DIR.parent
 
@@ -45,6 +46,29 @@ def e2e_table(results: list[dict]) -> list[str]:
             f"{r['device_name']} | {r['git_commit'][:8]} |"
         )
     return rows
+
+
+def breakdown_tables(results: list[dict]) -> list[str]:
+    """The recorded step of each profiled e2e run (`profile_breakdown`) by kernel class, oldest first."""
+    lines = [
+        "The kernels launched inside the recorded step (`e2e.py --profile-step N`; for a trace an older tree",
+        "wrote, `trace_breakdown.py <trace> --add-to <its e2e result>`), by class (`KERNEL_CLASSES` in",
+        "`scripts/bench/trace_breakdown.py`): ms per step, % of the step's device span (first kernel start to last",
+        "kernel end), achieved TFLOP/s (GEMMs, attention) or GB/s (memory-bound classes) against the device's dense",
+        "bf16 peak or HBM bandwidth, and idle (no kernel on any stream). Kernels still queued from the step before are",
+        "left out; `-` where the trace does not tell (how FLOPs and bytes are found: the script's docstring). Reading",
+        "it: a class would take ms x % of bound / 100 at its bound, the rest is what it loses; where streams overlap",
+        "the classes and idle add up to more than the span (last row).",
+        "",
+    ]
+    profiled = sorted((r for r in results if "profile_breakdown" in r), key=lambda r: r["date"])
+    if not profiled:
+        lines += ["Before / after (issue 36): **to be filled from the GPU run.**", ""]
+    for r in profiled:
+        for step in r["profile_breakdown"]["steps"]:
+            table = markdown_table(step, r["profile_breakdown"])
+            lines += [f"`{r['name']}`, commit {r['git_commit'][:8]}, {r['date'][:10]}: {table[0]}", *table[1:], ""]
+    return lines
 
 
 def acceptance_tables(results: list[dict]) -> list[str]:
@@ -189,6 +213,9 @@ def main() -> None:
         "",
         "![tokens/s per GPU](e2e_tokens_per_sec.png)",
         "",
+        "### Where a step's device time goes",
+        "",
+        *breakdown_tables(e2e),
         "## MoE layer (forward + backward)",
         "",
         *moe_table(moe),

@@ -3,8 +3,9 @@
 Every `profile_freq` steps of this run (counted from its first step, also after a resume) the profiler records one
 step after three warm-up steps and writes, per rank, under `<dump_folder>/<save_traces_folder>/iteration_<step>/`
 (<step> is the training step):
-    rank<R>_trace.json         Chrome/Perfetto trace
-    rank<R>_summary.json       ops and kernels by self device time (what the benchmarks quote)
+    rank<R>_trace.json         Chrome/Perfetto trace (with input shapes)
+    rank<R>_summary.json       per recorded step: the kernels launched inside it by device time, the host's waits
+(`scripts/bench/trace_breakdown.py <trace>` groups a step's kernels by class, with TFLOP/s or GB/s and idle time.)
 With `enable_memory_snapshot` (CUDA only) the allocator history is recorded from the start and dumped at the
 same steps to `<dump_folder>/memory_snapshot/iteration_<step>/rank<R>_memory_snapshot.pickle`
 (open it at pytorch.org/memory_viz, or summarise it with scripts/bench/memory_breakdown.py).
@@ -16,6 +17,8 @@ import contextlib
 import json
 import logging
 import pickle
+from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MIN_PROFILE_FREQ", "StepProfiler", "kernel_summary"]
+__all__ = ["MIN_PROFILE_FREQ", "ProfiledStep", "StepProfiler", "profiled_steps", "step_summary"]
 
 _WARMUP_STEPS = 3
 _ACTIVE_STEPS = 1
@@ -50,6 +53,7 @@ class StepProfiler:
                 activities=activities,
                 schedule=schedule(wait=wait, warmup=_WARMUP_STEPS, active=_ACTIVE_STEPS),
                 on_trace_ready=self._write_trace,
+                record_shapes=True,  # the ops' shapes give trace_breakdown.py their FLOPs and bytes
             )
             self._profiler.start()
             logger.info(f"profiling step {self.freq} and every {self.freq} steps after it into {self.trace_dir}")
@@ -91,59 +95,92 @@ class StepProfiler:
     def _write_trace(self, prof: profile) -> None:
         folder = self.trace_dir / f"iteration_{self._training_step}"
         folder.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(folder / f"rank{self.rank}_trace.json"))
-        summary = {
-            "step": self._training_step,
-            "rank": self.rank,
-            "ops": kernel_summary(prof, steps=_ACTIVE_STEPS),
-            "host_blocked": host_blocked_summary(prof, steps=_ACTIVE_STEPS),
-        }
+        trace = folder / f"rank{self.rank}_trace.json"
+        prof.export_chrome_trace(str(trace))
+        summary = {"step": self._training_step, "rank": self.rank, **step_summary(json.loads(trace.read_text()))}
         (folder / f"rank{self.rank}_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         logger.info(f"profiler trace of step {self._training_step} written to {folder}")
 
 
-def kernel_summary(prof: profile, steps: int = 1, top: int = 40) -> list[dict]:
-    """The `top` ops/kernels by self device time (self CPU time on a CPU-only trace), per profiled step."""
-    events = list(prof.key_averages())
-    on_device = any(e.self_device_time_total > 0 for e in events)
+DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
+"""Chrome-trace categories of the work a device runs; `args.correlation` names the runtime call that launched it."""
+RUNTIME_CALLS = ("cuda_runtime", "cuda_driver")
 
-    def self_us(e) -> float:
-        return e.self_device_time_total if on_device else e.self_cpu_time_total
 
-    events = [e for e in events if self_us(e) > 0]
-    total = sum(self_us(e) for e in events) or 1.0
-    events.sort(key=self_us, reverse=True)
-    return [
-        {
-            "name": e.key[:160],
-            "ms_per_step": self_us(e) / 1e3 / steps,
-            "calls_per_step": e.count / steps,
-            "pct": 100.0 * self_us(e) / total,
-            "time": "device" if on_device else "cpu",
-        }
-        for e in events[:top]
-    ]
+@dataclass
+class ProfiledStep:
+    """One `ProfilerStep#<n>` of a trace: its host time range and what was launched inside it."""
+
+    name: str
+    start_us: float
+    end_us: float
+    runtime_calls: list[dict] = field(default_factory=list)  # CUDA runtime/driver calls, any host thread
+    device_events: list[dict] = field(default_factory=list)  # the kernels, copies and memsets those calls launched
+
+    def holds(self, event: dict) -> bool:
+        return self.start_us <= event["ts"] <= self.end_us
+
+
+def profiled_steps(trace: dict) -> tuple[list[ProfiledStep], list[dict]]:
+    """The recorded steps of a chrome trace (`export_chrome_trace`), each with the device events launched inside its
+    host range (wherever they ran on the device), and the device events launched outside every step (mostly still
+    queued from before the recording started: their launches are not in the trace)."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    steps = {
+        e["name"]: ProfiledStep(e["name"], e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e.get("name", "").startswith("ProfilerStep#") and e.get("cat") in ("user_annotation", "cpu_op")
+    }
+    launched_in = {}  # correlation id (of calls that have one) -> the step whose range holds the launch
+    for event in events:
+        if event.get("cat") in RUNTIME_CALLS:
+            step = next((s for s in steps.values() if s.holds(event)), None)
+            if step is not None and "correlation" in event.get("args", {}):
+                step.runtime_calls.append(event)
+                launched_in[event["args"]["correlation"]] = step
+    outside = []
+    for event in events:
+        if event.get("cat") in DEVICE_EVENTS:
+            step = launched_in.get(event.get("args", {}).get("correlation"))
+            (outside if step is None else step.device_events).append(event)
+    return sorted(steps.values(), key=lambda s: s.start_us), outside
 
 
 HOST_BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 """CUDA runtime calls that hold the host until the GPU gets there (`cudaMemcpy` without Async: pageable copies)."""
 
 
-def host_blocked_summary(prof: profile, steps: int = 1) -> dict:
-    """Host time per step spent waiting for the GPU: the blocking CUDA runtime calls, and the CPU time of the
-    DeepEP dispatch op, whose normal kernels wait on the host for the received counts."""
-    blocking, dispatch_cpu_ms = {}, 0.0
-    for event in prof.key_averages():
-        if event.key in HOST_BLOCKING_CALLS:
-            blocking[event.key] = {
-                "ms_per_step": event.cpu_time_total / 1e3 / steps,
-                "calls_per_step": event.count / steps,
+def step_summary(trace: dict, top: int = 40) -> dict:
+    """Per recorded step: its host time, the device time of the kernels (copies, memsets) launched inside it and the
+    `top` of them, and the host's waits: the blocking CUDA calls, and the CPU time of the DeepEP dispatch op, whose
+    normal kernels wait on the host for the received counts. Device times of several streams add up."""
+    steps, outside = profiled_steps(trace)
+    dispatch_ops = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("name") == "deepep::dispatch"]
+    summaries = []
+    for step in steps:
+        kernels, blocking = defaultdict(lambda: [0.0, 0]), defaultdict(lambda: [0.0, 0])
+        for event in step.device_events:
+            kernels[event["name"]][0] += event["dur"] / 1e3
+            kernels[event["name"]][1] += 1
+        for call in step.runtime_calls:
+            if call["name"] in HOST_BLOCKING_CALLS:
+                blocking[call["name"]][0] += call["dur"] / 1e3
+                blocking[call["name"]][1] += 1
+        device_ms = sum(ms for ms, _ in kernels.values())
+        summaries.append(
+            {
+                "name": step.name,
+                "host_ms": (step.end_us - step.start_us) / 1e3,
+                "device_ms": device_ms,
+                "kernels": [
+                    {"name": name[:160], "ms": ms, "launches": n, "pct": 100.0 * ms / device_ms}
+                    for name, (ms, n) in sorted(kernels.items(), key=lambda item: -item[1][0])[:top]
+                ],
+                "host_blocked": {
+                    "blocking_calls": {name: {"ms": ms, "calls": n} for name, (ms, n) in blocking.items()},
+                    "blocking_ms": sum(ms for ms, _ in blocking.values()),
+                    "deepep_dispatch_cpu_ms": sum(e["dur"] for e in dispatch_ops if step.holds(e)) / 1e3,
+                },
             }
-        elif event.key == "deepep::dispatch":
-            dispatch_cpu_ms = event.cpu_time_total / 1e3 / steps
-    total = sum(call["ms_per_step"] for call in blocking.values())
-    return {
-        "blocking_calls": blocking,
-        "blocking_ms_per_step": total,
-        "deepep_dispatch_cpu_ms_per_step": dispatch_cpu_ms,
-    }
+        )
+    return {"device_ms_launched_outside_steps": sum(e["dur"] for e in outside) / 1e3, "profiler_steps": summaries}

@@ -1,13 +1,15 @@
-"""StepProfiler writes a trace and an op summary for the recorded step; bad profiling configs fail in preflight."""
+"""StepProfiler writes a trace and a summary of the recorded step; the summary counts the kernels launched inside a
+step, however late they ran; bad profiling configs fail in preflight."""
 
 import json
 
 import pytest
 import torch
 
+from tests.unit.tools._trace import synthetic_trace
 from torchtitan.config import ConfigError
 from torchtitan.preflight import check_job
-from torchtitan.tools.profiling import StepProfiler
+from torchtitan.tools.profiling import StepProfiler, step_summary
 
 
 def test_records_every_profile_freq_steps(tmp_path):
@@ -24,12 +26,36 @@ def test_records_every_profile_freq_steps(tmp_path):
 
     assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == ["iteration_14", "iteration_18"]
     summary = json.loads((tmp_path / "traces" / "iteration_14" / "rank0_summary.json").read_text())
-    names = {row["name"] for row in summary["ops"]}
-    assert {"aten::mm", "aten::tanh"} <= names
-    mm = next(row for row in summary["ops"] if row["name"] == "aten::mm")
-    assert mm["calls_per_step"] == 1 and mm["ms_per_step"] > 0
+    assert summary["step"] == 14 and len(summary["profiler_steps"]) == 1  # the one recorded step
+    (step,) = summary["profiler_steps"]
+    assert step["host_ms"] > 0 and step["device_ms"] == 0 and step["kernels"] == []  # a CPU run launches no kernels
     trace = json.loads((tmp_path / "traces" / "iteration_14" / "rank0_trace.json").read_text())
-    assert any(event.get("name") == "aten::mm" for event in trace["traceEvents"])
+    mm = next(event for event in trace["traceEvents"] if event.get("name") == "aten::mm")
+    assert mm["args"]["Input Dims"] == [[64, 64], [64, 64]]  # shapes recorded: trace_breakdown.py counts FLOPs
+
+
+def test_summary_counts_the_kernels_launched_inside_each_step():
+    summary = step_summary(synthetic_trace(), top=3)
+
+    assert summary["device_ms_launched_outside_steps"] == pytest.approx(0.15)  # queued before the window: left out
+    first, second = summary["profiler_steps"]
+    assert (first["name"], second["name"]) == ("ProfilerStep#1", "ProfilerStep#2")
+    assert first["host_ms"] == pytest.approx(0.9)
+    assert first["device_ms"] == pytest.approx(0.84)  # all of it ran after the step's host range, on two streams
+    assert [(k["name"][:17], k["launches"]) for k in first["kernels"]] == [
+        ("void cutlass::dev", 1),
+        ("nvjet_tst_128x256", 1),
+        ("void flash::flash", 1),
+    ]
+    assert first["kernels"][0]["ms"] == pytest.approx(0.4)
+    assert first["kernels"][0]["pct"] == pytest.approx(100 * 0.4 / 0.84)
+    assert first["host_blocked"] == {
+        "blocking_calls": {"cudaStreamSynchronize": {"ms": pytest.approx(0.15), "calls": 1}},
+        "blocking_ms": pytest.approx(0.15),
+        "deepep_dispatch_cpu_ms": pytest.approx(0.04),
+    }
+    assert second["device_ms"] == pytest.approx(0.4)
+    assert {k["name"] for k in second["kernels"]} == {"_adamw_kernel", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"}
 
 
 @pytest.mark.parametrize(
