@@ -9,7 +9,8 @@
 
 The model shape comes from --flavor or --hf-config (a config.json); from-hf defaults to the folder's config.json.
 Routed experts are stacked/unstacked and names mapped by DeepSeekV3StateDictAdapter; no tensor is otherwise changed
-(except the optional --dtype cast).
+(except the optional --dtype cast). to-hf writes nothing unless the checkpoint's files match their manifest (sizes and
+crc32, as a resume checks) and its tensors the shape given; bad input ends with one `error:` line naming the fix.
 """
 
 import argparse
@@ -25,6 +26,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
+from torchtitan.components.checkpoint_folder import (  # noqa: E402
+    MANIFEST_NAME,
+    CheckpointError,
+    corrupt_checkpoint_error,
+    corrupt_files,
+    dcp_error_text,
+    validate_checkpoint,
+)
 from torchtitan.components.hf_safetensors import load_hf_safetensors, save_hf_safetensors  # noqa: E402
 from torchtitan.models.deepseek_v3 import (  # noqa: E402
     DeepSeekV3Model,
@@ -36,7 +45,7 @@ from torchtitan.models.deepseek_v3.model import MTPBlock  # noqa: E402
 from torchtitan.models.deepseek_v3.state_dict_adapter import (  # noqa: E402
     hf_config_from_model_args,
     model_args_from_hf_config,
-    mtp_layers_for_hf_checkpoint,
+    mtp_layers_for_checkpoint,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,9 +65,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     opts = parser.parse_args(argv)
 
+    if not os.path.isdir(opts.src):
+        expected = "a checkpoint's step-N folder" if opts.direction == "to-hf" else "a HF folder (safetensors)"
+        raise ValueError(f"{opts.src} is not a folder: give {expected}")
     config_path = opts.hf_config
     if config_path is None and opts.flavor is None and opts.direction == "from-hf":
         config_path = os.path.join(opts.src, "config.json")
+        if not os.path.isfile(config_path):
+            raise ValueError(f"{opts.src} has no config.json: give the model shape with --hf-config or --flavor")
     if opts.flavor is not None:
         args = copy.deepcopy(deepseekv3_flavors[opts.flavor])
     elif config_path is not None:
@@ -93,31 +107,62 @@ def hf_to_dcp(
     src: str, dst: str, args: DeepSeekV3ModelArgs, dtype: torch.dtype | None, mtp_requested: bool = False
 ) -> None:
     """mtp_requested: args.mtp_layers is the user's --mtp-layers (not the config's), so a checkpoint without MTP
-    tensors gets freshly initialized MTP modules instead of none (mtp_layers_for_hf_checkpoint)."""
+    tensors gets freshly initialized MTP modules instead of none (mtp_layers_for_checkpoint)."""
     hf_state_dict = load_hf_safetensors(src)
-    mtp_layers = mtp_layers_for_hf_checkpoint(args, hf_state_dict, src, requested=mtp_requested, flag="--mtp-layers")
+    mtp_layers = mtp_layers_for_checkpoint(
+        args, hf_state_dict, src, in_hf=True, requested=mtp_requested, flag="--mtp-layers"
+    )
     args = dataclasses.replace(args, mtp_layers=mtp_layers)
     state_dict = DeepSeekV3StateDictAdapter(args).from_hf(hf_state_dict)
     if args.mtp_layers and not any(key.startswith("mtp.") for key in state_dict):
         state_dict.update(_fresh_mtp_modules(args))
-    expected = set(_model_keys(args))
+    expected = set(_model_state(args))
     if missing := sorted(expected - set(state_dict)):
         raise ValueError(f"{src} lacks {len(missing)} tensors of this model, e.g. {missing[:3]}; check the flavor")
     dcp.save({"model": _cast(state_dict, dtype)}, checkpoint_id=dst, no_dist=True)
 
 
 def load_model_from_dcp(src: str, args: DeepSeekV3ModelArgs) -> dict[str, torch.Tensor]:
-    """The model tensors of a DCP checkpoint saved as {"model": ...} (keys "model.<name>") or at top level."""
-    metadata = dcp.FileSystemReader(src).read_metadata().state_dict_metadata
+    """The model tensors of a DCP checkpoint saved as {"model": ...} (keys "model.<name>") or at top level, once its
+    files match its manifest (the trainer's checkpoints and exports have one) and its tensors the shape in `args`."""
+    _verify_files(src)
+    try:
+        metadata = dcp.FileSystemReader(src).read_metadata().state_dict_metadata
+    except Exception as err:
+        raise CheckpointError(
+            f"cannot read {src}/.metadata ({dcp_error_text(err)}): convert an intact checkpoint"
+        ) from err
     prefix = "model." if any(key.startswith("model.") for key in metadata) else ""
+    found = {key.removeprefix(prefix): entry for key, entry in metadata.items() if key.startswith(prefix)}
     state_dict = {}
-    for name in _model_keys(args):
-        entry = metadata.get(prefix + name)
+    fix = "give the --flavor or --hf-config (and --mtp-layers) it was trained with"
+    for name, value in _model_state(args).items():
+        entry = found.get(name)
         if not isinstance(entry, TensorStorageMetadata):
-            raise ValueError(f"{src} has no tensor {prefix + name}; check --flavor / --hf-config")
+            raise ValueError(f"{src} has no tensor {prefix + name}: {fix}")
+        if tuple(entry.size) != value.shape:
+            raise ValueError(
+                f"{src}: {prefix + name} is {tuple(entry.size)}, {tuple(value.shape)} in that shape: {fix}"
+            )
         state_dict[name] = torch.empty(entry.size, dtype=entry.properties.dtype)
-    dcp.load({"model": state_dict} if prefix else state_dict, checkpoint_id=src, no_dist=True)
+    if extra := sorted(set(found) - set(state_dict)):
+        raise ValueError(f"{src} holds {len(extra)} model tensors this shape lacks, e.g. {extra[:3]}: {fix}")
+    try:
+        dcp.load({"model": state_dict} if prefix else state_dict, checkpoint_id=src, no_dist=True)
+    except (Exception, dcp.CheckpointException) as err:  # DCP's own exception is a BaseException
+        raise CheckpointError(f"reading {src} failed ({dcp_error_text(err)}): convert an intact checkpoint") from err
     return state_dict
+
+
+def _verify_files(src: str) -> None:
+    """Sizes and crc32 of every file against the manifest (as the trainer checks before a resume), before reading."""
+    fix = "convert an intact checkpoint (an older step-N)"
+    if os.path.isfile(os.path.join(src, MANIFEST_NAME)):
+        manifest = validate_checkpoint(src, fix=f"Nothing was written; {fix}")
+        if bad := corrupt_files(src, manifest, rank=0, num_ranks=1):
+            raise corrupt_checkpoint_error(src, bad, fix)
+    elif not os.path.isfile(os.path.join(src, ".metadata")):
+        raise CheckpointError(f"{src} is not a DCP checkpoint (no .metadata): give a step-N folder of a checkpoint")
 
 
 def _fresh_mtp_modules(args: DeepSeekV3ModelArgs) -> dict[str, torch.Tensor]:
@@ -133,9 +178,9 @@ def _fresh_mtp_modules(args: DeepSeekV3ModelArgs) -> dict[str, torch.Tensor]:
     return state_dict
 
 
-def _model_keys(args: DeepSeekV3ModelArgs) -> list[str]:
+def _model_state(args: DeepSeekV3ModelArgs) -> dict[str, torch.Tensor]:
     with torch.device("meta"):
-        return list(DeepSeekV3Model(args).state_dict().keys())
+        return DeepSeekV3Model(args).state_dict()
 
 
 def _cast(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
@@ -149,4 +194,7 @@ def _cast(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dic
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (CheckpointError, ValueError, OSError) as err:  # the input's fault: one line naming the fix
+        sys.exit(f"error: {err}")

@@ -5,13 +5,18 @@ N processes; the trainer runs the same checks again on every rank.
 """
 
 import argparse
+import importlib.util
 import logging
 import os
 import sys
 import tempfile
+from typing import TYPE_CHECKING
 
 from torchtitan.components.run_lock import DumpFolderBusyError, check_dump_folder_free
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
+
+if TYPE_CHECKING:
+    from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +29,10 @@ OVERLAP_MIN_MICRO_BATCH_TOKENS = 16384
 OVERLAP_MIN_EP_DEGREE = 8
 
 
-def check_job(argv: list[str], world_size: int) -> JobConfig:
+def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, "DeepSeekV3ModelArgs"]:
     """Parse the config and validate everything that depends on the config, the world size and the model args.
 
+    Returns the job config and the model args (`get_model_args`, resolved once: its warnings print once).
     Raises ConfigError / ValueError with a message that names the fix.
     """
     job_config = ConfigManager().parse_args(argv)
@@ -43,13 +49,18 @@ def check_job(argv: list[str], world_size: int) -> JobConfig:
     check_float8_linears(job_config, parallel_dims)
     check_float8_dispatch(job_config, model_args)
     check_profiling(job_config)
+    check_validation(job_config, model_args, parallel_dims)
+    if job_config.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("--metrics.enable_wandb needs the wandb package: pip install wandb (or drop the flag)")
     check_dump_folder(job_config.job.dump_folder)
     from torchtitan.datasets.text_datasets import check_corpus
 
     check_corpus(job_config.training.dataset, job_config.training.dataset_path)
+    if job_config.validation.enable and job_config.validation.dataset_path:
+        check_corpus("", job_config.validation.dataset_path, "validation")
     if job_config.parallelism.expert_parallel_comm_backend == "deepep":
         check_deepep(parallel_dims)
-    return job_config
+    return job_config, model_args
 
 
 def check_parallel_dims(dims, model_args) -> None:
@@ -229,6 +240,23 @@ def check_float8_dispatch(job_config: JobConfig, model_args) -> None:
         )
 
 
+def check_validation(job_config: JobConfig, model_args, parallel_dims) -> None:
+    """Validation batches run through the training's model parts and pipeline schedule: they must fit both."""
+    validation, training, parallelism = job_config.validation, job_config.training, job_config.parallelism
+    seq_len = validation.seq_len or training.seq_len
+    batch_size = validation.local_batch_size or training.local_batch_size
+    pp_microbatches = training.local_batch_size // parallelism.pipeline_parallel_microbatch_size
+    for wrong, needs in (
+        (seq_len > model_args.max_seq_len, f"validation.seq_len <= the model's max_seq_len {model_args.max_seq_len}"),
+        (job_config.quantize.float8_linears and seq_len % 16, "validation.seq_len a multiple of 16 (float8_linears)"),
+        (parallel_dims.pp_enabled and batch_size % pp_microbatches,
+         f"validation.local_batch_size a multiple of the pipeline's {pp_microbatches} micro-batches"),
+        (parallelism.expert_parallel_overlap and batch_size % 2, "an even validation.local_batch_size (EP overlap)"),
+    ):  # fmt: skip
+        if validation.enable and wrong:
+            raise ConfigError(f"validation batches of {batch_size} x {seq_len} tokens: this job needs {needs}")
+
+
 def check_dump_folder(dump_folder: str) -> None:
     """The dump folder (checkpoints, metrics, traces) must be creatable and writable before anything trains."""
     try:
@@ -260,8 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--world-size", type=int, required=True)
     args, rest = parser.parse_known_args(argv)
+    # Warnings only: every rank runs check_job again, and rank 0's log shows them once.
+    logging.disable(logging.WARNING)
     try:
-        job_config = check_job(rest, args.world_size)
+        job_config, _ = check_job(rest, args.world_size)
         # Only here, before launch: on the ranks, global rank 0 already holds the lock while the others check.
         check_dump_folder_free(job_config.job.dump_folder)
     except (ConfigError, ValueError, FileNotFoundError, ImportError, DumpFolderBusyError) as err:

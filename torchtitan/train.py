@@ -7,9 +7,11 @@ parallelize (or split into pipeline stages) -> materialize + init -> optimizer, 
 import contextlib
 import copy
 import gc
+import itertools
 import logging
 import os
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 
@@ -24,6 +26,7 @@ from torchtitan.components.loss import (
     RescaledLoss,
     build_loss_fn,
     check_finite_loss,
+    check_grad_norm,
     count_valid_tokens,
     mtp_targets,
 )
@@ -38,7 +41,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.compile import graphs_compiled
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.weight_init import copy_from_unsharded_init
-from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3StateDictAdapter, get_model_args
+from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs, DeepSeekV3StateDictAdapter
 from torchtitan.models.deepseek_v3.parallelize import expert_bias_reduce_group, parallelize_deepseekv3
 from torchtitan.models.moe import MoE, build_expert_bias_hook
 from torchtitan.models.output_head import chunk_loss_and_grad
@@ -62,13 +65,14 @@ class TrainState:
 
 
 class Trainer:
-    def __init__(self, job_config: JobConfig) -> None:
+    def __init__(self, job_config: JobConfig, model_args: DeepSeekV3ModelArgs) -> None:
+        """model_args: `get_model_args(job_config)`, as `check_job` returns them."""
         self.job_config = job_config
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         # Held by global rank 0 until the process ends: a second run on this folder is refused, not interleaved.
         self._dump_folder_lock = acquire_dump_folder(job_config.job.dump_folder) if _global_rank() == 0 else None
         self.parallel_dims = ParallelDims.from_config(job_config.parallelism, world_size)
-        self.model_args = get_model_args(job_config)
+        self.model_args = model_args
         self.grad_accum_steps = check_batch_sizes(job_config, self.parallel_dims.dp_size)
 
         self.device = _select_device()
@@ -83,6 +87,8 @@ class Trainer:
         dp_rank, dp_degree = self._dp_rank_and_degree()
         self.tokenizer = build_tokenizer(job_config)
         self.dataloader = build_dataloader(job_config, self.tokenizer, dp_rank, dp_degree)
+        if job_config.validation.enable:
+            self.validation_loader = build_dataloader(job_config, self.tokenizer, dp_rank, dp_degree, "validation")
 
         # Model: built on meta, parallelized, then materialized, so no rank ever holds the full model.
         with torch.device("meta"):
@@ -196,12 +202,13 @@ class Trainer:
         return True
 
     def forward_backward(
-        self, tokens: torch.Tensor, labels: torch.Tensor, mtp_labels: list[torch.Tensor]
+        self, tokens: torch.Tensor, labels: torch.Tensor, mtp_labels: list[torch.Tensor], backward: bool = True
     ) -> torch.Tensor:
         """One micro-batch -> its share of the step's loss (main + lambda x MTP with MTP modules); zero on ranks
         without the last pipeline stage.
 
         mtp_labels: the targets of each MTP module (empty without MTP), see `mtp_targets`.
+        backward: False for the forward only (validation; the pipeline schedule's eval).
         """
         kwargs = {}
         if (document_ids := self._document_ids(tokens)) is not None:
@@ -213,25 +220,29 @@ class Trainer:
         # With TP + loss parallel the logits stay vocab-sharded: cross-entropy and its backward need loss_parallel.
         with loss_parallel() if self.parallel_dims.loss_parallel_enabled else contextlib.nullcontext():
             if self.parallel_dims.pp_enabled:
-                return self._forward_backward_pipeline(tokens, target, kwargs)
+                return self._forward_backward_pipeline(tokens, target, kwargs, backward)
             with self.autocast():
                 if self.fused_output_loss:  # the heads return the loss token sums
                     loss = self.step_loss.from_token_sums(self.model_parts[0](tokens, labels=target, **kwargs))
                 else:
                     loss = self.step_loss(self.model_parts[0](tokens, **kwargs), target)
-            loss.backward()  # nothing else holds the (bs, seqlen, vocab) logits: backward frees them
+            if backward:
+                loss.backward()  # nothing else holds the (bs, seqlen, vocab) logits: backward frees them
         loss = loss.detach()
         # Under loss parallel the loss is a replicated DTensor; callers reduce and log plain tensors.
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
-    def _forward_backward_pipeline(self, tokens: torch.Tensor, target: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    def _forward_backward_pipeline(
+        self, tokens: torch.Tensor, target: torch.Tensor, kwargs: dict, backward: bool
+    ) -> torch.Tensor:
         """The schedule runs every micro-batch of its own; model kwargs reach every stage, inputs the first."""
         losses: list[torch.Tensor] = []
         target = target if self.has_last_stage else None
+        run = self.pp_schedule.step if backward else self.pp_schedule.eval
         if self.has_first_stage:
-            self.pp_schedule.step(tokens, target=target, losses=losses, **kwargs)
+            run(tokens, target=target, losses=losses, **kwargs)
         else:
-            self.pp_schedule.step(target=target, losses=losses, **kwargs)
+            run(target=target, losses=losses, **kwargs)
         if self.has_last_stage:
             return torch.stack(losses).sum().detach()
         return torch.zeros((), device=self.device)
@@ -271,6 +282,26 @@ class Trainer:
             self.last_mtp_loss = self._reduce_loss_for_logging(self.step_loss.mtp_total.to(self.device))
         return self._reduce_loss_for_logging(loss), grad_norm, lr
 
+    @torch.no_grad()
+    def validate(self) -> torch.Tensor:
+        """The token-mean loss over all ranks of `validation.steps` batches from the start of the validation stream,
+        through the training's forward and loss without a backward: no gradient, and no expert-load counts (they
+        are taken in the backward). The model has no dropout, so it stays in train mode."""
+        self.loss_fn.global_valid_tokens = 1.0  # each forward returns its loss token sum
+        mtp_layers = self.model_args.mtp_layers
+        token_sum, all_labels = torch.zeros((), device=self.device), []
+        self.validation_loader.dataset.load_state_dict({"samples_yielded": 0})  # every pass reads the same batches
+        for input_dict, labels in itertools.islice(self.validation_loader, self.job_config.validation.steps):
+            tokens, labels = input_dict["input"].to(self.device), labels.to(self.device)
+            if mtp_layers:  # the MTP heads run as in training; only the main loss is kept
+                self.step_loss.start_step([1.0] * mtp_layers)
+            mtp_labels = [mtp_targets(tokens, labels, k, self.tokenizer.bos_id) for k in range(mtp_layers)]
+            loss = self.forward_backward(tokens, labels, mtp_labels, backward=False)
+            token_sum += self.step_loss.main_total.to(self.device) if mtp_layers else loss
+            all_labels.append(labels)
+        dp_group = self.parallel_dims.get_mesh("dp").get_group() if self.parallel_dims.dp_enabled else None
+        return self._reduce_loss_for_logging(token_sum) / count_valid_tokens(all_labels, dp_group)
+
     def _clip_gradients(self) -> tuple[torch.Tensor, dict]:
         """The total grad norm, and the optimizers' step kwargs: optimizers that fold clipping into their update get
         the clip coefficient (`grad_scale`, gradients untouched); others get gradients clipped in place here."""
@@ -297,6 +328,7 @@ class Trainer:
     def train(self) -> None:
         job_config = self.job_config
         self.checkpointer.load(step=job_config.checkpoint.load_step)
+        self.metrics.drop_records_after(self.train_state.step)  # this run logs the steps after it anew
         data_iterator = iter(self.dataloader)
         gc.disable()
         gc.collect(1)
@@ -312,20 +344,26 @@ class Trainer:
                     gc.collect(1)
                 loss, grad_norm, lr = self.train_step(data_iterator)
                 profiler.step(step)
-                check_finite_loss(loss, step, self.rank)
+                # One host sync per step, before this step's checkpoint: a diverged update is never saved.
+                loss_value, grad_norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
+                check_finite_loss(loss_value, step, self.rank)
+                check_grad_norm(grad_norm_value, step)
                 if step == 1:
                     dist_utils.set_pg_timeouts(job_config.comm.train_timeout_seconds, self.parallel_dims.world_mesh)
                 if step % job_config.metrics.log_freq == 0 or step == steps:
                     self.metrics.log(
                         step,
-                        loss=loss.item(),
-                        grad_norm=float(grad_norm),
+                        loss=loss_value,
+                        grad_norm=grad_norm_value,
                         lr=lr,
                         total_steps=steps,
                         graphs_compiled=graphs_compiled() - graphs_at_last_log,
                         mtp_loss=None if self.last_mtp_loss is None else self.last_mtp_loss.item(),
                     )
                     graphs_at_last_log = graphs_compiled()
+                if job_config.validation.enable and (step % job_config.validation.freq == 0 or step == steps):
+                    start = time.perf_counter()
+                    self.metrics.log_validation(step, self.validate().item(), time.perf_counter() - start)
                 self.checkpointer.save(step, last_step=step == steps)
         finally:
             profiler.close()
@@ -376,13 +414,13 @@ def main(argv: list[str] | None = None) -> int:
     exit_with_parent()
     try:
         # The same checks as run_train.sh's preflight, repeated on every rank for direct torchrun users.
-        job_config = check_job(argv, int(os.environ["WORLD_SIZE"]))
+        job_config, model_args = check_job(argv, int(os.environ["WORLD_SIZE"]))
     except (ConfigError, ValueError, FileNotFoundError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     trainer = None
     try:
-        trainer = Trainer(job_config)
+        trainer = Trainer(job_config, model_args)
         trainer.train()
         _release_deepep_buffers()
     except (DatasetError, CheckpointError, FloatingPointError, DumpFolderBusyError) as err:

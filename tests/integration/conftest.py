@@ -105,12 +105,14 @@ def _read(file) -> str:
     return file.read()
 
 
-def read_losses(dump_folder: Path) -> dict[int, float]:
-    """step -> loss from metrics.jsonl (the last record wins for a step, so resumed runs read naturally)."""
+def read_losses(dump_folder: Path, key: str = "loss") -> dict[int, float]:
+    """step -> loss (or `key`, e.g. "validation/loss") from metrics.jsonl (the last record wins for a step, so resumed
+    runs read naturally)."""
     losses = {}
     for line in (dump_folder / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        losses[record["step"]] = record["loss"]
+        if key in record:
+            losses[record["step"]] = record[key]
     return losses
 
 

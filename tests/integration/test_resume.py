@@ -1,5 +1,6 @@
 """Exact resume: a run stopped and restarted with the same command continues bit for bit."""
 
+import json
 import os
 import shutil
 import signal
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import DEBUG_CONFIG, FAST_ARGS, REPO_ROOT, read_losses, run_trainer
+from torchtitan.datasets.text_datasets import TINYCORPUS_PATH
 
 CKPT_ARGS = ["--checkpoint.enable", "--checkpoint.interval", "5"]
 
@@ -37,16 +39,20 @@ CKPT_ARGS = ["--checkpoint.enable", "--checkpoint.interval", "5"]
 )
 def test_resume_is_bitwise_identical(tmp_path, nproc, layout):
     """A fresh process given a copy of the straight run's step-3 checkpoint continues to step 6 bit for bit (the
-    killed-run test below stops a run itself)."""
+    killed-run test below stops a run itself), validating at steps 4 and 6 on the way: validation (here on a corpus
+    of its own, so the training stream is the straight run's) changes nothing in training."""
     args = [*FAST_ARGS, *layout, "--checkpoint.enable", "--checkpoint.interval", "3", "--training.steps", "6"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_trainer(straight, args, nproc=nproc)
     shutil.copytree(straight / "checkpoint" / "step-3", resumed / "checkpoint" / "step-3")
-    run_trainer(resumed, args, nproc=nproc)
+    validation = ["--validation.enable", "--validation.freq", "2", "--validation.steps", "1",
+                  "--validation.dataset_path", str(TINYCORPUS_PATH)]  # fmt: skip
+    run_trainer(resumed, [*args, *validation], nproc=nproc)
     expected, got = read_losses(straight), read_losses(resumed)
     assert sorted(got) == [4, 5, 6]  # resumed at step 3, no re-training from scratch
     for step in got:
         assert got[step] == expected[step], step  # bitwise on CPU: same data order, RNG and optimizer state
+    assert sorted(read_losses(resumed, "validation/loss")) == [4, 6]
 
 
 def test_killed_run_restarts_from_latest_complete_checkpoint(tmp_path):
@@ -86,6 +92,8 @@ def test_killed_run_restarts_from_latest_complete_checkpoint(tmp_path):
     expected, got = read_losses(tmp_path / "straight"), read_losses(dump)
     for step in range(7, 16):
         assert got[step] == expected[step], step
+    # the rerun replaced what the killed run logged after step 6: every step once, in order
+    assert [json.loads(line)["step"] for line in (dump / "metrics.jsonl").read_text().splitlines()] == [*range(1, 16)]
 
 
 RESHARD_ARGS = [*FAST_ARGS, *CKPT_ARGS, "--training.global_batch_size", "8", "--training.steps", "8"]
@@ -155,4 +163,33 @@ def test_model_only_last_save_with_keep_latest_1_resumes_through_run_train_sh(tm
     second = launch(6)
     assert "resumed from" in second.stdout + second.stderr and "step-2" in second.stdout + second.stderr
     assert "training from step 3 to 6" in second.stdout + second.stderr
+    assert [json.loads(line)["step"] for line in (dump / "metrics.jsonl").read_text().splitlines()] == [*range(1, 7)]
     assert sorted(os.listdir(dump / "checkpoint")) == ["exports", "step-4"]
+
+
+def test_divergence_stops_before_its_checkpoint_and_another_flavor_is_one_line(dump_folder):
+    """--optimizer.lr 1e6, a checkpoint every step: step 1's update (lr 3.3e5) leaves weights whose activations
+    overflow fp32 in the RMSNorms (mean square inf, output exactly 0), so step 2's gradient norm is exactly 0 (the
+    loss ln(vocab)). Training stops there in one line, before step 2 is saved. Resuming with another
+    --model.flavor is one line too (DCP raises a CheckpointException, a BaseException)."""
+    args = [*FAST_ARGS, "--optimizer.lr", "1e6", "--checkpoint.enable", "--checkpoint.interval", "1",
+            "--training.steps", "3"]  # fmt: skip
+    diverged = run_trainer(dump_folder, args, check=False)
+    assert diverged.returncode == 1
+    message = _one_error_line(diverged)
+    assert message.startswith("error: gradient norm 0 at step 2: ") and "--optimizer.lr" in message, message
+    assert sorted(os.listdir(dump_folder / "checkpoint")) == ["step-1"]  # no step-2 from the zero gradient
+    assert sorted(read_losses(dump_folder)) == [1]
+
+    other_flavor = run_trainer(dump_folder, [*args, "--model.flavor", "debugmodel"], check=False)
+    assert other_flavor.returncode == 1
+    message = _one_error_line(other_flavor)
+    assert message.startswith("error: loading checkpoint ") and "Size mismatch" in message, message
+    assert "resume with the values it was saved with" in message
+
+
+def _one_error_line(run: subprocess.CompletedProcess) -> str:
+    output = run.stdout + run.stderr
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in output, output[-3000:]
+    return errors[0]

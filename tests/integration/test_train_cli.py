@@ -13,16 +13,21 @@ from tests.integration.conftest import DEBUG_CONFIG, FAST_ARGS, REPO_ROOT, read_
 
 def test_debugmodel_loss_falls(dump_folder):
     # the shipped debug model itself through run_train.sh (the README's quick start), not the test suite's smaller
-    # flavor, with one multi-token prediction module: its loss falls too
+    # flavor, with one multi-token prediction module: its loss falls too; and so does the loss on the held-out
+    # documents, validated every 5 steps
     args = [*FAST_ARGS, "--model.flavor", "debugmodel", "--training.steps", "20", "--lr_scheduler.warmup_steps", "2",
-            "--model.mtp_layers", "1", "--job.dump_folder", str(dump_folder)]  # fmt: skip
+            "--model.mtp_layers", "1", "--job.dump_folder", str(dump_folder),
+            "--validation.enable", "--validation.freq", "5", "--validation.steps", "2"]  # fmt: skip
     proc = _run_launcher(args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     losses = read_losses(dump_folder)
     assert sorted(losses) == list(range(1, 21))
     assert losses[20] < losses[1] - 1.0, losses
-    records = [json.loads(line) for line in (dump_folder / "metrics.jsonl").read_text().splitlines()]
-    assert records[-1]["mtp_loss"] < records[0]["mtp_loss"] - 1.0, records
+    mtp_losses, validation = read_losses(dump_folder, "mtp_loss"), read_losses(dump_folder, "validation/loss")
+    assert mtp_losses[20] < mtp_losses[1] - 1.0, mtp_losses
+    assert sorted(validation) == [5, 10, 15, 20] and validation[20] < validation[10] < validation[5] - 0.3, validation
+    line = r"step: 20  validation/loss: \d+\.\d{4}  validation/perplexity: \d+\.\d{4}"
+    assert re.search(line, proc.stdout + proc.stderr), proc.stdout[-2000:]
 
 
 def test_metrics_line_format(dump_folder):
@@ -65,6 +70,7 @@ def _run_launcher(args: list[str], env_extra: dict[str, str] | None = None) -> s
         ([], {"CONFIG_FILE": "./train_configs/missing.toml"}, "missing.toml"),
         (["--training.stepz", "3"], {}, "training.steps"),
         (["--training.steps", "three"], {}, "training.steps"),
+        (["--model.name", "llama3"], {}, "model.name must be one of deepseek_v3; got 'llama3'"),
         (["--parallelism.data_parallel_shard_degree", "3"], {"NGPU": "2"}, "world size"),
         (
             ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "33"],
@@ -72,7 +78,7 @@ def _run_launcher(args: list[str], env_extra: dict[str, str] | None = None) -> s
             "seq_len",
         ),
     ],
-    ids=["missing-config", "unknown-key", "wrong-type", "degrees-vs-world-size", "seq-len-not-divisible"],
+    ids=["missing-config", "unknown-key", "wrong-type", "model-name", "degrees-vs-world-size", "seq-len-not-divisible"],
 )
 def test_bad_input_fails_fast_with_one_line(args, env, expected):
     proc = _run_launcher(args, env)

@@ -51,7 +51,9 @@ from torchtitan.components.checkpoint_folder import (
     CheckpointError,
     checkpoint_keys,
     complete_checkpoints,
+    corrupt_checkpoint_error,
     corrupt_files,
+    dcp_error_text,
     exports,
     publish,
     resolve_tmp_folders,
@@ -172,8 +174,7 @@ class CheckpointManager:
             self._save_hf(tmp_path)
             fmt = FORMAT_HF
         elif last_step and self.config.last_save_model_only:
-            dcp.save({"model": self._export_model_state_dict()}, checkpoint_id=tmp_path, process_group=self.pg)
-            write_rank_checksums(tmp_path, self.rank)
+            self._dcp_save({"model": self._export_model_state_dict()}, curr_step, tmp_path)
             fmt = FORMAT_MODEL_ONLY
         elif self.config.async_mode == "async" and not last_step:
             # DCP stages (copies) the state to CPU memory before returning; only the write runs in the background,
@@ -187,8 +188,7 @@ class CheckpointManager:
             )
             return
         else:
-            dcp.save(self._states(), checkpoint_id=tmp_path, process_group=self.pg)
-            write_rank_checksums(tmp_path, self.rank)
+            self._dcp_save(self._states(), curr_step, tmp_path)
             fmt = FORMAT_FULL
         self._barrier()
         if self.rank == 0:
@@ -214,16 +214,26 @@ class CheckpointManager:
             return
         try:
             pending.future.result()
-        except Exception as err:
-            raise CheckpointError(
-                f"background save of step {pending.step} into {pending.tmp_path} failed: {err!r}; the previous "
-                f"checkpoint is untouched"
-            ) from err
+        except (Exception, dcp.CheckpointException) as err:  # DCP's own exception is a BaseException
+            raise self._save_error(pending.step, pending.tmp_path, err) from err
         # The coordinator's (rank 0's) save finishes only after every rank reported its writes, so rank 0 can
         # publish without a barrier (which could deadlock here: other ranks poll `done()` at other times).
         if self.rank == 0:
             self._publish(pending.step, pending.tmp_path, FORMAT_FULL)
             logger.info(f"checkpoint step {pending.step} saved (async)")
+
+    def _dcp_save(self, states: dict[str, Any], step: int, tmp_path: str) -> None:
+        try:
+            dcp.save(states, checkpoint_id=tmp_path, process_group=self.pg)
+            write_rank_checksums(tmp_path, self.rank)
+        except (OSError, dcp.CheckpointException) as err:
+            raise self._save_error(step, tmp_path, err) from err
+
+    def _save_error(self, step: int, tmp_path: str, err: BaseException) -> CheckpointError:
+        return CheckpointError(
+            f"saving checkpoint step {step} into {tmp_path} failed ({dcp_error_text(err)}); the previous checkpoint "
+            f"is untouched. Make {self.folder} writable with free space, or save elsewhere: --job.dump_folder"
+        )
 
     def _publish(self, step: int, tmp_path: str, fmt: str) -> None:
         """Rank 0: make `step-N` visible atomically, then purge old checkpoints."""
@@ -339,10 +349,7 @@ class CheckpointManager:
             if older
             else "no older checkpoint is left: delete it to start over"
         )
-        raise CheckpointError(
-            f"checkpoint {path} is corrupt: {', '.join(bad)} no longer match(es) the checksum written with it. "
-            f"Nothing was loaded; {fix} (and delete {path})"
-        )
+        raise corrupt_checkpoint_error(path, bad, f"{fix} (and delete {path})")
 
     def _load_initial(self, path: str) -> bool:
         begin = time.monotonic()
@@ -353,12 +360,14 @@ class CheckpointManager:
         self._rank0_decides(lambda: validate_foreign_dcp(path))
         if self.config.initial_load_model_only:
             keys = checkpoint_keys(path)
-            if any(key.startswith("model.") for key in keys):
-                self._dcp_load({"model": self.model}, path)
-            else:  # a model-only checkpoint written with the model at top level (torchtitan's own export)
-                state = self.model.state_dict()
-                self._dcp_load(state, path)
-                self.model.load_state_dict(state)
+            # "model." unless the model is at top level (torchtitan's own model-only export)
+            prefix = "model." if any(key.startswith("model.") for key in keys) else ""
+            state = self.model.state_dict()
+            if not any(key.startswith(prefix + "mtp.") for key in keys):
+                # MTP modules the checkpoint holds none of keep their fresh init (get_model_args warned)
+                state = {name: value for name, value in state.items() if not name.startswith("mtp.")}
+            self._dcp_load({"model": state} if prefix else state, path)
+            self.model.load_state_dict(state)
             logger.info(f"initialized model from {path} in {time.monotonic() - begin:.2f}s")
             return False
         self._dcp_load(self._states_present_in(path), path)
@@ -414,10 +423,11 @@ class CheckpointManager:
     def _dcp_load(self, states: dict[str, Any], path: str) -> None:
         try:
             dcp.load(states, checkpoint_id=path, process_group=self.pg)
-        except Exception as err:
+        except (Exception, dcp.CheckpointException) as err:  # DCP's own exception is a BaseException
             raise CheckpointError(
-                f"loading checkpoint {path} failed: {err!r}. If the checkpoint is damaged, delete {path} (or pick "
-                f"another with --checkpoint.load_step); if the model or parallelism changed, check the config"
+                f"loading checkpoint {path} failed ({dcp_error_text(err)}). If --model.flavor or another model flag "
+                f"changed since it was saved, resume with the values it was saved with (or start a new run in another "
+                f"--job.dump_folder); if it is damaged, delete {path} or pick another: --checkpoint.load_step"
             ) from err
         # DCP calls load_state_dict in sorted key order, so the optimizer's saved lr lands after the schedule's
         # and a train state's RNG (one rank's copy) after this rank's own: re-apply the two that must win.

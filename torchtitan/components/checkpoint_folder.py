@@ -122,14 +122,12 @@ def _move_into_place(folder: str, step: int, tmp_path: str, fmt: str) -> str:
     return final_path
 
 
-def validate_checkpoint(path: str) -> dict[str, Any]:
+def validate_checkpoint(path: str, fix: str | None = None) -> dict[str, Any]:
     """Return the manifest of complete checkpoint `path`; raise CheckpointError if files do not match it."""
     reason = manifest_problem(path)
     if reason is not None:
-        raise CheckpointError(
-            f"checkpoint {path} is incomplete or corrupt: {reason}. Delete {path} to resume from the previous "
-            f"checkpoint, or choose another with --checkpoint.load_step"
-        )
+        fix = fix or f"Delete {path} to resume from the previous checkpoint, or pick another: --checkpoint.load_step"
+        raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: {reason}. {fix}")
     with open(os.path.join(path, MANIFEST_NAME)) as f:
         return json.load(f)
 
@@ -167,6 +165,21 @@ def corrupt_files(path: str, manifest: dict[str, Any], rank: int, num_ranks: int
     return bad
 
 
+def corrupt_checkpoint_error(path: str, bad: list[str], fix: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path} is corrupt: {', '.join(bad)} no longer match(es) the checksum written with it. "
+        f"Nothing was loaded; {fix}"
+    )
+
+
+def dcp_error_text(err: BaseException) -> str:
+    """One line for a DCP failure: a CheckpointException (a BaseException whose text is every failed rank's
+    traceback) gives its first rank's error."""
+    if isinstance(err, dcp.CheckpointException) and err.failures:
+        err = next(iter(err.failures.values()))[0]
+    return " ".join(f"{type(err).__name__}: {err}".split())
+
+
 def validate_foreign_dcp(path: str) -> None:
     """An initial_load_path: one of ours (manifest) is fully validated; any DCP folder needs `.metadata`."""
     if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
@@ -183,7 +196,8 @@ def checkpoint_keys(path: str) -> set[str]:
         return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     except Exception as err:
         raise CheckpointError(
-            f"cannot read {path}/.metadata ({err!r}); delete {path} or choose another with --checkpoint.load_step"
+            f"cannot read {path}/.metadata ({dcp_error_text(err)}); delete {path} or pick another: "
+            "--checkpoint.load_step"
         ) from err
 
 

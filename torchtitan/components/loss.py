@@ -22,6 +22,7 @@ __all__ = [
     "RescaledLoss",
     "build_loss_fn",
     "check_finite_loss",
+    "check_grad_norm",
     "count_valid_tokens",
     "cross_entropy_sum",
     "mtp_loss",
@@ -160,3 +161,24 @@ def check_finite_loss(loss: torch.Tensor | float, step: int, rank: int) -> None:
             f"--lr_scheduler.warmup_steps) / check data (bad tokens, all-ignored batches), then resume from the "
             f"last checkpoint"
         )
+
+
+def check_grad_norm(grad_norm: torch.Tensor | float, step: int) -> None:
+    """Raise FloatingPointError for a non-finite or zero total gradient norm; the trainer checks it before the
+    step's checkpoint, so none holds the update it made. Zero means diverged weights: activations so large that an
+    RMSNorm's mean square overflows fp32 make it output exactly zero, so the logits are constant and no parameter
+    gets a gradient."""
+    value = float(grad_norm)
+    if value > 0 and math.isfinite(value):
+        return
+    if value == 0:
+        raise FloatingPointError(
+            f"gradient norm 0 at step {step}: the weights pass no gradient (they diverged: too high an lr); step "
+            f"{step} is not saved. A checkpoint of step {step - 1} holds these weights: resume from "
+            f"an older one (--checkpoint.load_step) or start over, with a lower --optimizer.lr"
+        )
+    raise FloatingPointError(
+        f"non-finite gradient norm at step {step}: {value}; step {step} is not saved. Lower the lr "
+        f"(--optimizer.lr, or a longer --lr_scheduler.warmup_steps) / check data (bad tokens), then resume from the "
+        f"last checkpoint"
+    )

@@ -1,4 +1,4 @@
-"""Training metrics: the console line, TensorBoard scalars, `metrics.jsonl`, throughput, FLOPs and MFU.
+"""Training metrics: the console line, TensorBoard / W&B scalars, `metrics.jsonl`, throughput, FLOPs and MFU.
 
 Every `metrics.log_freq` steps the logging rank logs (the leading fields are a fixed format tools parse):
 
@@ -12,9 +12,10 @@ tflops = flops_per_token x tps / 1e12 (achieved, per device); mfu = tflops / the
 
 import json
 import logging
+import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -136,15 +137,35 @@ class MetricsProcessor:
 
         self.tb_writer = None
         self.jsonl_file = None
+        self.wandb_run = None
         if is_logging_rank:
             dump_folder = job_config.job.dump_folder
             if job_config.metrics.enable_tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb_writer = SummaryWriter(log_dir=os.path.join(dump_folder, job_config.metrics.save_tb_folder))
+            if job_config.metrics.enable_wandb:
+                import wandb  # preflight checked that it is installed
+
+                project, name = job_config.metrics.wandb_project, job_config.metrics.wandb_run_name
+                self.wandb_run = wandb.init(project=project, name=name, dir=dump_folder, config=asdict(job_config))
             if job_config.metrics.enable_jsonl:
                 os.makedirs(dump_folder, exist_ok=True)
                 self.jsonl_file = open(os.path.join(dump_folder, "metrics.jsonl"), "a")  # noqa: SIM115
+
+    def drop_records_after(self, step: int) -> None:
+        """Remove metrics.jsonl's records past `step`, where this run starts (a resume point, 0 for a fresh run): an
+        earlier run's steps after it (and a line a killed run left half written) are about to be logged again."""
+        if self.jsonl_file is None:
+            return
+        path = self.jsonl_file.name
+        self.jsonl_file.close()
+        with open(path) as f:
+            kept = [line for line in f if _record_step(line) <= step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+        self.jsonl_file = open(path, "a")  # noqa: SIM115
 
     def should_log(self, step: int, total_steps: int | None = None) -> bool:
         return step % self.log_freq == 0 or step == 1 or step == total_steps
@@ -215,18 +236,35 @@ class MetricsProcessor:
         self.memory_monitor.reset_peak_stats()
         return record
 
+    def log_validation(self, step: int, loss: float, seconds: float) -> None:
+        """A validation pass's loss and perplexity: the console, a metrics.jsonl record of their own, TensorBoard and
+        W&B. Its `seconds` are kept out of the training throughput."""
+        self._last_log_time += seconds
+        if self.is_logging_rank:
+            scalars = {"validation/loss": loss, "validation/perplexity": math.exp(min(loss, 700.0))}
+            logger.info(f"step: {step}  " + "  ".join(f"{tag}: {value:.4f}" for tag, value in scalars.items()))
+            self._write_scalars(scalars, step)
+            if self.jsonl_file is not None:
+                self.jsonl_file.write(json.dumps({"step": step, **scalars}) + "\n")
+                self.jsonl_file.flush()
+
     def _write_tensorboard(self, record: dict[str, Any], memory: MemoryStats | None) -> None:
-        if self.tb_writer is None:
-            return
         scalars = {k: record[k] for k in ("loss", "grad_norm", "tps", "tflops", "mfu", "lr", "graphs_compiled")}
         scalars["mtp_loss"] = record.get("mtp_loss")
         scalars["memory_gib"] = record["memory_gib"]
         scalars["memory_allocated_gib"] = record["memory_allocated_gib"]
         scalars["memory_pct"] = memory.max_reserved_pct if memory else None
-        for tag, value in scalars.items():
-            if value is not None:
-                self.tb_writer.add_scalar(tag, value, record["step"])
-        self.tb_writer.flush()
+        self._write_scalars(scalars, record["step"])
+
+    def _write_scalars(self, scalars: dict[str, float | None], step: int) -> None:
+        """The same scalars to TensorBoard and W&B (None: not measured on this device)."""
+        scalars = {tag: value for tag, value in scalars.items() if value is not None}
+        if self.tb_writer is not None:
+            for tag, value in scalars.items():
+                self.tb_writer.add_scalar(tag, value, step)
+            self.tb_writer.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(scalars, step=step)
 
     def close(self) -> None:
         if self.tb_writer is not None:
@@ -235,6 +273,9 @@ class MetricsProcessor:
         if self.jsonl_file is not None:
             self.jsonl_file.close()
             self.jsonl_file = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
 
 
 def format_metrics_line(
@@ -261,6 +302,14 @@ def format_metrics_line(
     if eta_seconds is not None:
         progress.append(f"eta {timedelta(seconds=round(eta_seconds))}")
     return line + (f"  [{'  '.join(progress)}]" if progress else "")
+
+
+def _record_step(line: str) -> float:
+    """A metrics.jsonl line's step; inf for a line that is not a complete record."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 def _tokens_per_device_step(job_config: JobConfig, world_size: int | None) -> float:

@@ -264,6 +264,38 @@ class Metrics:
     enable_jsonl: bool = True
     """Append every logged step to dump_folder/metrics.jsonl."""
 
+    enable_wandb: bool = False
+    """Log the TensorBoard scalars to Weights & Biases too (`pip install wandb`; WANDB_MODE=offline: no account)."""
+
+    wandb_project: str = "torchtitan"
+    """W&B project of the run."""
+
+    wandb_run_name: str | None = None
+    """W&B run name; None lets W&B pick one."""
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    """Every `freq` steps and at the last step, a forward pass (no gradients, expert load statistics untouched)
+    over `steps` batches; logs validation/loss and validation/perplexity, token-weighted over all ranks."""
+
+    dataset_path: str | None = None
+    """A validation corpus (file or folder, as training.dataset_path); None: every 20th document of the training
+    corpus, which training then skips."""
+
+    local_batch_size: int | None = None
+    """Sequences per data-parallel rank per validation batch; None = training.local_batch_size."""
+
+    seq_len: int | None = None
+    """Tokens per validation sequence; None = training.seq_len."""
+
+    freq: int = 500
+    """Validate every N steps (and at the last step)."""
+
+    steps: int = 10
+    """Batches per validation (the same ones every time: the held-out stream from its start)."""
+
 
 @dataclass
 class Comm:
@@ -334,6 +366,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)
     comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)
     profiling: Profiling = field(default_factory=Profiling)

@@ -130,6 +130,9 @@ def validate(job_config: JobConfig) -> None:
     for key in _DEGREE_KEYS:
         value = _value(job_config, key)
         _require(value >= 1, f"{key} must be >= 1, got {value}; pass --{key} 1 to disable it")
+    for key in ("validation.local_batch_size", "validation.seq_len"):
+        value = _value(job_config, key)
+        _require(value is None or value > 0, f"{key} must be none or a positive integer, got {value}")
     for key in ("parallelism.deepep_num_sms", "parallelism.deepep_overlap_num_sms"):
         sms = _value(job_config, key)
         if sms is not None:
@@ -147,11 +150,13 @@ def validate(job_config: JobConfig) -> None:
         f"got {gbs}; pass --training.global_batch_size -1 or a multiple of {lbs}",
     )
     _require(training.max_norm > 0, f"training.max_norm must be > 0, got {training.max_norm}")
-    _require(
-        training.seq_len % tp == 0,
-        f"training.seq_len ({training.seq_len}) must be divisible by tensor_parallel_degree ({tp}) for sequence "
-        "parallelism; change --training.seq_len or --parallelism.tensor_parallel_degree",
-    )
+    for key in ("training.seq_len", "validation.seq_len"):
+        seq_len = _value(job_config, key) or training.seq_len
+        _require(
+            seq_len % tp == 0,
+            f"{key} ({seq_len}) must be divisible by tensor_parallel_degree ({tp}) for sequence "
+            f"parallelism; change --{key} or --parallelism.tensor_parallel_degree",
+        )
     dp_shard = par.data_parallel_shard_degree
     _require(
         dp_shard == -1 or dp_shard >= 1,
@@ -210,7 +215,7 @@ def validate(job_config: JobConfig) -> None:
 
 _POSITIVE_KEYS = (
     "training.seq_len training.steps training.local_batch_size training.gc_freq metrics.log_freq checkpoint.interval "
-    "profiling.profile_freq comm.init_timeout_seconds comm.train_timeout_seconds"
+    "profiling.profile_freq comm.init_timeout_seconds comm.train_timeout_seconds validation.freq validation.steps"
 ).split()
 _DEGREE_KEYS = (
     "parallelism.data_parallel_replicate_degree parallelism.tensor_parallel_degree "
@@ -290,7 +295,7 @@ def _suggestion(key: str) -> str:
     keys = list(_fields())
     match = _closest(key, keys)
     if match is None:
-        by_name = {spec.name: spec.key for spec in _fields().values()}
+        by_name = {spec.name: spec.key for spec in reversed(_fields().values())}  # the first section's wins
         name_match = _closest(key.rpartition(".")[2], by_name)
         match = by_name[name_match] if name_match else None
     return f"did you mean {match!r}?" if match else "run with --help to list valid keys"

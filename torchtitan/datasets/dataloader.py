@@ -117,18 +117,20 @@ def build_dataloader(
     tokenizer: Tokenizer,
     dp_rank: int,
     dp_world_size: int,
+    split: str = "train",
     num_workers: int = 0,
 ) -> ParallelAwareDataloader:
     """Loader yielding `({"input": (L, seq_len) int64}, labels (L, seq_len) int64)` forever.
 
-    L = `training.local_batch_size`. Every dp degree sees the same global batches (see text_datasets).
+    L and seq_len are the training's or, for the validation split, the validation's. Every dp degree sees the same
+    global batches (see text_datasets).
     """
-    dataset, identity = build_text_dataset(job_config, tokenizer, dp_rank, dp_world_size)
+    dataset, identity = build_text_dataset(job_config, tokenizer, dp_rank, dp_world_size, split)
     return ParallelAwareDataloader(
         dataset,
         identity,
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
-        batch_size=job_config.training.local_batch_size,
+        batch_size=dataset.local_batch_size,
         num_workers=num_workers,
     )

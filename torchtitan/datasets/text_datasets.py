@@ -30,6 +30,7 @@ import io
 import json
 import logging
 import os
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -116,26 +117,48 @@ class PackedTextDataset(IterableDataset):
 
 
 def build_text_dataset(
-    job_config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_world_size: int
+    job_config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_world_size: int, split: str = "train"
 ) -> tuple[PackedTextDataset, dict[str, Any]]:
-    """The packed dataset for this rank and its identity (what a resumed run must match, but `dataset`)."""
-    training = job_config.training
-    files = resolve_corpus_files(training.dataset, training.dataset_path)
+    """The packed dataset of `split` ("train" or "validation") for this rank and its identity (what a resumed run
+    must match, but `dataset`). Validation without a corpus of its own holds out training documents."""
+    training, validation = job_config.training, job_config.validation
+    held_out = validation.enable and validation.dataset_path is None
+    source = validation if split == "validation" and not held_out else training
+    name = "training" if source is training else "validation"
+    files = resolve_corpus_files(training.dataset, source.dataset_path, name)
     token_stream, num_documents = tokenize_corpus(files, tokenizer)
-    dataset = PackedTextDataset(token_stream, training.seq_len, training.local_batch_size, dp_rank, dp_world_size)
+    if held_out:
+        token_stream, num_documents = split_documents(token_stream, tokenizer.bos_id, split == "validation")
+    seq_len, batch_size = training.seq_len, training.local_batch_size
+    if split == "validation":
+        seq_len, batch_size = validation.seq_len or seq_len, validation.local_batch_size or batch_size
+    dataset = PackedTextDataset(token_stream, seq_len, batch_size, dp_rank, dp_world_size)
     identity = {
         # Informational only (a resumed run may read the same corpus from another folder); the content
         # hash below is what must match.
-        "dataset": training.dataset if training.dataset_path is None else str(training.dataset_path),
+        "dataset": training.dataset if source.dataset_path is None else str(source.dataset_path),
         "tokens_sha256": hashlib.sha256(token_stream.numpy().tobytes()).hexdigest()[:16],
         "num_documents": num_documents,
         "num_tokens": token_stream.numel(),
         "tokenizer": tokenizer.fingerprint,
-        "seq_len": training.seq_len,
-        "local_batch_size": training.local_batch_size,
+        "seq_len": seq_len,
+        "local_batch_size": batch_size,
         "dp_world_size": dp_world_size,
     }
     return dataset, identity
+
+
+def split_documents(token_stream: torch.Tensor, bos_id: int, held_out: bool, every: int = 20) -> tuple:
+    """The held-out documents of a token stream (each starts at its BOS token): every `every`-th one, from the
+    `every`-th on; or (held_out False) the others. Returns their tokens and their number."""
+    document = (token_stream == bos_id).cumsum(0) - 1  # (tokens,) the document of each token
+    in_split = (document % every == every - 1) == held_out
+    if not in_split.any():
+        raise DatasetError(
+            f"the training corpus has {int(document[-1]) + 1} documents, too few to hold out every {every}th for "
+            "validation: give a validation corpus (--validation.dataset_path)"
+        )
+    return token_stream[in_split], int(document[in_split].unique().numel())
 
 
 # Tokenized corpora are cached, keyed by (files with their size and mtime, tokenizer fingerprint, format): in
@@ -175,10 +198,11 @@ def _disk_cache_dir() -> Path:
 
 
 def _load_tokenized(path: Path) -> tuple[torch.Tensor, int] | None:
-    """The cached (token stream, number of documents), or None when absent or unreadable (then it is rebuilt)."""
+    """The cached (token stream, number of documents), or None when absent, unreadable or not matching its checksum
+    (then it is rebuilt)."""
     try:
         saved = torch.load(path, weights_only=True)
-        tokens, num_documents = saved["tokens"], int(saved["num_documents"])
+        tokens, num_documents, checksum = saved["tokens"], int(saved["num_documents"]), saved["checksum"]
     except FileNotFoundError:
         return None
     except Exception as err:  # a damaged cache must never stop training: tokenize again
@@ -187,7 +211,14 @@ def _load_tokenized(path: Path) -> tuple[torch.Tensor, int] | None:
     if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int64 or tokens.ndim != 1:
         logger.warning(f"ignoring the tokenized-corpus cache {path}: not a 1-D int64 token stream; tokenizing again")
         return None
+    if checksum != _token_checksum(tokens, num_documents):
+        logger.warning(f"ignoring the tokenized-corpus cache {path}: its checksum does not match; tokenizing again")
+        return None
     return tokens, num_documents
+
+
+def _token_checksum(tokens: torch.Tensor, num_documents: int) -> int:
+    return zlib.crc32(str(num_documents).encode(), zlib.crc32(tokens.contiguous().numpy()))
 
 
 def _save_tokenized(path: Path, tokens: torch.Tensor, num_documents: int) -> None:
@@ -195,7 +226,8 @@ def _save_tokenized(path: Path, tokens: torch.Tensor, num_documents: int) -> Non
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"tokens": tokens, "num_documents": num_documents}, tmp)
+        checksum = _token_checksum(tokens, num_documents)
+        torch.save({"tokens": tokens, "num_documents": num_documents, "checksum": checksum}, tmp)
         os.replace(tmp, path)
     except OSError as err:
         tmp.unlink(missing_ok=True)
@@ -206,12 +238,14 @@ class DatasetError(ValueError):
     """A corpus file that cannot be read as documents; the message names the file (and line) and the fix."""
 
 
-def check_corpus(dataset: str, dataset_path: str | None, records_per_file: int = 100) -> None:
+def check_corpus(
+    dataset: str, dataset_path: str | None, section: str = "training", records_per_file: int = 100
+) -> None:
     """Preflight: every corpus file exists, has a known format, and its first records decode to text.
 
     Reads at most `records_per_file` documents of each file (the trainer reads them all, and a bad record further
     in fails there with the same one-line message)."""
-    files = resolve_corpus_files(dataset, dataset_path)
+    files = resolve_corpus_files(dataset, dataset_path, section)
     if not any(doc for path in files for doc in read_documents(path, limit=records_per_file)):
         raise _empty_corpus_error(files)
 
@@ -220,23 +254,23 @@ def _empty_corpus_error(files: list[Path]) -> DatasetError:
     return DatasetError(f"no non-empty documents in {', '.join(map(str, files))}: the corpus is empty")
 
 
-def resolve_corpus_files(dataset: str, dataset_path: str | None) -> list[Path]:
-    """The document files of `training.dataset` / `training.dataset_path`, in reading order."""
+def resolve_corpus_files(dataset: str, dataset_path: str | None, section: str = "training") -> list[Path]:
+    """The document files of `<section>.dataset` / `<section>.dataset_path`, in reading order."""
     if dataset_path is None:
         if dataset != "tinycorpus":
             raise DatasetError(
-                f"unknown --training.dataset={dataset!r}: the only built-in dataset is 'tinycorpus'; "
-                "for anything else set --training.dataset_path to a local file or folder"
+                f"unknown --{section}.dataset={dataset!r}: the only built-in dataset is 'tinycorpus'; "
+                f"for anything else set --{section}.dataset_path to a local file or folder"
             )
         return [TINYCORPUS_PATH]
 
     path = Path(dataset_path).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"--training.dataset_path={dataset_path!r} does not exist")
+        raise FileNotFoundError(f"--{section}.dataset_path={dataset_path!r} does not exist")
     if path.is_file():
         if not _has_document_suffix(path):
             raise DatasetError(
-                f"--training.dataset_path={dataset_path!r}: unsupported file type; "
+                f"--{section}.dataset_path={dataset_path!r}: unsupported file type; "
                 f"expected one of {', '.join(DOCUMENT_SUFFIXES)}, a folder of them, or a saved HF dataset"
             )
         return [path]
@@ -247,7 +281,7 @@ def resolve_corpus_files(dataset: str, dataset_path: str | None) -> list[Path]:
     files = sorted(p for p in path.rglob("*") if p.is_file() and _has_document_suffix(p))
     if not files:
         raise DatasetError(
-            f"--training.dataset_path={dataset_path!r} is a folder with no {', '.join(DOCUMENT_SUFFIXES)} files "
+            f"--{section}.dataset_path={dataset_path!r} is a folder with no {', '.join(DOCUMENT_SUFFIXES)} files "
             "and no saved HF dataset (state.json / dataset_info.json)"
         )
     return files

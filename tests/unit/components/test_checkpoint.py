@@ -205,7 +205,7 @@ def test_crash_mid_save_leaves_previous_checkpoint_loadable_and_tmp_is_cleaned(t
         raise OSError("simulated crash: node lost power")
 
     monkeypatch.setattr(dcp, "save", crash_after_partial_write)
-    with pytest.raises(OSError, match="simulated crash"):
+    with pytest.raises(CheckpointError, match="simulated crash"):
         run.train(2)
     monkeypatch.setattr(dcp, "save", real_save)
     assert listing(tmp_path) == ["step-2", "step-4.tmp"]
@@ -214,6 +214,21 @@ def test_crash_mid_save_leaves_previous_checkpoint_loadable_and_tmp_is_cleaned(t
     assert listing(tmp_path) == ["step-2"]
     assert resumed.manager.load() is True and resumed.train_state.step == 2
     assert_same_params(resumed.params(), step2)
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_save_into_an_unwritable_folder_is_one_line_naming_the_fix(tmp_path, async_mode):
+    """DCP reports a failed write as CheckpointException, a BaseException: it must still become one CheckpointError
+    line (main() prints it), not a traceback of every rank's frames."""
+    run = Run(make_config(tmp_path, async_mode=async_mode))
+    os.rmdir(folder(tmp_path))
+    folder(tmp_path).write_text("")  # nothing can be created inside it (chmod would not stop root)
+    with pytest.raises(CheckpointError) as err:
+        run.train(2)
+        run.manager.close()  # where a background save's failure surfaces
+    message = str(err.value)
+    assert "\n" not in message and "saving checkpoint step 2" in message and "NotADirectoryError" in message
+    assert f"Make {folder(tmp_path)} writable" in message
 
 
 def test_tmp_without_manifest_is_never_loaded(tmp_path):

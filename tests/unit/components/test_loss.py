@@ -6,6 +6,7 @@ from torchtitan.components.loss import (
     IGNORE_INDEX,
     build_loss_fn,
     check_finite_loss,
+    check_grad_norm,
     count_valid_tokens,
     cross_entropy_sum,
     rescale_loss,
@@ -104,3 +105,17 @@ def test_non_finite_loss_raises_with_step_rank_and_fix(bad):
 
 def test_finite_loss_passes():
     check_finite_loss(torch.tensor(2.5), step=1, rank=0)
+
+
+@pytest.mark.parametrize(
+    ("grad_norm", "expected"),
+    [
+        (torch.tensor(0.0), r"gradient norm 0 at step 7: .*is not saved\. A checkpoint of step 6 holds"),
+        (torch.tensor(float("nan")), r"non-finite gradient norm at step 7: nan; .*is not saved"),
+        (float("inf"), r"non-finite gradient norm at step 7: inf; .*--optimizer\.lr"),
+    ],
+)
+def test_zero_or_non_finite_grad_norm_raises_with_the_fix(grad_norm, expected):
+    with pytest.raises(FloatingPointError, match=expected):
+        check_grad_norm(grad_norm, step=7)
+    check_grad_norm(torch.tensor(1e-8), step=7)  # small is fine

@@ -105,6 +105,24 @@ def test_jsonl_gets_one_flushed_record_per_logged_step(tmp_path):
     processor.close()
 
 
+@pytest.mark.parametrize("resume_step, kept", [(2, [1, 2]), (0, [])], ids=["resumed-at-2", "rerun-from-scratch"])
+def test_a_run_replaces_the_records_after_where_it_starts(tmp_path, resume_step, kept):
+    """A crashed run logged steps 1-4 (and half a line); the rerun resumes at `resume_step` and logs the steps after
+    it once: metrics.jsonl reads 1..4, not 1, 2, 3, 4, 3, 4."""
+    records = "".join(json.dumps({"step": step, "loss": 1.0}) + "\n" for step in (1, 2, 3, 4))
+    (tmp_path / "metrics.jsonl").write_text(records + '{"step": 5, "lo')
+    processor = MetricsProcessor(
+        job_config(tmp_path), num_flops_per_token=1.0, device=torch.device("cpu"), is_logging_rank=True
+    )
+    processor.drop_records_after(resume_step)
+    for step in range(resume_step + 1, 5):
+        processor.log(step, loss=2.0, grad_norm=0.5)
+    processor.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r["step"] for r in records if r["loss"] == 1.0] == kept
+
+
 def test_non_logging_rank_writes_nothing(tmp_path, caplog):
     processor = MetricsProcessor(
         job_config(tmp_path, tensorboard=True), num_flops_per_token=1.0, device="cpu", is_logging_rank=False
@@ -132,6 +150,28 @@ def test_tensorboard_event_file_has_the_scalars(tmp_path):
     events.Reload()
     assert {"loss", "grad_norm", "tps", "tflops", "lr"} <= set(events.Tags()["scalars"])
     assert events.Scalars("loss")[0].value == pytest.approx(1.5)
+
+
+def test_wandb_offline_run_gets_the_tensorboard_scalars(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb; it is in the dev extra)")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = job_config(tmp_path, tensorboard=True)
+    config.metrics.enable_wandb = True
+    config.metrics.wandb_project, config.metrics.wandb_run_name = "tests", "offline-run"
+    processor = MetricsProcessor(config, num_flops_per_token=1.0, device="cpu", is_logging_rank=True)
+    run = processor.wandb_run
+    assert (run.project, run.name, run.settings.mode) == ("tests", "offline-run", "offline")
+    tensorboard, wandb = {}, {}
+    monkeypatch.setattr(processor.tb_writer, "add_scalar", lambda tag, value, step: tensorboard.update({tag: value}))
+    log = run.log
+    monkeypatch.setattr(run, "log", lambda scalars, step: (wandb.update(scalars), log(scalars, step=step)))
+    processor.log(2, loss=1.5, grad_norm=0.5, lr=1e-3)
+    processor.log_validation(2, loss=2.0, seconds=0.0)
+    processor.close()
+    assert wandb == tensorboard
+    assert wandb["loss"] == 1.5 and wandb["validation/loss"] == 2.0 and wandb["validation/perplexity"] > 7.38
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # the run, ready for `wandb sync`
 
 
 @pytest.mark.parametrize(

@@ -329,6 +329,9 @@ def test_uncaught_help_exits_process_with_zero():
         (["--lr_scheduler.warmup_steps=-1"], "warmup_steps must be >= 0"),
         (["--model.name=llama3"], "model.name must be one of deepseek_v3; got 'llama3'"),
         (["--parallelism.tensor_parallel_degree=2", "--training.seq_len=33"], r"seq_len \(33\) must be divisible by"),
+        (["--parallelism.tensor_parallel_degree=2", "--validation.seq_len=33"], r"validation.seq_len \(33\) must be"),
+        (["--validation.local_batch_size=0"], "validation.local_batch_size must be none or a positive"),
+        (["--validation.freq=0"], "validation.freq must be a positive"),
     ],
 )
 def test_validation_rejects_bad_values(flags, message):

@@ -59,6 +59,18 @@ def test_tokenized_corpus_is_cached_on_disk_for_later_processes(tokenizer, jsonl
     assert torch.equal(rebuilt, stream) and "unreadable tokenized-corpus cache" in caplog.text
     assert torch.equal(torch.load(cache_file, weights_only=True)["tokens"], stream)
 
+    # One flipped bit in the cached tokens (the file still loads) fails its checksum: rebuilt, never trained on.
+    raw = bytearray(cache_file.read_bytes())
+    raw[raw.find(stream.numpy().tobytes()) + 8 * (len(stream) // 2)] ^= 0x10
+    cache_file.write_bytes(bytes(raw))
+    assert not torch.equal(torch.load(cache_file, weights_only=True)["tokens"], stream)
+    monkeypatch.setattr(text_datasets, "_TOKENIZED_CORPORA", {})
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        rebuilt, _ = tokenize_corpus([jsonl_corpus], tokenizer)
+    assert torch.equal(rebuilt, stream) and "its checksum does not match; tokenizing again" in caplog.text
+    assert torch.equal(torch.load(cache_file, weights_only=True)["tokens"], stream)
+
     # An edited corpus (new size or mtime) is tokenized again.
     jsonl_corpus.write_text(json.dumps({"text": "one new document"}) + "\n")
     monkeypatch.setattr(text_datasets, "_TOKENIZED_CORPORA", {})
@@ -194,6 +206,38 @@ def test_empty_documents_are_skipped(tmp_path, tokenizer):
     (tmp_path / "d.jsonl").write_text('{"text": ""}\n{"text": "Emma"}\n')
     stream, num_documents = tokenize_corpus([tmp_path / "d.jsonl"], tokenizer)
     assert num_documents == 1 and stream.tolist() == tokenizer.encode("Emma", add_bos=True, add_eos=True)
+
+
+# ---- validation split ----
+
+
+def test_validation_holds_out_every_20th_document_and_training_skips_it(tmp_path, tokenizer, make_job_config):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(45)))
+
+    def tokens(indices) -> list[int]:
+        return [t for i in indices for t in tokenizer.encode(f"document {i}", add_bos=True, add_eos=True)]
+
+    job_config = make_job_config(path)
+    assert build_text_dataset(job_config, tokenizer, 0, 1)[0].token_stream.tolist() == tokens(range(45))
+    job_config.validation.enable, job_config.validation.seq_len = True, 8
+    train, train_identity = build_text_dataset(job_config, tokenizer, 0, 1)
+    held_out, identity = build_text_dataset(job_config, tokenizer, 0, 1, "validation")
+    assert held_out.token_stream.tolist() == tokens([19, 39]) and identity["num_documents"] == 2
+    assert train.token_stream.tolist() == tokens(i for i in range(45) if i not in (19, 39))
+    assert train_identity["num_documents"] == 43 and (train.seq_len, train.local_batch_size) == (16, 2)
+    assert (held_out.seq_len, held_out.local_batch_size) == (8, 2)  # its own seq_len, the training's batch size
+    # a validation corpus of its own is read whole, and training reads every document again
+    job_config.validation.dataset_path = str(path)
+    assert build_text_dataset(job_config, tokenizer, 0, 1, "validation")[0].token_stream.tolist() == tokens(range(45))
+    assert build_text_dataset(job_config, tokenizer, 0, 1)[0].token_stream.tolist() == tokens(range(45))
+
+
+def test_a_corpus_too_small_to_hold_out_from_is_one_error(tokenizer, jsonl_corpus, make_job_config):
+    job_config = make_job_config(jsonl_corpus)
+    job_config.validation.enable = True
+    with pytest.raises(DatasetError, match="4 documents, too few to hold out every 20th .*--validation.dataset_path"):
+        build_text_dataset(job_config, tokenizer, 0, 1, "validation")
 
 
 # ---- errors ----

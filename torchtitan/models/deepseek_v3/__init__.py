@@ -3,10 +3,11 @@
 import copy
 import json
 import logging
+import os
 
 from .args import DeepSeekV3ModelArgs, deepseekv3_flavors
 from .model import DeepSeekV3Model
-from .state_dict_adapter import DeepSeekV3StateDictAdapter, model_args_from_hf_config, mtp_layers_for_hf_checkpoint
+from .state_dict_adapter import DeepSeekV3StateDictAdapter, model_args_from_hf_config, mtp_layers_for_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -24,8 +25,9 @@ def get_model_args(job_config) -> DeepSeekV3ModelArgs:
 
     max_seq_len is raised to training.seq_len if shorter (with a warning when that switches YaRN on);
     debug.moe_force_load_balance is copied into moe_args; model.attn_mask_type overrides the flavor's mask and
-    model.mtp_layers (when set) the flavor's / HF config's MTP depth. With an HF initial checkpoint that holds no MTP
-    tensors, MTP is off unless model.mtp_layers asks for it (then freshly initialized; mtp_layers_for_hf_checkpoint).
+    model.mtp_layers (when set) the flavor's / HF config's MTP depth. With an initial checkpoint (HF or DCP) that
+    holds no MTP tensors, MTP is off unless model.mtp_layers asks for it (then freshly initialized;
+    mtp_layers_for_checkpoint).
     """
     if job_config.model.hf_config_path:
         with open(job_config.model.hf_config_path) as f:
@@ -52,14 +54,35 @@ def get_model_args(job_config) -> DeepSeekV3ModelArgs:
             raise ValueError(f"model.mtp_layers={job_config.model.mtp_layers}: use 0 (no MTP) or a positive depth")
         args.mtp_layers = job_config.model.mtp_layers
     checkpoint = job_config.checkpoint
-    if args.mtp_layers and checkpoint.initial_load_path and checkpoint.initial_load_in_hf:
-        from torchtitan.components.hf_safetensors import hf_safetensors_keys
-
-        args.mtp_layers = mtp_layers_for_hf_checkpoint(
+    keys = _initial_checkpoint_keys(checkpoint) if args.mtp_layers else None
+    if keys is not None:
+        args.mtp_layers = mtp_layers_for_checkpoint(
             args,
-            hf_safetensors_keys(checkpoint.initial_load_path),
+            keys,
             checkpoint.initial_load_path,
+            in_hf=checkpoint.initial_load_in_hf,
             requested=job_config.model.mtp_layers is not None,
             flag="--model.mtp_layers",
         )
     return args
+
+
+def _initial_checkpoint_keys(checkpoint) -> set[str] | None:
+    """The tensor names of the initial checkpoint: HF names, or the model's names in a DCP checkpoint (saved as
+    {"model": ...} by the trainer and scripts/convert_hf.py, or at top level). None without one, or for a folder
+    that is no DCP checkpoint (the checkpoint loader names the fix)."""
+    path = checkpoint.initial_load_path
+    if not path:
+        return None
+    if checkpoint.initial_load_in_hf:
+        from torchtitan.components.hf_safetensors import hf_safetensors_keys
+
+        return set(hf_safetensors_keys(path))
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        return None
+    from torchtitan.components.checkpoint_folder import checkpoint_keys
+
+    keys = checkpoint_keys(path)
+    if any(key.startswith("model.") for key in keys):
+        return {key.removeprefix("model.") for key in keys if key.startswith("model.")}
+    return keys

@@ -105,7 +105,7 @@ class DeepSeekV3StateDictAdapter:
         Layers n_layers .. n_layers + mtp_layers - 1 become the MTP modules (their copies of the embedding and head
         are dropped: ours are shared); later layers are skipped (DeepSeek-V3's MTP layer 61 when mtp_layers is 0).
         An MTP module the checkpoint has no tensor of is left out (the model keeps its own init; see
-        mtp_layers_for_hf_checkpoint). A checkpoint without e_score_correction_bias (DeepSeek-V2) gets a zero
+        mtp_layers_for_checkpoint). A checkpoint without e_score_correction_bias (DeepSeek-V2) gets a zero
         expert_bias.
         """
         n_layers, num_experts = self.model_args.n_layers, self.model_args.moe_args.num_experts
@@ -144,55 +144,57 @@ class DeepSeekV3StateDictAdapter:
         return {_layer_to_mtp_key(key, n_layers): value for key, value in state_dict.items()}
 
 
-def mtp_layers_for_hf_checkpoint(
-    args: DeepSeekV3ModelArgs, hf_keys: Collection[str], path: str, *, requested: bool, flag: str
+def mtp_layers_for_checkpoint(
+    args: DeepSeekV3ModelArgs, keys: Collection[str], path: str, *, in_hf: bool, requested: bool, flag: str
 ) -> int:
-    """The MTP depth to build for importing the HF checkpoint at `path`, which holds the tensors named `hf_keys`.
+    """The MTP depth to build for starting from the checkpoint at `path`, which holds the tensors named `keys`: HF
+    names (`in_hf`), or our model's (a DCP checkpoint's keys without their "model." prefix).
 
     args.mtp_layers is the depth asked for: the HF config's num_nextn_predict_layers, or the user's `flag` when
     `requested`. transformers' DeepseekV3Config defaults num_nextn_predict_layers to 1 while its model has no MTP
-    module, so its save_pretrained writes no model.layers.{n_layers}.* tensors. A checkpoint holding none of the MTP
-    layers therefore imports without them, with one warning: MTP stays off (returns 0), or, when `requested`, the
-    modules start freshly initialized (returns args.mtp_layers). One holding every MTP layer imports them; one
-    holding only some of the layers, or part of one, is corrupt (ValueError).
+    module, so its save_pretrained writes no model.layers.{n_layers}.* tensors (nor does a conversion of such a
+    folder hold mtp.*). A checkpoint holding none of the MTP layers therefore loads without them, with one warning:
+    MTP stays off (returns 0), or, when `requested`, the modules start freshly initialized (returns
+    args.mtp_layers). One holding every MTP layer loads them; one holding only some of the layers, or part of one,
+    is corrupt (ValueError).
     """
     if args.mtp_layers == 0:
         return 0
-    n_layers, hf_keys = args.n_layers, set(hf_keys)
+    n_layers, keys = args.n_layers, set(keys)
     adapter = DeepSeekV3StateDictAdapter(args)
-    held = []
+    prefixes, held = [], []
     for k in range(args.mtp_layers):
-        prefix = f"model.layers.{n_layers + k}."
-        if not any(key.startswith(prefix) for key in hf_keys):
-            continue
         with torch.device("meta"):
-            module = MTPBlock(n_layers + k, args).state_dict()
-        # the router's selection bias is optional (a DeepSeek-V2 checkpoint has none; from_hf fills zeros)
-        expected = set(adapter.to_hf({f"mtp.{k}.{name}": t for name, t in module.items()}))
-        missing = sorted(key for key in expected - hf_keys if not key.endswith("e_score_correction_bias"))
+            module = {f"mtp.{k}.{name}": t for name, t in MTPBlock(n_layers + k, args).state_dict().items()}
+        prefix = f"model.layers.{n_layers + k}." if in_hf else f"mtp.{k}."
+        prefixes.append(prefix)
+        if not any(key.startswith(prefix) for key in keys):
+            continue
+        # the router's selection bias is optional in HF (a DeepSeek-V2 checkpoint has none; from_hf fills zeros)
+        expected = set(adapter.to_hf(module)) if in_hf else set(module)
+        missing = sorted(key for key in expected - keys if not key.endswith("e_score_correction_bias"))
         if missing:
             raise ValueError(
                 f"{path}: MTP layer {prefix}* is incomplete, it lacks {len(missing)} of its tensors, e.g. "
-                f"{missing[:3]}; the checkpoint is corrupt: re-download or re-save it ({flag} 0 imports it without MTP)"
+                f"{missing[:3]}; the checkpoint is corrupt: re-download or re-save it ({flag} 0 loads it without MTP)"
             )
         held.append(k)
     if len(held) == args.mtp_layers:
         return args.mtp_layers
     if held:
-        last = n_layers + args.mtp_layers - 1
         raise ValueError(
-            f"{path} holds {len(held)} of the {args.mtp_layers} MTP layers asked for "
-            f"(model.layers.{n_layers}..{last}); set {flag} {len(held)}, or re-save the checkpoint"
+            f"{path} holds {len(held)} of the {args.mtp_layers} MTP layers asked for ({prefixes[0]}* to "
+            f"{prefixes[-1]}*); set {flag} {len(held)}, or re-save the checkpoint"
         )
     if requested:
         logger.warning(
-            f"{path} holds no MTP tensors (model.layers.{n_layers}.*): the {args.mtp_layers} MTP module(s) asked "
-            f"for with {flag} start freshly initialized"
+            f"{path} holds no MTP tensors ({prefixes[0]}*): the {args.mtp_layers} MTP module(s) asked for with {flag} "
+            "start freshly initialized"
         )
         return args.mtp_layers
     logger.warning(
-        f"{path} holds no MTP tensors (model.layers.{n_layers}.*) though its config's num_nextn_predict_layers asks "
-        f"for {args.mtp_layers} (transformers' save_pretrained writes none): importing without MTP; set {flag} "
+        f"{path} holds no MTP tensors ({prefixes[0]}*) though the config's num_nextn_predict_layers asks for "
+        f"{args.mtp_layers} (transformers' save_pretrained writes none): loading without MTP; set {flag} "
         f"{args.mtp_layers} to train freshly initialized MTP modules"
     )
     return 0

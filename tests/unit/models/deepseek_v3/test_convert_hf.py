@@ -1,10 +1,15 @@
 import importlib.util
 import json
 import os
+import runpy
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from torchtitan.components.checkpoint_folder import FORMAT_FULL, CheckpointError, publish, write_rank_checksums
 from torchtitan.components.hf_safetensors import load_hf_safetensors
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model
 from torchtitan.models.deepseek_v3.state_dict_adapter import hf_config_from_model_args
@@ -61,3 +66,76 @@ def test_to_hf_reads_top_level_model_only_checkpoint_and_casts(tmp_path):
     hf = load_hf_safetensors(str(tmp_path / "hf"))
     assert hf["model.embed_tokens.weight"].dtype == torch.bfloat16
     assert hf["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+
+
+def _published_checkpoint(tmp_path, args=ARGS):
+    """A trainer-style checkpoint: DCP files plus the complete.json manifest (sizes, crc32) written with them."""
+    torch.manual_seed(0)
+    model = DeepSeekV3Model(args)
+    model.init_weights()
+    tmp = str(tmp_path / "checkpoint" / "step-3.tmp")
+    dcp.save({"model": model.state_dict(), "train_state": {"step": torch.tensor(3)}}, checkpoint_id=tmp, no_dist=True)
+    write_rank_checksums(tmp, rank=0)
+    return Path(publish(str(tmp_path / "checkpoint"), 3, tmp, FORMAT_FULL))
+
+
+def _shape_config(tmp_path, args) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf_config_from_model_args(args)))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        ("flip", r"step-3 is corrupt: __0_0\.distcp no longer match\(es\) the checksum.*convert an intact checkpoint"),
+        ("truncate", r"__0_0\.distcp has \d+ bytes, the manifest says \d+ \(truncated.*Nothing was written"),
+    ],
+    ids=["bit-flip", "truncated"],
+)
+def test_to_hf_verifies_the_manifest_before_writing(tmp_path, damage, expected):
+    checkpoint = _published_checkpoint(tmp_path)
+    shard = checkpoint / "__0_0.distcp"
+    raw = bytearray(shard.read_bytes())
+    if damage == "flip":
+        raw[len(raw) // 2] ^= 0x01
+    shard.write_bytes(bytes(raw) if damage == "flip" else bytes(raw[:-64]))
+    with pytest.raises(CheckpointError, match=expected):
+        convert_hf.main(["to-hf", str(checkpoint), str(tmp_path / "hf"), "--hf-config", _shape_config(tmp_path, ARGS)])
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(
+    "shape, expected",
+    [
+        (dict(dim=32), r"model\.tok_embeddings\.weight is \(128, 64\), \(128, 32\) in that shape: give the --flavor"),
+        (dict(n_layers=2), r"holds \d+ model tensors this shape lacks, e.g. \['layers\.2\..*give the --flavor"),
+    ],
+    ids=["smaller-dim", "fewer-layers"],
+)
+def test_to_hf_refuses_a_shape_its_tensors_do_not_have(tmp_path, shape, expected):
+    """The issue's `--flavor debugmodel_tiny` on a debugmodel checkpoint: same names, other shapes; config.json
+    would describe another model than its tensors."""
+    checkpoint = _published_checkpoint(tmp_path, tiny_args())
+    other = _shape_config(tmp_path, tiny_args(**shape))
+    with pytest.raises(ValueError, match=expected):
+        convert_hf.main(["to-hf", str(checkpoint), str(tmp_path / "hf"), "--hf-config", other])
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["from-hf", "{tmp}/nonexistent", "{tmp}/out"], "error: {tmp}/nonexistent is not a folder: give a HF folder"),
+        (["to-hf", "{tmp}", "{tmp}/out", "--flavor", "debugmodel_tiny"], "error: {tmp} is not a DCP checkpoint (no "),
+    ],
+    ids=["from-hf-missing-folder", "to-hf-without-metadata"],
+)
+def test_bad_input_is_one_error_line_without_traceback(tmp_path, monkeypatch, argv, expected):
+    """Run as a script: exit code 1 and one `error:` line (SystemExit's message, which Python prints to stderr)."""
+    monkeypatch.setattr(sys, "argv", [_SCRIPT, *(arg.format(tmp=tmp_path) for arg in argv)])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(_SCRIPT, run_name="__main__")
+    message = exit_info.value.code
+    assert isinstance(message, str) and "\n" not in message  # a str code exits with status 1
+    assert message.startswith(expected.format(tmp=tmp_path)), message

@@ -76,7 +76,7 @@ def test_preflight_rejects_what_cannot_overlap(args, world_size, message):
 
 
 def test_preflight_accepts_ep_with_an_even_batch():
-    job = check_job([*DEBUG_TOML, OVERLAP, "--parallelism.expert_parallel_degree", "2"], world_size=2)
+    job, _ = check_job([*DEBUG_TOML, OVERLAP, "--parallelism.expert_parallel_degree", "2"], world_size=2)
     assert job.parallelism.expert_parallel_overlap
 
 
@@ -115,7 +115,7 @@ def test_schedule_interleaves_one_micro_batch_communication_with_the_other_compu
 )  # fmt: skip
 def test_preflight_warns_in_one_line_when_the_overlap_cannot_pay_and_keeps_it(args, world_size, reasons, caplog):
     with caplog.at_level("WARNING", logger="torchtitan.preflight"):
-        job = check_job([*DEBUG_TOML, OVERLAP, *args], world_size=world_size)
+        job, _ = check_job([*DEBUG_TOML, OVERLAP, *args], world_size=world_size)
     assert job.parallelism.expert_parallel_overlap
     warnings = [record.getMessage() for record in caplog.records if record.name == "torchtitan.preflight"]
     if not reasons:

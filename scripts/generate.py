@@ -1,0 +1,219 @@
+"""Sample text from a checkpoint on one device: a DCP checkpoint of ours (a training checkpoint, a model-only export,
+or scripts/convert_hf.py's output) or a Hugging Face folder (safetensors + config.json).
+
+    # HF folder: the model shape from its config.json, and its tokenizer.json when it has one
+    python scripts/generate.py path/to/hf_folder --prompt "The capital of France is" --max-new-tokens 32
+
+    # our checkpoint: the shape from --flavor or --hf-config (a DCP checkpoint does not record it)
+    python scripts/generate.py outputs/checkpoint/step-1000 --flavor debugmodel --prompt "Once upon a time" \\
+        --temperature 0.8 --top-k 50
+
+Greedy decoding (--temperature 0, the default), or sampling from softmax(logits / temperature) over the --top-k most
+likely tokens. No KV cache: each new token runs the whole sequence through the trainer's own model again, so what
+is sampled is exactly what the model computes; the quadratic cost is fine for short samples. Decoding stops at the
+tokenizer's end-of-text token or after --max-new-tokens. The tokenizer: --tokenizer, else the checkpoint folder's
+tokenizer.json, else the shipped one; its BOS starts the prompt.
+"""
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import json
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from tokenizers import Tokenizer
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+
+from torchtitan.components.checkpoint_folder import CheckpointError, checkpoint_keys  # noqa: E402
+from torchtitan.components.hf_safetensors import load_hf_safetensors  # noqa: E402
+from torchtitan.datasets.tokenizer import BOS_TOKEN, EOS_TOKEN, resolve_tokenizer_path  # noqa: E402
+from torchtitan.models.deepseek_v3 import (  # noqa: E402
+    DeepSeekV3Model,
+    DeepSeekV3ModelArgs,
+    DeepSeekV3StateDictAdapter,
+    deepseekv3_flavors,
+)
+from torchtitan.models.deepseek_v3.rope import precompute_freqs_cis  # noqa: E402
+from torchtitan.models.deepseek_v3.state_dict_adapter import model_args_from_hf_config  # noqa: E402
+
+SHIPPED_TOKENIZER = "torchtitan/assets/tokenizer/tokenizer.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="DCP checkpoint folder, or Hugging Face folder (safetensors + config.json)")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-k", type=int, help="sample among the k most likely tokens only (default: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--flavor", choices=sorted(deepseekv3_flavors), help="model shape preset")
+    parser.add_argument("--hf-config", help="HF config.json giving the model shape (default: the HF folder's)")
+    parser.add_argument("--tokenizer", help="`tokenizers` JSON (default: the folder's tokenizer.json, else ours)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="autocast dtype (default: bf16 on CUDA)")
+    opts = parser.parse_args(argv)
+    try:
+        print(opts.prompt + sample_text(opts))
+    except (ValueError, FileNotFoundError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def sample_text(opts: argparse.Namespace) -> str:
+    """The text the checkpoint continues opts.prompt with."""
+    if opts.max_new_tokens < 1 or opts.temperature < 0 or (opts.top_k is not None and opts.top_k < 1):
+        raise ValueError("--max-new-tokens and --top-k must be >= 1, --temperature >= 0 (0: greedy)")
+    hf_config = _hf_config(opts.checkpoint, opts.hf_config, opts.flavor)
+    args = model_args(hf_config, opts.flavor)
+    tokenizer, bos_id, eos_id = load_tokenizer(opts.tokenizer, opts.checkpoint, hf_config)
+    if tokenizer.get_vocab_size() > args.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.get_vocab_size()} tokens but the model only {args.vocab_size}; pass the "
+            "model's tokenizer with --tokenizer"
+        )
+    prompt = ([bos_id] if bos_id is not None else []) + tokenizer.encode(opts.prompt, add_special_tokens=False).ids
+    if not prompt:
+        raise ValueError("the prompt is empty (and the tokenizer has no BOS token): pass a --prompt")
+    device = torch.device(opts.device)
+    model = load_model(opts.checkpoint, args, device)
+    # the weights stay fp32; bf16 computes under autocast, as the trainer's mixed precision does
+    bf16 = (opts.dtype or ("bfloat16" if device.type == "cuda" else "float32")) == "bfloat16"
+    generator = torch.Generator(device=device).manual_seed(opts.seed)
+    with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+        new_tokens = generate(
+            model, prompt, opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k, eos_id=eos_id,
+            generator=generator,
+        )  # fmt: skip
+    return tokenizer.decode(new_tokens, skip_special_tokens=True)
+
+
+@torch.no_grad()
+def generate(
+    model: DeepSeekV3Model,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    eos_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """The token ids that follow `prompt`: at most max_new_tokens, ending early with eos_id once it is chosen.
+
+    No KV cache: every step runs the whole sequence so far and takes the last position's logits.
+    """
+    max_seq_len = model.freqs_cis.shape[0]
+    if len(prompt) + max_new_tokens > max_seq_len:
+        raise ValueError(
+            f"the prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceed the model's max_seq_len "
+            f"({max_seq_len}); shorten the prompt or --max-new-tokens"
+        )
+    tokens = torch.tensor([prompt], device=model.freqs_cis.device)  # (1, seqlen)
+    for _ in range(max_new_tokens):
+        logits = model(tokens)[0, -1].float()  # (vocab,)
+        next_token = sample(logits, temperature, top_k, generator)
+        tokens = torch.cat([tokens, next_token.view(1, 1)], dim=1)
+        if next_token.item() == eos_id:
+            break
+    return tokens[0, len(prompt) :].tolist()
+
+
+def sample(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> torch.Tensor:
+    """One token id from logits (vocab,): the argmax at temperature 0, else a draw from softmax(logits / temperature)
+    restricted to the top_k largest logits."""
+    if temperature == 0:
+        return logits.argmax()
+    if top_k is not None and top_k < logits.numel():
+        kth_largest = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[0]
+
+
+def model_args(hf_config: dict | None, flavor: str | None) -> DeepSeekV3ModelArgs:
+    """The model shape, for inference: causal attention, no MTP modules (sampling uses the main head), and the routed
+    experts' per-expert loop in the compute dtype (the grouped GEMMs compute in bf16 whatever the dtype)."""
+    args = model_args_from_hf_config(hf_config) if hf_config is not None else copy.deepcopy(deepseekv3_flavors[flavor])
+    moe_args = dataclasses.replace(args.moe_args, use_grouped_mm=False)
+    return dataclasses.replace(args, attn_mask_type="causal", mtp_layers=0, moe_args=moe_args)
+
+
+def load_model(path: str, args: DeepSeekV3ModelArgs, device: torch.device) -> DeepSeekV3Model:
+    """The model of `args` on `device` (fp32 weights) with the weights of the DCP or HF checkpoint at `path`."""
+    with torch.device("meta"):
+        model = DeepSeekV3Model(args)
+    model.to_empty(device=device)
+    model.freqs_cis = precompute_freqs_cis(args, device=device)
+    state = model.state_dict()  # its tensors are the model's: loading into them loads the model
+    if _is_dcp(path):
+        keys = checkpoint_keys(path)
+        prefix = "model." if any(key.startswith("model.") for key in keys) else ""  # else: an export at top level
+        _check_holds(path, [name for name in state if prefix + name not in keys])
+        with warnings.catch_warnings():  # "torch.distributed is disabled ... a single process": yes, on purpose
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": state} if prefix else state, checkpoint_id=path, no_dist=True)
+    else:
+        loaded = DeepSeekV3StateDictAdapter(args).from_hf(load_hf_safetensors(path))
+        _check_holds(path, [name for name in state if name not in loaded])
+        model.load_state_dict(loaded)
+    return model.eval()
+
+
+def load_tokenizer(path: str | None, checkpoint: str, hf_config: dict | None) -> tuple[Tokenizer, int | None, ...]:
+    """(tokenizer, BOS id, EOS id): `path`, else the checkpoint folder's tokenizer.json, else the shipped tokenizer.
+    BOS / EOS are our special tokens when the tokenizer has them, else the HF config's bos_token_id / eos_token_id."""
+    if path is None:
+        in_folder = os.path.join(checkpoint, "tokenizer.json")
+        path = in_folder if os.path.isfile(in_folder) else str(resolve_tokenizer_path(SHIPPED_TOKENIZER))
+    tokenizer = Tokenizer.from_file(path)
+    special = []
+    for token, config_key in ((BOS_TOKEN, "bos_token_id"), (EOS_TOKEN, "eos_token_id")):
+        token_id = tokenizer.token_to_id(token)
+        if token_id is None and hf_config is not None:
+            token_id = hf_config.get(config_key)
+            token_id = token_id[0] if isinstance(token_id, list) else token_id
+        special.append(token_id)
+    return tokenizer, special[0], special[1]
+
+
+def _hf_config(checkpoint: str, hf_config_path: str | None, flavor: str | None) -> dict | None:
+    """The HF config.json giving the model shape: --hf-config, else an HF folder's own; None for --flavor."""
+    if not os.path.isdir(checkpoint):
+        raise ValueError(f"{checkpoint} is not a folder: pass a DCP checkpoint or a Hugging Face folder")
+    if hf_config_path is None and flavor is None:
+        if _is_dcp(checkpoint):
+            raise ValueError(f"{checkpoint} is a DCP checkpoint, which does not record the model shape: pass --flavor "
+                             "or --hf-config")  # fmt: skip
+        hf_config_path = os.path.join(checkpoint, "config.json")
+        if not os.path.isfile(hf_config_path):
+            raise ValueError(f"{checkpoint} holds neither a DCP checkpoint (.metadata) nor a Hugging Face config.json; "
+                             "pass a checkpoint folder")  # fmt: skip
+    if hf_config_path is None:
+        return None
+    with open(hf_config_path) as f:
+        return json.load(f)
+
+
+def _is_dcp(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def _check_holds(path: str, missing: list[str]) -> None:
+    if missing:
+        raise ValueError(
+            f"{path} lacks {len(missing)} tensors of this model, e.g. {missing[:3]}; check --flavor / --hf-config"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""scripts/generate.py samples from a checkpoint (a Hugging Face folder, or our DCP conversion of it): its greedy
+output is transformers' greedy output for the same weights, and sampling draws from the top-k only."""
+
+import pytest
+import torch
+
+from scripts import generate
+from tests.unit.models.deepseek_v3.test_convert_hf import convert_hf
+from tests.unit.models.deepseek_v3.transformers_checkpoints import load_transformers_model, save_transformers_checkpoint
+from torchtitan.datasets.tokenizer import Tokenizer, resolve_tokenizer_path
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT = [0, 17, 342, 999, 5, 1500, 77, 8]  # BOS, then any tokens
+
+
+def _checkpoint(tmp_path, case: str, way: str):
+    """(the transformers folder, the folder to sample from: it, or its DCP conversion)."""
+    hf_folder = save_transformers_checkpoint(tmp_path / "hf", case)
+    if way == "hf":
+        return hf_folder, hf_folder
+    convert_hf.main(["from-hf", str(hf_folder), str(tmp_path / "dcp")])
+    return hf_folder, tmp_path / "dcp"
+
+
+def _transformers_greedy(hf_folder, prompt: list[int], max_new_tokens: int) -> list[int]:
+    tokens = torch.tensor([prompt])
+    out = load_transformers_model(hf_folder).generate(
+        tokens, attention_mask=torch.ones_like(tokens), do_sample=False, max_new_tokens=max_new_tokens
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("case, way", [("default", "hf"), ("default", "dcp"), ("yarn", "hf")])
+def test_greedy_output_equals_transformers_greedy_output(case, way, tmp_path):
+    hf_folder, checkpoint = _checkpoint(tmp_path, case, way)
+    config = generate._hf_config(str(checkpoint), str(hf_folder / "config.json"), None)
+    model = generate.load_model(str(checkpoint), generate.model_args(config, None), torch.device("cpu"))
+    ours = generate.generate(model, PROMPT, 24, eos_id=config["eos_token_id"])
+    assert ours == _transformers_greedy(hf_folder, PROMPT, 24)
+    assert len(set(ours)) > 3  # a real continuation, not one token repeated
+
+
+def test_cli_prints_the_prompt_and_its_greedy_continuation(tmp_path, capsys):
+    hf_folder = save_transformers_checkpoint(tmp_path / "hf", "default")
+    assert generate.main([str(hf_folder), "--prompt", "Once upon a time", "--max-new-tokens", "12"]) == 0
+    tokenizer = Tokenizer(resolve_tokenizer_path(generate.SHIPPED_TOKENIZER))  # the folder has no tokenizer.json
+    prompt = tokenizer.encode("Once upon a time", add_bos=True)
+    expected = tokenizer.decode(_transformers_greedy(hf_folder, prompt, 12), skip_special_tokens=True)
+    assert capsys.readouterr().out == f"Once upon a time{expected}\n"
+
+
+def test_sampling_draws_from_the_top_k_and_temperature_zero_is_greedy():
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    top3 = set(torch.topk(logits, 3).indices.tolist())
+    generator = torch.Generator().manual_seed(0)
+    draws = {generate.sample(logits, 2.0, 3, generator).item() for _ in range(200)}
+    assert draws == top3  # a high temperature reaches all of the top 3, and nothing else
+    assert generate.sample(logits, 1.0, 1, generator) == logits.argmax() == generate.sample(logits, 0.0, None, None)
+    full = {generate.sample(logits, 1.0, None, generator).item() for _ in range(200)}
+    assert len(full) > 3
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-new-tokens", "5000"], "exceed the model's max_seq_len (4096); shorten the prompt or --max-new-tokens"),
+        (["--dcp"], "is a DCP checkpoint, which does not record the model shape: pass --flavor or --hf-config"),
+        (["--dcp", "--flavor", "debugmodel_tiny"], "tensors of this model, e.g. ['layers.0.attention.wq.weight'"),
+    ],
+    ids=["too-long", "dcp-without-shape", "wrong-shape"],
+)  # fmt: skip
+def test_bad_input_is_one_error_line(args, message, tmp_path, capsys):
+    hf_folder, dcp_folder = _checkpoint(tmp_path, "default", "dcp")
+    folder = dcp_folder if "--dcp" in args else hf_folder
+    args = [arg for arg in args if arg != "--dcp"]
+    capsys.readouterr()  # what the conversion printed
+    assert generate.main([str(folder), "--prompt", "x", *args]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: ") and message in line
