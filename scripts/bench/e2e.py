@@ -90,7 +90,9 @@ def train_and_measure(
         result["error_log_tail"] = (proc.stdout + proc.stderr)[-6000:]
         return result
 
-    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in logged if "loss" in r]  # training steps; validation passes have records of their own
+    validation = [r for r in logged if "validation/loss" in r]
     # the profiler traces the recorded step and its warm-up steps before it: slower, not steady-state steps
     traced = range(profile_step - MIN_PROFILE_FREQ + 1, profile_step + 1) if profile_step else range(0)
     # warm-up counts from the launch's first step (a resumed run starts past step 1)
@@ -119,6 +121,12 @@ def train_and_measure(
         graphs_compiled_per_step=[r.get("graphs_compiled", 0) for r in records],
         recompiles_after_warmup=sum(r.get("graphs_compiled", 0) for r in records if r["step"] > warm),
     )
+    if validation:
+        result.update(
+            validation_steps=[r["step"] for r in validation],
+            validation_losses=[r["validation/loss"] for r in validation],
+            validation_seconds=[r["validation/seconds"] for r in validation],
+        )
     if profile_step:
         traces = dump / "profile_traces" / f"iteration_{profile_step}"
         result["profile_rank0"] = json.loads((traces / "rank0_summary.json").read_text())

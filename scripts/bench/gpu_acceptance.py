@@ -45,6 +45,8 @@ from scripts.bench.e2e import train_and_measure  # noqa: E402
 
 CONFIG = "./train_configs/deepseek_v3_16b.toml"
 SAME_MATH, OTHER_KERNELS, FP8, BLOCK_CAUSAL, MTP = 2e-4, 1e-3, 5e-3, 1e-2, 0.1
+# The validation row reads the shipped corpus as its own validation set, so training reads the base's data.
+VALIDATION_CORPUS = "torchtitan/assets/tinycorpus/austen_chapters.jsonl.gz"
 
 
 @dataclass
@@ -82,6 +84,9 @@ def all_rows() -> list[Row]:
             needs_ep=True),
         Row("mtp", ["--model.mtp_layers", "1"], MTP, "MTP's loss trains the trunk too; its own loss must fall"),
         Row("block_causal", ["--model.attn_mask_type", "block_causal"], BLOCK_CAUSAL, "masks document boundaries"),
+        Row("validation", ["--validation.enable", "--validation.freq", "4", "--validation.steps", "4",
+                           "--validation.dataset_path", VALIDATION_CORPUS], SAME_MATH,
+            "forward-only passes between steps: training unchanged, nothing compiled after the first pass"),
         *(Row(name, [], SAME_MATH, why) for name, why in CHECKPOINT_ROWS),
         Row("hf_export_import", [], 0.0, "logits: exact round trip; export of the resumed run vs the straight run"),
     ]  # fmt: skip
@@ -182,7 +187,8 @@ def run_row(row: Row, by_name: dict[str, Row], base_args: list[str], opts, ep: i
     result = {
         key: run.get(key)
         for key in ("command", "returncode", "wall_s", "tokens_per_sec_per_gpu", "mfu_pct", "peak_memory_gib",
-                    "peak_memory_allocated_gib", "recompiles_after_warmup", "loss_steps", "losses", "mtp_losses")
+                    "peak_memory_allocated_gib", "recompiles_after_warmup", "loss_steps", "losses", "mtp_losses",
+                    "graphs_compiled_per_step", "validation_steps", "validation_losses", "validation_seconds")
     }  # fmt: skip
     if run["returncode"] != 0:
         return {**result, "status": "failed", "reason": _last_error_line(run.get("error_log_tail", ""))}
@@ -196,8 +202,16 @@ def judge(row: Row, run: dict, base: dict, by_name: dict[str, Row], opts) -> dic
     losses = dict(zip(run["loss_steps"], run["losses"], strict=True))
     if not all(math.isfinite(loss) for loss in losses.values()):
         return {"reason": f"non-finite loss: {run['losses']}"}
-    if run["recompiles_after_warmup"]:
-        return {"reason": f"{run['recompiles_after_warmup']} graphs compiled after step {opts.warmup_steps}"}
+    recompiles = run["recompiles_after_warmup"]
+    if row.name == "validation":
+        expected = list(range(4, opts.steps + 1, 4))
+        if run.get("validation_steps") != expected or not all(map(math.isfinite, run["validation_losses"])):
+            return {"reason": f"validation at steps {run.get('validation_steps')}, expected {expected}, finite"}
+        # the first pass compiles the no-grad graphs once; the next training step's record counts them
+        compiled = dict(zip(run["loss_steps"], run["graphs_compiled_per_step"], strict=True))
+        recompiles -= compiled.get(expected[0] + 1, 0)
+    if recompiles:
+        return {"reason": f"{recompiles} graphs compiled after step {opts.warmup_steps}"}
     if row.name == "base":
         return {}
     reference = base

@@ -29,7 +29,6 @@ __all__ = [
     "DeviceMemoryMonitor",
     "MemoryStats",
     "MetricsProcessor",
-    "build_device_memory_monitor",
     "format_metrics_line",
     "get_peak_flops",
 ]
@@ -90,10 +89,6 @@ class DeviceMemoryMonitor:
         return MemoryStats(reserved / 2**30, 100.0 * reserved / self.capacity_bytes, allocated / 2**30)
 
 
-def build_device_memory_monitor(device: torch.device) -> DeviceMemoryMonitor:
-    return DeviceMemoryMonitor(device)
-
-
 class MetricsProcessor:
     """Turns each logged step into the console line, TensorBoard scalars and one metrics.jsonl record.
 
@@ -124,7 +119,7 @@ class MetricsProcessor:
         self.tokens_per_step = (
             tokens_per_step if tokens_per_step is not None else _tokens_per_device_step(job_config, world_size)
         )
-        self.memory_monitor = build_device_memory_monitor(self.device)
+        self.memory_monitor = DeviceMemoryMonitor(self.device)
         self.peak_flops = (
             get_peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
         )
@@ -166,9 +161,6 @@ class MetricsProcessor:
             f.writelines(kept)
         os.replace(path + ".tmp", path)
         self.jsonl_file = open(path, "a")  # noqa: SIM115
-
-    def should_log(self, step: int, total_steps: int | None = None) -> bool:
-        return step % self.log_freq == 0 or step == 1 or step == total_steps
 
     def log(
         self,
@@ -245,7 +237,7 @@ class MetricsProcessor:
             logger.info(f"step: {step}  " + "  ".join(f"{tag}: {value:.4f}" for tag, value in scalars.items()))
             self._write_scalars(scalars, step)
             if self.jsonl_file is not None:
-                self.jsonl_file.write(json.dumps({"step": step, **scalars}) + "\n")
+                self.jsonl_file.write(json.dumps({"step": step, **scalars, "validation/seconds": seconds}) + "\n")
                 self.jsonl_file.flush()
 
     def _write_tensorboard(self, record: dict[str, Any], memory: MemoryStats | None) -> None:
@@ -279,10 +271,7 @@ class MetricsProcessor:
 
 
 def format_metrics_line(
-    record: dict[str, Any],
-    memory: MemoryStats | None,
-    total_steps: int | None = None,
-    eta_seconds: float | None = None,
+    record: dict[str, Any], memory: MemoryStats | None, total_steps: int | None = None, eta_seconds: float | None = None
 ) -> str:
     memory_text = f"{memory.max_reserved_gib:.2f}GiB({memory.max_reserved_pct:.2f}%)" if memory else "n/a"
     mfu_text = f"{record['mfu']:.2f}%" if record["mfu"] is not None else "n/a"
