@@ -29,9 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"training failed: rank {rank} {how} (its message is above)", file=sys.stderr)
         return code if code > 0 else 1
     except (KeyboardInterrupt, SignalException):
-        print(
-            f"interrupted: training stopped{_where_it_stopped(sys.argv[1:] if argv is None else argv)}", file=sys.stderr
-        )
+        where = _where_it_stopped(sys.argv[1:] if argv is None else argv)
+        print(f"interrupted: training stopped{where}", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
     return 0
 

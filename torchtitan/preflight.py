@@ -20,9 +20,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# When --parallelism.expert_parallel_overlap has nothing to gain (check_ep_overlap warns; the runs behind both
-# thresholds are in benchmarks/NOTES.md, "Expert-parallel overlap"): each micro-batch costs the same kernel launches
-# and host work for half the tokens, so micro-batches under 16,384 tokens have not paid in any run.
+# When --parallelism.expert_parallel_overlap has nothing to gain (check_ep_overlap warns; benchmarks/NOTES.md,
+# "Expert-parallel overlap"): each micro-batch costs the same launches and host work for half the tokens.
 OVERLAP_MIN_MICRO_BATCH_TOKENS = 16384
 # An EP group of fewer than 8 ranks fits in one 8-GPU host: its exchange runs over NVLink and is short, and DeepEP's
 # kernels hold their SMs while waiting for the other rank, so the overlap cost more than there was to hide.
@@ -155,28 +154,19 @@ def check_ep_overlap(job_config: JobConfig, parallel_dims) -> None:
     """`parallelism.expert_parallel_overlap` only where it can overlap something; never silently without it."""
     if not job_config.parallelism.expert_parallel_overlap:
         return
-    flag = "--parallelism.expert_parallel_overlap"
-    if not parallel_dims.ep_enabled:
-        raise ConfigError(
-            f"{flag} overlaps expert-parallel communication, but expert_parallel_degree is 1 (nothing is "
-            "exchanged); set --parallelism.expert_parallel_degree > 1 or drop the flag"
-        )
-    if parallel_dims.pp_enabled:
-        raise ConfigError(
-            f"{flag} is not supported with pipeline parallelism (the pipeline schedule owns the micro-batches); "
-            "set --parallelism.pipeline_parallel_degree 1 or drop the flag"
-        )
-    if parallel_dims.tp_enabled:
-        raise ConfigError(
-            f"{flag} is not supported with tensor parallelism (sequence-sharded hidden states); set "
-            "--parallelism.tensor_parallel_degree 1 or drop the flag"
-        )
-    local_batch_size = job_config.training.local_batch_size
-    if local_batch_size % 2:
-        raise ConfigError(
-            f"{flag} splits each rank's batch into two micro-batches, but training.local_batch_size is "
-            f"{local_batch_size}; set --training.local_batch_size to an even number"
-        )
+    flag, local_batch_size = "--parallelism.expert_parallel_overlap", job_config.training.local_batch_size
+    for wrong, problem in (
+        (not parallel_dims.ep_enabled, "overlaps expert-parallel communication, but expert_parallel_degree is 1 "
+         "(nothing is exchanged); set --parallelism.expert_parallel_degree > 1 or drop the flag"),
+        (parallel_dims.pp_enabled, "is not supported with pipeline parallelism (the pipeline schedule owns the "
+         "micro-batches); set --parallelism.pipeline_parallel_degree 1 or drop the flag"),
+        (parallel_dims.tp_enabled, "is not supported with tensor parallelism (sequence-sharded hidden states); set "
+         "--parallelism.tensor_parallel_degree 1 or drop the flag"),
+        (local_batch_size % 2, "splits each rank's batch into two micro-batches, but training.local_batch_size is "
+         f"{local_batch_size}; set --training.local_batch_size to an even number"),
+    ):  # fmt: skip
+        if wrong:
+            raise ConfigError(f"{flag} {problem}")
     reasons = overlap_cannot_pay(job_config, parallel_dims.ep)
     if reasons:
         logger.warning(

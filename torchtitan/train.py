@@ -99,9 +99,8 @@ class Trainer:
         # CPU: DTensor has no RNG tracker there, so sharded init would repeat values across ranks (weight_init.py).
         unsharded_model = copy.deepcopy(model) if self.device.type == "cpu" else None
 
-        # loss = token-sum CE / valid tokens of the whole step (all micro-batches, all DP ranks): summed over
-        # micro-batches and ranks it is exactly the full-batch mean, so accumulation, DP degree and PP
-        # micro-batching never change it. FSDP therefore sums gradients (divide factor 1, set in parallelize).
+        # loss = token-sum CE / valid tokens of the whole step, so accumulation, DP and PP never change the mean
+        # (loss.py); FSDP therefore sums gradients (divide factor 1, set in parallelize).
         self.loss_fn = RescaledLoss(build_loss_fn(job_config))
         # what each micro-batch backpropagates: the main loss, or main + lambda x MTP (targets stacked, LossWithMTP)
         self.step_loss = (
@@ -205,11 +204,8 @@ class Trainer:
         self, tokens: torch.Tensor, labels: torch.Tensor, mtp_labels: list[torch.Tensor], backward: bool = True
     ) -> torch.Tensor:
         """One micro-batch -> its share of the step's loss (main + lambda x MTP with MTP modules); zero on ranks
-        without the last pipeline stage.
-
-        mtp_labels: the targets of each MTP module (empty without MTP), see `mtp_targets`.
-        backward: False for the forward only (validation; the pipeline schedule's eval).
-        """
+        without the last pipeline stage. mtp_labels: each MTP module's `mtp_targets` (empty without MTP);
+        backward: False for the forward only (validation; the pipeline schedule's eval)."""
         kwargs = {}
         if (document_ids := self._document_ids(tokens)) is not None:
             kwargs["document_ids"] = document_ids

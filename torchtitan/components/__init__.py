@@ -10,7 +10,7 @@ from torchtitan.components.loss import (
     rescale_loss,
 )
 from torchtitan.components.lr_scheduler import LRSchedulersContainer, build_lr_schedulers
-from torchtitan.components.metrics import MetricsProcessor, build_device_memory_monitor, get_peak_flops
+from torchtitan.components.metrics import MetricsProcessor, get_peak_flops
 from torchtitan.components.optimizer import OptimizersContainer, build_optimizers
 
 __all__ = [
@@ -20,7 +20,6 @@ __all__ = [
     "MetricsProcessor",
     "OptimizersContainer",
     "RescaledLoss",
-    "build_device_memory_monitor",
     "build_loss_fn",
     "build_lr_schedulers",
     "build_optimizers",

@@ -1,18 +1,10 @@
 """Atomic, reshardable checkpoints with torch.distributed.checkpoint (DCP).
 
-Layout under `<job.dump_folder>/<checkpoint.folder>/`:
-
-    step-40/            a resumable checkpoint: DCP files (`.metadata`, `__<rank>_0.distcp`) + `complete.json`
-    step-50.tmp/        a save in progress (or interrupted); never loaded
-    exports/step-60/    the last step's model-only or HF export (`last_save_model_only` / `last_save_in_hf`)
-
-A save writes `step-N.tmp/`; every rank records crc32 checksums of the files it wrote; once every rank has written
-(DCP's coordinator writes `.metadata` only after all ranks reported), rank 0 writes the manifest `complete.json`
-(file names, sizes, checksums), moves the folder into place and fsyncs. Only resumable `step-N/` folders with a
-manifest are resumed from, and `keep_latest_k` counts only those (an export never pushes one out). Before a resume
-every rank verifies the checksums of its share of the files. A checkpoint whose files do not match its manifest,
-that lacks `.metadata`, or that DCP fails to read raises `CheckpointError` naming the folder and the command that
-resumes from the previous one; nothing falls back silently.
+A save is written into `step-N.tmp/` and published as a resumable `step-N/` (or an export, `exports/step-N/`) only
+once every rank wrote and checksummed its files (checkpoint_folder.py: the on-disk layout and its manifest). Before
+a resume every rank verifies the checksums of its share of the files. A checkpoint whose files do not match its
+manifest, that lacks `.metadata`, or that DCP fails to read raises `CheckpointError` naming the folder and the
+command that resumes from the previous one; nothing falls back silently.
 
 What a full checkpoint holds (DCP keys):
     model             get_model_state_dict of every model part (DTensors: resharded on load by DCP)
@@ -174,7 +166,7 @@ class CheckpointManager:
             self._save_hf(tmp_path)
             fmt = FORMAT_HF
         elif last_step and self.config.last_save_model_only:
-            self._dcp_save({"model": self._export_model_state_dict()}, curr_step, tmp_path)
+            self._dcp_save({"model": self._in_export_dtype(self.model.state_dict())}, curr_step, tmp_path)
             fmt = FORMAT_MODEL_ONLY
         elif self.config.async_mode == "async" and not last_step:
             # DCP stages (copies) the state to CPU memory before returning; only the write runs in the background,
@@ -197,10 +189,8 @@ class CheckpointManager:
         logger.info(f"checkpoint step {curr_step} ({fmt}) saved in {time.monotonic() - begin:.2f}s")
 
     def maybe_wait_for_staging(self) -> None:
-        """Call once per step before the optimizer step: publishes a background save that has finished.
-
-        Staging is synchronous inside `dcp.async_save`, so the parameters may already change; nothing waits.
-        """
+        """Call once per step before the optimizer step: publishes a background save that has finished. Staging is
+        synchronous inside `dcp.async_save`, so the parameters may already change; nothing waits."""
         if self._pending is not None and self._pending.future.done():
             self._finish_pending_save()
 
@@ -249,10 +239,8 @@ class CheckpointManager:
             logger.info(f"keep_latest_k={self.keep_latest_k}: deleting {path}")
             shutil.rmtree(path, ignore_errors=True)
 
-    def _export_model_state_dict(self) -> dict[str, Any]:
-        return {
-            k: v.to(self.export_dtype) if torch.is_floating_point(v) else v for k, v in self.model.state_dict().items()
-        }
+    def _in_export_dtype(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.to(self.export_dtype) if torch.is_floating_point(v) else v for k, v in state.items()}
 
     def _save_hf(self, tmp_path: str) -> None:
         full_state: dict[str, Any] = {}
@@ -263,11 +251,8 @@ class CheckpointManager:
         if self.rank == 0:
             from torchtitan.components.hf_safetensors import save_hf_safetensors
 
-            full_state = {
-                k: v.to(self.export_dtype) if torch.is_floating_point(v) else v for k, v in full_state.items()
-            }
             os.makedirs(tmp_path, exist_ok=True)
-            save_hf_safetensors(self.state_dict_adapter.to_hf(full_state), tmp_path)
+            save_hf_safetensors(self.state_dict_adapter.to_hf(self._in_export_dtype(full_state)), tmp_path)
             hf_config = self.state_dict_adapter.hf_config()
             if hf_config is not None:  # config.json makes the folder loadable by transformers as is
                 with open(os.path.join(tmp_path, "config.json"), "w") as f:
@@ -391,11 +376,7 @@ class CheckpointManager:
             set_model_state_dict(part, state, options=StateDictOptions(full_state_dict=True, strict=False))
 
     def _states(self) -> dict[str, Any]:
-        states: dict[str, Any] = {
-            "model": self.model,
-            "optimizer": self.optimizers,
-            "lr_scheduler": self.lr_schedulers,
-        }
+        states: dict[str, Any] = {"model": self.model, "optimizer": self.optimizers, "lr_scheduler": self.lr_schedulers}
         if self.train_state is not None:
             states["train_state"] = self.train_state
         if self.dataloader is not None:
@@ -404,11 +385,8 @@ class CheckpointManager:
         return states
 
     def _states_present_in(self, path: str) -> dict[str, Any]:
-        """All states, minus per-rank ones this checkpoint has no entry for (another DP degree / world size).
-
-        A dataloader entry missing for this DP rank is read from DP rank 0's: the dataloader reshards its
-        position (every DP layout has consumed the same global samples).
-        """
+        """All states, minus per-rank ones this checkpoint has no entry for (another DP degree / world size). A
+        dataloader entry missing for this DP rank is read from DP rank 0's, whose position the dataloader reshards."""
         keys = checkpoint_keys(path)
         states = self._states()
         own_key = f"dataloader.dp_rank_{self.dp_rank}"

@@ -202,10 +202,8 @@ def checkpoint_keys(path: str) -> set[str]:
 
 
 def complete_checkpoints(folder: str) -> dict[int, str]:
-    """{step: path} of the resumable `step-N` folders that have a manifest (validated when loaded).
-
-    Exports are not among them: they live in `exports/`, and an older layout's export at top level is told apart
-    by its manifest's format."""
+    """{step: path} of the resumable `step-N` folders that have a manifest (validated when loaded). Exports are not
+    among them: they live in `exports/` (an older layout's top-level export is told apart by its manifest's format)."""
     complete = {}
     for name in os.listdir(folder):
         match = _STEP_DIR.match(name)

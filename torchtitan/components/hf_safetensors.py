@@ -44,10 +44,8 @@ def _shard_files(folder: str) -> list[str]:
 def save_hf_safetensors(
     state_dict: dict[str, torch.Tensor], folder: str, max_shard_size: int | str = "5GB"
 ) -> list[str]:
-    """Write `state_dict` as shards of at most max_shard_size bytes (int, or "5GB" / "500MB") plus the index json.
-
-    Returns the shard file names. A single tensor larger than max_shard_size gets a shard of its own.
-    """
+    """Write `state_dict` as shards of at most max_shard_size bytes (int, or "5GB" / "500MB"; a larger tensor gets a
+    shard of its own) plus the index json; returns the shard file names."""
     max_bytes = parse_size(max_shard_size)
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
@@ -64,11 +62,8 @@ def save_hf_safetensors(
     weight_map = {}
     for name, shard in zip(names, shards, strict=True):
         # clone: safetensors refuses tensors that share storage (e.g. experts unstacked from one 3D tensor)
-        save_file(
-            {k: v.detach().cpu().clone() for k, v in shard.items()},
-            os.path.join(folder, name),
-            metadata={"format": "pt"},
-        )
+        shard = {k: v.detach().cpu().clone() for k, v in shard.items()}
+        save_file(shard, os.path.join(folder, name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, name))
     total_size = sum(t.numel() * t.element_size() for t in state_dict.values())
     with open(os.path.join(folder, INDEX_FILE), "w") as f:

@@ -79,11 +79,8 @@ def rescale_loss(loss_fn: LossFn, global_valid_tokens: torch.Tensor | float) -> 
 
 
 def count_valid_tokens(label_batches: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Valid (non-ignored) labels over all micro-batches, summed over `group` (the DP ranks) when given.
-
-    Returns a 0-dim fp32 tensor on the labels' device (fp32 is exact up to 2**24 tokens per step and
-    divides without a cast; counts beyond that lose < 1e-7 relative precision).
-    """
+    """Valid (non-ignored) labels over all micro-batches, summed over `group` (the DP ranks) when given: a 0-dim
+    fp32 tensor on the labels' device (exact up to 2**24 tokens per step, divides without a cast)."""
     count = sum((labels != IGNORE_INDEX).sum() for labels in label_batches).to(torch.float32)
     if group is not None:
         dist.all_reduce(count, group=group)

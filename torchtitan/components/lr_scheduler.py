@@ -112,13 +112,7 @@ def build_lr_schedulers(optimizers: OptimizersContainer, job_config: JobConfig) 
 
 
 def warmup_stable_decay_factor(
-    step: int,
-    *,
-    warmup_steps: int,
-    stable_steps: int,
-    decay_steps: int,
-    decay_type: str,
-    min_lr_factor: float,
+    step: int, *, warmup_steps: int, stable_steps: int, decay_steps: int, decay_type: str, min_lr_factor: float
 ) -> float:
     """lr multiplier for 0-based optimizer step `step` (see the module docstring)."""
     warmup_stable_steps = warmup_steps + stable_steps

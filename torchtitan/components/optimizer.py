@@ -4,10 +4,10 @@ AdamW `MultiTensorAdamW` (adamw.py: one Triton launch per parameter bucket, grad
 Weight decay applies to every parameter, norms, biases and embeddings included: that is torchtitan's
 behaviour, kept so results stay comparable with it.
 
-The container's state dict is the *flattened* optimizer state dict of
-`torch.distributed.checkpoint.state_dict`: keys are parameter FQNs (`state.layers.0.wq.weight.exp_avg`,
-`param_groups.layers.0.wq.weight.lr`), values are DTensors where the parameters are sharded. Pipeline stages
-therefore never collide (index-based keys would), and DCP can reshard the state into another FSDP/TP/EP/PP layout.
+The container's state dict is the *flattened* optimizer state dict of `torch.distributed.checkpoint.state_dict`:
+keys are parameter FQNs (`state.layers.0.wq.weight.exp_avg`, `param_groups.layers.0.wq.weight.lr`), values are
+DTensors where the parameters are sharded. Pipeline stages therefore never collide (index-based keys would), and DCP
+can reshard the state into another FSDP/TP/EP/PP layout.
 torch.optim.AdamW and MultiTensorAdamW save the same keys, so a checkpoint of one loads into the other.
 """
 
@@ -18,11 +18,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.utils.hooks import RemovableHandle
 
 from torchtitan.components.adamw import MultiTensorAdamW
@@ -115,12 +111,7 @@ def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig) -> Opt
         raise ValueError(f"optimizer.implementation={config.implementation!r}; use one of {list(_IMPLEMENTATIONS)}")
 
     params_per_part = [[p for p in part.parameters() if p.requires_grad] for part in model_parts]
-    kwargs = {
-        "lr": config.lr,
-        "betas": (config.beta1, config.beta2),
-        "eps": config.eps,
-        "weight_decay": config.weight_decay,
-    }
+    kwargs = dict(lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, weight_decay=config.weight_decay)
     implementation = config.implementation
     if implementation == "triton":
         if config.name == "AdamW":

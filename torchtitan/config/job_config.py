@@ -121,9 +121,8 @@ class Training:
 
     fused_output_loss: bool = True
     """Compute the output head and the cross-entropy together in chunks of rows, the gradient included, so the
-    (tokens, vocab) logits and their gradient never exist whole (6.25 GiB at the start of backward on 16B_bench4,
-    16,384 tokens per GPU). Same FLOPs. MTP modules' heads are fused too. Jobs with tensor or pipeline parallelism
-    use the plain head (logits, then the loss) whatever this says."""
+    (tokens, vocab) logits and their gradient never exist whole; same FLOPs, MTP modules' heads too. Jobs with tensor
+    or pipeline parallelism use the plain head (logits, then the loss) whatever this says."""
 
     gc_freq: int = 50
     """Run Python garbage collection every N steps (automatic GC is disabled during training)."""
@@ -168,8 +167,7 @@ class Parallelism:
     """Tensor parallel degree inside experts: 1, or equal to tensor_parallel_degree."""
 
     expert_parallel_comm_backend: Literal["standard", "deepep"] = "standard"
-    """Token dispatch/combine: `standard` all-to-all, or `deepep`
-    (needs the optional deep_ep package on CUDA)."""
+    """Token dispatch/combine: `standard` all-to-all, or `deepep` (needs the optional deep_ep package on CUDA)."""
 
     deepep_num_sms: int = 24
     """SMs DeepEP's communication kernels may use (even number)."""
@@ -338,9 +336,8 @@ class Quantize:
     float8_experts: bool = False
     """Run the routed experts' grouped GEMMs in FP8 (e4m3, rowwise scales), forward and backward. Needs FP8 tensor
     cores (compute capability 8.9+, e.g. H100/H200; CPU emulates them) and dim / moe_inter_dim multiples of 16.
-    The router, the shared experts, attention and the output head stay in bf16 (see float8_linears). On one H200
-    the 671B-like experts run 1.17x bf16's speed forward+backward, the 16B-like 1.03x, and 16B_bench4 trains at
-    1.00-1.01x bf16's tokens/s (benchmarks/NOTES.md)."""
+    The router, the shared experts, attention and the output head stay in bf16 (see float8_linears). Gains grow with
+    the expert size (benchmarks/NOTES.md)."""
 
     float8_linears: bool = False
     """Run the dense linears in FP8 with the experts' recipe: the attention projections, the dense layers' FFN and

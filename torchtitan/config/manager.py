@@ -130,9 +130,9 @@ def validate(job_config: JobConfig) -> None:
     for key in _DEGREE_KEYS:
         value = _value(job_config, key)
         _require(value >= 1, f"{key} must be >= 1, got {value}; pass --{key} 1 to disable it")
-    for key in ("validation.local_batch_size", "validation.seq_len"):
+    for key, ok, requirement in _RANGES:
         value = _value(job_config, key)
-        _require(value is None or value > 0, f"{key} must be none or a positive integer, got {value}")
+        _require(ok(value), f"{key} must be {requirement}, got {value}")
     for key in ("parallelism.deepep_num_sms", "parallelism.deepep_overlap_num_sms"):
         sms = _value(job_config, key)
         if sms is not None:
@@ -149,7 +149,6 @@ def validate(job_config: JobConfig) -> None:
         f"training.global_batch_size must be -1 or a positive multiple of training.local_batch_size ({lbs}), "
         f"got {gbs}; pass --training.global_batch_size -1 or a multiple of {lbs}",
     )
-    _require(training.max_norm > 0, f"training.max_norm must be > 0, got {training.max_norm}")
     for key in ("training.seq_len", "validation.seq_len"):
         seq_len = _value(job_config, key) or training.seq_len
         _require(
@@ -157,20 +156,10 @@ def validate(job_config: JobConfig) -> None:
             f"{key} ({seq_len}) must be divisible by tensor_parallel_degree ({tp}) for sequence "
             f"parallelism; change --{key} or --parallelism.tensor_parallel_degree",
         )
-    dp_shard = par.data_parallel_shard_degree
-    _require(
-        dp_shard == -1 or dp_shard >= 1,
-        f"parallelism.data_parallel_shard_degree must be -1 (use the remaining ranks) or >= 1, got {dp_shard}",
-    )
     _require(
         par.expert_tensor_parallel_degree in (1, tp),
         "parallelism.expert_tensor_parallel_degree must be 1 or equal to parallelism.tensor_parallel_degree "
         f"({tp}), got {par.expert_tensor_parallel_degree}",
-    )
-    layers = par.pipeline_parallel_layers_per_stage
-    _require(
-        layers is None or layers >= 1,
-        f"parallelism.pipeline_parallel_layers_per_stage must be None or >= 1, got {layers}",
     )
     backend, ep = par.expert_parallel_comm_backend, par.expert_parallel_degree
     _require(
@@ -185,19 +174,6 @@ def validate(job_config: JobConfig) -> None:
             f"{flag} needs --parallelism.expert_parallel_comm_backend deepep and expert_parallel_degree > 1 (it is "
             f"a DeepEP feature; got {backend!r}, {ep}); drop the flag or switch the backend",
         )
-
-    sched = job_config.lr_scheduler
-    _require(sched.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be >= 0, got {sched.warmup_steps}")
-    _require(
-        sched.decay_ratio is None or 0.0 <= sched.decay_ratio <= 1.0,
-        f"lr_scheduler.decay_ratio must be in [0, 1] or none, got {sched.decay_ratio}",
-    )
-    _require(
-        0.0 <= sched.min_lr_factor <= 1.0, f"lr_scheduler.min_lr_factor must be in [0, 1], got {sched.min_lr_factor}"
-    )
-    _require(job_config.optimizer.lr >= 0, f"optimizer.lr must be >= 0, got {job_config.optimizer.lr}")
-    keep = job_config.checkpoint.keep_latest_k
-    _require(keep >= 0, f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {keep}")
 
     unknown = sorted(set(job_config.compile.components) - {"model", "loss"})
     _require(
@@ -222,6 +198,19 @@ _DEGREE_KEYS = (
     "parallelism.pipeline_parallel_degree parallelism.pipeline_parallel_microbatch_size "
     "parallelism.expert_parallel_degree parallelism.expert_tensor_parallel_degree"
 ).split()
+# (key, whether its value is valid, what a valid value is)
+_RANGES = (
+    ("validation.local_batch_size", lambda v: v is None or v > 0, "none or a positive integer"),
+    ("validation.seq_len", lambda v: v is None or v > 0, "none or a positive integer"),
+    ("training.max_norm", lambda v: v > 0, "> 0"),
+    ("parallelism.data_parallel_shard_degree", lambda v: v == -1 or v >= 1, "-1 (use the remaining ranks) or >= 1"),
+    ("parallelism.pipeline_parallel_layers_per_stage", lambda v: v is None or v >= 1, "None or >= 1"),
+    ("lr_scheduler.warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("lr_scheduler.decay_ratio", lambda v: v is None or 0.0 <= v <= 1.0, "in [0, 1] or none"),
+    ("lr_scheduler.min_lr_factor", lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+    ("optimizer.lr", lambda v: v >= 0, ">= 0"),
+    ("checkpoint.keep_latest_k", lambda v: v >= 0, ">= 0 (0 keeps all)"),
+)
 
 
 def _value(job_config: JobConfig, key: str) -> Any:
@@ -272,14 +261,10 @@ def _field_docs(cls: type) -> dict[str, str]:
     docs = {}
     body = class_def.body
     for node, following in zip(body, body[1:], strict=False):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(following, ast.Expr)
-            and isinstance(following.value, ast.Constant)
-            and isinstance(following.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(following.value.value.split())
+        doc = following.value if isinstance(following, ast.Expr) else None
+        is_doc = isinstance(doc, ast.Constant) and isinstance(doc.value, str)
+        if is_doc and isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            docs[node.target.id] = " ".join(doc.value.split())
     return docs
 
 

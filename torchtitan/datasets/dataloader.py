@@ -126,11 +126,4 @@ def build_dataloader(
     global batches (see text_datasets).
     """
     dataset, identity = build_text_dataset(job_config, tokenizer, dp_rank, dp_world_size, split)
-    return ParallelAwareDataloader(
-        dataset,
-        identity,
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
-        batch_size=dataset.local_batch_size,
-        num_workers=num_workers,
-    )
+    return ParallelAwareDataloader(dataset, identity, dp_rank, dp_world_size, dataset.local_batch_size, num_workers)

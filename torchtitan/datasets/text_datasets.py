@@ -63,12 +63,7 @@ class PackedTextDataset(IterableDataset):
     """
 
     def __init__(
-        self,
-        token_stream: torch.Tensor,
-        seq_len: int,
-        local_batch_size: int,
-        dp_rank: int,
-        dp_world_size: int,
+        self, token_stream: torch.Tensor, seq_len: int, local_batch_size: int, dp_rank: int, dp_world_size: int
     ):
         if token_stream.ndim != 1 or token_stream.numel() == 0:
             raise ValueError("token_stream must be a non-empty 1-D tensor of token ids")
@@ -84,10 +79,8 @@ class PackedTextDataset(IterableDataset):
         self._samples_yielded = 0
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-        worker = get_worker_info()
-        num_workers, worker_id = (1, 0) if worker is None else (worker.num_workers, worker.id)
         while True:
-            sample_index = self._global_sample_index(self._samples_yielded, num_workers, worker_id)
+            sample_index = self._global_sample_index(self._samples_yielded)
             window = self.sample(sample_index)
             self._samples_yielded += 1
             yield {"input": window[:-1]}, window[1:]
@@ -98,17 +91,17 @@ class PackedTextDataset(IterableDataset):
         positions = torch.arange(start, start + self.seq_len + 1) % self.token_stream.numel()
         return self.token_stream[positions]
 
-    def _global_sample_index(self, local_index: int, num_workers: int, worker_id: int) -> int:
+    def _global_sample_index(self, local_index: int) -> int:
         # A DataLoader with N workers takes whole batches from them round-robin: worker w builds this rank's
         # local batches w, w + N, w + 2N, ...
+        worker = get_worker_info()
+        num_workers, worker_id = (1, 0) if worker is None else (worker.num_workers, worker.id)
         local_batch = (local_index // self.local_batch_size) * num_workers + worker_id
         global_batch = local_batch * self.dp_world_size + self.dp_rank
         return global_batch * self.local_batch_size + local_index % self.local_batch_size
 
     def state_dict(self) -> dict[str, int]:
-        worker = get_worker_info()
-        num_workers, worker_id = (1, 0) if worker is None else (worker.num_workers, worker.id)
-        next_sample = self._global_sample_index(self._samples_yielded, num_workers, worker_id)
+        next_sample = self._global_sample_index(self._samples_yielded)
         epoch = next_sample * (self.seq_len + 1) // self.token_stream.numel()
         return {"samples_yielded": self._samples_yielded, "epoch": epoch}
 

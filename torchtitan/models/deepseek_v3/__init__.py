@@ -21,14 +21,9 @@ __all__ = [
 
 
 def get_model_args(job_config) -> DeepSeekV3ModelArgs:
-    """Model args for a JobConfig: `model.hf_config_path` (a HF config.json) if set, else `model.flavor`.
-
-    max_seq_len is raised to training.seq_len if shorter (with a warning when that switches YaRN on);
-    debug.moe_force_load_balance is copied into moe_args; model.attn_mask_type overrides the flavor's mask and
-    model.mtp_layers (when set) the flavor's / HF config's MTP depth. With an initial checkpoint (HF or DCP) that
-    holds no MTP tensors, MTP is off unless model.mtp_layers asks for it (then freshly initialized;
-    mtp_layers_for_checkpoint).
-    """
+    """Model args for a JobConfig: `model.hf_config_path` (a HF config.json) if set, else `model.flavor`, with the
+    job's overrides. With an initial checkpoint that holds no MTP tensors, MTP is off unless model.mtp_layers asks for
+    it (mtp_layers_for_checkpoint)."""
     if job_config.model.hf_config_path:
         with open(job_config.model.hf_config_path) as f:
             args = model_args_from_hf_config(json.load(f))

@@ -93,13 +93,9 @@ class DeepSeekV3ModelArgs:
         return layers + embed_and_head + mtp
 
     def attention_flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token of the score (QK^T) and mix (AV) matmuls, summed over layers.
-
-        Per layer, head and token, the forward pass does 2 * qk_head_dim * seq_len FLOPs for QK^T and
-        2 * v_head_dim * seq_len for AV; backward doubles that, so training is
-        6 * (qk_head_dim + v_head_dim) * seq_len = 12 * (qk_head_dim + v_head_dim) / 2 * seq_len.
-        No causal discount (the usual PaLM / torchtitan convention).
-        """
+        """Training FLOPs per token of the score (QK^T) and mix (AV) matmuls, summed over layers: per layer and head,
+        the forward's 2 * (qk_head_dim + v_head_dim) * seq_len, and twice that for the backward. No causal discount
+        (the usual PaLM / torchtitan convention)."""
         return 6 * (self.n_layers + self.mtp_layers) * self.n_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
@@ -127,21 +123,9 @@ class DeepSeekV3ModelArgs:
 
 
 deepseekv3_flavors: dict[str, DeepSeekV3ModelArgs] = {
-    # Tiny model for CPU tests and the shipped corpus / tokenizer (vocab 2048).
+    # Tiny model for CPU tests and the shipped corpus / tokenizer: the field defaults above are its shape.
     "debugmodel": DeepSeekV3ModelArgs(
-        vocab_size=2048,
-        dim=256,
-        inter_dim=1024,
-        moe_inter_dim=256,
-        n_layers=6,
-        n_dense_layers=1,
-        n_heads=16,
         moe_args=MoEArgs(num_experts=8, num_shared_experts=2, top_k=3, score_func="softmax", route_norm=False),
-        q_lora_rank=0,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
         mscale=0.70,
     ),
     # DeepSeek-V2-Lite / Moonlight shape (~15.7B total, ~2.7B active with vocab 102400).
@@ -151,11 +135,8 @@ deepseekv3_flavors: dict[str, DeepSeekV3ModelArgs] = {
         inter_dim=10944,
         moe_inter_dim=1408,
         n_layers=27,
-        n_dense_layers=1,
         n_heads=16,
         moe_args=MoEArgs(num_experts=64, num_shared_experts=2, top_k=6, score_func="softmax", route_norm=False),
-        q_lora_rank=0,
-        kv_lora_rank=512,
         max_seq_len=163840,
         mscale=0.707,
     ),
@@ -166,20 +147,17 @@ deepseekv3_flavors: dict[str, DeepSeekV3ModelArgs] = {
         inter_dim=12288,
         moe_inter_dim=1536,
         n_layers=60,
-        n_dense_layers=1,
         n_heads=128,
         moe_args=MoEArgs(
             num_experts=160,
             num_shared_experts=2,
             top_k=6,
             score_func="softmax",
-            route_norm=False,
             route_scale=16.0,
             num_expert_groups=8,
             num_limited_groups=3,
         ),
         q_lora_rank=1536,
-        kv_lora_rank=512,
         max_seq_len=163840,
         mscale=0.707,
     ),
@@ -203,19 +181,15 @@ deepseekv3_flavors: dict[str, DeepSeekV3ModelArgs] = {
             num_limited_groups=4,
         ),
         q_lora_rank=1536,
-        kv_lora_rank=512,
         max_seq_len=163840,
-        mscale=1.0,
     ),
 }
 
 # Variants of the presets above (dataclasses.replace: the same shape with the named fields changed).
 # debugmodel with document-masked (block-causal) attention for packed sequences.
 deepseekv3_flavors["debugmodel_flex"] = replace(deepseekv3_flavors["debugmodel"], attn_mask_type="block_causal")
-# debugmodel shrunk for the CPU test suite: the same structure (MLA, 1 dense + 3 MoE layers, 8 experts top-3 with 2
-# shared) at ~1.6M parameters, so a training step takes ~0.1 s on one core instead of ~2 s (most of debugmodel's step
-# is its bf16 grouped GEMMs, which CPUs without bf16 instructions run slowly). Still splits into 4 pipeline stages and
-# over EP=4 / TP=2.
+# debugmodel shrunk for the CPU test suite (~1.6M parameters, a step ~0.1 s on one core instead of ~2 s): the same
+# structure (MLA, 1 dense + 3 MoE layers, 8 experts top-3 with 2 shared), still splitting into 4 PP stages, EP=4, TP=2.
 deepseekv3_flavors["debugmodel_tiny"] = replace(
     deepseekv3_flavors["debugmodel"],
     dim=128,
@@ -228,15 +202,12 @@ deepseekv3_flavors["debugmodel_tiny"] = replace(
     qk_rope_head_dim=16,
     v_head_dim=32,
 )
-# GPU benchmark: the 16B layer shape cut to 8 layers (1 dense + 7 MoE): ~4.6B total / ~1.1B active params.
-# fp32 params + grads + AdamW states (16 B/param) are ~74 GB, so FSDP x EP over 2-4 H200s holds it with room
-# for activations at seq_len 4096. Trained from scratch, so no YaRN (max_seq_len == original_seq_len).
+# GPU benchmark: the 16B layer shape cut to 8 layers (1 dense + 7 MoE), ~4.6B total / ~1.1B active params, whose
+# ~74 GB of fp32 training state fits FSDP x EP over 2-4 H200s. Trained from scratch, so no YaRN (max_seq_len 4096).
 deepseekv3_flavors["16B_bench4"] = replace(deepseekv3_flavors["16B"], n_layers=8, max_seq_len=4096)
-# GPU acceptance (scripts/bench/gpu_acceptance.py): the 16B layer shape cut to 3 layers (1 dense + 2 MoE), ~1.7B
-# params: the same kernels as 16B_bench4, and a full training state (~21 GB) that saves and resumes within the
-# acceptance's time and a 64 GiB disk.
+# GPU acceptance (scripts/bench/gpu_acceptance.py): 16B cut to 3 layers (~1.7B params), the same kernels as
+# 16B_bench4 with a training state (~21 GB) that saves and resumes within the acceptance's time and a 64 GiB disk.
 deepseekv3_flavors["16B_accept"] = replace(deepseekv3_flavors["16B"], n_layers=3, max_seq_len=4096)
-# GPU benchmark: the 671B layer shape (dim 7168, 256 experts, sigmoid group-limited routing) cut to 3 layers
-# (1 dense + 2 MoE): ~25B total / ~3.6B active params, ~400 GB of fp32 training state, so it needs FSDP x EP
-# over 8 H200s. Exercises DeepSeek-V3's real routing and expert sizes.
+# GPU benchmark: DeepSeek-V3's real routing and expert sizes (671B cut to 1 dense + 2 MoE layers): ~25B total / ~3.6B
+# active params, ~400 GB of fp32 training state, so FSDP x EP over 8 H200s.
 deepseekv3_flavors["671B_bench8"] = replace(deepseekv3_flavors["671B"], n_layers=3, n_dense_layers=1, max_seq_len=4096)

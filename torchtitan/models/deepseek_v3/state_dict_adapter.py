@@ -104,9 +104,8 @@ class DeepSeekV3StateDictAdapter:
 
         Layers n_layers .. n_layers + mtp_layers - 1 become the MTP modules (their copies of the embedding and head
         are dropped: ours are shared); later layers are skipped (DeepSeek-V3's MTP layer 61 when mtp_layers is 0).
-        An MTP module the checkpoint has no tensor of is left out (the model keeps its own init; see
-        mtp_layers_for_checkpoint). A checkpoint without e_score_correction_bias (DeepSeek-V2) gets a zero
-        expert_bias.
+        An MTP module the checkpoint has no tensor of is left out (the model keeps its own init). A checkpoint without
+        e_score_correction_bias (DeepSeek-V2) gets a zero expert_bias.
         """
         n_layers, num_experts = self.model_args.n_layers, self.model_args.moe_args.num_experts
         n_blocks = n_layers + self.model_args.mtp_layers
@@ -147,16 +146,11 @@ class DeepSeekV3StateDictAdapter:
 def mtp_layers_for_checkpoint(
     args: DeepSeekV3ModelArgs, keys: Collection[str], path: str, *, in_hf: bool, requested: bool, flag: str
 ) -> int:
-    """The MTP depth to build for starting from the checkpoint at `path`, which holds the tensors named `keys`: HF
-    names (`in_hf`), or our model's (a DCP checkpoint's keys without their "model." prefix).
-
-    args.mtp_layers is the depth asked for: the HF config's num_nextn_predict_layers, or the user's `flag` when
-    `requested`. transformers' DeepseekV3Config defaults num_nextn_predict_layers to 1 while its model has no MTP
-    module, so its save_pretrained writes no model.layers.{n_layers}.* tensors (nor does a conversion of such a
-    folder hold mtp.*). A checkpoint holding none of the MTP layers therefore loads without them, with one warning:
-    MTP stays off (returns 0), or, when `requested`, the modules start freshly initialized (returns
-    args.mtp_layers). One holding every MTP layer loads them; one holding only some of the layers, or part of one,
-    is corrupt (ValueError).
+    """The MTP depth to build for starting from the checkpoint at `path`, whose tensors are `keys` (HF names if
+    `in_hf`, else our model's), when args.mtp_layers (the HF config's, or the user's `flag` when `requested`) asks
+    for MTP. transformers' DeepseekV3Config defaults num_nextn_predict_layers to 1 while its model has no MTP module,
+    so its save_pretrained writes no MTP tensors: a checkpoint holding none loads without MTP (0, with a warning) or,
+    when `requested`, with freshly initialized modules. One holding only part of the MTP layers raises ValueError.
     """
     if args.mtp_layers == 0:
         return 0
