@@ -125,6 +125,13 @@ def build_text_dataset(
     seq_len, batch_size = training.seq_len, training.local_batch_size
     if split == "validation":
         seq_len, batch_size = validation.seq_len or seq_len, validation.local_batch_size or batch_size
+        held = token_stream.numel() // ((seq_len + 1) * batch_size * dp_world_size)  # batches without repeating
+        if validation.steps > held:
+            raise DatasetError(
+                f"validation.steps={validation.steps} needs more batches than the validation set holds ({held} of "
+                f"{dp_world_size} x {batch_size} x {seq_len} tokens): lower --validation.steps, or give a larger "
+                "--validation.dataset_path"
+            )
     dataset = PackedTextDataset(token_stream, seq_len, batch_size, dp_rank, dp_world_size)
     identity = {
         # Informational only (a resumed run may read the same corpus from another folder); the content

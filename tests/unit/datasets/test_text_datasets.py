@@ -220,17 +220,31 @@ def test_validation_holds_out_every_20th_document_and_training_skips_it(tmp_path
 
     job_config = make_job_config(path)
     assert build_text_dataset(job_config, tokenizer, 0, 1)[0].token_stream.tolist() == tokens(range(45))
-    job_config.validation.enable, job_config.validation.seq_len = True, 8
+    job_config.validation.enable, job_config.validation.seq_len, job_config.validation.steps = True, 2, 1
     train, train_identity = build_text_dataset(job_config, tokenizer, 0, 1)
     held_out, identity = build_text_dataset(job_config, tokenizer, 0, 1, "validation")
     assert held_out.token_stream.tolist() == tokens([19, 39]) and identity["num_documents"] == 2
     assert train.token_stream.tolist() == tokens(i for i in range(45) if i not in (19, 39))
     assert train_identity["num_documents"] == 43 and (train.seq_len, train.local_batch_size) == (16, 2)
-    assert (held_out.seq_len, held_out.local_batch_size) == (8, 2)  # its own seq_len, the training's batch size
+    assert (held_out.seq_len, held_out.local_batch_size) == (2, 2)  # its own seq_len, the training's batch size
     # a validation corpus of its own is read whole, and training reads every document again
     job_config.validation.dataset_path = str(path)
     assert build_text_dataset(job_config, tokenizer, 0, 1, "validation")[0].token_stream.tolist() == tokens(range(45))
     assert build_text_dataset(job_config, tokenizer, 0, 1)[0].token_stream.tolist() == tokens(range(45))
+
+
+def test_more_validation_steps_than_the_set_holds_is_one_error(tmp_path, tokenizer, make_job_config):
+    """Validation never repeats a batch within a pass: a set with fewer batches than validation.steps is an error."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(45)))
+    job_config = make_job_config(path)
+    job_config.validation.enable, job_config.validation.seq_len, job_config.validation.steps = True, 2, 1
+    held = build_text_dataset(job_config, tokenizer, 0, 1, "validation")[0].token_stream.numel() // (3 * 2)
+    job_config.validation.steps = held
+    build_text_dataset(job_config, tokenizer, 0, 1, "validation")
+    job_config.validation.steps = held + 1
+    with pytest.raises(DatasetError, match=f"validation.steps={held + 1} needs more batches .* \\({held} of 1 x 2 x 2"):
+        build_text_dataset(job_config, tokenizer, 0, 1, "validation")
 
 
 def test_a_corpus_too_small_to_hold_out_from_is_one_error(tokenizer, jsonl_corpus, make_job_config):
