@@ -32,6 +32,7 @@ from torchtitan.components.checkpoint_folder import (  # noqa: E402
     corrupt_checkpoint_error,
     corrupt_files,
     dcp_error_text,
+    model_key_prefix,
     validate_checkpoint,
 )
 from torchtitan.components.hf_safetensors import load_hf_safetensors, save_hf_safetensors  # noqa: E402
@@ -132,7 +133,7 @@ def load_model_from_dcp(src: str, args: DeepSeekV3ModelArgs) -> dict[str, torch.
         raise CheckpointError(
             f"cannot read {src}/.metadata ({dcp_error_text(err)}): convert an intact checkpoint"
         ) from err
-    prefix = "model." if any(key.startswith("model.") for key in metadata) else ""
+    prefix = model_key_prefix(metadata)
     found = {key.removeprefix(prefix): entry for key, entry in metadata.items() if key.startswith(prefix)}
     state_dict = {}
     fix = "give the --flavor or --hf-config (and --mtp-layers) it was trained with"

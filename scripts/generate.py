@@ -30,7 +30,7 @@ from tokenizers import Tokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
-from torchtitan.components.checkpoint_folder import CheckpointError, checkpoint_keys  # noqa: E402
+from torchtitan.components.checkpoint_folder import CheckpointError, checkpoint_keys, model_key_prefix  # noqa: E402
 from torchtitan.components.hf_safetensors import load_hf_safetensors  # noqa: E402
 from torchtitan.datasets.tokenizer import BOS_TOKEN, EOS_TOKEN, resolve_tokenizer_path  # noqa: E402
 from torchtitan.models.deepseek_v3 import (  # noqa: E402
@@ -157,7 +157,7 @@ def load_model(path: str, args: DeepSeekV3ModelArgs, device: torch.device) -> De
     state = model.state_dict()  # its tensors are the model's: loading into them loads the model
     if _is_dcp(path):
         keys = checkpoint_keys(path)
-        prefix = "model." if any(key.startswith("model.") for key in keys) else ""  # else: an export at top level
+        prefix = model_key_prefix(keys)
         _check_holds(path, [name for name in state if prefix + name not in keys])
         with warnings.catch_warnings():  # "torch.distributed is disabled ... a single process": yes, on purpose
             warnings.simplefilter("ignore", UserWarning)

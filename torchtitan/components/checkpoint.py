@@ -47,6 +47,7 @@ from torchtitan.components.checkpoint_folder import (
     corrupt_files,
     dcp_error_text,
     exports,
+    model_key_prefix,
     publish,
     resolve_tmp_folders,
     unfinished_checkpoints,
@@ -345,8 +346,7 @@ class CheckpointManager:
         self._rank0_decides(lambda: validate_foreign_dcp(path))
         if self.config.initial_load_model_only:
             keys = checkpoint_keys(path)
-            # "model." unless the model is at top level (torchtitan's own model-only export)
-            prefix = "model." if any(key.startswith("model.") for key in keys) else ""
+            prefix = model_key_prefix(keys)
             state = self.model.state_dict()
             if not any(key.startswith(prefix + "mtp.") for key in keys):
                 # MTP modules the checkpoint holds none of keep their fresh init (get_model_args warned)

@@ -201,6 +201,12 @@ def checkpoint_keys(path: str) -> set[str]:
         ) from err
 
 
+def model_key_prefix(keys) -> str:
+    """How a DCP checkpoint names the model's tensors: "model." under the trainer's {"model": ...} state (full
+    checkpoints, scripts/convert_hf.py's output), "" at top level (a model-only export)."""
+    return "model." if any(key.startswith("model.") for key in keys) else ""
+
+
 def complete_checkpoints(folder: str) -> dict[int, str]:
     """{step: path} of the resumable `step-N` folders that have a manifest (validated when loaded). Exports are not
     among them: they live in `exports/` (an older layout's top-level export is told apart by its manifest's format)."""

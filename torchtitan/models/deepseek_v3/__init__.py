@@ -75,9 +75,8 @@ def _initial_checkpoint_keys(checkpoint) -> set[str] | None:
         return set(hf_safetensors_keys(path))
     if not os.path.isfile(os.path.join(path, ".metadata")):
         return None
-    from torchtitan.components.checkpoint_folder import checkpoint_keys
+    from torchtitan.components.checkpoint_folder import checkpoint_keys, model_key_prefix
 
     keys = checkpoint_keys(path)
-    if any(key.startswith("model.") for key in keys):
-        return {key.removeprefix("model.") for key in keys if key.startswith("model.")}
-    return keys
+    prefix = model_key_prefix(keys)
+    return {key.removeprefix(prefix) for key in keys if key.startswith(prefix)}
