@@ -8,6 +8,9 @@ work, no thread pool, no CUDA context exists in it to be forked, which is what m
 """
 
 import multiprocessing
+import os
+
+import torch
 
 PRELOAD = [
     "pytest",
@@ -23,3 +26,11 @@ PRELOAD = [
 
 CONTEXT = multiprocessing.get_context("forkserver")
 CONTEXT.set_forkserver_preload(PRELOAD)
+
+
+def adopt_environment(environ: dict[str, str], threads: int) -> None:
+    """Make a forked rank see the caller's environment (the server's is the one it started with) and use `threads`
+    CPU threads (OMP_NUM_THREADS is read at torch's import, which happened in the server)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    torch.set_num_threads(threads)

@@ -11,9 +11,8 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.forkserver import CONTEXT
+from tests.forkserver import CONTEXT, adopt_environment
 from torchtitan import train
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -76,8 +75,7 @@ def run_trainer(
         finally:
             for process in ranks:
                 if _exit_code(process) is None:
-                    process.kill()
-                    process.wait() if isinstance(process, subprocess.Popen) else process.join()
+                    _kill(process)
         stdout, stderr = ("".join(paths[i].read_text() for paths in outputs) for i in (0, 1))
     if check and returncode != 0:
         raise AssertionError(f"trainer failed ({returncode}):\n{stdout[-4000:]}\n{stderr[-8000:]}")
@@ -87,9 +85,7 @@ def run_trainer(
 def _trainer_rank(argv: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> None:
     """One rank of `run_trainer`: `python -m torchtitan.train argv` in a forked process, its output in files."""
     os.chdir(REPO_ROOT)
-    os.environ.clear()
-    os.environ.update(env)
-    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    adopt_environment(env, int(env["OMP_NUM_THREADS"]))
     for fd, path in ((1, stdout), (2, stderr)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
     sys.stdout.reconfigure(line_buffering=True)
@@ -99,6 +95,14 @@ def _trainer_rank(argv: list[str], env: dict[str, str], stdout: Path, stderr: Pa
 
 def _exit_code(process: subprocess.Popen | BaseProcess) -> int | None:
     return process.poll() if isinstance(process, subprocess.Popen) else process.exitcode
+
+
+def _kill(process: subprocess.Popen | BaseProcess) -> None:
+    process.kill()
+    if isinstance(process, subprocess.Popen):
+        process.wait()
+    else:
+        process.join()
 
 
 def _wait_all(procs: list, timeout: float) -> int:

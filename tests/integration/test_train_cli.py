@@ -60,7 +60,7 @@ def test_folded_clipping_trains_like_clip_grad_norm_and_torch_adamw(tmp_path):
 def _run_launcher(args: list[str], env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "CONFIG_FILE": str(DEBUG_CONFIG), "NGPU": "1", "PYTHON": sys.executable, **(env_extra or {})}
     return subprocess.run(
-        ["bash", "run_train.sh", *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+        ["bash", "run_train.sh", *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120
     )
 
 

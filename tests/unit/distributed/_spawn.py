@@ -8,20 +8,17 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh
 
-from tests.forkserver import CONTEXT
+from tests.forkserver import CONTEXT, adopt_environment
 
 
 def _worker(
     rank: int, world_size: int, environ: dict, init_file: str, fn: Callable, args: tuple, errors: Any
 ) -> None:
-    os.environ.clear()  # the caller's environment, not the server's from when it started
-    os.environ.update(environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+    adopt_environment({**environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}, 1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
