@@ -81,16 +81,15 @@ def _assert_close(got: tuple[dict, dict], expected: tuple[dict, dict], extra: li
         # the natural-routing crash's path (deepep + compile + full AC): blocks 0 (dense) and 2 (MoE) fully
         # checkpointed, MoE blocks 1 and 3 not, all calling the same compiled MoE regions
         (2, [*DEEPEP, *INDUCTOR, *EVERY_2ND]),
-        # per-op SAC of the deepep path under inductor; the synced dispatch is compiled by the run above
+        # per-op SAC of the deepep path under inductor; the synced dispatch is compiled by the run above. The
+        # standard backend compiles the same MoE regions (the token exchange runs eager between them, see
+        # distributed/compile.py): its compiled runs are in test_parallel_parity.py and test_mtp.py (aot_eager)
         (2, [*DEEPEP, *SYNC_FREE, *INDUCTOR, *OP_SAC]),
-        # the standard backend's compiled regions under inductor
-        (2, [*INDUCTOR, *OP_SAC]),
     ],
     ids=[
         "ep2-deepep-eager",
         "ep2-deepep-inductor-every-2nd",
         "ep2-deepep-sync-free-inductor-op-sac",
-        "ep2-standard-inductor-op-sac",
     ],
 )
 def test_matches_standard_eager_without_ac(tmp_path, reference_losses, ep, extra):
