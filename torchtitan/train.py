@@ -146,6 +146,7 @@ class Trainer:
             # what computes in bf16 is stored in bf16, updated through fp32 masters: no cast per use (master_weights.py)
             bf16_modules = (nn.Linear, GroupedExperts)
             master_weights = store_weights_in_bf16(self.model_parts, bf16_modules, fp32_grads=self.grad_accum_steps > 1)
+            logger.info(f"{len(master_weights)} weights stored in bf16, their fp32 masters updated by the optimizer")
         elif autocast_dtype is not None:
             logger.info(
                 "the weights stay fp32 (autocast casts them at every use): fp32 master weights need AdamW 'triton'"

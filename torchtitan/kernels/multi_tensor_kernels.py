@@ -137,13 +137,13 @@ def _adamw_block(
         tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
         tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
         if WRITE_BF16:
-            tl.store(bf16_ptr + offsets, param.to(tl.bfloat16), mask=mask)
+            tl.store(bf16_ptr + offsets, param.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=mask)
     else:
         tl.store(param_ptr + offsets, param)
         tl.store(exp_avg_ptr + offsets, exp_avg)
         tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq)
         if WRITE_BF16:
-            tl.store(bf16_ptr + offsets, param.to(tl.bfloat16))
+            tl.store(bf16_ptr + offsets, param.to(tl.bfloat16, fp_downcast_rounding="rtne"))
 
 
 @triton.jit
