@@ -148,9 +148,7 @@ class Trainer:
             master_weights = store_weights_in_bf16(self.model_parts, bf16_modules, fp32_grads=self.grad_accum_steps > 1)
             logger.info(f"{len(master_weights)} weights stored in bf16, their fp32 masters updated by the optimizer")
         elif autocast_dtype is not None:
-            logger.info(
-                "the weights stay fp32 (autocast casts them at every use): fp32 master weights need AdamW 'triton'"
-            )
+            logger.info("weights stay fp32, cast by autocast at every use: bf16 weights need optimizer AdamW 'triton'")
         self.optimizers = build_optimizers(self.model_parts, job_config, master_weights)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, job_config)
         self.optimizers.register_step_pre_hook(

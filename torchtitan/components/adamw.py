@@ -14,11 +14,9 @@ CUDA parameters are stepped by the Triton kernel of `multi_tensor_kernels.py`; p
 torch's foreach ops (the same update, the order of torch's foreach AdamW), which is also what CPU tests exercise.
 DTensor parameters (FSDP2, expert parallel) are updated through their local shards.
 
-`master_weights` ({bf16 parameter: its fp32 master}, `master_weights.py`): the update runs on the master, from the
-parameter's gradient, with fp32 moments, and writes the master rounded to bf16 into the parameter in the same pass.
-The state keeps torch's keys and fp32 moments, and is created for every parameter at construction: DCP's
-state-dict initialisation (a zero-lr step on zero gradients of the parameter's dtype) cannot set a gradient on a
-parameter whose gradients are fp32 (`grad_dtype`).
+`master_weights` ({bf16 parameter: fp32 master}, `master_weights.py`): the update runs on the master (fp32 moments,
+the parameter's gradient) and writes it rounded to bf16 into the parameter in the same pass. The state is then made at
+construction: DCP's own state init sets zero gradients of the parameter's dtype, refused where `grad_dtype` is fp32.
 """
 
 from collections import defaultdict

@@ -1,19 +1,14 @@
-"""bf16 weights with fp32 master copies: mixed precision for a model that FSDP does not wrap (one device).
+"""bf16 weights with fp32 masters: mixed precision for a model FSDP does not wrap (one device).
 
-FSDP casts its units' parameters to bf16 once per forward. Without it the forward runs under autocast, which casts
-every fp32 weight at every use, and activation checkpointing casts again in the recompute: three casts per weight per
-micro-batch. Here the weights that compute in bf16 anyway are stored in bf16, so nothing casts them; their fp32
-masters are what the optimizer updates, and it writes each master rounded to bf16 back into its weight in the same
-pass (`MultiTensorAdamW(master_weights=...)`): one cast per weight per optimizer step. A bf16 weight's gradient is
-the bf16 gradient autocast's cast backward produced before it was upcast (for one micro-batch, the same values).
-Memory per such weight: bf16 weight + fp32 master + bf16 gradient = fp32 weight + fp32 gradient.
+Under autocast every fp32 weight is cast at each use, and again in activation checkpointing's recompute. The weights
+that compute in bf16 anyway are stored in bf16 instead; the optimizer updates their fp32 masters and writes each
+rounded to bf16 into its weight in the same pass (`MultiTensorAdamW(master_weights=...)`): one cast per weight per
+step. A weight's bf16 gradient is the one autocast's cast backward computed before upcasting it. Memory per weight is
+unchanged (bf16 weight + fp32 master + bf16 gradient), except with gradient accumulation: the gradients are then fp32
+(`grad_dtype`), summed as for fp32 weights (a bf16 sum rounds at each micro-batch), 2 bytes per weight more.
 
-With gradient accumulation the weights' gradients are fp32 (`grad_dtype`): autograd upcasts each micro-batch's bf16
-gradient and sums in fp32, as it does for fp32 weights (a bf16 sum would round at every micro-batch). That costs 2
-bytes per weight more than fp32 weights do.
-
-The model's state dict holds the masters (same keys, fp32), and loading a state dict sets the master and its bf16
-weight: checkpoints, exports and initial loads see the fp32 values, and stay interchangeable with fp32 models.
+The model's state dict holds the masters (same keys, fp32) and a loaded value goes to the master before its bf16
+copy, so checkpoints, exports and initial loads see fp32 values, interchangeable with an fp32 model's.
 """
 
 from functools import partial
@@ -28,9 +23,8 @@ __all__ = ["store_weights_in_bf16"]
 def store_weights_in_bf16(
     model_parts: list[nn.Module], module_types: tuple[type[nn.Module], ...], fp32_grads: bool
 ) -> dict[nn.Parameter, torch.Tensor]:
-    """Store the parameters of every module of `module_types` in bf16, after their fp32 initialization; returns
-    {parameter: its fp32 master} (the fp32 tensor the parameter held). fp32_grads: gradients accumulate in fp32
-    (gradient accumulation)."""
+    """Store the parameters of the modules of `module_types` in bf16 (after their fp32 init); returns {parameter:
+    its fp32 master}, the tensor it held. fp32_grads: their gradients are fp32 (gradient accumulation)."""
     masters: dict[nn.Parameter, torch.Tensor] = {}
     for part in model_parts:
         for module in part.modules():
@@ -49,18 +43,13 @@ def store_weights_in_bf16(
     return masters
 
 
-def _masters_in_state_dict(
-    masters: dict[str, torch.Tensor], module: nn.Module, state_dict: dict, prefix: str, *_
-) -> None:
+def _masters_in_state_dict(masters: dict[str, torch.Tensor], module: nn.Module, state_dict: dict, prefix: str, *_: Any):
     for name, master in masters.items():
         if prefix + name in state_dict:
             state_dict[prefix + name] = master
 
 
-def _load_into_masters(
-    masters: dict[str, torch.Tensor], module: nn.Module, state_dict: dict, prefix: str, *_: Any
-) -> None:
-    """Before the module copies each value into its bf16 parameter (rounding it), the master takes it whole."""
+def _load_into_masters(masters: dict[str, torch.Tensor], module: nn.Module, state_dict: dict, prefix: str, *_: Any):
     for name, master in masters.items():
         value = state_dict.get(prefix + name)
         if isinstance(value, torch.Tensor) and value is not master and value.shape == master.shape:

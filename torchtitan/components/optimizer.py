@@ -128,10 +128,8 @@ def build_optimizers(
     implementation = config.implementation
     if implementation == "triton":
         if config.name == "AdamW":
-            optimizers = [
-                MultiTensorAdamW(params, **kwargs, master_weights=master_weights) for params in params_per_part
-            ]
-            return OptimizersContainer(model_parts, optimizers)
+            kwargs["master_weights"] = master_weights
+            return OptimizersContainer(model_parts, [MultiTensorAdamW(params, **kwargs) for params in params_per_part])
         logger.info("optimizer.implementation='triton' implements AdamW only; Adam uses torch's 'fused'")
         implementation = "fused"
     if implementation == "fused":

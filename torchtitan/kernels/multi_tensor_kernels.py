@@ -272,17 +272,13 @@ def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def _check_tensors(params: list[torch.Tensor], grads: list[torch.Tensor], *others: list[torch.Tensor]) -> None:
     """The kernel reads flat memory: every tensor contiguous, moments and params fp32, one gradient dtype, bf16
-    copies of the params' sizes."""
-    bf16_params = others[2] if len(others) == 3 else []
-    if (
-        params[0].dtype != torch.float32
-        or grads[0].dtype not in _GRAD_DTYPES
-        or any(b.dtype != torch.bfloat16 or b.numel() != p.numel() for b, p in zip(bf16_params, params, strict=True))
-    ):
+    copies (a fifth list)."""
+    bf16_copies = all(copy.dtype == torch.bfloat16 for copy in others[2]) if len(others) > 2 else True
+    if params[0].dtype != torch.float32 or grads[0].dtype not in _GRAD_DTYPES or not bf16_copies:
         raise ValueError(
-            f"the Triton AdamW takes float32 parameters and {_GRAD_DTYPES} gradients (and bf16 copies of the "
-            f"parameters' sizes), got {params[0].dtype} and {grads[0].dtype}: keep fp32 master weights, or set "
-            "--optimizer.implementation foreach"
+            f"the Triton AdamW takes float32 parameters (and bf16 copies) and {_GRAD_DTYPES} gradients, got "
+            f"{params[0].dtype} and {grads[0].dtype}: keep fp32 master weights, or set --optimizer.implementation "
+            "foreach"
         )
     for tensors in (params, grads, *others):
         for tensor in tensors:
