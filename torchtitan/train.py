@@ -6,6 +6,7 @@ parallelize (or split into pipeline stages) -> materialize + init -> optimizer, 
 
 import contextlib
 import copy
+import functools
 import gc
 import itertools
 import logging
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -31,8 +33,9 @@ from torchtitan.components.loss import (
     mtp_targets,
 )
 from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.master_weights import store_weights_in_bf16
 from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.optimizer import build_optimizers, updates_master_weights
 from torchtitan.components.run_lock import DumpFolderBusyError, acquire_dump_folder, exit_with_parent
 from torchtitan.config import ConfigError, JobConfig, help_for
 from torchtitan.datasets.corpus import DatasetError
@@ -44,7 +47,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.weight_init import copy_from_unsharded_init
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs, DeepSeekV3StateDictAdapter
 from torchtitan.models.deepseek_v3.parallelize import expert_bias_reduce_group, parallelize_deepseekv3
-from torchtitan.models.moe import MoE, build_expert_bias_hook
+from torchtitan.models.moe import GroupedExperts, MoE, build_expert_bias_hook
 from torchtitan.models.output_head import chunk_loss_and_grad
 from torchtitan.preflight import check_batch_sizes, check_job
 from torchtitan.tools.profiling import StepProfiler
@@ -116,8 +119,9 @@ class Trainer:
         else:
             self.model_parts = [parallelize_deepseekv3(model, self.parallel_dims, job_config)]
             self.has_first_stage = self.has_last_stage = True
-        self.autocast = dist_utils.mixed_precision_autocast(
-            self.parallel_dims, job_config.training.mixed_precision_param, self.device.type
+        autocast_dtype = dist_utils.autocast_dtype(self.parallel_dims, job_config.training.mixed_precision_param)
+        self.autocast = functools.partial(
+            torch.autocast, self.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None
         )
 
         self.fused_output_loss = self._setup_fused_output_loss(job_config)
@@ -138,7 +142,15 @@ class Trainer:
             copy_from_unsharded_init(self.model_parts, unsharded_model, seed=job_config.debug.seed or 0)
             del unsharded_model
 
-        self.optimizers = build_optimizers(self.model_parts, job_config)
+        master_weights = None
+        if autocast_dtype == torch.bfloat16 and updates_master_weights(job_config.optimizer):
+            # what computes in bf16 is stored in bf16, updated through fp32 masters: no cast per use (master_weights.py)
+            bf16_modules = (nn.Linear, GroupedExperts)
+            master_weights = store_weights_in_bf16(self.model_parts, bf16_modules, fp32_grads=self.grad_accum_steps > 1)
+            logger.info(f"{len(master_weights)} weights stored in bf16, their fp32 masters updated by the optimizer")
+        elif autocast_dtype is not None:
+            logger.info("weights stay fp32, cast by autocast at every use: bf16 weights need optimizer AdamW 'triton'")
+        self.optimizers = build_optimizers(self.model_parts, job_config, master_weights)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, job_config)
         self.optimizers.register_step_pre_hook(
             build_expert_bias_hook(self.model_parts, expert_bias_reduce_group(self.parallel_dims))

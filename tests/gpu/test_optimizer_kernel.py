@@ -114,3 +114,41 @@ def test_one_update_launch_per_param_group_and_no_host_sync():
     names = [event.name for event in prof.events() if event.device_type.name == "CUDA"]
     assert sum("_adamw_kernel" in name for name in names) == 2, names
     assert sum("_sum_of_squares_kernel" in name for name in names) == 1, names
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32], ids=["bf16-grads", "fp32-grads"])
+@pytest.mark.parametrize("unaligned", [False, True], ids=["aligned", "unaligned"])
+def test_master_weights_follow_torch_fused_adamw_and_the_same_launch_writes_the_bf16_weights(grad_dtype, unaligned):
+    """bf16 weights with fp32 masters (fp32 gradients: gradient accumulation's `grad_dtype`): the masters equal torch's
+    fused AdamW on fp32 parameters given the same gradients, every bf16 weight is its master rounded to nearest even
+    (bit for bit), and a step is still one kernel launch per param group."""
+    ref_params, master_params = make_params(unaligned), make_params(unaligned)
+    ours_params = []
+    for master in master_params:
+        base = torch.empty(master.numel() + 1, dtype=torch.bfloat16, device="cuda")
+        data = (base[1:] if unaligned else base[: master.numel()]).view(master.shape)
+        ours_params.append(torch.nn.Parameter(data.copy_(master.detach())))
+        ours_params[-1].grad_dtype = grad_dtype
+    masters = {ours: master.detach() for ours, master in zip(ours_params, master_params, strict=True)}
+    ours = MultiTensorAdamW(groups(ours_params), betas=(0.9, 0.95), weight_decay=0.0, master_weights=masters)
+    ref = torch.optim.AdamW(groups(ref_params), betas=(0.9, 0.95), weight_decay=0.0, fused=True)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for step in range(4):
+        for ours_param, ref_param in zip(ours_params, ref_params, strict=True):
+            grad = torch.randn(ref_param.shape, generator=gen, device="cuda").bfloat16()
+            ours_param.grad, ref_param.grad = grad.to(grad_dtype), grad.float()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            ours.step()
+            torch.cuda.synchronize()
+        ref.step()
+        names = [event.name for event in prof.events() if event.device_type.name == "CUDA"]
+        assert sum("_adamw_kernel" in name for name in names) == 2, names
+        assert all("_adamw_kernel" in name or "Memcpy" in name for name in names), names  # no cast or copy kernel
+        for ours_param, ref_param in zip(ours_params, ref_params, strict=True):
+            master = masters[ours_param]
+            torch.testing.assert_close(master, ref_param, **TOLERANCE)
+            assert torch.equal(ours_param, master.bfloat16()), step
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert ours.state[ours_param][key].dtype == torch.float32
+                torch.testing.assert_close(ours.state[ours_param][key], ref.state[ref_param][key], **TOLERANCE)

@@ -20,7 +20,9 @@ CKPT_ARGS = ["--checkpoint.enable", "--checkpoint.interval", "5"]
 @pytest.mark.parametrize(
     "nproc, layout",
     [
-        (1, []),
+        # one process computes under bf16 autocast with bf16 weights and fp32 masters, fp32 gradient sums over the
+        # 2 micro-batches (components/master_weights.py)
+        (1, ["--training.mixed_precision_param", "bfloat16", "--training.local_batch_size", "2"]),
         (
             4,
             [

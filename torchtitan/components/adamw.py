@@ -13,9 +13,14 @@ state dicts load across torch.optim.AdamW and this class both ways.
 CUDA parameters are stepped by the Triton kernel of `multi_tensor_kernels.py`; parameters on any other device by
 torch's foreach ops (the same update, the order of torch's foreach AdamW), which is also what CPU tests exercise.
 DTensor parameters (FSDP2, expert parallel) are updated through their local shards.
+
+`master_weights` ({bf16 parameter: fp32 master}, `master_weights.py`): the update runs on the master (fp32 moments,
+the parameter's gradient) and writes it rounded to bf16 into the parameter in the same pass. The state is then made at
+construction: DCP's own state init sets zero gradients of the parameter's dtype, refused where `grad_dtype` is fp32.
 """
 
-from collections.abc import Callable, Iterable
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +56,7 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         amsgrad: bool = False,
         maximize: bool = False,
+        master_weights: Mapping[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         _check_supported({"amsgrad": amsgrad, "maximize": maximize})
         defaults = {
@@ -63,6 +69,11 @@ class MultiTensorAdamW(torch.optim.Optimizer):
             **_TORCH_ADAMW_IMPLEMENTATION_KEYS,
         }
         super().__init__(params, defaults)
+        self.master_weights = dict(master_weights or {})
+        if self.master_weights:
+            for group in self.param_groups:
+                for param in group["params"]:
+                    self._state(param)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, grad_scale: torch.Tensor | None = None) -> Any:
@@ -86,23 +97,46 @@ class MultiTensorAdamW(torch.optim.Optimizer):
                 continue
             if param.grad.is_sparse:
                 raise ValueError("MultiTensorAdamW does not take sparse gradients: use torch.optim.SparseAdam")
-            state = self.state[param]
-            if not state:
-                # as torch.optim.AdamW (neither fused nor capturable) makes them
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            elif state["step"].device.type != "cpu":
+            state = self._state(param)
+            if state["step"].device.type != "cpu":
                 # a checkpoint of torch's fused AdamW keeps steps on the GPU: one copy here, then no syncs
                 state["step"] = state["step"].cpu()
-            local_param, local_grad = _local(param), _local(_grad_like_param(param))
-            bucket = buckets.setdefault((local_param.device, local_param.dtype, local_grad.dtype), _Bucket())
+            master = self.master_weights.get(param)
+            local_param, local_grad = _local(master if master is not None else param), _local(_grad_like_param(param))
+            key = (local_param.device, local_param.dtype, local_grad.dtype, master is not None)
+            bucket = buckets.setdefault(key, _Bucket())
+            if master is not None:
+                bucket.bf16_params.append(param)
             bucket.params.append(local_param)
             bucket.grads.append(local_grad)
             bucket.exp_avgs.append(_local(state["exp_avg"]))
             bucket.exp_avg_sqs.append(_local(state["exp_avg_sq"]))
             bucket.steps.append(state["step"])
         return buckets
+
+    def _state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The parameter's state, made as torch.optim.AdamW (neither fused nor capturable) makes it, like the master
+        where there is one."""
+        state = self.state[param]
+        if not state:
+            like = self.master_weights.get(param, param)
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, which casts each loaded moment to its parameter's dtype: while it runs, the groups hold the
+        fp32 masters in place of their bf16 parameters, so the moments stay fp32 (no bf16 copy is made)."""
+        parameter_of = {id(master): param for param, master in self.master_weights.items()}
+        for group in self.param_groups:
+            group["params"] = [self.master_weights.get(param, param) for param in group["params"]]
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            for group in self.param_groups:
+                group["params"] = [parameter_of.get(id(param), param) for param in group["params"]]
+            self.state = defaultdict(dict, {parameter_of.get(id(p), p): state for p, state in self.state.items()})
 
 
 @dataclass
@@ -114,6 +148,7 @@ class _Bucket:
     exp_avgs: list[torch.Tensor] = field(default_factory=list)
     exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
     steps: list[torch.Tensor] = field(default_factory=list)  # 0-dim fp32 CPU tensors
+    bf16_params: list[torch.Tensor] = field(default_factory=list)  # written from `params`, their fp32 masters
 
 
 def _step_bucket(bucket: _Bucket, group: dict[str, Any], grad_scale: torch.Tensor | None) -> None:
@@ -139,6 +174,7 @@ def _step_bucket(bucket: _Bucket, group: dict[str, Any], grad_scale: torch.Tenso
         beta2=beta2,
         eps=eps,
         grad_scale=None if grad_scale is None else grad_scale.to(device),
+        bf16_params=bucket.bf16_params or None,
     )
 
 
@@ -155,8 +191,10 @@ def _foreach_adamw_update_(
     beta2: float,
     eps: float,
     grad_scale: torch.Tensor | None,
+    bf16_params: list[torch.Tensor] | None = None,
 ) -> None:
-    """The update on any device with torch's foreach ops, in the order of torch's foreach AdamW."""
+    """The update on any device with torch's foreach ops, in the order of torch's foreach AdamW; then the params
+    rounded to bf16 into `bf16_params` where given."""
     if grads[0].dtype != params[0].dtype:
         grads = [grad.to(params[0].dtype) for grad in grads]
     if grad_scale is not None:
@@ -169,6 +207,8 @@ def _foreach_adamw_update_(
     torch._foreach_div_(denom, bias_correction2_sqrts)
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(params, exp_avgs, denom, [-step_size for step_size in step_sizes])
+    if bf16_params is not None:
+        torch._foreach_copy_(bf16_params, params)
 
 
 def _check_supported(group: dict[str, Any]) -> None:

@@ -26,7 +26,7 @@ from torchtitan.config.job_config import JobConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OptimizersContainer", "build_optimizers"]
+__all__ = ["OptimizersContainer", "build_optimizers", "updates_master_weights"]
 
 # hook(optimizers_container, args, kwargs) -> None, same signature as torch.optim.Optimizer step hooks.
 StepHook = Callable[["OptimizersContainer", tuple, dict], None]
@@ -100,10 +100,23 @@ class OptimizersContainer:
             set_optimizer_state_dict(model_part, optimizer, optim_state_dict=state_dict, options=_FLAT)
 
 
-def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig) -> OptimizersContainer:
+def updates_master_weights(config: Any) -> bool:
+    """Whether the optimizer `optimizer` config builds can update fp32 masters of bf16 weights (`MultiTensorAdamW`):
+    AdamW with implementation 'triton'."""
+    return config.name == "AdamW" and config.implementation == "triton"
+
+
+def build_optimizers(
+    model_parts: list[nn.Module],
+    job_config: JobConfig,
+    master_weights: dict[torch.Tensor, torch.Tensor] | None = None,
+) -> OptimizersContainer:
     """One optimizer per model part, configured by `job_config.optimizer`: `MultiTensorAdamW` for AdamW with
-    implementation 'triton', else `torch.optim.{AdamW,Adam}`."""
+    implementation 'triton', else `torch.optim.{AdamW,Adam}`. master_weights: {bf16 parameter: fp32 master}
+    (`store_weights_in_bf16`), which the optimizer updates; needs `updates_master_weights`."""
     config = job_config.optimizer
+    if master_weights and not updates_master_weights(config):
+        raise ValueError(f"fp32 master weights need optimizer AdamW with implementation 'triton', got {config}")
     optimizer_classes = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
     if config.name not in optimizer_classes:
         raise ValueError(f"optimizer.name={config.name!r} is not supported; use one of {list(optimizer_classes)}")
@@ -115,6 +128,7 @@ def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig) -> Opt
     implementation = config.implementation
     if implementation == "triton":
         if config.name == "AdamW":
+            kwargs["master_weights"] = master_weights
             return OptimizersContainer(model_parts, [MultiTensorAdamW(params, **kwargs) for params in params_per_part])
         logger.info("optimizer.implementation='triton' implements AdamW only; Adam uses torch's 'fused'")
         implementation = "fused"

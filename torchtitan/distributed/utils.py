@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -21,11 +20,11 @@ from torchtitan.kernels.multi_tensor import sum_of_squares
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "autocast_dtype",
     "clip_grad_norm_",
     "grad_norm_and_clip_coef",
     "device_type",
     "init_distributed",
-    "mixed_precision_autocast",
     "set_determinism",
     "set_pg_timeouts",
     "transformer_blocks",
@@ -37,24 +36,22 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def mixed_precision_autocast(
-    parallel_dims: Any, param_dtype: str, device_type: str
-) -> Callable[[], contextlib.AbstractContextManager]:
-    """The context a forward runs in for `training.mixed_precision_param` when FSDP does not wrap the model.
+def autocast_dtype(parallel_dims: Any, param_dtype: str) -> torch.dtype | None:
+    """The dtype a forward autocasts to for `training.mixed_precision_param` (None: no autocast).
 
     FSDP2 (applied with data or expert parallelism) computes in the parameter dtype it casts to. A run without it,
     one device, would compute in fp32 whatever the config says: autocast gives it bf16 compute, as torchtitan
-    does. With TP or PP and no FSDP, compute stays fp32 and a warning says so."""
+    does (and the trainer stores the weights that compute in bf16 in bf16: `components/master_weights.py`). With TP
+    or PP and no FSDP, compute stays fp32 and a warning says so."""
     if param_dtype == "float32" or parallel_dims.dp_enabled or parallel_dims.ep_enabled:
-        return contextlib.nullcontext
+        return None
     if parallel_dims.tp_enabled or parallel_dims.pp_enabled:
         logger.warning(
             f"training.mixed_precision_param={param_dtype} applies through FSDP, and this run (tensor or pipeline "
             "parallel only) has none: compute stays float32"
         )
-        return contextlib.nullcontext
-    dtype = getattr(torch, param_dtype)
-    return lambda: torch.autocast(device_type, dtype=dtype)
+        return None
+    return getattr(torch, param_dtype)
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -18,8 +18,8 @@ def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32)
     if tensors[0].device.type == "cuda":
         return cuda_kernels().sum_of_squares(tensors)
-    norms = torch._foreach_norm(tensors, 2.0)
-    return torch.stack([norm.float() for norm in norms]).square().sum()
+    norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)  # a bf16 tensor's norm is not rounded to bf16
+    return torch.stack(norms).square().sum()
 
 
 def cuda_kernels() -> ModuleType:

@@ -28,7 +28,7 @@ _GRAD_DTYPES = (torch.float32, torch.bfloat16)
 
 @triton.jit
 def _adamw_kernel(
-    addresses_ptr,  # (4, num_tensors) int64: param, grad, exp_avg, exp_avg_sq
+    addresses_ptr,  # (4 or 5, num_tensors) int64: param, grad, exp_avg, exp_avg_sq[, bf16 copy of param]
     scalars_ptr,  # (2, num_tensors) fp32: lr / bias_correction1, sqrt(bias_correction2)
     numels_ptr,
     tensor_of_chunk_ptr,
@@ -43,6 +43,7 @@ def _adamw_kernel(
     eps,
     HAS_GRAD_SCALE: tl.constexpr,
     GRAD_BF16: tl.constexpr,
+    WRITE_BF16: tl.constexpr,
     ALIGNED: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -51,6 +52,10 @@ def _adamw_kernel(
     tensor = tl.load(tensor_of_chunk_ptr + chunk)
     start = tl.load(chunk_in_tensor_ptr + chunk).to(tl.int64) * CHUNK
     numel = tl.load(numels_ptr + tensor)
+    if WRITE_BF16:  # the table's fifth row
+        bf16_ptr = tl.load(addresses_ptr + 4 * num_tensors + tensor).to(tl.pointer_type(tl.bfloat16))
+    else:
+        bf16_ptr = addresses_ptr  # never written
     param_ptr = tl.load(addresses_ptr + tensor).to(tl.pointer_type(tl.float32))
     exp_avg_ptr = tl.load(addresses_ptr + 2 * num_tensors + tensor).to(tl.pointer_type(tl.float32))
     exp_avg_sq_ptr = tl.load(addresses_ptr + 3 * num_tensors + tensor).to(tl.pointer_type(tl.float32))
@@ -63,6 +68,7 @@ def _adamw_kernel(
         grad_ptr = tl.multiple_of(grad_ptr, 16)
         exp_avg_ptr = tl.multiple_of(exp_avg_ptr, 16)
         exp_avg_sq_ptr = tl.multiple_of(exp_avg_sq_ptr, 16)
+        bf16_ptr = tl.multiple_of(bf16_ptr, 16)
     step_size = tl.load(scalars_ptr + tensor)
     bias_correction2_sqrt = tl.load(scalars_ptr + num_tensors + tensor)
     if HAS_GRAD_SCALE:
@@ -73,16 +79,16 @@ def _adamw_kernel(
     if start + CHUNK <= numel:
         for offset in range(0, CHUNK, BLOCK):
             _adamw_block(
-                param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, start + offset + tl.arange(0, BLOCK), numel,
-                grad_scale, step_size, bias_correction2_sqrt, decay_factor, beta1, one_minus_beta1, beta2,
-                one_minus_beta2, eps, MASKED=False,
+                param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, bf16_ptr, start + offset + tl.arange(0, BLOCK),
+                numel, grad_scale, step_size, bias_correction2_sqrt, decay_factor, beta1, one_minus_beta1, beta2,
+                one_minus_beta2, eps, WRITE_BF16=WRITE_BF16, MASKED=False,
             )  # fmt: skip
     else:
         for offset in range(0, CHUNK, BLOCK):
             _adamw_block(
-                param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, start + offset + tl.arange(0, BLOCK), numel,
-                grad_scale, step_size, bias_correction2_sqrt, decay_factor, beta1, one_minus_beta1, beta2,
-                one_minus_beta2, eps, MASKED=True,
+                param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, bf16_ptr, start + offset + tl.arange(0, BLOCK),
+                numel, grad_scale, step_size, bias_correction2_sqrt, decay_factor, beta1, one_minus_beta1, beta2,
+                one_minus_beta2, eps, WRITE_BF16=WRITE_BF16, MASKED=True,
             )  # fmt: skip
 
 
@@ -92,6 +98,7 @@ def _adamw_block(
     grad_ptr,
     exp_avg_ptr,
     exp_avg_sq_ptr,
+    bf16_ptr,
     offsets,
     numel,
     grad_scale,
@@ -103,6 +110,7 @@ def _adamw_block(
     beta2,
     one_minus_beta2,
     eps,
+    WRITE_BF16: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     if MASKED:
@@ -128,10 +136,14 @@ def _adamw_block(
         tl.store(param_ptr + offsets, param, mask=mask)
         tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
         tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
+        if WRITE_BF16:
+            tl.store(bf16_ptr + offsets, param.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=mask)
     else:
         tl.store(param_ptr + offsets, param)
         tl.store(exp_avg_ptr + offsets, exp_avg)
         tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq)
+        if WRITE_BF16:
+            tl.store(bf16_ptr + offsets, param.to(tl.bfloat16, fp_downcast_rounding="rtne"))
 
 
 @triton.jit
@@ -182,15 +194,19 @@ def adamw_update_(
     beta2: float,
     eps: float,
     grad_scale: torch.Tensor | None,
+    bf16_params: list[torch.Tensor] | None = None,
 ) -> None:
     """One launch: param = param * decay_factor - step_size * m / (sqrt(v) / bias_correction2_sqrt + eps), after
-    updating m and v with grad * grad_scale. fp32 params and moments, fp32 or bf16 gradients, all contiguous."""
-    _check_tensors(params, grads, exp_avgs, exp_avg_sqs)
+    updating m and v with grad * grad_scale. fp32 params and moments, fp32 or bf16 gradients, all contiguous.
+    bf16_params: where given, each param's new value rounded to bf16 is also written there (the model's weights
+    whose fp32 masters `params` are)."""
+    tables = (params, grads, exp_avgs, exp_avg_sqs) + ((bf16_params,) if bf16_params is not None else ())
+    _check_tensors(*tables)
     device = params[0].device
     table = chunk_table(tuple(p.numel() for p in params), device)
     if table.num_chunks == 0:
         return
-    addresses = [t.data_ptr() for tensors in (params, grads, exp_avgs, exp_avg_sqs) for t in tensors]
+    addresses = [t.data_ptr() for tensors in tables for t in tensors]
     scalars = torch.tensor([*step_sizes, *bias_correction2_sqrts], dtype=torch.float32)
     addresses_on_device, scalars_on_device = to_device_tables(addresses, scalars, device)
     _adamw_kernel[(table.num_chunks,)](
@@ -209,6 +225,7 @@ def adamw_update_(
         eps,
         HAS_GRAD_SCALE=grad_scale is not None,
         GRAD_BF16=grads[0].dtype == torch.bfloat16,
+        WRITE_BF16=bf16_params is not None,
         ALIGNED=all(address % 16 == 0 for address in addresses),
         CHUNK=CHUNK,
         BLOCK=_BLOCK,
@@ -253,16 +270,17 @@ def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(partial_sums).sum() if len(partial_sums) > 1 else partial_sums[0].sum()
 
 
-def _check_tensors(
-    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor]
-) -> None:
-    """The kernel reads flat memory: every tensor contiguous, moments and params fp32, one gradient dtype."""
-    if params[0].dtype != torch.float32 or grads[0].dtype not in _GRAD_DTYPES:
+def _check_tensors(params: list[torch.Tensor], grads: list[torch.Tensor], *others: list[torch.Tensor]) -> None:
+    """The kernel reads flat memory: every tensor contiguous, moments and params fp32, one gradient dtype, bf16
+    copies (a fifth list)."""
+    bf16_copies = all(copy.dtype == torch.bfloat16 for copy in others[2]) if len(others) > 2 else True
+    if params[0].dtype != torch.float32 or grads[0].dtype not in _GRAD_DTYPES or not bf16_copies:
         raise ValueError(
-            f"the Triton AdamW takes float32 parameters and {_GRAD_DTYPES} gradients, got {params[0].dtype} and "
-            f"{grads[0].dtype}: keep fp32 master weights, or set --optimizer.implementation foreach"
+            f"the Triton AdamW takes float32 parameters (and bf16 copies) and {_GRAD_DTYPES} gradients, got "
+            f"{params[0].dtype} and {grads[0].dtype}: keep fp32 master weights, or set --optimizer.implementation "
+            "foreach"
         )
-    for tensors in (params, grads, exp_avgs, exp_avg_sqs):
+    for tensors in (params, grads, *others):
         for tensor in tensors:
             if not tensor.is_contiguous():
                 raise ValueError(

@@ -140,6 +140,31 @@ def test_bf16_gradients_update_fp32_params_like_their_fp32_copy():
         torch.testing.assert_close(bf16_param, fp32_param)
 
 
+def test_master_weights_step_like_torch_adamw_on_fp32_and_write_their_bf16_rounding():
+    """bf16 parameters with fp32 masters and bf16 gradients: the masters follow torch.optim.AdamW on fp32 parameters
+    given the same gradients (clip folded in), the moments are fp32, and each parameter is its master in bf16."""
+    ref_params = make_params()
+    ours_params = [torch.nn.Parameter(param.detach().bfloat16()) for param in ref_params]
+    masters = {ours: ref.detach().clone() for ours, ref in zip(ours_params, ref_params, strict=True)}
+    ours = MultiTensorAdamW(param_groups(ours_params), betas=(0.9, 0.95), master_weights=masters)
+    ref = torch.optim.AdamW(param_groups(ref_params), betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        for ours_param, ref_param in zip(ours_params, ref_params, strict=True):
+            ours_param.grad = torch.randn(ours_param.shape, generator=gen).bfloat16()
+            ref_param.grad = ours_param.grad.float()
+        max_norm = 0.5 * float(torch.nn.utils.get_total_norm([p.grad for p in ref_params]))
+        torch.nn.utils.clip_grad_norm_(ref_params, max_norm)
+        ours.step(grad_scale=grad_norm_and_clip_coef(ours_params, max_norm)[1])
+        ref.step()
+        for ours_param, ref_param in zip(ours_params, ref_params, strict=True):
+            torch.testing.assert_close(masters[ours_param], ref_param)
+            assert torch.equal(ours_param, masters[ours_param].bfloat16())
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert ours.state[ours_param][key].dtype == torch.float32
+                torch.testing.assert_close(ours.state[ours_param][key], ref.state[ref_param][key])
+
+
 @pytest.mark.parametrize("numels", [(0, 1, CHUNK, CHUNK + 1, 3 * CHUNK - 1), (0,), (5,)])
 def test_chunk_table_covers_every_element_once(numels):
     table = chunk_table(numels, torch.device("cpu"))

@@ -1,9 +1,9 @@
-"""`mixed_precision_autocast`: which runs autocast to training.mixed_precision_param (the ones FSDP does not wrap)."""
+"""`autocast_dtype`: which runs autocast to training.mixed_precision_param (the ones FSDP does not wrap)."""
 
 import torch
 
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.utils import mixed_precision_autocast
+from torchtitan.distributed.utils import autocast_dtype
 
 
 def dims(world_size: int, dp_shard: int = -1, tp: int = 1, ep: int = 1) -> ParallelDims:
@@ -13,19 +13,10 @@ def dims(world_size: int, dp_shard: int = -1, tp: int = 1, ep: int = 1) -> Paral
 def test_mixed_precision_autocasts_only_where_fsdp_does_not_wrap(caplog):
     """FSDP (data or expert parallelism) casts the parameters itself; one device autocasts to the configured dtype;
     TP or PP alone stays fp32 and says so."""
-    single = mixed_precision_autocast(dims(world_size=1), "bfloat16", "cpu")
-    with single():
-        assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
-        assert torch.nn.functional.linear(torch.randn(2, 4), torch.randn(3, 4)).dtype == torch.bfloat16
-    assert not torch.is_autocast_enabled("cpu")
+    assert autocast_dtype(dims(world_size=1), "bfloat16") == torch.bfloat16
     for fsdp_wraps in (dims(world_size=2), dims(world_size=2, dp_shard=1, tp=2, ep=2)):
-        with mixed_precision_autocast(fsdp_wraps, "bfloat16", "cpu")():
-            assert not torch.is_autocast_enabled("cpu")
-    with mixed_precision_autocast(dims(world_size=1), "float32", "cpu")():
-        assert not torch.is_autocast_enabled("cpu")
-    with (
-        caplog.at_level("WARNING"),
-        mixed_precision_autocast(dims(world_size=2, dp_shard=1, tp=2), "bfloat16", "cpu")(),
-    ):
-        assert not torch.is_autocast_enabled("cpu")
+        assert autocast_dtype(fsdp_wraps, "bfloat16") is None
+    assert autocast_dtype(dims(world_size=1), "float32") is None
+    with caplog.at_level("WARNING"):
+        assert autocast_dtype(dims(world_size=2, dp_shard=1, tp=2), "bfloat16") is None
     assert "compute stays float32" in caplog.text

@@ -22,16 +22,12 @@ class DeepSeekV3Model(nn.Module):
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         # ModuleDict keyed "0".."n-1" so pipeline splitting can delete layers and keep the others' names.
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
-        )
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: OutputHead | None = OutputHead(args.dim, args.vocab_size)
         # Multi-token prediction modules "0".."D-1" (HF: model.layers.{n_layers + k}); they share the embedding and
         # the output head with the main model.
-        self.mtp = nn.ModuleDict(
-            {str(k): MTPBlock(args.n_layers + k, args) for k in range(args.mtp_layers)}
-        )
+        self.mtp = nn.ModuleDict({str(k): MTPBlock(args.n_layers + k, args) for k in range(args.mtp_layers)})
         self.register_buffer("freqs_cis", precompute_freqs_cis(args), persistent=False)
 
     def forward(

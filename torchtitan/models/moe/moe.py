@@ -139,7 +139,6 @@ class MoE(nn.Module):
         self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
 
 
-
 def run_inline(stages: Stages) -> torch.Tensor:
     """Run `MoE.stages` in order on the current stream: each communication stage as it is yielded."""
     result = None
