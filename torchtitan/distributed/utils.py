@@ -43,8 +43,8 @@ def mixed_precision_autocast(
     """The context a forward runs in for `training.mixed_precision_param` when FSDP does not wrap the model.
 
     FSDP2 (applied with data, context or expert parallelism) computes in the parameter dtype it casts to. A run
-    without it, one device, would compute in fp32 whatever the config says: autocast gives it bf16 compute, as torchtitan
-    does. With TP or PP and no FSDP, compute stays fp32 and a warning says so."""
+    without it, one device, would compute in fp32 whatever the config says: autocast gives it bf16 compute, as
+    torchtitan does. With TP or PP and no FSDP, compute stays fp32 and a warning says so."""
     if param_dtype == "float32" or parallel_dims.dp_enabled or parallel_dims.cp_enabled or parallel_dims.ep_enabled:
         return contextlib.nullcontext
     if parallel_dims.tp_enabled or parallel_dims.pp_enabled:
