@@ -1,0 +1,91 @@
+"""Context parallelism trains the debug model like one process: CP=4, FSDP x EP=2 x CP=2 (deepep CPU ops, per-op
+SAC, inductor compile), and resume across a change of CP degree, all with block-causal attention over packed
+documents and one MTP module (its inputs and targets shift across the ranks' chunks), validating at steps 5 and 10.
+
+Five launches: one process (the reference, saving step 5), CP=4 on 4 ranks, FSDP=2 x CP=2 x EP=2 on 4 ranks
+(saving step 5), that CP=2 checkpoint resumed by one process, and the reference's checkpoint resumed at CP=2.
+
+Tolerance: parameters fp32; the routed experts' grouped GEMMs run in bf16 in every run, and the CP runs sum their
+weight gradients over other token subsets, so gradients differ in the last bits of bf16 (grad norms within 5e-5
+relative, measured: see RTOL_GRAD_NORM) and losses drift by AdamW updates of those. Measured over 10 steps (2
+cores): losses within 1e-6 relative (CP=4, resumes), 2e-6 (the compiled 4-rank run); asserted within 1e-5 relative,
+validation within 1e-5. One layer's and the whole model's gradients in fp32 are compared in
+tests/unit/distributed/test_context_parallel.py.
+"""
+
+import json
+import shutil
+
+import pytest
+
+from tests.integration.conftest import FAST_ARGS, read_losses, run_trainer
+
+STEPS = 10
+RTOL = 1e-5
+RTOL_GRAD_NORM = 1e-4
+COMMON = [
+    *FAST_ARGS,
+    "--training.steps", str(STEPS),
+    "--model.attn_mask_type", "block_causal",
+    "--model.mtp_layers", "1",
+    "--validation.enable", "--validation.freq", "5", "--validation.steps", "1",
+]  # fmt: skip
+CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
+
+
+def _cp(degree: int, local_batch_size: int = 4) -> list[str]:
+    return ["--parallelism.context_parallel_degree", str(degree), "--training.local_batch_size", str(local_batch_size)]
+
+
+def _records(dump_folder) -> dict[int, dict]:
+    records = (json.loads(line) for line in (dump_folder / "metrics.jsonl").read_text().splitlines())
+    return {record["step"]: record for record in records if "loss" in record}
+
+
+def _assert_matches(got_folder, expected_folder, steps: list[int]) -> None:
+    got, expected = _records(got_folder), _records(expected_folder)
+    assert sorted(got) == steps, sorted(got)
+    for step in steps:
+        for key, rtol in (("loss", RTOL), ("mtp_loss", RTOL), ("grad_norm", RTOL_GRAD_NORM)):
+            assert got[step][key] == pytest.approx(expected[step][key], rel=rtol), (step, key, got, expected)
+    validation = read_losses(got_folder, "validation/loss")
+    expected_validation = read_losses(expected_folder, "validation/loss")
+    assert validation == pytest.approx({s: expected_validation[s] for s in validation}, rel=RTOL), validation
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cp1")
+    run_trainer(folder, [*COMMON, *CHECKPOINT])
+    assert sorted(read_losses(folder, "validation/loss")) == [5, 10]
+    return folder
+
+
+def test_cp4_matches_one_process(tmp_path, reference):
+    run_trainer(tmp_path, [*COMMON, *_cp(4)], nproc=4)
+    _assert_matches(tmp_path, reference, list(range(1, STEPS + 1)))
+
+
+def test_fsdp_ep_cp_deepep_sac_compile_and_resume_across_cp_degrees(tmp_path, reference):
+    """FSDP=2 x CP=2 with EP=2 over those 4 ranks, compiled, per-op SAC: the same training, no recompiles after the
+    first step (validation compiles its no-grad graphs once, counted at step 6). Its step-5 checkpoint resumes in one
+    process, and the one-process step-5 checkpoint at CP=2: both continue the reference's steps 6-10."""
+    combined = tmp_path / "fsdp2_cp2_ep2"
+    layout = [
+        "--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2",
+        "--parallelism.expert_parallel_comm_backend", "deepep",
+        "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op",
+        "--compile.enable", "--compile.backend", "inductor",
+    ]  # fmt: skip
+    run_trainer(combined, [*COMMON, *CHECKPOINT, *_cp(2, local_batch_size=2), *layout], nproc=4)
+    _assert_matches(combined, reference, list(range(1, STEPS + 1)))
+    recompiles = {step: r["graphs_compiled"] for step, r in _records(combined).items() if step not in (1, 6)}
+    assert not any(recompiles.values()), recompiles
+
+    for source, target, args, nproc in (
+        (combined, tmp_path / "cp2_to_cp1", [], 1),
+        (reference, tmp_path / "cp1_to_cp2", _cp(2), 2),
+    ):
+        shutil.copytree(source / "checkpoint" / "step-5", target / "checkpoint" / "step-5")
+        run_trainer(target, [*COMMON, *CHECKPOINT, *args], nproc=nproc)
+        _assert_matches(target, reference, list(range(6, STEPS + 1)))
