@@ -214,10 +214,10 @@ def check_float8_linears(job_config: JobConfig, parallel_dims) -> None:
             "--quantize.float8_linears is not supported with tensor parallelism yet; set "
             "--parallelism.tensor_parallel_degree 1 or drop the flag"
         )
-    if job_config.training.seq_len % 16:
+    if job_config.training.seq_len % (16 * parallel_dims.cp):  # each context-parallel rank holds seq_len / cp
         raise ConfigError(
-            f"--quantize.float8_linears needs training.seq_len a multiple of 16 (FP8 GEMM alignment), got "
-            f"{job_config.training.seq_len}; change --training.seq_len or drop the flag"
+            f"--quantize.float8_linears needs training.seq_len a multiple of 16 x context_parallel_degree (FP8 GEMM "
+            f"alignment), got {job_config.training.seq_len}; change --training.seq_len or drop the flag"
         )
 
 

@@ -1,16 +1,16 @@
 """Context parallelism trains the debug model like one process: CP=4, FSDP x EP=2 x CP=2 (deepep CPU ops, per-op
 SAC, inductor compile), and resume across a change of CP degree, all with block-causal attention over packed
-documents and one MTP module (its inputs and targets shift across the ranks' chunks), validating at steps 5 and 10.
+documents and one MTP module (its inputs and targets shift across the ranks' chunks); the uncompiled runs validate
+at steps 5 and 10 (the validation batches go through the same split).
 
 Five launches: one process (the reference, saving step 5), CP=4 on 4 ranks, FSDP=2 x CP=2 x EP=2 on 4 ranks
 (saving step 5), that CP=2 checkpoint resumed by one process, and the reference's checkpoint resumed at CP=2.
 
 Tolerance: parameters fp32; the routed experts' grouped GEMMs run in bf16 in every run, and the CP runs sum their
-weight gradients over other token subsets, so gradients differ in the last bits of bf16 (grad norms within 5e-5
-relative, measured: see RTOL_GRAD_NORM) and losses drift by AdamW updates of those. Measured over 10 steps (2
-cores): losses within 1e-6 relative (CP=4, resumes), 2e-6 (the compiled 4-rank run); asserted within 1e-5 relative,
-validation within 1e-5. One layer's and the whole model's gradients in fp32 are compared in
-tests/unit/distributed/test_context_parallel.py.
+weight gradients over other token subsets, so gradient norms differ by up to 4.3e-5 relative (asserted: 1e-4) and
+the losses by the AdamW updates of those. Measured over 10 steps (2 cores): losses and MTP losses within 3.8e-6
+absolute (4.8e-7 relative), validation losses within 4.8e-7; asserted within 1e-5 absolute. One layer's and the
+whole model's fp32 gradients are compared in tests/unit/distributed/test_context_parallel.py.
 """
 
 import json
@@ -21,8 +21,8 @@ import pytest
 from tests.integration.conftest import FAST_ARGS, read_losses, run_trainer
 
 STEPS = 10
-RTOL = 1e-5
-RTOL_GRAD_NORM = 1e-4
+ATOL = 1e-5
+TOLERANCE = {"loss": {"abs": ATOL}, "mtp_loss": {"abs": ATOL}, "grad_norm": {"rel": 1e-4}}
 COMMON = [
     *FAST_ARGS,
     "--training.steps", str(STEPS),
@@ -46,11 +46,11 @@ def _assert_matches(got_folder, expected_folder, steps: list[int]) -> None:
     got, expected = _records(got_folder), _records(expected_folder)
     assert sorted(got) == steps, sorted(got)
     for step in steps:
-        for key, rtol in (("loss", RTOL), ("mtp_loss", RTOL), ("grad_norm", RTOL_GRAD_NORM)):
-            assert got[step][key] == pytest.approx(expected[step][key], rel=rtol), (step, key, got, expected)
+        for key, tolerance in TOLERANCE.items():
+            assert got[step][key] == pytest.approx(expected[step][key], **tolerance), (step, key, got, expected)
     validation = read_losses(got_folder, "validation/loss")
     expected_validation = read_losses(expected_folder, "validation/loss")
-    assert validation == pytest.approx({s: expected_validation[s] for s in validation}, rel=RTOL), validation
+    assert validation == pytest.approx({s: expected_validation[s] for s in validation}, abs=ATOL), validation
 
 
 @pytest.fixture(scope="module")
@@ -68,18 +68,18 @@ def test_cp4_matches_one_process(tmp_path, reference):
 
 def test_fsdp_ep_cp_deepep_sac_compile_and_resume_across_cp_degrees(tmp_path, reference):
     """FSDP=2 x CP=2 with EP=2 over those 4 ranks, compiled, per-op SAC: the same training, no recompiles after the
-    first step (validation compiles its no-grad graphs once, counted at step 6). Its step-5 checkpoint resumes in one
-    process, and the one-process step-5 checkpoint at CP=2: both continue the reference's steps 6-10."""
+    first step. Its step-5 checkpoint resumes in one process, and the one-process step-5 checkpoint at CP=2: both
+    continue the reference's steps 6-10."""
     combined = tmp_path / "fsdp2_cp2_ep2"
     layout = [
         "--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2",
         "--parallelism.expert_parallel_comm_backend", "deepep",
         "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op",
-        "--compile.enable", "--compile.backend", "inductor",
+        "--compile.enable", "--compile.backend", "inductor", "--validation.enable=false",
     ]  # fmt: skip
     run_trainer(combined, [*COMMON, *CHECKPOINT, *_cp(2, local_batch_size=2), *layout], nproc=4)
     _assert_matches(combined, reference, list(range(1, STEPS + 1)))
-    recompiles = {step: r["graphs_compiled"] for step, r in _records(combined).items() if step not in (1, 6)}
+    recompiles = {step: r["graphs_compiled"] for step, r in _records(combined).items() if step > 1}
     assert not any(recompiles.values()), recompiles
 
     for source, target, args, nproc in (
