@@ -76,10 +76,9 @@ def _check_attention_layer(cp: ContextParallel, group: dist.ProcessGroup, docume
         grad = param.grad.clone()
         dist.all_reduce(grad, group=group)
         torch.testing.assert_close(grad, ref_param.grad, **TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")
-    if document_ids is not None:  # the CUDA path's BlockMask over global positions, run by flex on CPU
-        flex_mask = build_attention_mask(document_ids, positions, SEQ_LEN, use_flex=True)
-        with torch.no_grad():
-            torch.testing.assert_close(layer(x_local, freqs_cis[positions], flex_mask), local, **TOLERANCE)
+    flex_mask = build_attention_mask(document_ids, positions, SEQ_LEN, use_flex=True)  # CUDA's, run on CPU
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x_local, freqs_cis[positions], flex_mask), local, **TOLERANCE)
 
 
 def _check_model(dims: ParallelDims, cp: ContextParallel) -> None:

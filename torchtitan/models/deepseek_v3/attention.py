@@ -137,22 +137,24 @@ def build_attention_mask(
         return None
     kv_len = kv_len or document_ids.shape[1]
     device = (positions if positions is not None else document_ids).device
-    if positions is None:
-        positions = torch.arange(kv_len, device=device)
     if use_flex is None:
         use_flex = device.type == "cuda"
     if not use_flex:
-        mask = torch.arange(kv_len, device=device)[None, :] <= positions[:, None]  # (seqlen, kv_len)
+        queries = positions if positions is not None else torch.arange(kv_len, device=device)
+        mask = torch.arange(kv_len, device=device)[None, :] <= queries[:, None]  # (seqlen, kv_len)
         if document_ids is not None:
-            mask = mask & (document_ids[:, positions, None] == document_ids[:, None, :])  # (bs, seqlen, kv_len)
+            mask = mask & (document_ids[:, queries, None] == document_ids[:, None, :])  # (bs, seqlen, kv_len)
         return mask.reshape(-1, 1, *mask.shape[-2:])  # (bs or 1, 1, seqlen, kv_len)
 
+    def query_position(q_idx):
+        return q_idx if positions is None else positions[q_idx]
+
     def causal(b, h, q_idx, kv_idx):
-        return kv_idx <= positions[q_idx]
+        return kv_idx <= query_position(q_idx)
 
     def block_causal(b, h, q_idx, kv_idx):
-        query_document = document_ids[b, positions[q_idx]]
-        return (kv_idx <= positions[q_idx]) & (query_document == document_ids[b, kv_idx])
+        position = query_position(q_idx)
+        return (kv_idx <= position) & (document_ids[b, position] == document_ids[b, kv_idx])
 
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -162,7 +164,7 @@ def build_attention_mask(
         causal if document_ids is None else block_causal,
         B=None if document_ids is None else document_ids.shape[0],
         H=None,
-        Q_LEN=positions.shape[0],
+        Q_LEN=kv_len if positions is None else positions.shape[0],
         KV_LEN=kv_len,
         device=device,
         _compile=device.type == "cuda",
