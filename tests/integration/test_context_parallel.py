@@ -19,6 +19,7 @@ import shutil
 import pytest
 
 from tests.integration.conftest import FAST_ARGS, read_losses, run_trainer
+from torchtitan.datasets.text_datasets import TINYCORPUS_PATH
 
 STEPS = 10
 ATOL = 1e-5
@@ -28,7 +29,9 @@ COMMON = [
     "--training.steps", str(STEPS),
     "--model.attn_mask_type", "block_causal",
     "--model.mtp_layers", "1",
+    # a validation corpus of its own: the training stream is the whole corpus with validation on or off
     "--validation.enable", "--validation.freq", "5", "--validation.steps", "1",
+    "--validation.dataset_path", str(TINYCORPUS_PATH),
 ]  # fmt: skip
 CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
 
