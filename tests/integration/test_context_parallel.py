@@ -9,7 +9,7 @@ Five launches: one process (the reference, saving step 5), CP=4 on 4 ranks, FSDP
 Tolerance: parameters fp32; the routed experts' grouped GEMMs run in bf16 in every run, and the CP runs sum their
 weight gradients over other token subsets, so gradient norms differ by up to 4.3e-5 relative (asserted: 1e-4) and
 the losses by the AdamW updates of those. Measured over 10 steps (2 cores): losses and MTP losses within 3.8e-6
-absolute (4.8e-7 relative), validation losses within 4.8e-7; asserted within 1e-5 absolute. One layer's and the
+absolute (4.8e-7 relative), validation losses within 9.5e-7; asserted within 1e-5 absolute. One layer's and the
 whole model's fp32 gradients are compared in tests/unit/distributed/test_context_parallel.py.
 """
 
