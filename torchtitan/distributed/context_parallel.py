@@ -13,7 +13,9 @@ that latent (`gather_sequence`; its backward reduce-scatters the gradient) and r
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 __all__ = ["ContextParallel"]
 
@@ -24,7 +26,7 @@ class ContextParallel:
     def __init__(self, mesh: DeviceMesh) -> None:
         self.degree = mesh.size()
         self.rank = mesh.get_local_rank()
-        self.group_name = mesh.get_group().group_name  # a string: traced by torch.compile as a constant
+        self.group_name = mesh.get_group().group_name  # custom ops take a group by its name
 
     def positions(self, seqlen: int, device: torch.device) -> torch.Tensor:
         """(seqlen // degree,) int64: the global positions of this rank's tokens of a seqlen-token sequence, in the
@@ -37,7 +39,7 @@ class ContextParallel:
         """x: (bs, seqlen // degree, d) at this rank's `positions` -> (bs, seqlen, d) of every rank, in sequence
         order. Autograd: the gradient is reduce-scattered back to the ranks that hold the positions."""
         bs, local_len, d = x.shape
-        gathered = _AllGather.apply(x.contiguous(), self.group_name, self.degree)  # (degree * bs, local_len, d)
+        gathered = all_gather(x, self.group_name, self.degree)  # (degree * bs, local_len, d)
         # rank-major: (degree, bs, [first chunk, second chunk], chunk, d)
         first, second = gathered.view(self.degree, bs, 2, local_len // 2, d).unbind(2)
         # chunk j < degree is rank j's first chunk; chunk 2 x degree - 1 - r is rank r's second chunk
@@ -45,18 +47,40 @@ class ContextParallel:
         return chunks.movedim(0, 1).reshape(bs, self.degree * local_len, d)
 
 
-class _AllGather(torch.autograd.Function):
-    """All-gather along dim 0 whose backward reduce-scatters (sum), as functional collectives (traceable)."""
+# The gather and its gradient are custom ops around the eager collectives (torch.compile keeps them opaque, per-op
+# SAC saves the gather by name): the functional all-gather segfaults on gloo with CUDA tensors (torch 2.11), the
+# backend of scripts/bench/shared_gpu.py's memory probe.
+@torch.library.custom_op("torchtitan::cp_all_gather", mutates_args=())
+def all_gather(x: torch.Tensor, group_name: str, degree: int) -> torch.Tensor:
+    """All-gather along dim 0 over the group named group_name; the backward reduce-scatters (sum)."""
+    out = x.new_empty((degree * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=_resolve_process_group(group_name))
+    return out
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group_name: str, degree: int) -> torch.Tensor:
-        ctx.group_name, ctx.degree = group_name, degree
-        gathered = torch.ops._c10d_functional.all_gather_into_tensor(x, degree, group_name)
-        return torch.ops._c10d_functional.wait_tensor(gathered)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        scattered = torch.ops._c10d_functional.reduce_scatter_tensor(
-            grad.contiguous(), "sum", ctx.degree, ctx.group_name
-        )
-        return torch.ops._c10d_functional.wait_tensor(scattered), None, None
+@torch.library.custom_op("torchtitan::cp_reduce_scatter", mutates_args=())
+def reduce_scatter(x: torch.Tensor, group_name: str, degree: int) -> torch.Tensor:
+    out = x.new_empty((x.shape[0] // degree, *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=_resolve_process_group(group_name))
+    return out
+
+
+@all_gather.register_fake
+def _(x: torch.Tensor, group_name: str, degree: int) -> torch.Tensor:
+    return x.new_empty((degree * x.shape[0], *x.shape[1:]))
+
+
+@reduce_scatter.register_fake
+def _(x: torch.Tensor, group_name: str, degree: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0] // degree, *x.shape[1:]))
+
+
+def _setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    _, ctx.group_name, ctx.degree = inputs
+
+
+def _backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    return reduce_scatter(grad, ctx.group_name, ctx.degree), None, None
+
+
+all_gather.register_autograd(_backward, setup_context=_setup_context)

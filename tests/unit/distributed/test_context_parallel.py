@@ -132,7 +132,7 @@ def _check_model(dims: ParallelDims, cp: ContextParallel) -> None:
 
 
 class _Collectives(TorchDispatchMode):
-    """Every functional collective that runs: (op name, input bytes, output bytes)."""
+    """Every collective that runs (c10d, functional or ours): (op name, input bytes, output bytes)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -141,7 +141,7 @@ class _Collectives(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func._overloadpacket.__name__
-        if func.namespace == "_c10d_functional" and name != "wait_tensor":
+        if func.namespace in ("c10d", "_c10d_functional", "torchtitan") and name != "wait_tensor":
             self.calls.append((name, _bytes(args[0]), _bytes(out)))
         return out
 
@@ -166,8 +166,8 @@ def _check_gathered_bytes(cp: ContextParallel) -> None:
     latent = args.kv_lora_rank + args.qk_rope_head_dim
     assert latent == 576
     gathered, local = latent * SEQ_LEN * 2, latent * SEQ_LEN // cp.degree * 2  # bf16: 2 bytes per value
-    assert forward.calls == [("all_gather_into_tensor", local, gathered)], forward.calls
-    assert backward.calls == [("reduce_scatter_tensor", gathered, local)], backward.calls
+    assert forward.calls == [("cp_all_gather", local, gathered)], forward.calls
+    assert backward.calls == [("cp_reduce_scatter", gathered, local)], backward.calls
     keys_and_values = args.n_heads * (args.qk_head_dim + args.v_head_dim) * SEQ_LEN * 2
     assert keys_and_values / gathered > 8.8  # 5,120 / 576 values per token
 
