@@ -8,7 +8,9 @@ two ranks launched by `shared_gpu.py` (gloo; memory is real, speed is not: no to
 - cp2: CP=2, each rank holds 32,768 tokens of the sequence; FSDP over the 2 ranks;
 - cp1: CP=1 (FSDP=2), each rank holds a whole 65,536-token sequence: the same per-rank batch of sequences, twice the
   tokens per rank. It may run out of memory: that is recorded (exit code, "out_of_memory"), not an error here.
-Records per run and rank the allocator's peak allocated / reserved GiB and rank 0's per-step losses.
+Records per run rank 0's per-step losses and peak allocated GiB (`training_peak_allocated_gib` is their maximum: the
+trainer resets the allocator's peak every step, so each rank's `max_allocated_gib` written at exit covers only the
+end of the run; its `max_reserved_gib` is the whole run's).
 """
 
 import argparse
@@ -54,6 +56,7 @@ def run(name: str, args: list[str], work: Path) -> dict:
         "per_rank_peak": peaks,
         "losses": [r["loss"] for r in records if "loss" in r],
         "memory_allocated_gib_per_step": [r.get("memory_allocated_gib") for r in records if "loss" in r],
+        "training_peak_allocated_gib": max((r.get("memory_allocated_gib") or 0 for r in records), default=None),
     }
 
 
