@@ -13,7 +13,8 @@ PYTHON=${PYTHON:-python}
 
 for arg in "$@"; do
   if [[ "$arg" == "--help" || "$arg" == "-h" ]]; then
-    exec "$PYTHON" -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"  # help with this job's values
+    # help with this job's values, printed by the config parser before anything imports torch
+    exec "$PYTHON" -m torchtitan.preflight --world-size 1 --job.config_file "$CONFIG_FILE" "$@"
   fi
 done
 

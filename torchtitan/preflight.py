@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from torchtitan.components.run_lock import DumpFolderBusyError, check_dump_folder_free
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
+from torchtitan.datasets.corpus import check_corpus
 
 if TYPE_CHECKING:
     from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs
@@ -35,7 +36,11 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, "DeepSeekV3M
     Raises ConfigError / ValueError with a message that names the fix.
     """
     job_config = ConfigManager().parse_args(argv)
-    # Imported after parsing so config errors and --help never wait on (or break with) the model code.
+    # Config, dump folder and corpus errors come before the model code (and torch) is imported: in well under a second.
+    check_dump_folder(job_config.job.dump_folder)
+    check_corpus(job_config.training.dataset, job_config.training.dataset_path)
+    if job_config.validation.enable and job_config.validation.dataset_path:
+        check_corpus("", job_config.validation.dataset_path, "validation")
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.models.deepseek_v3 import get_model_args
 
@@ -51,12 +56,6 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, "DeepSeekV3M
     check_validation(job_config, model_args, parallel_dims)
     if job_config.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("--metrics.enable_wandb needs the wandb package: pip install wandb (or drop the flag)")
-    check_dump_folder(job_config.job.dump_folder)
-    from torchtitan.datasets.text_datasets import check_corpus
-
-    check_corpus(job_config.training.dataset, job_config.training.dataset_path)
-    if job_config.validation.enable and job_config.validation.dataset_path:
-        check_corpus("", job_config.validation.dataset_path, "validation")
     if job_config.parallelism.expert_parallel_comm_backend == "deepep":
         check_deepep(parallel_dims)
     return job_config, model_args

@@ -35,8 +35,9 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.components.run_lock import DumpFolderBusyError, acquire_dump_folder, exit_with_parent
 from torchtitan.config import ConfigError, JobConfig, help_for
-from torchtitan.datasets import build_dataloader, build_tokenizer
-from torchtitan.datasets.text_datasets import DatasetError
+from torchtitan.datasets.corpus import DatasetError
+from torchtitan.datasets.dataloader import build_dataloader
+from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.compile import graphs_compiled
 from torchtitan.distributed.parallel_dims import ParallelDims

@@ -1,6 +1,5 @@
 """Helpers for tests that run the real trainer in subprocesses (one per rank, gloo, CPU)."""
 
-import contextlib
 import json
 import os
 import socket
@@ -8,9 +7,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import pytest
+
+from tests.forkserver import CONTEXT, adopt_environment
+from torchtitan import train
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEBUG_CONFIG = REPO_ROOT / "train_configs" / "deepseek_v3_debugmodel.toml"
@@ -40,69 +43,82 @@ def run_trainer(
     nproc: int = 1,
     timeout: int = 600,
     check: bool = True,
-    entry: tuple[str, ...] = ("-m", "torchtitan.train"),
+    entry: tuple[str, ...] | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run `python -m torchtitan.train` (or `python *entry`) with the debug config on `nproc` ranks; return the
-    finished run, its stdout and stderr the ranks' in rank order.
+    """Run the trainer with the debug config on `nproc` ranks; return the finished run, its stdout and stderr the
+    ranks' in rank order.
 
-    The ranks are started directly with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...): torchrun
-    itself only adds its own start-up and exit, seconds per run on two cores. run_train.sh's tests and
-    test_process_faults.py cover the launcher. A rank that fails stops the others, as torchrun does."""
-    cmd = [
-        sys.executable, *entry,
-        "--job.config_file", str(DEBUG_CONFIG),
-        "--job.dump_folder", str(dump_folder),
-        *args,
-    ]  # fmt: skip
+    Each rank is started with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) and runs what
+    `python -m torchtitan.train` runs, `torchtitan.train.main`, in a process forked from `tests.forkserver` (no
+    import of its own). With `entry`, ranks are `python *entry` interpreters instead, for the tests of what a real
+    interpreter does at exit. torchrun itself only adds its own start-up and exit, seconds per run on two cores:
+    run_train.sh's tests and test_process_faults.py cover the launcher. A rank that fails stops the others, as
+    torchrun does."""
+    argv = ["--job.config_file", str(DEBUG_CONFIG), "--job.dump_folder", str(dump_folder), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else "2", "PYTHONUNBUFFERED": "1"}
-    rendezvous = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1"}
-    rendezvous["MASTER_PORT"] = str(_free_port())
-    with contextlib.ExitStack() as stack:
-        logs = [(stack.enter_context(tempfile.TemporaryFile("w+")), stack.enter_context(tempfile.TemporaryFile("w+")))
-                for _ in range(nproc)]  # fmt: skip
-        procs = [
-            subprocess.Popen(
-                cmd,
-                cwd=REPO_ROOT,
-                env={**env, **rendezvous, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                stdout=out,
-                stderr=err,
-                text=True,
-            )
-            for rank, (out, err) in enumerate(logs)
-        ]
+    env |= {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1"}
+    env["MASTER_PORT"] = str(_free_port())
+    with tempfile.TemporaryDirectory() as logs:
+        outputs = [(Path(logs) / f"{rank}.out", Path(logs) / f"{rank}.err") for rank in range(nproc)]
+        ranks = []
+        for rank, (out, err) in enumerate(outputs):
+            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            if entry is None:
+                ranks.append(CONTEXT.Process(target=_trainer_rank, args=(argv, rank_env, out, err)))
+                ranks[-1].start()
+            else:
+                with open(out, "w") as stdout, open(err, "w") as stderr:
+                    cmd = [sys.executable, *entry, *argv]
+                    ranks.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=rank_env, stdout=stdout, stderr=stderr))
         try:
-            returncode = _wait_all(procs, timeout)
+            returncode = _wait_all(ranks, timeout)
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        stdout, stderr = ("".join(_read(log[i]) for log in logs) for i in (0, 1))
+            for process in ranks:
+                if _exit_code(process) is None:
+                    _kill(process)
+        stdout, stderr = ("".join(paths[i].read_text() for paths in outputs) for i in (0, 1))
     if check and returncode != 0:
         raise AssertionError(f"trainer failed ({returncode}):\n{stdout[-4000:]}\n{stderr[-8000:]}")
-    return subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
+    return subprocess.CompletedProcess(argv, returncode, stdout, stderr)
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout: float) -> int:
+def _trainer_rank(argv: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> None:
+    """One rank of `run_trainer`: `python -m torchtitan.train argv` in a forked process, its output in files."""
+    os.chdir(REPO_ROOT)
+    adopt_environment(env, int(env["OMP_NUM_THREADS"]))
+    for fd, path in ((1, stdout), (2, stderr)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    sys.exit(train.main(argv))
+
+
+def _exit_code(process: subprocess.Popen | BaseProcess) -> int | None:
+    return process.poll() if isinstance(process, subprocess.Popen) else process.exitcode
+
+
+def _kill(process: subprocess.Popen | BaseProcess) -> None:
+    process.kill()
+    if isinstance(process, subprocess.Popen):
+        process.wait()
+    else:
+        process.join()
+
+
+def _wait_all(procs: list, timeout: float) -> int:
     """Wait until every rank has exited (0) or one has failed (its exit code: the others would wait for it in a
     collective); raise on timeout."""
     deadline = time.monotonic() + timeout
     while True:
-        codes = [p.poll() for p in procs]
+        codes = [_exit_code(p) for p in procs]
         failed = [code for code in codes if code not in (None, 0)]
         if failed:
             return failed[0]
         if None not in codes:
             return 0
         if time.monotonic() > deadline:
-            raise subprocess.TimeoutExpired(procs[0].args, timeout)
+            raise subprocess.TimeoutExpired("trainer", timeout)
         time.sleep(0.05)
-
-
-def _read(file) -> str:
-    file.seek(0)
-    return file.read()
 
 
 def read_losses(dump_folder: Path, key: str = "loss") -> dict[int, float]:

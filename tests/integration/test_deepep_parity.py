@@ -11,9 +11,10 @@ Tolerance: parameters are fp32, the routed experts' grouped GEMMs bf16 (in both 
 routing flip from a changed summation order on another CPU; a wrong layout, a lost gradient or a recompute of
 different routing shows at step 1-2 at the 1e-2 level.
 
-Every run also validates at steps 5 and 10 (forward only, one global batch of the held-out documents): eager runs
-within 1e-5 of the reference's validation losses (observed: <= 1e-6), compiled ones within RTOL (inductor's forward:
-6.7e-6).
+Every run but the inductor ones also validates at steps 5 and 10 (forward only, one global batch of the held-out
+documents): eager runs within 1e-5 of the reference's validation losses (observed: <= 1e-6), compiled ones within
+RTOL. Validation under inductor compiles its own no-grad graphs (~20 s of each cold run here); the GPU acceptance's
+validation row runs it with inductor's real backend.
 """
 
 import pytest
@@ -29,14 +30,16 @@ FULL_AC = ["--activation_checkpoint.mode", "full"]
 OP_SAC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
 EVERY_2ND = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"]
 OVERLAP = ["--parallelism.expert_parallel_overlap"]
+VALIDATION = ["--validation.enable", "--validation.freq", "5", "--validation.steps", "1"]
 SYNC_FREE = ["--parallelism.deepep_sync_free_dispatch"]  # worst-case sizes: the CPU kernel pads with NaN rows
 
 
 def _run(tmp_path, name: str, ep: int, extra: list[str], nproc: int | None = None) -> tuple[dict, dict]:
     """FSDP over `nproc` ranks (default: ep) x EP over `ep` of them; 8 sequences per step. Returns the training and
-    the validation losses."""
+    the validation losses (none under inductor)."""
     nproc = nproc or ep
     dump = tmp_path / name
+    validation = [] if "inductor" in extra else VALIDATION
     args = [
         *FAST_ARGS,
         f"--parallelism.data_parallel_shard_degree={nproc}",
@@ -45,7 +48,7 @@ def _run(tmp_path, name: str, ep: int, extra: list[str], nproc: int | None = Non
         "--training.global_batch_size", "8",
         "--training.local_batch_size", str(8 // nproc),
         "--activation_checkpoint.mode", "none",
-        "--validation.enable", "--validation.freq", "5", "--validation.steps", "1",
+        *validation,
         *extra,
     ]  # fmt: skip
     run_trainer(dump, args, nproc=nproc)
@@ -66,29 +69,27 @@ def _assert_close(got: tuple[dict, dict], expected: tuple[dict, dict], extra: li
     assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=RTOL), (step, got[step], expected[step])
-    assert sorted(got_validation) == [5, 10]
-    assert got_validation == pytest.approx(expected_validation, **validation_tolerance), got_validation
+    if "inductor" not in extra:
+        assert sorted(got_validation) == [5, 10]
+        assert got_validation == pytest.approx(expected_validation, **validation_tolerance), got_validation
 
 
 @pytest.mark.parametrize(
     "ep, extra",
     [
         (2, DEEPEP),
-        # the command of the natural-routing crash: deepep + compile + full AC
-        (2, [*DEEPEP, *INDUCTOR, *FULL_AC]),
-        # per-op SAC of the deepep path under inductor; the synced dispatch is compiled by the other deepep runs
-        (2, [*DEEPEP, *SYNC_FREE, *INDUCTOR, *OP_SAC]),
+        # the natural-routing crash's path (deepep + compile + full AC): blocks 0 (dense) and 2 (MoE) fully
+        # checkpointed, MoE blocks 1 and 3 not, all calling the same compiled MoE regions
         (2, [*DEEPEP, *INDUCTOR, *EVERY_2ND]),
-        (2, [*INDUCTOR, *FULL_AC]),
-        (2, [*INDUCTOR, *OP_SAC]),
+        # per-op SAC of the deepep path under inductor; the synced dispatch is compiled by the run above. The
+        # standard backend compiles the same MoE regions (the token exchange runs eager between them, see
+        # distributed/compile.py): its compiled runs are in test_parallel_parity.py and test_mtp.py (aot_eager)
+        (2, [*DEEPEP, *SYNC_FREE, *INDUCTOR, *OP_SAC]),
     ],
     ids=[
         "ep2-deepep-eager",
-        "ep2-deepep-inductor-full-ac",
-        "ep2-deepep-sync-free-inductor-op-sac",
         "ep2-deepep-inductor-every-2nd",
-        "ep2-standard-inductor-full-ac",
-        "ep2-standard-inductor-op-sac",
+        "ep2-deepep-sync-free-inductor-op-sac",
     ],
 )
 def test_matches_standard_eager_without_ac(tmp_path, reference_losses, ep, extra):
@@ -100,16 +101,15 @@ def test_matches_standard_eager_without_ac(tmp_path, reference_losses, ep, extra
     [
         (2, 2, OVERLAP),
         (2, 2, [*OVERLAP, *DEEPEP, *SYNC_FREE, *AOT_EAGER, *OP_SAC]),
-        # deepep at EP=4 (four processes on two cores), compiled with aot_eager: the inductor-specific hazard is
-        # covered at EP=2
-        (4, 4, [*OVERLAP, *DEEPEP, *AOT_EAGER, *OP_SAC]),
+        # deepep at EP=4 (four processes on two cores), eager: the compiled deepep overlap runs at EP=2 above
+        (4, 4, [*OVERLAP, *DEEPEP, *OP_SAC]),
         # 4 ranks, EP=2: the routed experts are FSDP-sharded over 2 ranks and called once per micro-batch
         (2, 4, [*OVERLAP, *FULL_AC]),
     ],
     ids=[
         "ep2-standard-eager",
         "ep2-deepep-sync-free-aot-eager-op-sac",
-        "ep4-deepep-aot-eager-op-sac",
+        "ep4-deepep-op-sac",
         "fsdp4-ep2-standard-full-ac",
     ],
 )

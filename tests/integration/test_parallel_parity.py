@@ -49,10 +49,8 @@ LAYOUTS = {
         ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
          *_local_batch(4)],
     ),
-    "tp2_sp_replicated_logits": (
-        2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_loss_parallel=false", *_local_batch(1)]
-    ),
     # vocab-sharded logits: the trainer must compute the loss under torch.distributed.tensor.parallel.loss_parallel()
+    # (replicated logits take the one-process loss path; their gradients: tests/unit/distributed/test_parallelize.py)
     "tp2_sp_loss_parallel": (2, ["--parallelism.tensor_parallel_degree", "2", *_local_batch(1)]),
     "ep4_fsdp4": (4, ["--parallelism.expert_parallel_degree", "4", *_local_batch(4)]),
     "tp2_ep2_etp2": (

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import DEBUG_CONFIG, FAST_ARGS, REPO_ROOT, read_losses, run_trainer
-from torchtitan.datasets.text_datasets import TINYCORPUS_PATH
+from torchtitan.datasets.corpus import TINYCORPUS_PATH
 
 CKPT_ARGS = ["--checkpoint.enable", "--checkpoint.interval", "5"]
 
@@ -128,39 +128,16 @@ def test_checkpoint_reshards_from_fsdp_x_ep(tmp_path, saved_with_fsdp_x_ep, npro
         assert got[step] == pytest.approx(reference[step], rel=1e-5), (step, got[step], reference[step])
 
 
-def test_model_only_last_save_with_keep_latest_1_resumes_through_run_train_sh(tmp_path):
+def test_model_only_last_save_with_keep_latest_1_resumes_from_the_last_full_checkpoint(tmp_path):
     """keep_latest_k=1 + a model-only final export: rerunning the job with more steps continues from the last
     resumable checkpoint (step 2), not from step 1 (the export used to count as the newest checkpoint). The issue's
     10-then-14 steps with interval 5, scaled down to 4-then-6 with interval 2."""
     dump = tmp_path / "outputs"
-    args = [
-        *FAST_ARGS,
-        "--checkpoint.enable",
-        "--checkpoint.interval",
-        "2",
-        "--checkpoint.keep_latest_k",
-        "1",
-        "--checkpoint.last_save_model_only",
-        "--job.dump_folder",
-        str(dump),
-    ]
-    env = {**os.environ, "CONFIG_FILE": str(DEBUG_CONFIG), "NGPU": "1", "PYTHON": sys.executable}
-
-    def launch(steps: int) -> subprocess.CompletedProcess:
-        proc = subprocess.run(
-            ["bash", "run_train.sh", *args, "--training.steps", str(steps)],
-            cwd=REPO_ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return proc
-
-    launch(4)
+    args = [*FAST_ARGS, "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "1",
+            "--checkpoint.last_save_model_only"]  # fmt: skip
+    run_trainer(dump, [*args, "--training.steps", "4"])
     assert sorted(os.listdir(dump / "checkpoint")) == ["exports", "step-2"]
-    second = launch(6)
+    second = run_trainer(dump, [*args, "--training.steps", "6"])
     assert "resumed from" in second.stdout + second.stderr and "step-2" in second.stdout + second.stderr
     assert "training from step 3 to 6" in second.stdout + second.stderr
     assert [json.loads(line)["step"] for line in (dump / "metrics.jsonl").read_text().splitlines()] == [*range(1, 7)]

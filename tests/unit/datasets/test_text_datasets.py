@@ -8,16 +8,8 @@ import pytest
 import torch
 
 from torchtitan.datasets import text_datasets
-from torchtitan.datasets.text_datasets import (
-    CACHE_DIR_ENV,
-    DatasetError,
-    PackedTextDataset,
-    build_text_dataset,
-    check_corpus,
-    read_documents,
-    resolve_corpus_files,
-    tokenize_corpus,
-)
+from torchtitan.datasets.corpus import DatasetError, check_corpus, read_documents, resolve_corpus_files
+from torchtitan.datasets.text_datasets import CACHE_DIR_ENV, PackedTextDataset, build_text_dataset, tokenize_corpus
 
 
 def read_corpus(path) -> list[str]:

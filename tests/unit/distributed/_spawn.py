@@ -1,4 +1,5 @@
-"""Run a function on N gloo ranks in spawned processes; a rank's exception fails the test with its traceback."""
+"""Run a function on N gloo ranks in fresh processes (forked from `tests.forkserver`); a rank's exception fails the
+test with its traceback."""
 
 import gc
 import os
@@ -7,15 +8,17 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh
 
+from tests.forkserver import CONTEXT, adopt_environment
 
-def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, errors: Any) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+
+def _worker(
+    rank: int, world_size: int, environ: dict, init_file: str, fn: Callable, args: tuple, errors: Any
+) -> None:
+    adopt_environment({**environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}, 1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
@@ -42,12 +45,11 @@ def _free_process_groups() -> None:
 def run_distributed(fn: Callable, world_size: int, *args: Any) -> None:
     """Call `fn(rank, world_size, *args)` on every rank of a fresh gloo group; `fn` must be importable."""
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.get_context("spawn")
-        errors = ctx.SimpleQueue()
+        errors = CONTEXT.SimpleQueue()
         try:
             mp.start_processes(
-                _worker, args=(world_size, os.path.join(tmp, "init"), fn, args, errors),
-                nprocs=world_size, start_method="spawn",
+                _worker, args=(world_size, dict(os.environ), os.path.join(tmp, "init"), fn, args, errors),
+                nprocs=world_size, start_method="forkserver",
             )
         except mp.ProcessRaisedException as exc:
             details = [] if errors.empty() else [errors.get()]

@@ -1,6 +1,7 @@
 """apply_compile: compiled blocks (alone and under activation checkpointing) give eager gradients, and the MoE
 pieces meant to run compiled do."""
 
+import collections
 import copy
 from dataclasses import replace
 from types import SimpleNamespace
@@ -9,7 +10,7 @@ import pytest
 import torch
 from torch._dynamo.utils import get_compilation_metrics
 
-from tests.unit.distributed._model_parity import build_reference, reference_loss_and_grads, tiny_args
+from tests.unit.distributed._model_parity import batch, build_reference, loss_of, reference_loss_and_grads, tiny_args
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import MoERegions, apply_compile
 from torchtitan.distributed.expert_parallel.dispatcher import EAGER_PERMUTATION, LocalTokenDispatcher
@@ -25,6 +26,13 @@ def _compile(model, backend: str, ac_mode: str, compiled_permutation: bool = Tru
             block.moe.dispatcher = LocalTokenDispatcher(block.moe.num_experts, False, permutation)
     apply_ac(model, SimpleNamespace(mode=ac_mode, selective_ac_option="op"), regions.all())
     apply_compile(model, backend, regions, per_op_sac=ac_mode == "selective")
+
+
+def _assert_matches_eager(loss, grads, ref_loss, ref_grads) -> None:
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        clean = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        torch.testing.assert_close(grad, ref_grads[clean], rtol=1e-4, atol=1e-6, msg=lambda m, n=clean: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("ac_mode", ["none", "full", "selective"])
@@ -43,39 +51,47 @@ def test_compiled_model_matches_eager(ac_mode):
     compiled = [metrics.co_name for metrics in get_compilation_metrics()]
     for name in ("select_experts", "permute_to_experts", "unpermute_tokens", "forward"):
         assert name in compiled, (name, compiled)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    for name, grad in grads.items():
-        clean = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-        torch.testing.assert_close(grad, ref_grads[clean], rtol=1e-4, atol=1e-6, msg=lambda m, n=clean: f"{n}: {m}")
+    _assert_matches_eager(loss, grads, ref_loss, ref_grads)
 
 
-def _inductor_kernels_per_step(ac_mode: str) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]:
-    """Train one step of a one-MoE-block model compiled with inductor; count the generated kernels that ran."""
-    torch._dynamo.reset()
-    model = build_reference(replace(tiny_args(), n_layers=1, n_dense_layers=0))
-    # the dispatcher's regions (the gathers into the experts' rows and back) are recomputed by design, like the
-    # routed experts' (their activations are the bulk of a block's memory): eager here, out of the count
-    _compile(model, "inductor", ac_mode, compiled_permutation=False)
-    reference_loss_and_grads(model)  # compiles
-    model.zero_grad(set_to_none=True)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        loss, grads = reference_loss_and_grads(model)
-    kernels = sum(1 for event in prof.events() if "cpp_fused" in event.name)
-    return kernels, loss, grads
+def _kernels_per_graph_call(prof) -> dict[str, int]:
+    """Generated kernels that ran inside each compiled graph's calls, keyed by the graph (its FX graph cache key)."""
+
+    def events_under(event):
+        yield event
+        for child in event.cpu_children:
+            yield from events_under(child)
+
+    kernels = collections.Counter()
+    for event in prof.events():
+        if event.name.startswith("## Call CompiledFxGraph"):
+            kernels[event.name] += sum(1 for e in events_under(event) if "cpp_fused" in e.name)
+    return kernels
 
 
 @pytest.mark.skipif(not hasattr(torch._higher_order_ops, "inductor_compiled_code"), reason="needs torch >= 2.10")
 def test_per_op_sac_saves_compiled_moe_block_regions():
     # The regions this tiny model compiles in its MoE block (attention, router selection, shared experts; its
-    # experts are the uncompiled fp32 loop) must not run again in backward under per-op SAC: the generated kernels
-    # that run in a step are those of a step without activation checkpointing (a recompute would add each
-    # region's forward kernels once more).
+    # experts are the uncompiled fp32 loop) must not run again in backward under per-op SAC. The recompute does call
+    # each forward graph again, but SAC hands back the region's saved outputs: the call must launch no kernel.
+    torch._dynamo.reset()
+    reference = build_reference(replace(tiny_args(), n_layers=1, n_dense_layers=0))
+    ref_loss, ref_grads = reference_loss_and_grads(reference)
+    model = copy.deepcopy(reference)
+    # the dispatcher's regions (the gathers into the experts' rows and back) are recomputed by design, like the
+    # routed experts' (their activations are the bulk of a block's memory): eager here, out of the check
     with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):  # each kernel a profiler event
-        plain_kernels, plain_loss, plain_grads = _inductor_kernels_per_step("none")
-        sac_kernels, sac_loss, sac_grads = _inductor_kernels_per_step("selective")
-    assert plain_kernels > 0
-    assert sac_kernels == plain_kernels
-    torch.testing.assert_close(sac_loss, plain_loss)
-    for name, grad in sac_grads.items():
-        clean = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-        torch.testing.assert_close(grad, plain_grads[clean], msg=lambda m, n=clean: f"{n}: {m}")
+        _compile(model, "inductor", "selective", compiled_permutation=False)
+        reference_loss_and_grads(model)  # compiles
+        model.zero_grad(set_to_none=True)
+        inputs, labels = batch()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as forward:
+            loss = loss_of(model(inputs), labels, labels.numel())
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as backward:
+            loss.backward()
+    forward_kernels, backward_kernels = _kernels_per_graph_call(forward), _kernels_per_graph_call(backward)
+    assert forward_kernels and all(count > 0 for count in forward_kernels.values()), forward_kernels
+    recomputed = {graph: backward_kernels[graph] for graph in forward_kernels if backward_kernels[graph]}
+    assert not recomputed, f"forward graphs that ran kernels again in backward: {recomputed}"
+    assert sum(backward_kernels.values()) > 0  # the backward graphs' kernels are counted
+    _assert_matches_eager(loss.detach(), {n: p.grad for n, p in model.named_parameters()}, ref_loss, ref_grads)

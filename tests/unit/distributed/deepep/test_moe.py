@@ -132,17 +132,21 @@ def _no_handle_leaks(rank: int, world_size: int) -> None:
         gc.collect()
         return sum(1 for obj in gc.get_objects() if torch.is_tensor(obj))
 
+    def run(calls: int) -> None:
+        with torch.no_grad():
+            for _ in range(calls):
+                moe(x)
+        with torch.inference_mode():
+            for _ in range(calls // 10):
+                moe(x)
+
     x = _tokens(rank)
-    with torch.no_grad():
-        for _ in range(5):
-            moe(x)
-        before = live_tensors()
-        for _ in range(1000):
-            moe(x)
-    with torch.inference_mode():
-        for _ in range(100):
-            moe(x)
-    assert live_tensors() == before
+    run(10)  # one-time caches of either mode
+    before = live_tensors()
+    run(1000)
+    # a handle (or anything else) kept per call would add >= 1100 tensors; the margin is for tensors that other
+    # threads of the process hold at the moment of counting (a fresh CI machine once showed such a difference)
+    assert live_tensors() - before < 50, (before, live_tensors())
     assert all(ref() is None for ref in handles)  # handles die with their forward
 
     # training: the handle lives exactly as long as the autograd graph

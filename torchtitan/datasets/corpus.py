@@ -1,0 +1,194 @@
+"""Local text corpora: which files a job reads and their documents, without torch (preflight checks them fast).
+
+Document sources (`resolve_corpus_files`, `read_documents`):
+- `training.dataset = "tinycorpus"` with no `dataset_path`: the shipped corpus (Jane Austen, one chapter per
+  document; see torchtitan/assets/README.md).
+- `training.dataset_path` = one file, a folder of files, or a saved Hugging Face dataset folder:
+  - `.jsonl` / `.jsonl.gz`: one JSON object per line, the document is its "text" field;
+  - `.txt` / `.txt.gz`: the whole file is one document (books and pages keep their blank lines);
+  - `.parquet`: column "text", one document per row (read with pyarrow);
+  - `.arrow`: Arrow IPC (stream or file format), column "text";
+  - a folder holding `state.json` / `dataset_info.json` (`datasets.Dataset.save_to_disk`): its `.arrow`
+    files in the order `state.json` lists them (the `datasets` package is not needed); a folder holding
+    `dataset_dict.json` (`DatasetDict.save_to_disk`): its `train` split;
+  - any other folder: every file above found under it, recursively, in sorted path order.
+  Empty documents are skipped.
+"""
+
+import gzip
+import io
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+TINYCORPUS_PATH = Path(__file__).resolve().parents[1] / "assets" / "tinycorpus" / "austen_chapters.jsonl.gz"
+DOCUMENT_SUFFIXES = (".jsonl", ".jsonl.gz", ".txt", ".txt.gz", ".parquet", ".arrow")
+TEXT_FIELD = "text"
+
+
+class DatasetError(ValueError):
+    """A corpus file that cannot be read as documents; the message names the file (and line) and the fix."""
+
+
+def check_corpus(
+    dataset: str, dataset_path: str | None, section: str = "training", records_per_file: int = 100
+) -> None:
+    """Preflight: every corpus file exists, has a known format, and its first records decode to text.
+
+    Reads at most `records_per_file` documents of each file (the trainer reads them all, and a bad record further
+    in fails there with the same one-line message)."""
+    files = resolve_corpus_files(dataset, dataset_path, section)
+    if not any(doc for path in files for doc in read_documents(path, limit=records_per_file)):
+        raise empty_corpus_error(files)
+
+
+def empty_corpus_error(files: list[Path]) -> DatasetError:
+    return DatasetError(f"no non-empty documents in {', '.join(map(str, files))}: the corpus is empty")
+
+
+def resolve_corpus_files(dataset: str, dataset_path: str | None, section: str = "training") -> list[Path]:
+    """The document files of `<section>.dataset` / `<section>.dataset_path`, in reading order."""
+    if dataset_path is None:
+        if dataset != "tinycorpus":
+            raise DatasetError(
+                f"unknown --{section}.dataset={dataset!r}: the only built-in dataset is 'tinycorpus'; "
+                f"for anything else set --{section}.dataset_path to a local file or folder"
+            )
+        return [TINYCORPUS_PATH]
+
+    path = Path(dataset_path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"--{section}.dataset_path={dataset_path!r} does not exist")
+    if path.is_file():
+        if not _has_document_suffix(path):
+            raise DatasetError(
+                f"--{section}.dataset_path={dataset_path!r}: unsupported file type; "
+                f"expected one of {', '.join(DOCUMENT_SUFFIXES)}, a folder of them, or a saved HF dataset"
+            )
+        return [path]
+    if (path / "dataset_dict.json").is_file():
+        return _saved_hf_dataset_dict_files(path, dataset_path)
+    if (path / "state.json").is_file() or (path / "dataset_info.json").is_file():
+        return _saved_hf_dataset_files(path, dataset_path)
+    files = sorted(p for p in path.rglob("*") if p.is_file() and _has_document_suffix(p))
+    if not files:
+        raise DatasetError(
+            f"--{section}.dataset_path={dataset_path!r} is a folder with no {', '.join(DOCUMENT_SUFFIXES)} files "
+            "and no saved HF dataset (state.json / dataset_info.json)"
+        )
+    return files
+
+
+def read_documents(path: Path, limit: int | None = None) -> list[str]:
+    """Documents of one corpus file (format chosen by suffix, see the module docstring); the first `limit` only
+    if given. Undecodable content raises DatasetError naming the file and line."""
+    name = path.name
+    try:
+        if name.endswith((".jsonl", ".jsonl.gz")):
+            return _read_jsonl(path, limit)
+        if name.endswith((".txt", ".txt.gz")):
+            with _open_text(path) as f:
+                return [f.read()]
+        if name.endswith(".parquet"):
+            import pyarrow.parquet as pq  # only Parquet/Arrow corpora need pyarrow
+
+            columns = pq.read_schema(path).names
+            if TEXT_FIELD not in columns:
+                raise DatasetError(f"{path} has no {TEXT_FIELD!r} column (columns: {columns})")
+            return _text_column(pq.read_table(path, columns=[TEXT_FIELD]), path)[:limit]
+        if name.endswith(".arrow"):
+            return _text_column(_read_arrow(path), path)[:limit]
+    except UnicodeDecodeError as err:
+        raise DatasetError(
+            f"{path}: not UTF-8 text (invalid byte 0x{err.object[err.start]:02x}); convert the file to UTF-8"
+        ) from None
+    except (OSError, EOFError) as err:
+        if isinstance(err, FileNotFoundError):
+            raise
+        raise DatasetError(f"{path}: cannot be read ({err}); check the file (a truncated download?)") from None
+    raise DatasetError(f"unsupported corpus file {path}; expected one of {', '.join(DOCUMENT_SUFFIXES)}")
+
+
+def _read_jsonl(path: Path, limit: int | None) -> list[str]:
+    documents: list[str] = []
+    with _open_text(path) as f:
+        for line_number, line in enumerate(f, start=1):
+            if limit is not None and len(documents) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DatasetError(
+                    f"{path}:{line_number}: not a JSON object ({err.msg} at column {err.colno}); fix or remove the line"
+                ) from None
+            if not isinstance(record, dict) or TEXT_FIELD not in record:
+                raise DatasetError(f"{path}:{line_number}: JSON object has no {TEXT_FIELD!r} field")
+            text = record[TEXT_FIELD]
+            if not isinstance(text, str):
+                raise DatasetError(
+                    f"{path}:{line_number}: {TEXT_FIELD!r} is a {type(text).__name__}, not a string; every record's "
+                    f"{TEXT_FIELD!r} must be the document text"
+                )
+            documents.append(text)
+    return documents
+
+
+def _saved_hf_dataset_files(folder: Path, dataset_path: str) -> list[Path]:
+    state_file = folder / "state.json"
+    if state_file.is_file():
+        state = json.loads(state_file.read_text())
+        files = [folder / entry["filename"] for entry in state.get("_data_files", [])]
+    else:
+        files = sorted(folder.glob("*.arrow"))
+    if not files:
+        raise ValueError(f"--training.dataset_path={dataset_path!r}: saved HF dataset folder has no .arrow files")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"--training.dataset_path={dataset_path!r}: state.json lists missing {missing}")
+    return files
+
+
+def _saved_hf_dataset_dict_files(folder: Path, dataset_path: str) -> list[Path]:
+    splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
+    if "train" not in splits:
+        raise ValueError(
+            f"--training.dataset_path={dataset_path!r} is a saved DatasetDict without a 'train' split "
+            f"(splits: {splits}); point --training.dataset_path at one split's folder"
+        )
+    return _saved_hf_dataset_files(folder / "train", dataset_path)
+
+
+def _read_arrow(path: Path) -> "pa.Table":
+    import pyarrow as pa
+    import pyarrow.ipc
+
+    # `datasets.save_to_disk` writes the IPC stream format; plain Arrow files use the IPC file format.
+    data = path.read_bytes()
+    try:
+        return pa.ipc.open_stream(io.BytesIO(data)).read_all()
+    except pa.ArrowInvalid:
+        return pa.ipc.open_file(io.BytesIO(data)).read_all()
+
+
+def _text_column(table: "pa.Table", path: Path) -> list[str]:
+    if TEXT_FIELD not in table.column_names:
+        raise DatasetError(f"{path} has no {TEXT_FIELD!r} column (columns: {table.column_names})")
+    texts = [text for text in table.column(TEXT_FIELD).to_pylist() if text is not None]
+    if texts and not isinstance(texts[0], str):
+        raise DatasetError(f"{path}: column {TEXT_FIELD!r} holds {type(texts[0]).__name__}, not strings")
+    return texts
+
+
+def _open_text(path: Path):
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _has_document_suffix(path: Path) -> bool:
+    return path.name.endswith(DOCUMENT_SUFFIXES)
