@@ -19,7 +19,7 @@ import shutil
 import pytest
 
 from tests.integration.conftest import FAST_ARGS, read_losses, run_trainer
-from torchtitan.datasets.text_datasets import TINYCORPUS_PATH
+from torchtitan.datasets.corpus import TINYCORPUS_PATH
 
 STEPS = 10
 ATOL = 1e-5
