@@ -63,13 +63,13 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, "DeepSeekV3M
 
 def check_parallel_dims(dims, model_args) -> None:
     """The degrees must multiply out to the world size, leave EP whole ranks to borrow, and divide the model."""
-    others = dims.dp_replicate * dims.tp * dims.pp
+    others = dims.dp_replicate * dims.cp * dims.tp * dims.pp
     if dims.world_size < 1 or dims.world_size != others * dims.dp_shard:
         raise ConfigError(
-            f"dp_replicate({dims.dp_replicate}) * dp_shard({dims.dp_shard}) * tp({dims.tp}) * pp({dims.pp}) = "
-            f"{others * dims.dp_shard} but the world size is {dims.world_size}; make the product equal the number of "
-            "processes (data_parallel_shard_degree=-1 fills in the rest when the world size is a multiple of "
-            f"dp_replicate * tp * pp = {others})"
+            f"dp_replicate({dims.dp_replicate}) * dp_shard({dims.dp_shard}) * cp({dims.cp}) * tp({dims.tp}) * "
+            f"pp({dims.pp}) = {others * dims.dp_shard} but the world size is {dims.world_size}; make the product equal "
+            "the number of processes (data_parallel_shard_degree=-1 fills in the rest when the world size is a "
+            f"multiple of dp_replicate * cp * tp * pp = {others})"
         )
     if dims.etp > 1 and dims.dp_shard % dims.ep:  # experts are TP-sharded, so EP can only borrow data-parallel ranks
         raise ConfigError(
@@ -77,11 +77,11 @@ def check_parallel_dims(dims, model_args) -> None:
             "expert_tensor_parallel_degree == tensor_parallel_degree; lower ep, raise dp_shard, or set "
             "expert_tensor_parallel_degree=1 to let EP borrow TP ranks"
         )
-    if dims.etp == 1 and dims.dp_shard * dims.tp % dims.ep:
+    if dims.etp == 1 and dims.dp_shard * dims.cp * dims.tp % dims.ep:
         raise ConfigError(
-            f"expert_parallel_degree ({dims.ep}) must divide data_parallel_shard_degree * tensor_parallel_degree "
-            f"({dims.dp_shard} * {dims.tp} = {dims.dp_shard * dims.tp}): EP borrows its ranks from FSDP and TP; "
-            "change expert_parallel_degree"
+            f"expert_parallel_degree ({dims.ep}) must divide data_parallel_shard_degree * context_parallel_degree * "
+            f"tensor_parallel_degree ({dims.dp_shard} * {dims.cp} * {dims.tp} = {dims.dp_shard * dims.cp * dims.tp}): "
+            "EP borrows its ranks from FSDP, CP and TP; change expert_parallel_degree"
         )
     for divisor, name, count, what in [
         (dims.ep, "expert_parallel_degree", model_args.moe_args.num_experts, "moe num_experts"),
@@ -213,10 +213,10 @@ def check_float8_linears(job_config: JobConfig, parallel_dims) -> None:
             "--quantize.float8_linears is not supported with tensor parallelism yet; set "
             "--parallelism.tensor_parallel_degree 1 or drop the flag"
         )
-    if job_config.training.seq_len % 16:
+    if job_config.training.seq_len % (16 * parallel_dims.cp):  # each context-parallel rank holds seq_len / cp
         raise ConfigError(
-            f"--quantize.float8_linears needs training.seq_len a multiple of 16 (FP8 GEMM alignment), got "
-            f"{job_config.training.seq_len}; change --training.seq_len or drop the flag"
+            f"--quantize.float8_linears needs training.seq_len a multiple of 16 x context_parallel_degree (FP8 GEMM "
+            f"alignment), got {job_config.training.seq_len}; change --training.seq_len or drop the flag"
         )
 
 

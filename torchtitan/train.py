@@ -87,7 +87,8 @@ class Trainer:
             self.parallel_dims.world_mesh, self.device, job_config.debug.seed, job_config.debug.deterministic
         )
 
-        # Data: every DP rank reads its own slice of the same global batch stream.
+        # Data: every DP rank reads its own slice of the same global batch stream; the context-parallel ranks of one DP
+        # rank read the same samples and keep their parts of each sequence (forward_backward).
         dp_rank, dp_degree = self._dp_rank_and_degree()
         self.tokenizer = build_tokenizer(job_config)
         self.dataloader = build_dataloader(job_config, self.tokenizer, dp_rank, dp_degree)
@@ -125,6 +126,7 @@ class Trainer:
         )
 
         self.fused_output_loss = self._setup_fused_output_loss(job_config)
+        self.context_parallel = None if self.parallel_dims.pp_enabled else self.model_parts[0].context_parallel
 
         tokens_per_step = self.grad_accum_steps * job_config.training.local_batch_size * self.parallel_dims.dp_size
         for part in self.model_parts:
@@ -226,6 +228,11 @@ class Trainer:
         if mtp_labels:
             kwargs["next_tokens"] = labels
             target = torch.stack([labels, *mtp_labels], dim=1)
+        if self.context_parallel is not None:
+            # this rank's parts of each sequence: tokens and targets (every target was derived from the whole
+            # sequence, so MTP's shift crosses the parts' boundaries); document ids and next tokens stay whole
+            positions = self.context_parallel.positions(tokens.shape[1], tokens.device)
+            tokens, target, kwargs["positions"] = tokens[:, positions], target[..., positions], positions
         # With TP + loss parallel the logits stay vocab-sharded: cross-entropy and its backward need loss_parallel.
         with loss_parallel() if self.parallel_dims.loss_parallel_enabled else contextlib.nullcontext():
             if self.parallel_dims.pp_enabled:
@@ -261,6 +268,7 @@ class Trainer:
         main model's and `last_mtp_loss` the MTP modules' mean (the backward used main + lambda x MTP)."""
         self.optimizers.zero_grad()
         microbatches = self._next_microbatches(data_iterator)
+        # whole sequences (every context-parallel rank holds them): valid tokens are counted over the dp ranks only
         dp_group = self.parallel_dims.get_mesh("dp").get_group() if self.parallel_dims.dp_enabled else None
         self.loss_fn.global_valid_tokens = count_valid_tokens((labels for _, labels in microbatches), dp_group)
         # per micro-batch, the targets of each MTP module; their valid counts over the step, per module
@@ -326,10 +334,11 @@ class Trainer:
         return grad_norm, {}
 
     def _reduce_loss_for_logging(self, loss: torch.Tensor) -> torch.Tensor:
-        """Each rank holds its share of the global mean: sum shares over DP, then share the last PP stage's value."""
+        """Each rank holds its share of the global mean: sum shares over DP x CP, then share the last PP stage's
+        value."""
         loss = loss.detach().clone()
-        if self.parallel_dims.dp_enabled:
-            dist.all_reduce(loss, group=self.parallel_dims.get_mesh("dp").get_group())
+        if (dp_cp := self.parallel_dims.get_optional_mesh("dp_cp")) is not None:
+            dist.all_reduce(loss, group=dp_cp.get_group())
         if self.parallel_dims.pp_enabled:
             dist.all_reduce(loss, group=self.parallel_dims.get_mesh("pp").get_group())
         return loss

@@ -10,9 +10,11 @@ meaningful. Speed is not (the ranks share the GPU's SMs and the collectives go t
 tokens/s from this launcher.
 
 SEGMENTS_OUT=<folder>: at the end each rank writes its allocator's segments (no history needed) to
-<folder>/rank<R>_segments.pickle, for scripts/bench/memory_breakdown.py (reserved per stream).
+<folder>/rank<R>_segments.pickle, for scripts/bench/memory_breakdown.py (reserved per stream), and its peaks to
+<folder>/rank<R>_peak.json (also after an out-of-memory error).
 """
 
+import json
 import os
 import pickle
 import sys
@@ -36,13 +38,18 @@ def main() -> int:
     dist.init_process_group = _gloo_process_group
     from torchtitan.train import main as train_main
 
-    rc = train_main(sys.argv[1:])
     out = os.environ.get("SEGMENTS_OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        with open(Path(out) / f"rank{os.environ.get('RANK', '0')}_segments.pickle", "wb") as f:
-            pickle.dump(torch.cuda.memory._snapshot(), f)
-    return rc
+    try:
+        return train_main(sys.argv[1:])
+    finally:
+        if out:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            rank = os.environ.get("RANK", "0")
+            with open(Path(out) / f"rank{rank}_segments.pickle", "wb") as f:
+                pickle.dump(torch.cuda.memory._snapshot(), f)
+            peaks = {"max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+                     "max_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}  # fmt: skip
+            (Path(out) / f"rank{rank}_peak.json").write_text(json.dumps(peaks))
 
 
 if __name__ == "__main__":

@@ -148,6 +148,11 @@ class Parallelism:
     enable_loss_parallel: bool = True
     """With TP, compute cross-entropy on vocab-sharded logits."""
 
+    context_parallel_degree: int = 1
+    """Context parallel degree: every sequence is split over this many ranks (2N chunks, rank r holds chunks r and
+    2N-1-r), and each attention layer all-gathers MLA's latent (kv_lora_rank + qk_rope_head_dim values per token)
+    over them. training.seq_len must be divisible by 2N; not with tensor or pipeline parallelism."""
+
     pipeline_parallel_degree: int = 1
     """Pipeline stages."""
 

@@ -149,12 +149,23 @@ def validate(job_config: JobConfig) -> None:
         f"training.global_batch_size must be -1 or a positive multiple of training.local_batch_size ({lbs}), "
         f"got {gbs}; pass --training.global_batch_size -1 or a multiple of {lbs}",
     )
+    cp = par.context_parallel_degree
     for key in ("training.seq_len", "validation.seq_len"):
         seq_len = _value(job_config, key) or training.seq_len
         _require(
             seq_len % tp == 0,
             f"{key} ({seq_len}) must be divisible by tensor_parallel_degree ({tp}) for sequence "
             f"parallelism; change --{key} or --parallelism.tensor_parallel_degree",
+        )
+        _require(
+            seq_len % (2 * cp) == 0,
+            f"{key} ({seq_len}) must be divisible by 2 x context_parallel_degree ({2 * cp}): each rank holds two "
+            f"chunks of every sequence; change --{key} or --parallelism.context_parallel_degree",
+        )
+    for other in ("tensor_parallel_degree", "pipeline_parallel_degree"):
+        _require(
+            cp == 1 or getattr(par, other) == 1,
+            f"parallelism.context_parallel_degree ({cp}) is not supported with {other} > 1 yet; set one of them to 1",
         )
     _require(
         par.expert_tensor_parallel_degree in (1, tp),
@@ -194,7 +205,7 @@ _POSITIVE_KEYS = (
     "profiling.profile_freq comm.init_timeout_seconds comm.train_timeout_seconds validation.freq validation.steps"
 ).split()
 _DEGREE_KEYS = (
-    "parallelism.data_parallel_replicate_degree parallelism.tensor_parallel_degree "
+    "parallelism.data_parallel_replicate_degree parallelism.tensor_parallel_degree parallelism.context_parallel_degree "
     "parallelism.pipeline_parallel_degree parallelism.pipeline_parallel_microbatch_size "
     "parallelism.expert_parallel_degree parallelism.expert_tensor_parallel_degree"
 ).split()

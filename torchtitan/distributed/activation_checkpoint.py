@@ -11,8 +11,10 @@ elementwise ops, index ops) in backward:
   recomputed forward reuses the original expert choice and order even if the recomputed scores differed in the last
   bit.
 - attention kernels (SDPA variants, flex attention).
-- collectives: all-to-all (functional and autograd variants) and reduce-scatter, so recompute issues no
-  communication, and device-to-host copies (the all-to-all split sizes), so recompute adds no host sync.
+- collectives: all-to-all (functional and autograd variants), reduce-scatter and the context-parallel all-gather of
+  the attention latent (`torchtitan::cp_all_gather`), so recompute issues no communication, and device-to-host
+  copies (the all-to-all split sizes), so recompute adds no host sync. Full AC (and every-Nth-block AC) recomputes
+  whole blocks: it gathers the latent again in backward (576 values per token and layer for DeepSeek-V3).
 - aten.max (amax-like reductions that low-precision recipes reuse).
 - DeepEP's dispatch/combine custom ops when torchtitan.distributed.deepep registered them.
 - in MoE blocks, the compiled attention, router selection and shared experts (`inductor_compiled_code`): they run
@@ -64,6 +66,7 @@ def op_sac_save_list() -> set[Any]:
         lambda: aten._scaled_dot_product_attention_math.default,
         lambda: aten._scaled_dot_product_fused_attention_overrideable.default,
         lambda: ops._c10d_functional.reduce_scatter_tensor.default,
+        lambda: ops.torchtitan.cp_all_gather.default,  # distributed/context_parallel.py, when imported
         lambda: ops._c10d_functional.all_to_all_single.default,
         lambda: ops._c10d_functional_autograd.all_to_all_single.default,
         lambda: ops._c10d_functional_autograd.reduce_scatter_tensor.default,

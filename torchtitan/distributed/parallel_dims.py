@@ -1,16 +1,18 @@
 """Parallelism degrees, their validation, and the device meshes built from them.
 
-Rank layout (outermost to innermost): pp, dp_replicate, dp_shard, tp. Every named mesh is an
+Rank layout (outermost to innermost): pp, dp_replicate, dp_shard, cp, tp. Every named mesh is an
 `_unflatten` of the one-dimensional world mesh, so meshes from different layouts share a root and
 FSDP2 can combine them with TP/EP DTensor meshes:
 
-    dense  (pp, dp_replicate, dp_shard, tp)              attention, dense FFN, router, shared experts
-    batch  (pp, dp, tp)                                  dp = dp_replicate * dp_shard: data loading, loss
-    sparse (pp, dp_replicate, dp_shard_mod_ep, ep)       routed experts, etp == 1: EP borrows dp_shard and tp
-    sparse (pp, dp_replicate, dp_shard_mod_ep, ep, etp)  routed experts, etp == tp: EP borrows dp_shard only
+    dense  (pp, dp_replicate, dp_shard, cp, tp)              attention, dense FFN, router, shared experts
+    batch  (pp, dp, cp, tp)                                  dp = dp_replicate * dp_shard: data loading
+    fsdp   (pp, dp_replicate, dp_shard_cp, tp)               FSDP shards over dp_shard x cp
+    sparse (pp, dp_replicate, dp_shard_mod_ep, ep)           routed experts, etp == 1: EP borrows dp_shard, cp, tp
+    sparse (pp, dp_replicate, dp_shard_mod_ep, ep, etp)      routed experts, etp == tp: EP borrows dp_shard only
 
-Context parallelism is not implemented: there is no cp degree, and "dp_cp" / "dp_shard_cp" are the
-"dp" / "dp_shard" meshes (the names the trainer and torchtitan use for "batch ranks" and "FSDP ranks").
+Context parallel ranks (cp) hold parts of the same sequences: they load the same samples (batch mesh "dp"), while
+FSDP, EP and the loss's reduction treat them like data-parallel ranks ("dp_shard_cp", "dp_cp"). With cp == 1,
+"dp_cp" and "dp_shard_cp" are the "dp" / "dp_shard" meshes.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class ParallelDims:
     ep: int
     etp: int
     world_size: int
+    cp: int = 1
     enable_loss_parallel: bool = True
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
     _world_mesh: DeviceMesh | None = field(default=None, repr=False)
@@ -50,21 +53,24 @@ class ParallelDims:
             ep=parallelism_config.expert_parallel_degree,
             etp=parallelism_config.expert_tensor_parallel_degree,
             world_size=world_size,
+            cp=parallelism_config.context_parallel_degree,
             enable_loss_parallel=parallelism_config.enable_loss_parallel,
         )
 
     def __post_init__(self) -> None:
         # preflight.check_parallel_dims explains a layout that does not fill the world size; build_mesh fails on one.
         if self.dp_shard == -1:
-            self.dp_shard = self.world_size // (self.dp_replicate * self.tp * self.pp)
+            self.dp_shard = self.world_size // (self.dp_replicate * self.cp * self.tp * self.pp)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Create the world mesh and every named submesh. Collective: call on all ranks."""
         world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
         dense = world._unflatten(
-            0, (self.pp, self.dp_replicate, self.dp_shard, self.tp), ("pp", "dp_replicate", "dp_shard", "tp")
+            0,
+            (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
+            ("pp", "dp_replicate", "dp_shard", "cp", "tp"),
         )
-        batch = world._unflatten(0, (self.pp, self.dp_replicate * self.dp_shard, self.tp), ("pp", "dp", "tp"))
+        batch = world._unflatten(0, (self.pp, self.dp_size, self.cp, self.tp), ("pp", "dp", "cp", "tp"))
         meshes = {
             "pp": dense["pp"],
             "dp_replicate": dense["dp_replicate"],
@@ -74,6 +80,17 @@ class ParallelDims:
             ("dp_replicate", "dp_shard"): dense["dp_replicate", "dp_shard"],
             ("dp_shard", "tp"): dense["dp_shard", "tp"],
         }
+        if self.cp > 1:
+            fsdp = world._unflatten(
+                0,
+                (self.pp, self.dp_replicate, self.dp_shard * self.cp, self.tp),
+                ("pp", "dp_replicate", "dp_shard_cp", "tp"),
+            )
+            meshes["cp"] = dense["cp"]
+            meshes["dp_shard_cp"] = fsdp["dp_shard_cp"]
+            meshes[("dp_replicate", "dp_shard_cp")] = fsdp["dp_replicate", "dp_shard_cp"]
+            loss = world._unflatten(0, (self.pp, self.dp_size * self.cp, self.tp), ("pp", "dp_cp", "tp"))
+            meshes["dp_cp"] = loss["dp_cp"]
         if self.etp > 1:
             sparse = world._unflatten(
                 0,
@@ -85,7 +102,7 @@ class ParallelDims:
         else:
             sparse = world._unflatten(
                 0,
-                (self.pp, self.dp_replicate, self.dp_shard * self.tp // self.ep, self.ep),
+                (self.pp, self.dp_replicate, self.dp_shard * self.cp * self.tp // self.ep, self.ep),
                 ("pp", "dp_replicate", "dp_shard_mod_ep", "ep"),
             )
         meshes["ep"] = sparse["ep"]
@@ -100,12 +117,14 @@ class ParallelDims:
             "pp": self.pp,
             "dp": self.dp_replicate * self.dp_shard,
             "dp_shard": self.dp_shard,
+            "dp_shard_cp": self.dp_shard * self.cp,
+            "dp_cp": self.dp_size * self.cp,
             "tp": self.tp,
             "ep": self.ep,
             "dp_shard_mod_ep": self.dp_shard_mod_ep,
         }
         for name, size in expected.items():
-            assert self._meshes[(name,)].size() == size, (name, self._meshes[(name,)].size(), size)
+            assert self.get_mesh(name).size() == size, (name, self.get_mesh(name).size(), size)
         return world
 
     def get_mesh(self, names: str | list[str] | tuple[str, ...]) -> DeviceMesh:
@@ -113,7 +132,8 @@ class ParallelDims:
         or by a list of names ("dp_replicate", "dp_shard") for multi-dimensional meshes."""
         if self._world_mesh is None:
             raise RuntimeError("ParallelDims.build_mesh(device_type) must run before get_mesh().")
-        key = tuple(_ALIASES.get(n, n) for n in ([names] if isinstance(names, str) else names))
+        names = [names] if isinstance(names, str) else names
+        key = tuple(n if (n,) in self._meshes else _ALIASES.get(n, n) for n in names)
         if key not in self._meshes:
             valid = sorted(k[0] for k in self._meshes if len(k) == 1) + sorted(_ALIASES)
             raise KeyError(f"no mesh named {names!r}; valid names: {valid} (and their listed combinations)")
@@ -140,7 +160,7 @@ class ParallelDims:
         """Ranks that FSDP-shard the routed experts (the EP ranks are taken out)."""
         if self.etp > 1:
             return self.dp_shard // self.ep
-        return self.dp_shard * self.tp // self.ep
+        return self.dp_shard * self.cp * self.tp // self.ep
 
     @property
     def dp_enabled(self) -> bool:
@@ -156,7 +176,12 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_shard > 1
+        """FSDP2 wraps the model: dense weights shard over dp_shard x cp, experts over what EP leaves."""
+        return self.dp_enabled or self.cp_enabled or self.ep_enabled
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -190,4 +215,4 @@ class ParallelDims:
 
     @property
     def non_data_parallel_size(self) -> int:
-        return self.tp * self.pp
+        return self.cp * self.tp * self.pp

@@ -39,11 +39,11 @@ def device_type() -> str:
 def autocast_dtype(parallel_dims: Any, param_dtype: str) -> torch.dtype | None:
     """The dtype a forward autocasts to for `training.mixed_precision_param` (None: no autocast).
 
-    FSDP2 (applied with data or expert parallelism) computes in the parameter dtype it casts to. A run without it,
-    one device, would compute in fp32 whatever the config says: autocast gives it bf16 compute, as torchtitan
-    does (and the trainer stores the weights that compute in bf16 in bf16: `components/master_weights.py`). With TP
-    or PP and no FSDP, compute stays fp32 and a warning says so."""
-    if param_dtype == "float32" or parallel_dims.dp_enabled or parallel_dims.ep_enabled:
+    FSDP2 (applied with data, context or expert parallelism) computes in the parameter dtype it casts to. A run
+    without it, one device, would compute in fp32 whatever the config says: autocast gives it bf16 compute, as
+    torchtitan does (and the trainer stores the weights that compute in bf16 in bf16: `components/master_weights.py`).
+    With TP or PP and no FSDP, compute stays fp32 and a warning says so."""
+    if param_dtype == "float32" or parallel_dims.fsdp_enabled:
         return None
     if parallel_dims.tp_enabled or parallel_dims.pp_enabled:
         logger.warning(

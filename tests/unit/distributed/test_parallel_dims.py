@@ -11,9 +11,9 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.preflight import check_parallel_dims
 
 
-def dims(world_size=8, dp_replicate=1, dp_shard=-1, tp=1, pp=1, ep=1, etp=1) -> ParallelDims:
+def dims(world_size=8, dp_replicate=1, dp_shard=-1, tp=1, pp=1, ep=1, etp=1, cp=1) -> ParallelDims:
     return ParallelDims(
-        dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep, etp=etp, world_size=world_size
+        dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep, etp=etp, world_size=world_size, cp=cp
     )
 
 
@@ -37,8 +37,8 @@ def test_ep_may_borrow_tp_ranks_when_etp_is_1():
     "kwargs, model_overrides, fragment",
     [
         (dict(world_size=8, dp_shard=3), {}, "but the world size is 8"),
-        (dict(world_size=6, tp=4), {}, "a multiple of dp_replicate * tp * pp = 4"),
-        (dict(world_size=8, tp=2, ep=3), {}, "must divide data_parallel_shard_degree * tensor_parallel_degree"),
+        (dict(world_size=6, tp=4), {}, "a multiple of dp_replicate * cp * tp * pp = 4"),
+        (dict(world_size=8, tp=2, ep=3), {}, "must divide data_parallel_shard_degree * context_parallel_degree"),
         (dict(world_size=8, tp=4, etp=4, ep=4), {}, "must divide data_parallel_shard_degree (2)"),
         (dict(ep=8), dict(moe_args=SimpleNamespace(num_experts=12)), "num_experts (12)"),
         (dict(tp=2, etp=2), dict(moe_inter_dim=255), "moe_inter_dim (255)"),
@@ -72,6 +72,14 @@ def _mesh_layout(rank: int, world_size: int) -> None:
     assert parallel.get_optional_mesh("pp") is None and parallel.loss_parallel_enabled
     with pytest.raises(KeyError, match="valid names"):
         parallel.get_mesh("cp")
+
+    # CP=2 inside dp_shard=2: the cp ranks load the same data (dp), FSDP, EP and the loss span dp x cp
+    context = dims(world_size=4, cp=2, ep=4)
+    context.build_mesh("cpu")
+    mine = {name: context.get_mesh(name).mesh.tolist() for name in ("dp", "cp", "dp_shard_cp", "dp_cp", "ep")}
+    expected = dict(dp=[rank % 2, rank % 2 + 2], cp=[rank // 2 * 2, rank // 2 * 2 + 1])
+    assert mine == {**expected, "dp_shard_cp": [0, 1, 2, 3], "dp_cp": [0, 1, 2, 3], "ep": [0, 1, 2, 3]}, (rank, mine)
+    assert context.dp_shard_mod_ep == 1 and context.dp_size == 2
 
     etp = dims(world_size=4, tp=2, ep=2, etp=2, dp_shard=2)
     etp.build_mesh("cpu")

@@ -4,6 +4,9 @@ Queries: x -> wq (or wq_a -> q_norm -> wq_b) -> per head [q_nope (qk_nope_head_d
 Keys/values: x -> wkv_a -> [latent c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim, one head shared by all heads)];
 c_kv -> kv_norm -> wkv_b -> per head [k_nope | v]. RoPE touches only q_pe and k_pe ("decoupled RoPE").
 k = [k_nope | k_pe], so the qk head dim (nope + rope, 192) differs from the v head dim (128); SDPA allows that.
+Context parallelism (`context_parallel`, set by parallelize): x holds this rank's part of each sequence; the latent
+[c_kv after kv_norm | k_pe after RoPE] is all-gathered over the CP ranks before wkv_b, so k and v cover the whole
+sequence and the mask (`build_attention_mask` over the queries' global positions) keeps attention causal.
 """
 
 from typing import TYPE_CHECKING, Union
@@ -17,6 +20,8 @@ from .rope import apply_rotary_emb, softmax_scale
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
+
+    from torchtitan.distributed.context_parallel import ContextParallel
 
 # None: plain causal attention; BlockMask: block-causal via flex_attention (CUDA);
 # bool tensor (bs, 1, seqlen, seqlen), True = may attend: block-causal via SDPA (CPU).
@@ -58,6 +63,7 @@ class MLA(nn.Module):
         self.kv_norm = nn.RMSNorm(self.kv_lora_rank, eps=args.norm_eps)
         self.wkv_b = nn.Linear(self.kv_lora_rank, self.n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.wo = nn.Linear(self.n_heads * self.v_head_dim, args.dim, bias=False)
+        self.context_parallel: ContextParallel | None = None
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, attention_mask: AttentionMask) -> torch.Tensor:
         """x: (bs, seqlen, dim); freqs_cis: (seqlen, qk_rope_head_dim // 2) -> (bs, seqlen, dim)."""
@@ -72,13 +78,19 @@ class MLA(nn.Module):
 
         kv = self.wkv_a(x)  # (bs, seqlen, kv_lora_rank + qk_rope_head_dim)
         c_kv, k_pe = torch.split(kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        k_pe = apply_rotary_emb(k_pe.unsqueeze(2), freqs_cis)  # (bs, seqlen, 1, qk_rope_head_dim)
-        kv = self.wkv_b(self.kv_norm(c_kv))  # (bs, seqlen, n_heads * (qk_nope_head_dim + v_head_dim))
-        kv = kv.view(bs, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
+        c_kv = self.kv_norm(c_kv)
+        k_pe = apply_rotary_emb(k_pe.unsqueeze(2), freqs_cis).squeeze(2)  # (bs, seqlen, qk_rope_head_dim)
+        if self.context_parallel is not None:  # the whole sequence's latent: (bs, kv_len, kv_lora_rank + rope dim)
+            latent = self.context_parallel.gather_sequence(torch.cat([c_kv, k_pe], dim=-1))
+            c_kv, k_pe = torch.split(latent, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv_len = c_kv.shape[1]
+        kv = self.wkv_b(c_kv)  # (bs, kv_len, n_heads * (qk_nope_head_dim + v_head_dim))
+        kv = kv.view(bs, kv_len, -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = torch.split(kv, [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)  # (bs, seqlen, n_heads, qk_head_dim)
+        k_pe = k_pe.unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)
+        k = torch.cat([k_nope, k_pe], dim=-1)  # (bs, kv_len, n_heads, qk_head_dim)
 
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (bs, n_heads, seqlen, head_dim)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (bs, n_heads, seqlen or kv_len, head_dim)
         out = attend(q, k, v, attention_mask, self.softmax_scale)  # (bs, n_heads, seqlen, v_head_dim)
         out = out.transpose(1, 2).reshape(bs, seqlen, -1)  # (bs, seqlen, n_heads * v_head_dim)
         return self.wo(out)
@@ -106,36 +118,54 @@ def attend(
     return flex(q, k, v, block_mask=attention_mask, scale=scale)
 
 
-def build_attention_mask(document_ids: torch.Tensor | None, use_flex: bool | None = None) -> AttentionMask:
-    """The mask for one forward pass, built once and shared by all layers.
+def build_attention_mask(
+    document_ids: torch.Tensor | None,
+    positions: torch.Tensor | None = None,
+    kv_len: int | None = None,
+    use_flex: bool | None = None,
+) -> AttentionMask:
+    """The mask for one forward pass, built once and shared by all layers: a query at global position p attends to
+    the keys at positions <= p (of its own packed document with document ids).
 
-    document_ids: (bs, seqlen) int, equal ids = same packed document; None gives plain causal attention.
+    document_ids: (bs, kv_len) int over the whole sequence, equal ids = same packed document, or None.
+    positions: (seqlen,) the queries' global positions (context parallelism: this rank's part of the sequence);
+    None: all kv_len positions in order. Neither: plain causal attention (None, SDPA's is_causal).
+    kv_len: the keys' sequence length; default document_ids' length.
     use_flex: BlockMask for flex_attention (default on CUDA) or a dense bool mask for SDPA (default elsewhere).
     """
-    if document_ids is None:
+    if document_ids is None and positions is None:
         return None
+    kv_len = kv_len or document_ids.shape[1]
+    device = (positions if positions is not None else document_ids).device
     if use_flex is None:
-        use_flex = document_ids.is_cuda
-    bs, seqlen = document_ids.shape
+        use_flex = device.type == "cuda"
     if not use_flex:
-        positions = torch.arange(seqlen, device=document_ids.device)
-        causal = positions[None, :] <= positions[:, None]  # (seqlen_q, seqlen_kv)
-        same_document = document_ids[:, :, None] == document_ids[:, None, :]  # (bs, seqlen_q, seqlen_kv)
-        return (same_document & causal).unsqueeze(1)  # (bs, 1, seqlen, seqlen)
+        queries = positions if positions is not None else torch.arange(kv_len, device=device)
+        mask = torch.arange(kv_len, device=device)[None, :] <= queries[:, None]  # (seqlen, kv_len)
+        if document_ids is not None:
+            mask = mask & (document_ids[:, queries, None] == document_ids[:, None, :])  # (bs, seqlen, kv_len)
+        return mask.reshape(-1, 1, *mask.shape[-2:])  # (bs or 1, 1, seqlen, kv_len)
+
+    def query_position(q_idx):
+        return q_idx if positions is None else positions[q_idx]
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= query_position(q_idx)
 
     def block_causal(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
+        position = query_position(q_idx)
+        return (kv_idx <= position) & (document_ids[b, position] == document_ids[b, kv_idx])
 
     from torch.nn.attention.flex_attention import create_block_mask
 
     _load_flex_attention()
-    # _compile on CUDA: builds the block mask without materializing a dense (bs, seqlen, seqlen) mask
+    # _compile on CUDA: builds the block mask without materializing a dense (bs, seqlen, kv_len) mask
     return create_block_mask(
-        block_causal,
-        B=bs,
+        causal if document_ids is None else block_causal,
+        B=None if document_ids is None else document_ids.shape[0],
         H=None,
-        Q_LEN=seqlen,
-        KV_LEN=seqlen,
-        device=document_ids.device,
-        _compile=document_ids.is_cuda,
+        Q_LEN=kv_len if positions is None else positions.shape[0],
+        KV_LEN=kv_len,
+        device=device,
+        _compile=device.type == "cuda",
     )

@@ -4,6 +4,8 @@ Module names follow docs/design.md (the parallelize and pipeline plans depend on
 The model knows nothing about parallelism: `parallelize` installs what the parallel layouts need.
 """
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -14,6 +16,9 @@ from torchtitan.models.output_head import OutputHead
 from .args import DeepSeekV3ModelArgs
 from .attention import MLA, AttentionMask, build_attention_mask
 from .rope import precompute_freqs_cis
+
+if TYPE_CHECKING:
+    from torchtitan.distributed.context_parallel import ContextParallel
 
 
 class DeepSeekV3Model(nn.Module):
@@ -29,12 +34,15 @@ class DeepSeekV3Model(nn.Module):
         # the output head with the main model.
         self.mtp = nn.ModuleDict({str(k): MTPBlock(args.n_layers + k, args) for k in range(args.mtp_layers)})
         self.register_buffer("freqs_cis", precompute_freqs_cis(args), persistent=False)
+        # context parallelism (set by parallelize, like every MLA's): forward gets a part of each sequence
+        self.context_parallel: ContextParallel | None = None
 
     def forward(
         self,
         tokens: torch.Tensor,
         mtp_embeddings: torch.Tensor | None = None,
         *,
+        positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         next_tokens: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
@@ -50,6 +58,9 @@ class DeepSeekV3Model(nn.Module):
         logits, computed by the output head in row chunks (`OutputHead`). With MTP modules and next_tokens:
         (bs, 1 + modules, seqlen), the labels followed by each module's targets (`mtp_targets`), and returns the
         token sums (main, each module). Not on pipeline stages.
+        positions: (seqlen,) under context parallelism: the global positions of tokens (and labels) in sequences
+        of context_parallel.degree x seqlen tokens (`ContextParallel.positions`), for RoPE and the causal mask;
+        document_ids and next_tokens then cover the whole sequences: (bs, degree x seqlen).
         Returns logits (bs, seqlen, vocab), or hidden states (bs, seqlen, dim) on a stage without `output`;
         (logits, MTP logits (bs, seqlen, vocab) of each module) when next_tokens is given and MTP modules exist (a
         flat tuple of tensors: pipeline stages send and return nothing else);
@@ -66,21 +77,26 @@ class DeepSeekV3Model(nn.Module):
             )
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
         seqlen = h.shape[1]
-        if seqlen > self.freqs_cis.shape[0]:
-            raise ValueError(f"seqlen {seqlen} > max_seq_len {self.freqs_cis.shape[0]}; raise model max_seq_len")
+        kv_len = seqlen * (self.context_parallel.degree if self.context_parallel is not None else 1)
+        if kv_len > self.freqs_cis.shape[0]:
+            raise ValueError(f"seqlen {kv_len} > max_seq_len {self.freqs_cis.shape[0]}; raise model max_seq_len")
+        if (positions is None) != (self.context_parallel is None):
+            raise ValueError(
+                "positions= is this rank's part of each sequence: pass it exactly under context parallelism"
+            )
         if not self.freqs_cis.is_complex():
             raise RuntimeError(
                 "freqs_cis is no longer complex (model.to(dtype) casts complex buffers to real); cast with FSDP "
                 "mixed precision instead, or recompute: model.freqs_cis = precompute_freqs_cis(model.args, device)"
             )
-        freqs_cis = self.freqs_cis[:seqlen]
+        freqs_cis = self.freqs_cis[:seqlen] if positions is None else self.freqs_cis[positions]
         training_mtp = self.args.mtp_layers > 0 and (next_tokens is not None or mtp_embeddings is not None)
         mtp_here = training_mtp and len(self.mtp) > 0
         # a pipeline stage before the MTP modules: pass their inputs on (computed on the embedding's stage)
         mtp_later = training_mtp and len(self.mtp) == 0
         if mtp_later and mtp_embeddings is None:
             mtp_embeddings = torch.stack([self._mtp_embedding(next_tokens, k) for k in range(self.args.mtp_layers)])
-        attention_mask = build_attention_mask(document_ids)
+        attention_mask = build_attention_mask(document_ids, positions, kv_len)
         for layer in self.layers.values():
             h = layer(h, freqs_cis, attention_mask)
         if mtp_later:
@@ -92,7 +108,9 @@ class DeepSeekV3Model(nn.Module):
             return logits
         mtp_logits = []
         for k, block in enumerate(self.mtp.values()):
-            embedding = mtp_embeddings[k] if mtp_embeddings is not None else self._mtp_embedding(next_tokens, k)
+            embedding = (
+                mtp_embeddings[k] if mtp_embeddings is not None else self._mtp_embedding(next_tokens, k, positions)
+            )
             h, normed = block(h, embedding, freqs_cis, attention_mask)
             mtp_logits.append(self._head(normed, head_labels[k + 1]))
         return logits, *mtp_logits
@@ -117,11 +135,15 @@ class DeepSeekV3Model(nn.Module):
             )
         return list(labels.unbind(1))
 
-    def _mtp_embedding(self, next_tokens: torch.Tensor, module: int) -> torch.Tensor:
-        """The embedding of token i + module + 1 at position i; the last `module` positions repeat the final token
-        (their targets are ignored)."""
-        shifted = torch.cat([next_tokens[:, module:], next_tokens[:, -1:].expand(-1, module)], dim=1)
-        return self.tok_embeddings(shifted)
+    def _mtp_embedding(
+        self, next_tokens: torch.Tensor, module: int, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The embedding of token i + module + 1 at position i (of `positions`, default all), from next_tokens over the
+        whole sequence; the last `module` positions repeat the final token (their targets are ignored)."""
+        seqlen = next_tokens.shape[1]
+        if positions is None:
+            positions = torch.arange(seqlen, device=next_tokens.device)
+        return self.tok_embeddings(next_tokens[:, (positions + module).clamp(max=seqlen - 1)])
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:

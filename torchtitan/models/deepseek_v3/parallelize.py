@@ -1,11 +1,12 @@
 """Apply parallelisms to a DeepSeek-V3 model (or one pipeline stage of it), in this order:
 
+0. CP: the model takes a part of each sequence; every attention layer all-gathers its latent over the CP ranks
 1. TP / SP on the dense parts (MLA projections, dense FFN, norms, embedding, output head)
 2. EP / ETP / TP on the MoE layers (ParallelStyles that shard `moe.experts` and install `moe.dispatcher`; layouts
    at the MoE boundary)
 3. activation checkpointing
 4. torch.compile per block
-5. FSDP2 / HSDP (routed experts in their own unit on the expert-FSDP mesh)
+5. FSDP2 / HSDP over dp_shard x cp (routed experts in their own unit on the expert-FSDP mesh)
 
 Gradient reduction sums over data-parallel ranks (FSDP's division is turned off): the trainer's loss is already
 divided by the global number of valid tokens, so the sum of the ranks' gradients is the gradient of the global loss.
@@ -34,6 +35,7 @@ from torch.distributed.tensor.parallel import (
 
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import MoERegions, apply_compile
+from torchtitan.distributed.context_parallel import ContextParallel
 from torchtitan.distributed.expert_parallel.dispatcher import EAGER_PERMUTATION, LocalTokenDispatcher, TokenPermutation
 from torchtitan.distributed.expert_parallel.styles import (
     DeepEPExpertParallel,
@@ -72,6 +74,10 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
     permutation = regions.permutation if regions is not None else EAGER_PERMUTATION
     on_cuda = device_type() == "cuda"
 
+    if parallel_dims.cp_enabled:
+        model.context_parallel = ContextParallel(parallel_dims.get_mesh("cp"))
+        for block in transformer_blocks(model):
+            block.attention.context_parallel = model.context_parallel
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.get_mesh("tp"), parallel_dims.loss_parallel_enabled)
     apply_moe_parallel(
@@ -110,11 +116,11 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
         per_op_sac = ac.mode == "selective" and str(ac.selective_ac_option) == "op"
         apply_compile(model, compile_config.backend, regions, per_op_sac=per_op_sac)
 
-    if parallel_dims.dp_enabled or parallel_dims.ep_enabled:
+    if parallel_dims.fsdp_enabled:
         dense_mesh = (
-            parallel_dims.get_mesh(["dp_replicate", "dp_shard"])
+            parallel_dims.get_mesh(["dp_replicate", "dp_shard_cp"])
             if parallel_dims.dp_replicate_enabled
-            else parallel_dims.get_mesh("dp_shard")
+            else parallel_dims.get_mesh("dp_shard_cp")
         )
         experts_mesh = (
             parallel_dims.get_mesh(["dp_replicate", "dp_shard_mod_ep"])
@@ -158,13 +164,14 @@ def _warn_if_experts_stay_bf16(model: nn.Module, param_dtype: str, use_deepep: b
 def expert_bias_reduce_group(parallel_dims: ParallelDims) -> dist.ProcessGroup | None:
     """The group over which MoE token counts are summed before the expert-bias update.
 
-    Counts differ between batch ranks (dp). TP ranks route identical (all-gathered) tokens, so they are not reduced
-    over tp, except when EP borrows the tp ranks (etp == 1): then each tp rank routes its own sequence shard.
-    Pipeline stages hold different layers, so pp is never part of the group. None: nothing to reduce.
+    Counts differ between batch ranks (dp) and context-parallel ranks (cp: other tokens of the same sequences). TP
+    ranks route identical (all-gathered) tokens, so they are not reduced over tp, except when EP borrows the tp ranks
+    (etp == 1): then each tp rank routes its own sequence shard. Pipeline stages hold different layers, so pp is
+    never part of the group. None: nothing to reduce.
     """
     if parallel_dims.moe_tokens_sequence_sharded:
         return parallel_dims.get_mesh("dp_tp").get_group()
-    mesh = parallel_dims.get_optional_mesh("dp")
+    mesh = parallel_dims.get_optional_mesh("dp_cp")
     return mesh.get_group() if mesh is not None else None
 
 
