@@ -166,7 +166,7 @@ def check_ep_overlap(job_config: JobConfig, parallel_dims) -> None:
     ):  # fmt: skip
         if wrong:
             raise ConfigError(f"{flag} {problem}")
-    reasons = overlap_cannot_pay(job_config, parallel_dims.ep)
+    reasons = overlap_cannot_pay(job_config, parallel_dims)
     if reasons:
         logger.warning(
             f"{flag} will likely slow this job down: {'; '.join(reasons)}. On 2 H200s (EP=2, 8,192 tokens per "
@@ -175,19 +175,20 @@ def check_ep_overlap(job_config: JobConfig, parallel_dims) -> None:
         )
 
 
-def overlap_cannot_pay(job_config: JobConfig, ep_degree: int) -> list[str]:
+def overlap_cannot_pay(job_config: JobConfig, parallel_dims) -> list[str]:
     """Why the two-micro-batch EP overlap is unlikely to be faster for this job (empty: it may pay)."""
-    reasons = []
+    reasons, ep_degree = [], parallel_dims.ep
     if ep_degree < OVERLAP_MIN_EP_DEGREE:
         reasons.append(
             f"expert_parallel_degree {ep_degree} < {OVERLAP_MIN_EP_DEGREE} exchanges within one host over NVLink, "
             "too little to hide"
         )
     training = job_config.training
-    micro_batch_tokens = training.local_batch_size // 2 * training.seq_len
+    micro_batch_tokens = training.local_batch_size // 2 * training.seq_len // parallel_dims.cp  # CP: seq_len / cp
     if micro_batch_tokens < OVERLAP_MIN_MICRO_BATCH_TOKENS:
         reasons.append(
-            f"each micro-batch holds local_batch_size / 2 x seq_len = {micro_batch_tokens} tokens "
+            f"each micro-batch holds local_batch_size / 2 x seq_len / context_parallel_degree = {micro_batch_tokens} "
+            "tokens "
             f"(< {OVERLAP_MIN_MICRO_BATCH_TOKENS}), too few to pay for its own launches"
         )
     return reasons

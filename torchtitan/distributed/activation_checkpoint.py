@@ -57,6 +57,7 @@ def op_sac_save_list() -> set[Any]:
         lambda: aten.addmm.default,
         lambda: aten._scaled_mm.default,
         lambda: aten._grouped_mm.default,
+        lambda: ops.torchtitan.cpu_grouped_mm.default,  # the bf16 one on CPU (kernels/cpu_grouped_mm.py)
         lambda: aten._scaled_grouped_mm.default,
         lambda: ops.torchtitan.fp8_scaled_grouped_mm_emulated.default,  # its CPU emulation (kernels/float8.py)
         lambda: aten._scaled_dot_product_efficient_attention.default,

@@ -307,10 +307,11 @@ def _scaled_mm_one_group(
 def _emulated_scaled_grouped_mm(
     a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, offsets: torch.Tensor
 ) -> torch.Tensor:
-    """`torch._scaled_grouped_mm` on any device: FP8 values are exact in bf16, so the bf16 GEMM sums exact products
-    in fp32; the scales factor out of each dot product and multiply its result (the kernel does the same before its
-    one rounding to bf16)."""
-    product = torch._grouped_mm(a.to(torch.bfloat16), b.to(torch.bfloat16), offs=offsets).float()
+    """`torch._scaled_grouped_mm` on any device: FP8 values are exact in bf16 (and fp32), so the GEMM sums exact
+    products in fp32; the scales factor out of each dot product and multiply its result (the kernel does the same
+    before its one rounding to bf16). On CPU the GEMM runs in fp32 (bf16 GEMMs are ~30x slower there)."""
+    dtype = torch.float32 if a.device.type == "cpu" else torch.bfloat16
+    product = torch._grouped_mm(a.to(dtype), b.to(dtype), offs=offsets).float()
     if b.dim() == 3:
         return (product * scale_a[:, None] * _scale_of_row(scale_b, offsets, a.shape[0])).to(torch.bfloat16)
     return (product * scale_a[:, :, None] * scale_b[:, None, :]).to(torch.bfloat16)

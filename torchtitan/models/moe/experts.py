@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan.distributed.expert_parallel.dispatcher import ExpertRows
+from torchtitan.kernels.cpu_grouped_mm import cpu_grouped_mm
 from torchtitan.kernels.float8 import float8_grouped_mm
 
 
@@ -44,6 +45,8 @@ def run_experts_grouped_mm(
 
 def _bf16_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x (M, K) @ w[g] (E, N, K) transposed for the rows of each group g -> (M, N); as `float8_grouped_mm`."""
+    if x.device.type == "cpu":  # in fp32 (kernels/cpu_grouped_mm.py)
+        return cpu_grouped_mm(x, w.transpose(-2, -1), offsets)
     return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
 
 

@@ -110,8 +110,11 @@ def test_schedule_interleaves_one_micro_batch_communication_with_the_other_compu
         (["--parallelism.expert_parallel_degree", "2"], 2, ["expert_parallel_degree 2 < 8", "= 512 tokens"]),
         (["--parallelism.expert_parallel_degree", "8", "--training.seq_len", "4096"], 8, []),
         (["--parallelism.expert_parallel_degree", "8"], 8, ["= 512 tokens (< 16384)"]),
+        # context parallelism leaves each rank seq_len / cp of every sequence
+        (["--parallelism.expert_parallel_degree", "8", "--training.seq_len", "4096",
+          "--parallelism.context_parallel_degree", "2"], 8, ["context_parallel_degree = 8192 tokens (< 16384)"]),
     ],
-    ids=["small-ep-and-batch", "ep8-large-batch", "small-batch"],
+    ids=["small-ep-and-batch", "ep8-large-batch", "small-batch", "ep8-large-batch-cp2"],
 )  # fmt: skip
 def test_preflight_warns_in_one_line_when_the_overlap_cannot_pay_and_keeps_it(args, world_size, reasons, caplog):
     with caplog.at_level("WARNING", logger="torchtitan.preflight"):
