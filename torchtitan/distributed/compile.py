@@ -11,9 +11,10 @@ two things in them cannot be traced into one graph:
   `parallelize` so the dispatchers are built with theirs), with its token-row dims dynamic from the first call (see
   `CompiledRegion` for why that matters under activation checkpointing). The sort by expert and the all-to-all
   dispatcher's reordering between ranks and local experts run eager.
-Also compiled inside an MoE block: attention, the router's expert selection, the shared experts (all see a fixed
-number of tokens). The two norms stay eager: a bare `torch.nn` module compiled as its own root frame is on
-dynamo's skip list (fullgraph=True then finds no frame to compile), and an RMSNorm is one fused op anyway.
+Also compiled inside an MoE block: attention with its norm and residual add (`attention_residual`, so that the norm
+and the add fuse instead of running as eager kernels in forward, recompute and backward), the router's expert
+selection, the shared experts (all see a fixed number of tokens). The FFN norm stays eager: its output feeds three regions, and per-op SAC would
+save it (`saved_by_sac_options`); a bare `torch.nn` module compiled as its own root frame is on dynamo's skip list.
 A dense block wrapped by activation checkpointing is compiled together with its checkpoint (dynamo traces the
 checkpoint and its SAC policy); in MoE blocks the checkpoint stays eager around the compiled children, and under
 per-op SAC the attention, router selection and shared experts are compiled so that SAC saves their outputs.
@@ -51,8 +52,9 @@ __all__ = [
 def apply_compile(model: nn.Module, backend: str, regions: MoERegions, per_op_sac: bool = False) -> None:
     """Compile each block of `model.layers` (and `model.mtp`) in place with `backend`; MoE blocks run `regions`.
 
-    per_op_sac: the blocks run under per-op SAC; compile the MoE blocks' attention, router selection and shared
-    experts so that SAC saves their outputs instead of running them again in backward (`saved_by_sac_options`).
+    per_op_sac: the blocks run under per-op SAC; compile the MoE blocks' attention (with its norm and residual),
+    router selection and shared experts so that SAC saves their outputs instead of running them again in backward
+    (`saved_by_sac_options`).
     """
     # Token counts become Python ints in the expert-parallel dispatch; let dynamo capture them as unbacked symbols
     # instead of breaking the graph wherever such a count is read (process-wide: dynamo has no per-region setting).
@@ -63,7 +65,7 @@ def apply_compile(model: nn.Module, backend: str, regions: MoERegions, per_op_sa
         if not getattr(inner, "moe_enabled", False):
             block.compile(backend=backend, fullgraph=True)
             continue
-        inner.attention.compile(backend=backend, fullgraph=True, **saved)
+        inner.attention_residual = torch.compile(inner.attention_residual, backend=backend, fullgraph=True, **saved)
         compile_moe(inner.moe, backend, regions, saved)
 
 

@@ -21,8 +21,10 @@ from torchtitan.kernels.chunk_table import CHUNK, chunk_table, to_device_tables
 
 __all__ = ["adamw_update_", "sum_of_squares"]
 
-_BLOCK = 1024  # elements per loop iteration of a program: 8 per thread with 4 warps
-_NUM_WARPS = 4
+# Elements per loop iteration of a program, and its warps: 4 per thread. On one H200 (torch 2.11) the 16B_bench4
+# update (4.59B params, bf16 gradients and copies) took 32.0 ms with 8 warps and 33.8 ms with 4 (copy bandwidth 88%).
+_BLOCK = 1024
+_NUM_WARPS = 8
 _GRAD_DTYPES = (torch.float32, torch.bfloat16)
 
 

@@ -46,10 +46,10 @@ def test_compiled_model_matches_eager(ac_mode):
     _compile(model, "aot_eager", ac_mode)
     loss, grads = reference_loss_and_grads(model)
     # It really ran compiled: the router's selection, the dispatcher's gathers into the experts' rows and back,
-    # and the blocks' / attention's / shared experts' forwards compiled graphs (this tiny model's experts are the
-    # fp32 for-loop, which is not compiled).
+    # the MoE blocks' attention with its norm and residual, and the dense blocks' / shared experts' forwards compiled
+    # graphs (this tiny model's experts are the fp32 for-loop, which is not compiled).
     compiled = [metrics.co_name for metrics in get_compilation_metrics()]
-    for name in ("select_experts", "permute_to_experts", "unpermute_tokens", "forward"):
+    for name in ("select_experts", "permute_to_experts", "unpermute_tokens", "attention_residual", "forward"):
         assert name in compiled, (name, compiled)
     _assert_matches_eager(loss, grads, ref_loss, ref_grads)
 
@@ -71,9 +71,10 @@ def _kernels_per_graph_call(prof) -> dict[str, int]:
 
 @pytest.mark.skipif(not hasattr(torch._higher_order_ops, "inductor_compiled_code"), reason="needs torch >= 2.10")
 def test_per_op_sac_saves_compiled_moe_block_regions():
-    # The regions this tiny model compiles in its MoE block (attention, router selection, shared experts; its
-    # experts are the uncompiled fp32 loop) must not run again in backward under per-op SAC. The recompute does call
-    # each forward graph again, but SAC hands back the region's saved outputs: the call must launch no kernel.
+    # The regions this tiny model compiles in its MoE block (attention with its norm and residual, router selection,
+    # shared experts; its experts are the uncompiled fp32 loop) must not run again in backward under per-op SAC. The
+    # recompute does call each forward graph again, but SAC hands back the region's saved outputs: the call must
+    # launch no kernel.
     torch._dynamo.reset()
     reference = build_reference(replace(tiny_args(), n_layers=1, n_dense_layers=0))
     ref_loss, ref_grads = reference_loss_and_grads(reference)

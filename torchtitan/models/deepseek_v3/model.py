@@ -186,9 +186,16 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, attention_mask: AttentionMask) -> torch.Tensor:
         """x (bs, slen, dim) -> (bs, slen, dim)."""
-        h = x + self.attention(self.attention_norm(x), freqs_cis, attention_mask)
+        h = self.attention_residual(x, freqs_cis, attention_mask)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))
+
+    def attention_residual(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, attention_mask: AttentionMask
+    ) -> torch.Tensor:
+        """x + attention(attention_norm(x)): a method of its own so that an MoE block compiles the norm and the add
+        with the attention (`distributed/compile.py`)."""
+        return x + self.attention(self.attention_norm(x), freqs_cis, attention_mask)
 
     def init_weights(self, buffer_device: torch.device | str) -> None:
         for norm in (self.attention_norm, self.ffn_norm):
