@@ -15,6 +15,7 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,7 @@ from torchtitan.models.deepseek_v3.parallelize import expert_bias_reduce_group, 
 from torchtitan.models.moe import GroupedExperts, MoE, build_expert_bias_hook
 from torchtitan.models.output_head import chunk_loss_and_grad
 from torchtitan.preflight import check_batch_sizes, check_job
+from torchtitan.tools.host_scalars import HostScalars
 from torchtitan.tools.profiling import StepProfiler
 
 logger = logging.getLogger("torchtitan")
@@ -66,6 +68,18 @@ class TrainState:
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
+
+
+@dataclass
+class StepReport:
+    """What a launched training step reports once its device work has run."""
+
+    step: int
+    lr: float
+    graphs_compiled: int
+    """Graphs dynamo had compiled in this process once the step was launched."""
+    scalars: HostScalars
+    """loss, grad norm[, MTP loss]"""
 
 
 class Trainer:
@@ -353,7 +367,8 @@ class Trainer:
         steps = job_config.training.steps
         logger.info(f"training from step {self.train_state.step + 1} to {steps}")
         profiler = StepProfiler(job_config.profiling, job_config.job.dump_folder, self.rank, self.device)
-        graphs_at_last_log = graphs_compiled()
+        self._graphs_at_last_log = graphs_compiled()
+        unchecked: StepReport | None = None  # the last step whose loss and grad norm were not yet checked
         try:
             while self.train_state.step < steps:
                 self.train_state.step += 1
@@ -362,24 +377,21 @@ class Trainer:
                     gc.collect(1)
                 loss, grad_norm, lr = self.train_step(data_iterator)
                 profiler.step(step)
-                # One host sync per step, before this step's checkpoint: a diverged update is never saved.
-                loss_value, grad_norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
-                check_finite_loss(loss_value, step, self.rank)
-                check_grad_norm(grad_norm_value, step)
+                mtp_loss = [] if self.last_mtp_loss is None else [self.last_mtp_loss]
+                report = StepReport(step, lr, graphs_compiled(), HostScalars([loss, grad_norm, *mtp_loss]))
+                # The previous step is checked now that this step's work is queued behind it: the device keeps
+                # running while the host waits for its values and then prepares the next step.
+                if unchecked is not None:
+                    self._check_and_log(unchecked)
+                unchecked = report
+                validates = job_config.validation.enable and (step % job_config.validation.freq == 0 or step == steps)
+                if step == 1 or validates or self.checkpointer.saves_at(step, last_step=step == steps):
+                    # checked before its checkpoint: a diverged update is never saved
+                    self._check_and_log(unchecked)
+                    unchecked = None
                 if step == 1:
                     dist_utils.set_pg_timeouts(job_config.comm.train_timeout_seconds, self.parallel_dims.world_mesh)
-                if step % job_config.metrics.log_freq == 0 or step == steps:
-                    self.metrics.log(
-                        step,
-                        loss=loss_value,
-                        grad_norm=grad_norm_value,
-                        lr=lr,
-                        total_steps=steps,
-                        graphs_compiled=graphs_compiled() - graphs_at_last_log,
-                        mtp_loss=None if self.last_mtp_loss is None else self.last_mtp_loss.item(),
-                    )
-                    graphs_at_last_log = graphs_compiled()
-                if job_config.validation.enable and (step % job_config.validation.freq == 0 or step == steps):
+                if validates:
                     start = time.perf_counter()
                     self.metrics.log_validation(step, self.validate().item(), time.perf_counter() - start)
                 self.checkpointer.save(step, last_step=step == steps)
@@ -388,6 +400,25 @@ class Trainer:
             gc.enable()
             self.metrics.close()
             self.checkpointer.close()
+
+    def _check_and_log(self, report: StepReport) -> None:
+        """Stop on a diverged step (non-finite loss, zero or non-finite grad norm); log every `log_freq`-th step
+        and the last."""
+        loss, grad_norm, *mtp_loss = report.scalars.wait()
+        check_finite_loss(loss, report.step, self.rank)
+        check_grad_norm(grad_norm, report.step)
+        steps = self.job_config.training.steps
+        if report.step % self.job_config.metrics.log_freq == 0 or report.step == steps:
+            self.metrics.log(
+                report.step,
+                loss=loss,
+                grad_norm=grad_norm,
+                lr=report.lr,
+                total_steps=steps,
+                graphs_compiled=report.graphs_compiled - self._graphs_at_last_log,
+                mtp_loss=mtp_loss[0] if mtp_loss else None,
+            )
+            self._graphs_at_last_log = report.graphs_compiled
 
 
 def _release_deepep_buffers() -> None:

@@ -167,6 +167,17 @@ def test_divergence_stops_before_its_checkpoint_and_another_flavor_is_one_line(d
     assert "resume with the values it was saved with" in message
 
 
+def test_divergence_between_checkpoints_stops_at_the_diverged_step(dump_folder):
+    """Without a checkpoint at step 2, its values are read on the host only once step 3 is launched (the device
+    keeps running meanwhile): training still stops with step 2's error, and step 2 is never logged."""
+    args = [*FAST_ARGS, "--optimizer.lr", "1e6", "--checkpoint.enable=false", "--training.steps", "3"]
+    diverged = run_trainer(dump_folder, args, check=False)
+    assert diverged.returncode == 1
+    message = _one_error_line(diverged)
+    assert message.startswith("error: gradient norm 0 at step 2: "), message
+    assert sorted(read_losses(dump_folder)) == [1]
+
+
 def _one_error_line(run: subprocess.CompletedProcess) -> str:
     output = run.stdout + run.stderr
     errors = [line for line in output.splitlines() if line.startswith("error: ")]

@@ -151,10 +151,14 @@ class CheckpointManager:
 
     # ---- save ----------------------------------------------------------------------------------------
 
+    def saves_at(self, curr_step: int, last_step: bool = False) -> bool:
+        """Whether `save` writes a checkpoint at this step: every `interval`-th step and the last step."""
+        return self.enable and (last_step or curr_step % self.interval == 0)
+
     @torch.no_grad()
     def save(self, curr_step: int, last_step: bool = False) -> None:
         """Save at every `interval`-th step and at the last step (model-only/HF there if so configured)."""
-        if not self.enable or not (last_step or curr_step % self.interval == 0):
+        if not self.saves_at(curr_step, last_step):
             return
         begin = time.monotonic()
         self._finish_pending_save()

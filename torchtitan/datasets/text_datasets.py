@@ -64,9 +64,12 @@ class PackedTextDataset(IterableDataset):
 
     def sample(self, sample_index: int) -> torch.Tensor:
         """Window `sample_index` of the endless stream: seq_len + 1 token ids, wrapping into the next epoch."""
-        start = sample_index * (self.seq_len + 1)
-        positions = torch.arange(start, start + self.seq_len + 1) % self.token_stream.numel()
-        return self.token_stream[positions]
+        num_tokens = self.token_stream.numel()
+        start = sample_index * (self.seq_len + 1) % num_tokens
+        end = start + self.seq_len + 1
+        if end <= num_tokens:  # a slice: an index over the positions took ~5 ms per sample on a busy host
+            return self.token_stream[start:end].clone()
+        return self.token_stream[torch.arange(start, end) % num_tokens]
 
     def _global_sample_index(self, local_index: int) -> int:
         # A DataLoader with N workers takes whole batches from them round-robin: worker w builds this rank's

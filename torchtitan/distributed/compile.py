@@ -13,8 +13,9 @@ two things in them cannot be traced into one graph:
   dispatcher's reordering between ranks and local experts run eager.
 Also compiled inside an MoE block: attention with its norm and residual add (`attention_residual`, so that the norm
 and the add fuse instead of running as eager kernels in forward, recompute and backward), the router's expert
-selection, the shared experts (all see a fixed number of tokens). The FFN norm stays eager: its output feeds three regions, and per-op SAC would
-save it (`saved_by_sac_options`); a bare `torch.nn` module compiled as its own root frame is on dynamo's skip list.
+selection, the shared experts (all see a fixed number of tokens). The FFN norm stays eager: its output feeds three
+regions, and per-op SAC would save it (`saved_by_sac_options`); a bare `torch.nn` module compiled as its own root
+frame is on dynamo's skip list.
 A dense block wrapped by activation checkpointing is compiled together with its checkpoint (dynamo traces the
 checkpoint and its SAC policy); in MoE blocks the checkpoint stays eager around the compiled children, and under
 per-op SAC the attention, router selection and shared experts are compiled so that SAC saves their outputs.

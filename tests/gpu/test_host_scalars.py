@@ -1,0 +1,18 @@
+"""HostScalars on CUDA: the values are the device's, read only once the work that computes them has run."""
+
+import pytest
+import torch
+
+from torchtitan.tools.host_scalars import HostScalars
+
+
+def test_values_are_read_after_the_queued_work_that_computes_them():
+    x = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    for _ in range(200):  # tens of ms of queued work before the values exist
+        x = torch.nn.functional.normalize(x @ x, dim=-1)
+    loss, grad_norm = x.sum(), x.norm()
+    scalars = HostScalars([loss, grad_norm, torch.tensor(3, device="cuda")])
+    assert not scalars._ready.query()  # the host was not made to wait by the copy
+    values = scalars.wait()
+    assert values == pytest.approx([loss.item(), grad_norm.item(), 3.0], rel=1e-6)
