@@ -385,7 +385,7 @@ class Trainer:
                     self._check_and_log(unchecked)
                 unchecked = report
                 validates = job_config.validation.enable and (step % job_config.validation.freq == 0 or step == steps)
-                if step == 1 or validates or self.checkpointer.saves_at(step, last_step=step == steps):
+                if step in (1, steps) or validates or self.checkpointer.saves_at(step, last_step=step == steps):
                     # checked before its checkpoint: a diverged update is never saved
                     self._check_and_log(unchecked)
                     unchecked = None
