@@ -8,6 +8,7 @@ from torchtitan.tools.host_scalars import HostScalars
 
 def test_values_are_read_after_the_queued_work_that_computes_them():
     x = torch.randn(4096, 4096, device="cuda")
+    HostScalars([x.sum()]).wait()  # the process's first pinned allocation (cudaHostAlloc) synchronizes the device
     torch.cuda.synchronize()
     for _ in range(200):  # ~0.5 s of queued fp32 GEMMs before the values exist
         x = torch.nn.functional.normalize(x @ x, dim=-1)
