@@ -7,13 +7,13 @@ from torchtitan.tools.host_scalars import HostScalars
 
 
 def test_values_are_read_after_the_queued_work_that_computes_them():
-    x = torch.randn(4096, 4096, device="cuda")
+    x, three = torch.randn(4096, 4096, device="cuda"), torch.tensor(3, device="cuda")  # (a host-to-device copy waits)
     HostScalars([x.sum()]).wait()  # the process's first pinned allocation (cudaHostAlloc) synchronizes the device
     torch.cuda.synchronize()
     for _ in range(200):  # ~0.5 s of queued fp32 GEMMs before the values exist
         x = torch.nn.functional.normalize(x @ x, dim=-1)
     loss, grad_norm = x.sum(), x.norm()
-    scalars = HostScalars([loss, grad_norm, torch.tensor(3, device="cuda")])
+    scalars = HostScalars([loss, grad_norm, three])
     copied_without_waiting = not scalars._ready.query()
     values = scalars.wait()
     assert values == pytest.approx([loss.item(), grad_norm.item(), 3.0], rel=1e-6)
