@@ -22,6 +22,11 @@ bytes are unknown, so their class's GB/s is null. A class's TFLOP/s (GB/s) is ov
 (bytes): `flop_known_pct` (`bytes_known_pct`) says what share of its time that is. Bounds: the device's dense bf16
 peak for GEMMs and attention (also FP8 GEMMs: their % of bound can pass 100), its HBM bandwidth for the memory-bound
 classes, none for communication (link traffic is not in the trace) and "other".
+
+Idle gaps (`idle_gaps`, the longest of each step): the kernel before and after each gap, when the kernel after it was
+launched relative to the gap's start (after it: the device waited for the host; before it: for something else,
+another stream or an event), the host op it was launched from, and the outermost host ops that ran on the launching
+thread while the device waited (what the host was busy with: a data loader, a sync, Python between kernels).
 """
 
 import argparse
@@ -96,12 +101,13 @@ def breakdown(trace: dict, device_name: str | None = None) -> dict:
         hbm_bytes_per_s = next((bw for part, bw in HBM_BYTES_PER_S if part in device_name), None)
     steps, outside = profiled_steps(trace)
     flop, nbytes = work_of_device_events(trace)
+    host = host_ops_by_thread(trace)
     return {
         "device_name": device_name,
         "peak_bf16_tflop_per_s": peak_flop_per_s and peak_flop_per_s / 1e12,
         "hbm_gb_per_s": hbm_bytes_per_s and hbm_bytes_per_s / 1e9,
         "device_ms_launched_outside_steps": sum(e["dur"] for e in outside) / 1e3,
-        "steps": [step_breakdown(step, flop, nbytes, peak_flop_per_s, hbm_bytes_per_s) for step in steps],
+        "steps": [step_breakdown(step, flop, nbytes, peak_flop_per_s, hbm_bytes_per_s, host) for step in steps],
     }
 
 
@@ -112,7 +118,12 @@ def classify(kernel_name: str) -> str:
 
 
 def step_breakdown(
-    step: ProfiledStep, flop: dict, nbytes: dict, peak_flop_per_s: float | None, hbm_bytes_per_s: float | None
+    step: ProfiledStep,
+    flop: dict,
+    nbytes: dict,
+    peak_flop_per_s: float | None,
+    hbm_bytes_per_s: float | None,
+    host: dict | None = None,
 ) -> dict:
     events = step.device_events
     intervals = sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
@@ -142,7 +153,64 @@ def step_breakdown(
         "classes": {
             cls: class_breakdown(by_class.get(cls, []), span_us, flop, nbytes, bounds.get(cls)) for cls in CLASSES
         },
+        "idle_gaps": idle_gaps(step, host or {}),
     }
+
+
+def host_ops_by_thread(trace: dict) -> dict[tuple, list[tuple[dict, int]]]:
+    """(pid, tid) -> the thread's host ops and annotations as (event, depth), sorted by start; depth counts the
+    enclosing ops, `ProfilerStep#` ranges left out (so 0 is the outermost op inside a step)."""
+    threads = defaultdict(list)
+    for event in trace["traceEvents"]:
+        if event.get("ph") == "X" and event.get("cat") in ("cpu_op", "user_annotation"):
+            threads[(event["pid"], event["tid"])].append(event)
+    result = {}
+    for key, events in threads.items():
+        events.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack, with_depth = [], []
+        for event in events:
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= event["ts"]:
+                stack.pop()
+            if event["name"].startswith("ProfilerStep#"):
+                continue
+            with_depth.append((event, len(stack)))
+            stack.append(event)
+        result[key] = with_depth
+    return result
+
+
+def idle_gaps(step: ProfiledStep, host: dict, top: int = 5) -> list[dict]:
+    """The step's `top` longest device-idle gaps (no kernel on any stream), longest first (module docstring)."""
+    events = sorted(step.device_events, key=lambda e: e["ts"])
+    launches = {c["args"]["correlation"]: c for c in step.runtime_calls}
+    gaps, reach, last = [], -math.inf, None
+    for event in events:
+        if last is not None and event["ts"] > reach:
+            gaps.append((event["ts"] - reach, reach, last, event))
+        if event["ts"] + event["dur"] > reach:
+            reach, last = event["ts"] + event["dur"], event
+    result = []
+    for idle_us, start, before, after in sorted(gaps, key=lambda g: -g[0])[:top]:
+        launch = launches.get(after["args"].get("correlation"))
+        ops = host.get((launch["pid"], launch["tid"]), []) if launch else []
+        launched_inside = [e for e, _ in ops if e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]] if launch else []
+        window_end = min(after["ts"], launch["ts"]) if launch else start
+        busy = []
+        for event, depth in ops:
+            overlap = min(event["ts"] + event["dur"], window_end) - max(event["ts"], start)
+            if depth == 0 and overlap > 0:
+                busy.append({"op": event["name"][:120], "ms": overlap / 1e3})
+        result.append(
+            {
+                "ms": idle_us / 1e3,
+                "after_kernel": before["name"][:120],
+                "before_kernel": after["name"][:120],
+                "launched_ms_after_gap_start": None if launch is None else (launch["ts"] - start) / 1e3,
+                "launched_inside": launched_inside[-1]["name"][:120] if launched_inside else None,
+                "host_during_gap": sorted(busy, key=lambda b: -b["ms"])[:3],
+            }
+        )
+    return result
 
 
 def class_breakdown(events: list[dict], span_us: float, flop: dict, nbytes: dict, bound: dict | None) -> dict:
@@ -350,6 +418,18 @@ def markdown_table(step: dict, result: dict) -> list[str]:
         f"| kernels (streams added) | {step['kernel_ms']:.1f} | {step['launches']} | "
         f"{100.0 * step['kernel_ms'] / step['span_ms'] if step['span_ms'] else 0.0:.1f}% | - | - | - | - |",
     ]
+    gaps = step.get("idle_gaps", [])  # absent from breakdowns made before the gaps were recorded
+    if gaps:
+        lines += ["", "Longest idle gaps:"]
+    for gap in gaps:
+        lag = gap["launched_ms_after_gap_start"]
+        when = "launch not in the trace" if lag is None else f"launched {lag:+.2f} ms from the gap's start"
+        inside = f" in `{gap['launched_inside'][:60]}`" if gap["launched_inside"] else ""
+        busy = ", ".join(f"`{b['op'][:60]}` {b['ms']:.2f} ms" for b in gap["host_during_gap"])
+        lines.append(
+            f"- {gap['ms']:.2f} ms before `{gap['before_kernel'][:60]}` ({when}{inside})"
+            + (f"; host meanwhile: {busy}" if busy else "")
+        )
     return lines
 
 

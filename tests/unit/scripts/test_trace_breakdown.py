@@ -14,6 +14,9 @@ from tests.unit.tools._trace import (
     MEMCPY_BYTES,
     MM_FLOP,
     TO_COPY_BYTES,
+    device_event,
+    host_event,
+    launch_event,
     synthetic_trace,
 )
 
@@ -75,6 +78,54 @@ def test_steps_classes_idle_and_rates():
     optimizer, communication = second["classes"]["optimizer"], second["classes"]["communication"]
     assert (optimizer["ms"], optimizer["gb_per_s"], optimizer["pct_of_bound"]) == (pytest.approx(0.3), None, None)
     assert (communication["ms"], communication["bound"]) == (pytest.approx(0.1), None)
+
+
+def test_idle_gap_of_a_kernel_queued_early_names_no_host_work():
+    # Step 1's one gap (1810..2000): the memcpy after it was launched at 700, long before the device got there, so
+    # the device waited for something else than the host.
+    (gap,) = breakdown(synthetic_trace())["steps"][0]["idle_gaps"]
+    assert gap["ms"] == pytest.approx(0.19)
+    assert (gap["after_kernel"], gap["before_kernel"]) == (
+        "triton_poi_fused__to_copy_0",
+        "Memcpy DtoD (Device -> Device)",
+    )
+    assert gap["launched_ms_after_gap_start"] == pytest.approx(-1.11)
+    assert gap["launched_inside"] is None and gap["host_during_gap"] == []
+
+
+def test_idle_gaps_name_what_the_host_did_while_the_device_waited():
+    """The stall a drained queue causes: after the step's first kernel the host loads a batch, then copies it in."""
+    events = [
+        host_event("ProfilerStep#1", 100, 900, cat="user_annotation"),
+        launch_event("cudaLaunchKernel", 110, correlation=1),
+        device_event("triton_poi_fused_add_0", 7, 120, 80, correlation=1),
+        host_event("enumerate(DataLoader)#_StatefulSingleProcessDataLoaderIter.__next__", 210, 490),
+        host_event("aten::index", 300, 50),  # inside the loader: not an outermost op
+        host_event("aten::to", 702, 20),
+        host_event("aten::copy_", 705, 15),
+        launch_event("cudaMemcpyAsync", 710, correlation=2),
+        device_event("Memcpy HtoD (Pageable -> Device)", 7, 715, 5, correlation=2, cat="gpu_memcpy", bytes=8),
+        launch_event("cudaLaunchKernel", 730, correlation=3),
+        device_event("nvjet_tst_128x256_64x4_1x2_h_bz_coopB_TNT", 7, 721, 100, correlation=3),
+        launch_event("cudaLaunchKernel", 740, correlation=4),
+        device_event("triton_poi_fused_mul_1", 7, 900, 10, correlation=4),
+    ]
+    trace = {"deviceProperties": [{"name": "NVIDIA H200"}], "traceEvents": events}
+    step = breakdown(trace)["steps"][0]
+    first, second, third = step["idle_gaps"]  # longest first
+    assert first["ms"] == pytest.approx(0.515)  # 200..715
+    assert first["before_kernel"] == "Memcpy HtoD (Pageable -> Device)"
+    assert first["launched_ms_after_gap_start"] == pytest.approx(0.51)  # the host launched it late
+    assert first["launched_inside"] == "aten::copy_"
+    assert [(b["op"], round(b["ms"], 3)) for b in first["host_during_gap"]] == [
+        ("enumerate(DataLoader)#_StatefulSingleProcessDataLoaderIter.__next__", 0.49),
+        ("aten::to", 0.008),
+    ]
+    assert (second["ms"], third["ms"]) == (pytest.approx(0.079), pytest.approx(0.001))  # 821..900, 720..721
+    assert step["idle_ms"] == pytest.approx(0.515 + 0.079 + 0.001)
+    table = "\n".join(markdown_table(step, breakdown(trace)))
+    assert "- 0.52 ms before `Memcpy HtoD (Pageable -> Device)` (launched +0.51 ms from the gap's start in " in table
+    assert "host meanwhile: `enumerate(DataLoader)#_StatefulSingleProcessDataLoaderIter._` 0.49 ms" in table
 
 
 @pytest.mark.parametrize(

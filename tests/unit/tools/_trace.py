@@ -23,15 +23,15 @@ TO_COPY_BYTES = 1_000_000 * 4 + 1_000_000 * 2
 MEMCPY_BYTES = 1_000_000
 
 
-def _host(name, ts, dur, tid=1, cat="cpu_op", **args):
+def host_event(name, ts, dur, tid=1, cat="cpu_op", **args):
     return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur, "args": args}
 
 
-def _launch(name, ts, correlation, tid=1, dur=5, cat="cuda_runtime"):
-    return _host(name, ts, dur, tid=tid, cat=cat, correlation=correlation, cbid=211)
+def launch_event(name, ts, correlation, tid=1, dur=5, cat="cuda_runtime"):
+    return host_event(name, ts, dur, tid=tid, cat=cat, correlation=correlation, cbid=211)
 
 
-def _device(name, stream, ts, dur, correlation, cat="kernel", **args):
+def device_event(name, stream, ts, dur, correlation, cat="kernel", **args):
     return {
         "ph": "X", "cat": cat, "name": name, "pid": 0, "tid": stream, "ts": ts, "dur": dur,
         "args": {"device": 0, "stream": stream, "correlation": correlation, **args},
@@ -48,48 +48,50 @@ def synthetic_trace() -> dict:
     qkv = [[1, 2, 128, 64]] * 3 + [[]] * 4
     events = [
         {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "GPU 0"}},
-        _launch("cudaLaunchKernel", 50, correlation=1),
-        _device("nvjet_tst_before_the_window", 7, 1000, 100, correlation=1),
-        _device("triton_poi_fused_add_0", 7, 1100, 50, correlation=99),
-        _host("ProfilerStep#1", 100, 900, cat="user_annotation"),
-        _host("aten::linear", 190, 120),
-        _host("aten::mm", 200, 100, **_shapes([[64, 128], [128, 256]])),
-        _launch("cudaLaunchKernel", 250, correlation=2),
-        _device("nvjet_tst_128x256_64x4_1x2_h_bz_coopB_TNT", 7, 1200, 200, correlation=2),
-        _launch("cudaLaunchKernel", 270, correlation=9),
-        _device("void cublasLt::splitKreduce_kernel<float>", 7, 1190, 10, correlation=9),
-        _host("aten::_grouped_mm", 400, 100, tid=2, **_shapes([[1024, 256], [8, 256, 512], [8], [], []])),
-        _launch("cuLaunchKernel", 420, correlation=3, tid=2, cat="cuda_driver"),
-        _device(grouped, 7, 1400, 400, correlation=3),
-        _host("aten::mm", 410, 100, **_shapes([[4096, 4096], [4096, 4096]])),
-        _host(
+        launch_event("cudaLaunchKernel", 50, correlation=1),
+        device_event("nvjet_tst_before_the_window", 7, 1000, 100, correlation=1),
+        device_event("triton_poi_fused_add_0", 7, 1100, 50, correlation=99),
+        host_event("ProfilerStep#1", 100, 900, cat="user_annotation"),
+        host_event("aten::linear", 190, 120),
+        host_event("aten::mm", 200, 100, **_shapes([[64, 128], [128, 256]])),
+        launch_event("cudaLaunchKernel", 250, correlation=2),
+        device_event("nvjet_tst_128x256_64x4_1x2_h_bz_coopB_TNT", 7, 1200, 200, correlation=2),
+        launch_event("cudaLaunchKernel", 270, correlation=9),
+        device_event("void cublasLt::splitKreduce_kernel<float>", 7, 1190, 10, correlation=9),
+        host_event("aten::_grouped_mm", 400, 100, tid=2, **_shapes([[1024, 256], [8, 256, 512], [8], [], []])),
+        launch_event("cuLaunchKernel", 420, correlation=3, tid=2, cat="cuda_driver"),
+        device_event(grouped, 7, 1400, 400, correlation=3),
+        host_event("aten::mm", 410, 100, **_shapes([[4096, 4096], [4096, 4096]])),
+        host_event(
             "triton_poi_fused__to_copy_0",
             520,
             20,
             kernel_backend="triton",
             **_shapes([[1_000_000], [1_000_000], []], ["float", "c10::BFloat16", "Scalar"]),
         ),
-        _launch("cuLaunchKernel", 525, correlation=4, cat="cuda_driver"),
-        _device("triton_poi_fused__to_copy_0", 7, 1800, 10, correlation=4),
-        _host(
+        launch_event("cuLaunchKernel", 525, correlation=4, cat="cuda_driver"),
+        device_event("triton_poi_fused__to_copy_0", 7, 1800, 10, correlation=4),
+        host_event(
             "aten::_scaled_dot_product_flash_attention",
             590,
             30,
             **_shapes(qkv, concrete=["", "", "", "0.", "True", "False", ""]),
         ),
-        _launch("cudaLaunchKernel", 600, correlation=5),
-        _device("void flash::flash_fwd_kernel<Flash_fwd_kernel_traits>", 13, 1500, 200, correlation=5),
-        _launch("cudaMemcpyAsync", 700, correlation=6),
-        _device("Memcpy DtoD (Device -> Device)", 7, 2000, 20, correlation=6, cat="gpu_memcpy", bytes=MEMCPY_BYTES),
+        launch_event("cudaLaunchKernel", 600, correlation=5),
+        device_event("void flash::flash_fwd_kernel<Flash_fwd_kernel_traits>", 13, 1500, 200, correlation=5),
+        launch_event("cudaMemcpyAsync", 700, correlation=6),
+        device_event(
+            "Memcpy DtoD (Device -> Device)", 7, 2000, 20, correlation=6, cat="gpu_memcpy", bytes=MEMCPY_BYTES
+        ),
         {"ph": "s", "cat": "ac2g", "name": "ac2g", "id": 6, "pid": 1, "tid": 1, "ts": 700},
-        _host("cudaStreamSynchronize", 800, 150, cat="cuda_runtime", correlation=7),
-        _host("deepep::dispatch", 955, 40),
-        _launch("cudaLaunchKernel", 996, correlation=8),
-        _host("ProfilerStep#2", 1000.5, 999.5, cat="user_annotation"),
-        _launch("cudaLaunchKernel", 1500, correlation=10),
-        _device("_adamw_kernel", 7, 2100, 300, correlation=10),
-        _launch("cudaLaunchKernel", 1600, correlation=11),
-        _device("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 20, 2150, 100, correlation=11),
-        _host("ProfilerStep#2", 2100, 1, tid=0, cat="gpu_user_annotation"),  # the GPU row's copy: not a host step
+        host_event("cudaStreamSynchronize", 800, 150, cat="cuda_runtime", correlation=7),
+        host_event("deepep::dispatch", 955, 40),
+        launch_event("cudaLaunchKernel", 996, correlation=8),
+        host_event("ProfilerStep#2", 1000.5, 999.5, cat="user_annotation"),
+        launch_event("cudaLaunchKernel", 1500, correlation=10),
+        device_event("_adamw_kernel", 7, 2100, 300, correlation=10),
+        launch_event("cudaLaunchKernel", 1600, correlation=11),
+        device_event("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 20, 2150, 100, correlation=11),
+        host_event("ProfilerStep#2", 2100, 1, tid=0, cat="gpu_user_annotation"),  # the GPU row's copy: not a host step
     ]
     return {"schemaVersion": 1, "deviceProperties": [{"id": 0, "name": "NVIDIA H200"}], "traceEvents": events}
