@@ -51,7 +51,7 @@ from torchtitan.models.deepseek_v3.parallelize import expert_bias_reduce_group, 
 from torchtitan.models.moe import GroupedExperts, MoE, build_expert_bias_hook
 from torchtitan.models.output_head import chunk_loss_and_grad
 from torchtitan.preflight import check_batch_sizes, check_job
-from torchtitan.tools.host_scalars import HostScalars
+from torchtitan.tools.async_readback import DeviceMark, HostScalars
 from torchtitan.tools.profiling import StepProfiler
 
 logger = logging.getLogger("torchtitan")
@@ -78,6 +78,8 @@ class StepReport:
     lr: float
     graphs_compiled: int
     """Graphs dynamo had compiled in this process once the step was launched."""
+    started: DeviceMark
+    """Before the step loaded its batch: its time runs from here to `scalars.ready`."""
     scalars: HostScalars
     """loss, grad norm[, MTP loss]"""
 
@@ -368,6 +370,7 @@ class Trainer:
         logger.info(f"training from step {self.train_state.step + 1} to {steps}")
         profiler = StepProfiler(job_config.profiling, job_config.job.dump_folder, self.rank, self.device)
         self._graphs_at_last_log = graphs_compiled()
+        self._seconds_since_last_log = 0.0
         unchecked: StepReport | None = None  # the last step whose loss and grad norm were not yet checked
         try:
             while self.train_state.step < steps:
@@ -375,10 +378,12 @@ class Trainer:
                 step = self.train_state.step
                 if step % job_config.training.gc_freq == 0:
                     gc.collect(1)
+                started = DeviceMark(self.device)
                 loss, grad_norm, lr = self.train_step(data_iterator)
                 profiler.step(step)
                 mtp_loss = [] if self.last_mtp_loss is None else [self.last_mtp_loss]
-                report = StepReport(step, lr, graphs_compiled(), HostScalars([loss, grad_norm, *mtp_loss]))
+                scalars = HostScalars([loss, grad_norm, *mtp_loss])
+                report = StepReport(step, lr, graphs_compiled(), started, scalars)
                 # The previous step is checked now that this step's work is queued behind it: the device keeps
                 # running while the host waits for its values and then prepares the next step.
                 if unchecked is not None:
@@ -407,6 +412,9 @@ class Trainer:
         loss, grad_norm, *mtp_loss = report.scalars.wait()
         check_finite_loss(loss, report.step, self.rank)
         check_grad_norm(grad_norm, report.step)
+        # The step's own time on the device: when its values are read (one step late, or at once) does not matter,
+        # and the validation passes and checkpoint saves between steps are not in it.
+        self._seconds_since_last_log += report.started.seconds_until(report.scalars.ready)
         steps = self.job_config.training.steps
         if report.step % self.job_config.metrics.log_freq == 0 or report.step == steps:
             self.metrics.log(
@@ -417,8 +425,10 @@ class Trainer:
                 total_steps=steps,
                 graphs_compiled=report.graphs_compiled - self._graphs_at_last_log,
                 mtp_loss=mtp_loss[0] if mtp_loss else None,
+                seconds=self._seconds_since_last_log,
             )
             self._graphs_at_last_log = report.graphs_compiled
+            self._seconds_since_last_log = 0.0
 
 
 def _release_deepep_buffers() -> None:

@@ -171,22 +171,25 @@ class MetricsProcessor:
         total_steps: int | None = None,
         graphs_compiled: int = 0,
         mtp_loss: float | None = None,
+        seconds: float | None = None,
     ) -> dict[str, Any]:
         """Log one step's metrics (window = steps since the previous call); returns the jsonl record.
 
         graphs_compiled: graphs torch.compile compiled in the window (0 after warm-up; more means recompiles).
         mtp_loss: the multi-token prediction modules' mean loss, with MTP (`loss` is then the main model's).
+        seconds: the time the window's steps took (the trainer times them on the device); default: the wall time
+        since the previous call, less the validation passes.
         """
         now = time.perf_counter()
+        window_seconds = max(now - self._last_log_time if seconds is None else seconds, 1e-9)
         if self._last_log_step is None:
             # First call: assume the window started at the previous log boundary (exact for fresh runs and
             # resumes from a step that is a multiple of log_freq).
             window_steps = step - (step - 1) // self.log_freq * self.log_freq
         else:
             window_steps = step - self._last_log_step
-            self._steady_seconds += now - self._last_log_time
+            self._steady_seconds += window_seconds
             self._steady_steps += window_steps
-        window_seconds = max(now - self._last_log_time, 1e-9)
         first_window_sec_per_step = window_seconds / max(window_steps, 1)
 
         tps = self.tokens_per_step * window_steps / window_seconds

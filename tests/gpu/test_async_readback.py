@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from torchtitan.tools.host_scalars import HostScalars
+from torchtitan.tools.async_readback import HostScalars
 
 
 def test_values_are_read_after_the_queued_work_that_computes_them():
@@ -16,7 +16,7 @@ def test_values_are_read_after_the_queued_work_that_computes_them():
             x = torch.nn.functional.normalize(x @ x, dim=-1)
         loss, grad_norm = x.sum(), x.norm()
         scalars = HostScalars([loss, grad_norm, three])
-        copied_without_waiting = not scalars._ready.query()
+        copied_without_waiting = not scalars.ready.reached()
         values = scalars.wait()
     assert values == pytest.approx([loss.item(), grad_norm.item(), 3.0], rel=1e-6)
     assert copied_without_waiting
