@@ -1,9 +1,11 @@
-"""HostScalars on CUDA: the values are the device's, read only once the work that computes them has run."""
+"""HostScalars and DeviceMark on CUDA: values and times of queued work, read without making the host wait for it."""
+
+import time
 
 import pytest
 import torch
 
-from torchtitan.tools.async_readback import HostScalars
+from torchtitan.tools.async_readback import DeviceMark, HostScalars
 
 
 def test_values_are_read_after_the_queued_work_that_computes_them():
@@ -20,3 +22,18 @@ def test_values_are_read_after_the_queued_work_that_computes_them():
         values = scalars.wait()
     assert values == pytest.approx([loss.item(), grad_norm.item(), 3.0], rel=1e-6)
     assert copied_without_waiting
+
+
+def test_marks_time_the_queued_work_between_them_on_the_device():
+    x = torch.randn(4096, 4096, device="cuda")
+    x @ x  # warm-up: the GEMM's first launch loads its module
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    start = DeviceMark(x.device)
+    for _ in range(100):  # ~0.25 s of fp32 GEMMs
+        x = torch.nn.functional.normalize(x @ x, dim=-1)
+    end = DeviceMark(x.device)
+    end.synchronize()
+    wall = time.perf_counter() - begin
+    assert start.reached() and end.reached()
+    assert 0.5 * wall < start.seconds_until(end) <= wall
