@@ -117,6 +117,7 @@ def train_and_measure(
         last_loss=records[-1]["loss"],
         loss_steps=[r["step"] for r in records],
         losses=[r["loss"] for r in records],
+        tokens_per_sec_steps=[r.get("tps") for r in records],  # every logged step's, the warm-up's too
         mtp_losses=[r["mtp_loss"] for r in records if "mtp_loss" in r],
         graphs_compiled_per_step=[r.get("graphs_compiled", 0) for r in records],
         recompiles_after_warmup=sum(r.get("graphs_compiled", 0) for r in records if r["step"] > warm),
