@@ -15,7 +15,6 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -28,8 +27,6 @@ from torchtitan.components.loss import (
     LossWithMTP,
     RescaledLoss,
     build_loss_fn,
-    check_finite_loss,
-    check_grad_norm,
     count_valid_tokens,
     mtp_targets,
 )
@@ -38,6 +35,7 @@ from torchtitan.components.master_weights import store_weights_in_bf16
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import build_optimizers, updates_master_weights
 from torchtitan.components.run_lock import DumpFolderBusyError, acquire_dump_folder, exit_with_parent
+from torchtitan.components.step_log import StepLog
 from torchtitan.config import ConfigError, JobConfig, help_for
 from torchtitan.datasets.corpus import DatasetError
 from torchtitan.datasets.dataloader import build_dataloader
@@ -51,7 +49,7 @@ from torchtitan.models.deepseek_v3.parallelize import expert_bias_reduce_group, 
 from torchtitan.models.moe import GroupedExperts, MoE, build_expert_bias_hook
 from torchtitan.models.output_head import chunk_loss_and_grad
 from torchtitan.preflight import check_batch_sizes, check_job
-from torchtitan.tools.async_readback import DeviceMark, HostScalars
+from torchtitan.tools.async_readback import DeviceMark
 from torchtitan.tools.profiling import StepProfiler
 
 logger = logging.getLogger("torchtitan")
@@ -68,20 +66,6 @@ class TrainState:
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
-
-
-@dataclass
-class StepReport:
-    """What a launched training step reports once its device work has run."""
-
-    step: int
-    lr: float
-    graphs_compiled: int
-    """Graphs dynamo had compiled in this process once the step was launched."""
-    started: DeviceMark
-    """Before the step loaded its batch: its time runs from here to `scalars.ready`."""
-    scalars: HostScalars
-    """loss, grad norm[, MTP loss]"""
 
 
 class Trainer:
@@ -369,9 +353,7 @@ class Trainer:
         steps = job_config.training.steps
         logger.info(f"training from step {self.train_state.step + 1} to {steps}")
         profiler = StepProfiler(job_config.profiling, job_config.job.dump_folder, self.rank, self.device)
-        self._graphs_at_last_log = graphs_compiled()
-        self._seconds_since_last_log = 0.0
-        unchecked: StepReport | None = None  # the last step whose loss and grad norm were not yet checked
+        step_log = StepLog(self.metrics, self.rank, steps, graphs_compiled())
         try:
             while self.train_state.step < steps:
                 self.train_state.step += 1
@@ -382,18 +364,12 @@ class Trainer:
                 loss, grad_norm, lr = self.train_step(data_iterator)
                 profiler.step(step)
                 mtp_loss = [] if self.last_mtp_loss is None else [self.last_mtp_loss]
-                scalars = HostScalars([loss, grad_norm, *mtp_loss])
-                report = StepReport(step, lr, graphs_compiled(), started, scalars)
-                # The previous step is checked now that this step's work is queued behind it: the device keeps
-                # running while the host waits for its values and then prepares the next step.
-                if unchecked is not None:
-                    self._check_and_log(unchecked)
-                unchecked = report
+                # Checks and logs the previous step, with this one queued behind it: the device keeps running while
+                # the host waits for those values and then prepares the next step.
+                step_log.add(step, lr, started, [loss, grad_norm, *mtp_loss], graphs_compiled())
                 validates = job_config.validation.enable and (step % job_config.validation.freq == 0 or step == steps)
                 if step in (1, steps) or validates or self.checkpointer.saves_at(step, last_step=step == steps):
-                    # checked before its checkpoint: a diverged update is never saved
-                    self._check_and_log(unchecked)
-                    unchecked = None
+                    step_log.flush()  # this step checked before its checkpoint: a diverged update is never saved
                 if step == 1:
                     dist_utils.set_pg_timeouts(job_config.comm.train_timeout_seconds, self.parallel_dims.world_mesh)
                 if validates:
@@ -405,30 +381,6 @@ class Trainer:
             gc.enable()
             self.metrics.close()
             self.checkpointer.close()
-
-    def _check_and_log(self, report: StepReport) -> None:
-        """Stop on a diverged step (non-finite loss, zero or non-finite grad norm); log every `log_freq`-th step
-        and the last."""
-        loss, grad_norm, *mtp_loss = report.scalars.wait()
-        check_finite_loss(loss, report.step, self.rank)
-        check_grad_norm(grad_norm, report.step)
-        # The step's own time on the device: when its values are read (one step late, or at once) does not matter,
-        # and the validation passes and checkpoint saves between steps are not in it.
-        self._seconds_since_last_log += report.started.seconds_until(report.scalars.ready)
-        steps = self.job_config.training.steps
-        if report.step % self.job_config.metrics.log_freq == 0 or report.step == steps:
-            self.metrics.log(
-                report.step,
-                loss=loss,
-                grad_norm=grad_norm,
-                lr=report.lr,
-                total_steps=steps,
-                graphs_compiled=report.graphs_compiled - self._graphs_at_last_log,
-                mtp_loss=mtp_loss[0] if mtp_loss else None,
-                seconds=self._seconds_since_last_log,
-            )
-            self._graphs_at_last_log = report.graphs_compiled
-            self._seconds_since_last_log = 0.0
 
 
 def _release_deepep_buffers() -> None:

@@ -1,0 +1,53 @@
+"""StepLog: a step is checked and logged when the next one is added (or at flush), timed by its own marks."""
+
+import pytest
+import torch
+
+from torchtitan.components.step_log import StepLog
+from torchtitan.tools import async_readback
+from torchtitan.tools.async_readback import DeviceMark
+
+
+class _Metrics:
+    log_freq = 1
+
+    def __init__(self):
+        self.logged = []
+
+    def log(self, step, **fields):
+        self.logged.append((step, fields))
+
+
+def _add(step_log: StepLog, step: int, loss: float, seconds: float, clock: list[float]) -> None:
+    clock.append(0.0)
+    started = DeviceMark(torch.device("cpu"))  # at the clock's current time
+    clock[-1] = seconds  # the step's values are ready `seconds` later
+    step_log.add(step, 1e-3, started, [torch.tensor(loss), torch.tensor(1.0)], graphs_compiled=step)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    times: list[float] = []
+    monkeypatch.setattr(async_readback.time, "perf_counter", lambda: times[-1])
+    return times
+
+
+def test_steps_are_logged_one_step_late_or_at_flush(clock):
+    metrics = _Metrics()
+    step_log = StepLog(metrics, rank=0, total_steps=3, graphs_compiled=0)
+    _add(step_log, 1, 5.0, 2.0, clock)
+    assert metrics.logged == []  # read only once step 2 is queued
+    _add(step_log, 2, 4.0, 0.5, clock)
+    assert [step for step, _ in metrics.logged] == [1]
+    step_log.flush()
+    step_log.flush()  # nothing left: logs nothing twice
+    (_, first), (_, second) = metrics.logged
+    assert (first["loss"], first["seconds"], first["graphs_compiled"]) == (5.0, 2.0, 1)
+    assert (second["loss"], second["seconds"], second["graphs_compiled"]) == (4.0, 0.5, 1)
+
+
+def test_a_diverged_step_stops_training_when_it_is_read(clock):
+    step_log = StepLog(_Metrics(), rank=0, total_steps=3, graphs_compiled=0)
+    _add(step_log, 1, float("nan"), 1.0, clock)
+    with pytest.raises(FloatingPointError, match="non-finite loss at step 1 on rank 0"):
+        _add(step_log, 2, 4.0, 1.0, clock)

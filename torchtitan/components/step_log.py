@@ -1,0 +1,77 @@
+"""Each training step checked (diverged?) and logged once its values reach the host: one step late, so that the
+device never waits for the host between steps, or at once where the trainer needs the step checked before it goes on
+(a checkpoint, a validation pass, the last step)."""
+
+from dataclasses import dataclass
+
+import torch
+
+from torchtitan.components.loss import check_finite_loss, check_grad_norm
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.tools.async_readback import DeviceMark, HostScalars
+
+__all__ = ["StepLog"]
+
+
+@dataclass
+class _StepReport:
+    step: int
+    lr: float
+    graphs_compiled: int  # graphs dynamo had compiled in this process once the step was launched
+    started: DeviceMark  # before the step loaded its batch: its time runs from here to `scalars.ready`
+    scalars: HostScalars  # loss, grad norm[, MTP loss]
+
+
+class StepLog:
+    """`add` each launched step, `flush` before anything that needs the steps so far checked."""
+
+    def __init__(self, metrics: MetricsProcessor, rank: int, total_steps: int, graphs_compiled: int):
+        self.metrics = metrics
+        self.rank = rank
+        self.total_steps = total_steps
+        self._unchecked: _StepReport | None = None
+        self._graphs_at_last_log = graphs_compiled
+        self._seconds_since_last_log = 0.0
+
+    def add(
+        self,
+        step: int,
+        lr: float,
+        started: DeviceMark,
+        scalars: list[torch.Tensor],
+        graphs_compiled: int,
+    ) -> None:
+        """A launched step (`started` marked before it loaded its batch; scalars: loss, grad norm[, MTP loss]).
+        Checks and logs the step before it, whose work has run by the time this one's is queued."""
+        report = _StepReport(step, lr, graphs_compiled, started, HostScalars(scalars))
+        self.flush()
+        self._unchecked = report
+
+    def flush(self) -> None:
+        """Check and log the step not yet checked, if any (waits for the device to finish it)."""
+        if self._unchecked is not None:
+            report, self._unchecked = self._unchecked, None
+            self._check_and_log(report)
+
+    def _check_and_log(self, report: _StepReport) -> None:
+        """Stop on a diverged step (non-finite loss, zero or non-finite grad norm); log every `log_freq`-th step
+        and the last."""
+        loss, grad_norm, *mtp_loss = report.scalars.wait()
+        check_finite_loss(loss, report.step, self.rank)
+        check_grad_norm(grad_norm, report.step)
+        # The step's own time on the device: when its values are read (one step late, or at once) does not matter,
+        # and the validation passes and checkpoint saves between steps are not in it.
+        self._seconds_since_last_log += report.started.seconds_until(report.scalars.ready)
+        if report.step % self.metrics.log_freq == 0 or report.step == self.total_steps:
+            self.metrics.log(
+                report.step,
+                loss=loss,
+                grad_norm=grad_norm,
+                lr=report.lr,
+                total_steps=self.total_steps,
+                graphs_compiled=report.graphs_compiled - self._graphs_at_last_log,
+                mtp_loss=mtp_loss[0] if mtp_loss else None,
+                seconds=self._seconds_since_last_log,
+            )
+            self._graphs_at_last_log = report.graphs_compiled
+            self._seconds_since_last_log = 0.0
