@@ -21,8 +21,8 @@ from torchtitan.kernels.chunk_table import CHUNK, chunk_table, to_device_tables
 
 __all__ = ["adamw_update_", "sum_of_squares"]
 
-# Elements per loop iteration of a program, and its warps: 4 per thread. On one H200 (torch 2.11) the 16B_bench4
-# update (4.59B params, bf16 gradients and copies) took 32.0 ms with 8 warps and 33.8 ms with 4 (copy bandwidth 88%).
+# Elements per loop iteration of a program, and its warps (4 elements per thread): 8 warps ran the update faster
+# than 4 on an H200 (benchmarks/NOTES.md).
 _BLOCK = 1024
 _NUM_WARPS = 8
 _GRAD_DTYPES = (torch.float32, torch.bfloat16)

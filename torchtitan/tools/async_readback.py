@@ -40,7 +40,7 @@ class HostScalars:
 
     `.item()` right after a step makes the host wait until the device has run the whole step, so the device then
     idles while the host loads the next batch and launches its first kernels. Reading these values one step later,
-    once the next step's work is queued behind them, costs no device time (`Trainer.train`).
+    once the next step's work is queued behind them, costs no device time (`components/step_log.py`).
     """
 
     def __init__(self, scalars: list[torch.Tensor]):
