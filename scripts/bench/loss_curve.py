@@ -4,6 +4,8 @@
         --out benchmarks/fp8_loss_curve.png
 
 "End": the mean loss of the last --last steps (one step's loss is noisy); the gap is relative to the first run.
+Also each run's largest relative gap to the first over windows of --window steps (the mean loss of steps 1-20,
+21-40, ...): the check "losses equal within 0.3% in every 20-step window".
 """
 
 import argparse
@@ -18,19 +20,38 @@ def end_gaps(runs: dict[str, list[float]], last: int) -> dict[str, dict[str, flo
     return {name: {"end_loss": end, "relative_gap": (end - reference) / reference} for name, end in ends.items()}
 
 
+def window_gaps(runs: dict[str, list[float]], window: int) -> dict[str, float]:
+    """run -> its largest |relative gap| to the first run over the windows of `window` steps both runs complete."""
+    reference = next(iter(runs.values()))
+    gaps = {}
+    for name, losses in runs.items():
+        steps = min(len(losses), len(reference)) // window * window
+        means = [
+            (sum(losses[i : i + window]) / window, sum(reference[i : i + window]) / window)
+            for i in range(0, steps, window)
+        ]
+        gaps[name] = max((abs(a - b) / b for a, b in means), default=0.0)
+    return gaps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("results", nargs="+", type=Path, help="e2e result JSONs; the first is the reference")
     parser.add_argument("--out", type=Path, required=True, help="PNG to write")
     parser.add_argument("--last", type=int, default=20, help="steps averaged for the end loss")
+    parser.add_argument("--window", type=int, default=20, help="steps per window of the window check")
     args = parser.parse_args()
     runs = {}
     for path in args.results:
         result = json.loads(path.read_text())
         runs[result["name"]] = result["losses"]
     gaps = end_gaps(runs, args.last)
+    windows = window_gaps(runs, args.window)
     for name, gap in gaps.items():
-        print(f"{name}: {len(runs[name])} steps, end loss {gap['end_loss']:.4f} ({gap['relative_gap']:+.2%})")
+        print(
+            f"{name}: {len(runs[name])} steps, end loss {gap['end_loss']:.4f} ({gap['relative_gap']:+.2%}), "
+            f"largest gap over {args.window}-step windows {windows[name]:.3%}"
+        )
 
     import matplotlib
 
