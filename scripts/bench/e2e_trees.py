@@ -1,0 +1,102 @@
+"""Run one e2e job from two source trees on this machine, one after the other, and compare them: the check that a
+change is faster (or not slower) and trains the same, with both numbers from one device call.
+
+    python scripts/bench/e2e_trees.py --old /path/to/old/tree --old-commit ada9097 --name 16b8L_ep1 --ngpu 1 \\
+        --repeats 2 -- --model.flavor 16B_bench4 --parallelism.expert_parallel_degree 1 --training.steps 18 \\
+        --checkpoint.enable=false --metrics.enable_tensorboard=false
+
+Runs alternate, old first (old, new, old, new with --repeats 2), each `scripts/bench/e2e.py` in its own tree, named
+`<name>_<commit>_r<i>` (GIT_COMMIT tells each tree its commit: a `git archive` copy has no .git). The comparison,
+written to `compare_<name>.json` next to the runs' JSONs ($BENCH_OUT or benchmarks/results/): tokens/s of each tree
+(median over its runs) and their ratio, peak memory, and the first runs' losses: the largest relative difference at
+one step and over windows of --window steps (`loss_curve.window_gaps`).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from scripts.bench.common import REPO_ROOT, RESULTS_DIR, environment, git_commit, median  # noqa: E402
+from scripts.bench.loss_curve import window_gaps  # noqa: E402
+
+
+def compare(old: list[dict], new: list[dict], window: int) -> dict:
+    """Each tree's e2e results (its runs) -> the comparison (module docstring)."""
+    trees = {"old": old, "new": new}
+    tps = {name: median([r["tokens_per_sec_per_gpu"] for r in runs]) for name, runs in trees.items()}
+    old_losses, new_losses = old[0]["losses"], new[0]["losses"]
+    steps = min(len(old_losses), len(new_losses))
+    return {
+        "tokens_per_sec_per_gpu": tps,
+        "speedup": tps["new"] / tps["old"],
+        "tokens_per_sec_runs": {name: [r["tokens_per_sec_per_gpu"] for r in runs] for name, runs in trees.items()},
+        "peak_memory_gib": {name: _max(r["peak_memory_gib"] for r in runs) for name, runs in trees.items()},
+        "peak_memory_allocated_gib": {
+            name: _max(r["peak_memory_allocated_gib"] for r in runs) for name, runs in trees.items()
+        },
+        "steps_compared": steps,
+        "max_rel_loss_diff": max(
+            abs(b - a) / abs(a) for a, b in zip(old_losses[:steps], new_losses[:steps], strict=True)
+        ),
+        f"max_rel_loss_diff_{window}_step_windows": window_gaps({"old": old_losses, "new": new_losses}, window)["new"],
+    }
+
+
+def _max(values) -> float | None:
+    """The largest value; None where a run has none (CPU: no device memory)."""
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
+def run_e2e(tree: Path, commit: str, run_name: str, args: argparse.Namespace, train_args: list[str]) -> dict:
+    command = [
+        sys.executable, "scripts/bench/e2e.py", "--name", run_name, "--ngpu", str(args.ngpu), "--config", args.config,
+        "--warmup-steps", str(args.warmup_steps), "--profile-step", str(args.profile_step), "--", *train_args,
+    ]  # fmt: skip
+    out_dir = Path(os.environ.get("BENCH_OUT") or RESULTS_DIR).resolve()
+    env = {**os.environ, "GIT_COMMIT": commit, "BENCH_OUT": str(out_dir)}
+    done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
+    print(done.stdout.splitlines()[0] if done.stdout else done.stderr[-2000:], flush=True)
+    return json.loads((out_dir / f"e2e_{run_name}.json").read_text())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--old", type=Path, required=True, help="the other source tree (e.g. a `git archive` of it)")
+    parser.add_argument("--old-commit", required=True, help="the old tree's commit (named in its results)")
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--ngpu", type=int, required=True)
+    parser.add_argument("--config", default="./train_configs/deepseek_v3_16b.toml", help="relative to each tree")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per tree, alternating")
+    parser.add_argument("--warmup-steps", type=int, default=5)
+    parser.add_argument("--profile-step", type=int, default=0)
+    parser.add_argument("--window", type=int, default=20, help="steps per window of the loss comparison")
+    args, train_args = parser.parse_known_args()
+    train_args = [a for a in train_args if a != "--"]
+    trees = {"old": (args.old.resolve(), args.old_commit), "new": (REPO_ROOT, git_commit()[:12])}
+    results: dict[str, list[dict]] = {"old": [], "new": []}
+    for repeat in range(1, args.repeats + 1):
+        for name, (tree, commit) in trees.items():
+            results[name].append(run_e2e(tree, commit, f"{args.name}_{commit}_r{repeat}", args, train_args))
+    failed = [r["name"] for runs in results.values() for r in runs if r["returncode"] != 0]
+    comparison = {"failed": failed} if failed else compare(results["old"], results["new"], args.window)
+    summary = {
+        **environment(),
+        "name": args.name,
+        "commits": {name: commit for name, (_, commit) in trees.items()},
+        "runs": {name: [r["name"] for r in runs] for name, runs in results.items()},
+        "train_args": train_args,
+        **comparison,
+    }
+    out_dir = Path(os.environ.get("BENCH_OUT") or RESULTS_DIR)
+    (out_dir / f"compare_{args.name}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in summary.items() if k in ("speedup", "tokens_per_sec_per_gpu", "failed")}))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

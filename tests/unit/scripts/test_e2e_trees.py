@@ -1,0 +1,28 @@
+"""scripts/bench/e2e_trees.py: two trees' e2e runs compared (speed from the median of each tree's runs, losses and
+memory from all of them)."""
+
+import pytest
+
+from scripts.bench.e2e_trees import compare
+
+
+def _run(tps: float, losses: list[float], reserved: float | None = 70.0) -> dict:
+    return {"tokens_per_sec_per_gpu": tps, "losses": losses, "peak_memory_gib": reserved,
+            "peak_memory_allocated_gib": None if reserved is None else reserved - 1}  # fmt: skip
+
+
+def test_compare_takes_each_trees_median_speed_and_the_first_runs_losses():
+    old = [_run(100.0, [4.0, 4.0, 3.0, 3.0]), _run(104.0, [9.0] * 4), _run(90.0, [9.0] * 4, reserved=72.0)]
+    new = [_run(120.0, [4.0, 4.4, 3.0, 3.0]), _run(110.0, [9.0] * 4)]
+    result = compare(old, new, window=2)
+    assert result["tokens_per_sec_per_gpu"] == {"old": 100.0, "new": 115.0}
+    assert result["speedup"] == pytest.approx(1.15)
+    assert result["max_rel_loss_diff"] == pytest.approx(0.1)  # step 2 of the first runs
+    assert result["max_rel_loss_diff_2_step_windows"] == pytest.approx(0.05)  # steps 1-2: 4.2 vs 4.0
+    assert result["peak_memory_gib"] == {"old": 72.0, "new": 70.0}
+    assert result["peak_memory_allocated_gib"] == {"old": 71.0, "new": 69.0}
+
+
+def test_compare_without_device_memory_says_none():
+    result = compare([_run(1.0, [2.0], reserved=None)], [_run(1.0, [2.0], reserved=None)], window=1)
+    assert result["peak_memory_gib"] == {"old": None, "new": None}
