@@ -172,22 +172,26 @@ class MetricsProcessor:
         graphs_compiled: int = 0,
         mtp_loss: float | None = None,
         seconds: float | None = None,
+        steps: int | None = None,
     ) -> dict[str, Any]:
         """Log one step's metrics (window = steps since the previous call); returns the jsonl record.
 
         graphs_compiled: graphs torch.compile compiled in the window (0 after warm-up; more means recompiles).
         mtp_loss: the multi-token prediction modules' mean loss, with MTP (`loss` is then the main model's).
-        seconds: the time the window's steps took (the trainer times them on the device); default: the wall time
-        since the previous call, less the validation passes.
+        seconds, steps: the time the window's steps took and how many they were (the trainer counts and times
+        them on the device); default: the wall time since the previous call, less the validation passes, and the
+        steps since then (first call: since the log boundary before `step`, exact for fresh runs and resumes from a
+        multiple of log_freq).
         """
         now = time.perf_counter()
         window_seconds = max(now - self._last_log_time if seconds is None else seconds, 1e-9)
-        if self._last_log_step is None:
-            # First call: assume the window started at the previous log boundary (exact for fresh runs and
-            # resumes from a step that is a multiple of log_freq).
+        if steps is not None:
+            window_steps = steps
+        elif self._last_log_step is None:
             window_steps = step - (step - 1) // self.log_freq * self.log_freq
         else:
             window_steps = step - self._last_log_step
+        if self._last_log_step is not None:  # every window but the first (init, compile) counts for the ETA
             self._steady_seconds += window_seconds
             self._steady_steps += window_steps
         first_window_sec_per_step = window_seconds / max(window_steps, 1)

@@ -32,6 +32,7 @@ class StepLog:
         self._unchecked: _StepReport | None = None
         self._graphs_at_last_log = graphs_compiled
         self._seconds_since_last_log = 0.0
+        self._steps_since_last_log = 0
 
     def add(
         self,
@@ -62,6 +63,7 @@ class StepLog:
         # The step's own time on the device: when its values are read (one step late, or at once) does not matter,
         # and the validation passes and checkpoint saves between steps are not in it.
         self._seconds_since_last_log += report.started.seconds_until(report.scalars.ready)
+        self._steps_since_last_log += 1
         if report.step % self.metrics.log_freq == 0 or report.step == self.total_steps:
             self.metrics.log(
                 report.step,
@@ -72,6 +74,7 @@ class StepLog:
                 graphs_compiled=report.graphs_compiled - self._graphs_at_last_log,
                 mtp_loss=mtp_loss[0] if mtp_loss else None,
                 seconds=self._seconds_since_last_log,
+                steps=self._steps_since_last_log,
             )
             self._graphs_at_last_log = report.graphs_compiled
-            self._seconds_since_last_log = 0.0
+            self._seconds_since_last_log, self._steps_since_last_log = 0.0, 0

@@ -67,7 +67,7 @@ def test_gpu_style_line_formats_memory_thousands_and_mfu():
 
 
 def test_tps_counts_tokens_per_device_since_last_log(tmp_path, monkeypatch):
-    clock = iter([100.0, 104.0, 110.0, 111.0])
+    clock = iter([100.0, 104.0, 110.0, 111.0, 112.0])
     monkeypatch.setattr("torchtitan.components.metrics.time.perf_counter", lambda: next(clock))
     config = job_config(tmp_path)
     config.parallelism.tensor_parallel_degree = 2  # 2 devices share each DP rank's 16 tokens per step
@@ -79,6 +79,8 @@ def test_tps_counts_tokens_per_device_since_last_log(tmp_path, monkeypatch):
     assert record["tflops"] == pytest.approx(6.0 * 3 * 8 / 6 / 1e12)
     # The trainer passes the steps' own (device) time: steps 6..7 took 0.5 s, whatever the wall clock says.
     assert processor.log(7, loss=1.0, grad_norm=1.0, seconds=0.5)["tps"] == pytest.approx(2 * 8 / 0.5)
+    # ... and how many steps the window held (a run resumed mid-window ran fewer than the step numbers say)
+    assert processor.log(10, loss=1.0, grad_norm=1.0, seconds=0.5, steps=1)["tps"] == pytest.approx(8 / 0.5)
 
 
 def test_jsonl_gets_one_flushed_record_per_logged_step(tmp_path):

@@ -42,8 +42,20 @@ def test_steps_are_logged_one_step_late_or_at_flush(clock):
     step_log.flush()
     step_log.flush()  # nothing left: logs nothing twice
     (_, first), (_, second) = metrics.logged
-    assert (first["loss"], first["seconds"], first["graphs_compiled"]) == (5.0, 2.0, 1)
-    assert (second["loss"], second["seconds"], second["graphs_compiled"]) == (4.0, 0.5, 1)
+    assert (first["loss"], first["seconds"], first["steps"], first["graphs_compiled"]) == (5.0, 2.0, 1, 1)
+    assert (second["loss"], second["seconds"], second["steps"], second["graphs_compiled"]) == (4.0, 0.5, 1, 1)
+
+
+def test_a_window_counts_the_steps_this_run_took(clock):
+    # resumed after step 5 with log_freq 10: the first window holds steps 6..10 only
+    metrics = _Metrics()
+    metrics.log_freq = 10
+    step_log = StepLog(metrics, rank=0, total_steps=12, graphs_compiled=0)
+    for step in range(6, 11):
+        _add(step_log, step, 3.0, 1.0, clock)
+    step_log.flush()
+    ((step, fields),) = metrics.logged
+    assert (step, fields["steps"], fields["seconds"]) == (10, 5, 5.0)
 
 
 def test_a_diverged_step_stops_training_when_it_is_read(clock):
