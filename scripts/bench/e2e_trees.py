@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scripts.bench.common import REPO_ROOT, RESULTS_DIR, environment, git_commit, median  # noqa: E402
+from scripts.bench.common import REPO_ROOT, RESULTS_DIR, git_commit, median, write_result  # noqa: E402
 from scripts.bench.loss_curve import window_gaps  # noqa: E402
 
 
@@ -52,12 +52,14 @@ def _max(values) -> float | None:
     return max(values) if values else None
 
 
-def run_e2e(tree: Path, commit: str, run_name: str, args: argparse.Namespace, train_args: list[str]) -> dict:
+def run_e2e(
+    tree: Path, commit: str, run_name: str, out_dir: Path, args: argparse.Namespace, train_args: list[str]
+) -> dict:
+    """`scripts/bench/e2e.py` in `tree`, its result JSON written to (and read from) `out_dir`."""
     command = [
         sys.executable, "scripts/bench/e2e.py", "--name", run_name, "--ngpu", str(args.ngpu), "--config", args.config,
         "--warmup-steps", str(args.warmup_steps), "--profile-step", str(args.profile_step), "--", *train_args,
     ]  # fmt: skip
-    out_dir = Path(os.environ.get("BENCH_OUT") or RESULTS_DIR).resolve()
     env = {**os.environ, "GIT_COMMIT": commit, "BENCH_OUT": str(out_dir)}
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
     print(done.stdout.splitlines()[0] if done.stdout else done.stderr[-2000:], flush=True)
@@ -78,22 +80,22 @@ def main() -> int:
     args, train_args = parser.parse_known_args()
     train_args = [a for a in train_args if a != "--"]
     trees = {"old": (args.old.resolve(), args.old_commit), "new": (REPO_ROOT, git_commit()[:12])}
+    out_dir = Path(os.environ.get("BENCH_OUT") or RESULTS_DIR).resolve()
     results: dict[str, list[dict]] = {"old": [], "new": []}
     for repeat in range(1, args.repeats + 1):
         for name, (tree, commit) in trees.items():
-            results[name].append(run_e2e(tree, commit, f"{args.name}_{commit}_r{repeat}", args, train_args))
+            run_name = f"{args.name}_{commit}_r{repeat}"
+            results[name].append(run_e2e(tree, commit, run_name, out_dir, args, train_args))
     failed = [r["name"] for runs in results.values() for r in runs if r["returncode"] != 0]
     comparison = {"failed": failed} if failed else compare(results["old"], results["new"], args.window)
     summary = {
-        **environment(),
         "name": args.name,
         "commits": {name: commit for name, (_, commit) in trees.items()},
         "runs": {name: [r["name"] for r in runs] for name, runs in results.items()},
         "train_args": train_args,
         **comparison,
     }
-    out_dir = Path(os.environ.get("BENCH_OUT") or RESULTS_DIR)
-    (out_dir / f"compare_{args.name}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_result(summary, f"compare_{args.name}", out_dir)  # with the command, device, torch and commit
     print(json.dumps({k: v for k, v in summary.items() if k in ("speedup", "tokens_per_sec_per_gpu", "failed")}))
     return 1 if failed else 0
 

@@ -125,7 +125,6 @@ class MetricsProcessor:
         )
 
         self._last_log_step: int | None = None
-        self._last_log_time = time.perf_counter()
         # Seconds and steps of every window but the first (which holds init, compile and checkpoint load).
         self._steady_seconds = 0.0
         self._steady_steps = 0
@@ -167,30 +166,22 @@ class MetricsProcessor:
         step: int,
         loss: float,
         grad_norm: float,
+        *,
+        seconds: float,
+        steps: int,
         lr: float | None = None,
         total_steps: int | None = None,
         graphs_compiled: int = 0,
         mtp_loss: float | None = None,
-        seconds: float | None = None,
-        steps: int | None = None,
     ) -> dict[str, Any]:
-        """Log one step's metrics (window = steps since the previous call); returns the jsonl record.
+        """Log one step's metrics for the window of steps since the previous call; returns the jsonl record.
 
+        seconds, steps: the time the window's steps took and how many they were (`StepLog` counts and times them
+        on the device; validation passes and checkpoint saves between steps are not in them).
         graphs_compiled: graphs torch.compile compiled in the window (0 after warm-up; more means recompiles).
         mtp_loss: the multi-token prediction modules' mean loss, with MTP (`loss` is then the main model's).
-        seconds, steps: the time the window's steps took and how many they were (the trainer counts and times
-        them on the device); default: the wall time since the previous call, less the validation passes, and the
-        steps since then (first call: since the log boundary before `step`, exact for fresh runs and resumes from a
-        multiple of log_freq).
         """
-        now = time.perf_counter()
-        window_seconds = max(now - self._last_log_time if seconds is None else seconds, 1e-9)
-        if steps is not None:
-            window_steps = steps
-        elif self._last_log_step is None:
-            window_steps = step - (step - 1) // self.log_freq * self.log_freq
-        else:
-            window_steps = step - self._last_log_step
+        window_seconds, window_steps = max(seconds, 1e-9), steps
         if self._last_log_step is not None:  # every window but the first (init, compile) counts for the ETA
             self._steady_seconds += window_seconds
             self._steady_steps += window_steps
@@ -231,14 +222,12 @@ class MetricsProcessor:
                 self.jsonl_file.flush()
 
         self._last_log_step = step
-        self._last_log_time = now
         self.memory_monitor.reset_peak_stats()
         return record
 
     def log_validation(self, step: int, loss: float, seconds: float) -> None:
         """A validation pass's loss and perplexity: the console, a metrics.jsonl record of their own, TensorBoard and
-        W&B. Its `seconds` are kept out of the training throughput."""
-        self._last_log_time += seconds
+        W&B."""
         if self.is_logging_rank:
             scalars = {"validation/loss": loss, "validation/perplexity": math.exp(min(loss, 700.0))}
             logger.info(f"step: {step}  " + "  ".join(f"{tag}: {value:.4f}" for tag, value in scalars.items()))
