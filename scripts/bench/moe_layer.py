@@ -194,7 +194,7 @@ def main() -> None:
         args.comm_slowdown,
     )
     if args.float8_experts:
-        convert_to_float8_experts(moe)
+        convert_to_float8_experts(moe, cache_weights=True)
     if regions is not None:
         compile_moe(moe, "inductor", regions)
     overlap = MicroBatchOverlap(torch.cuda.Stream() if device.type == "cuda" else None)

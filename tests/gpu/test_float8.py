@@ -61,7 +61,7 @@ def test_fp8_experts_stay_within_fp8_error_of_bf16():
         torch.manual_seed(1)
         experts.init_weights(0.02)
         if fp8:
-            convert_to_float8_experts(experts)
+            convert_to_float8_experts(experts, cache_weights=True)
         xi = x.clone().requires_grad_()
         out = run_on_rows(experts, xi, counts)
         out.backward(grad_out)
@@ -122,7 +122,7 @@ def test_fp8_experts_compile_with_a_dynamic_row_count():
     torch.manual_seed(0)
     experts = GroupedExperts(2048, 1408, 32).cuda()
     experts.init_weights(0.02)
-    convert_to_float8_experts(experts)
+    convert_to_float8_experts(experts, cache_weights=False)
     compiled, backward_inputs = compile_recording_backward_inputs(run_fp8_experts_on_rows)
     weights = (experts.w1, experts.w2, experts.w3)
     for seed in (1, 2):

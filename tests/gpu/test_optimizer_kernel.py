@@ -121,7 +121,8 @@ def test_one_update_launch_per_param_group_and_no_host_sync():
 def test_master_weights_follow_torch_fused_adamw_and_the_same_launch_writes_the_bf16_weights(grad_dtype, unaligned):
     """bf16 weights with fp32 masters (fp32 gradients: gradient accumulation's `grad_dtype`): the masters equal torch's
     fused AdamW on fp32 parameters given the same gradients, every bf16 weight is its master rounded to nearest even
-    (bit for bit), and a step is still one kernel launch per param group."""
+    (bit for bit), and a step is still one kernel launch per param group. Every written tensor's version counter
+    moves (what the FP8 experts' weight cache reads)."""
     ref_params, master_params = make_params(unaligned), make_params(unaligned)
     ours_params = []
     for master in master_params:
@@ -138,10 +139,13 @@ def test_master_weights_follow_torch_fused_adamw_and_the_same_launch_writes_the_
             grad = torch.randn(ref_param.shape, generator=gen, device="cuda").bfloat16()
             ours_param.grad, ref_param.grad = grad.to(grad_dtype), grad.float()
         torch.cuda.synchronize()
+        versions = [(param._version, masters[param]._version) for param in ours_params]
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             ours.step()
             torch.cuda.synchronize()
         ref.step()
+        for (weight_version, master_version), param in zip(versions, ours_params, strict=True):
+            assert param._version > weight_version and masters[param]._version > master_version
         names = [event.name for event in prof.events() if event.device_type.name == "CUDA"]
         assert sum("_adamw_kernel" in name for name in names) == 2, names
         assert all("_adamw_kernel" in name or "Memcpy" in name for name in names), names  # no cast or copy kernel

@@ -148,7 +148,8 @@ class MoERegions:
 
     @classmethod
     def build(cls, backend: str, grouped_mm: Callable) -> MoERegions:
-        """grouped_mm: (x (rows, dim), group_ends, w1, w2, w3, float8) -> (rows, dim), `run_experts_grouped_mm`."""
+        """grouped_mm: (x (rows, dim), group_ends, w1, w2, w3, float8, float8_weights) -> (rows, dim),
+        `run_experts_grouped_mm`."""
         plan_dims = {"padded_slot": 0, "slot_row": 0}
         return cls(
             permutation=TokenPermutation(

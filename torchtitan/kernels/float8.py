@@ -15,7 +15,9 @@ torchao's rowwise float8 MoE recipe (DeepSeek-V3 used finer 1x128 / 128x128 bloc
 `torch._scaled_grouped_mm` (Hopper and newer) and the quantization runs in Triton kernels (float8_kernels.py);
 elsewhere the torch quantization below runs and the same quantized operands are multiplied in bf16 (exactly: FP8
 values are bf16 values) with the scales applied to the results, so CPU tests see the same rounding of the inputs.
-The weights stay bf16/fp32 parameters and are quantized in every forward.
+The weights stay bf16/fp32 parameters. Callers whose weights do not change between uses (no FSDP re-gathering them)
+pass their FP8 copies from a `Float8WeightCache`, quantized once per optimizer step in both layouts the GEMMs read;
+otherwise the weights are quantized at every use.
 
 Accumulation: the experts' three grouped GEMMs accumulate fast (Hopper's FP8 tensor-core sums, no promotion to fp32
 registers), as torchao's FP8 MoE recipe does: torch's precise grouped kernel for groups under 2,048 rows (the
@@ -29,12 +31,15 @@ scale, and their outputs are unspecified, as with `torch._grouped_mm`.
 """
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 __all__ = [
     "FP8_DTYPE",
     "WIRE_BLOCK",
+    "Float8WeightCache",
+    "Float8Weights",
     "check_float8_supported",
     "dequantize",
     "dequantize_blockwise",
@@ -44,6 +49,7 @@ __all__ = [
     "quantize_columns_per_group",
     "quantize_rowwise",
     "quantize_rowwise_group_scaled",
+    "quantize_weights",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -110,15 +116,62 @@ def dequantize(quantized: torch.Tensor, scale: torch.Tensor, dim: int = -1) -> t
     return quantized.float() * scale.unsqueeze(dim)
 
 
-def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor | Sequence[torch.Tensor], offsets: torch.Tensor) -> torch.Tensor:
+class Float8Weights(NamedTuple):
+    """Weights (E, N, K) (a pair stacked along N) in FP8 for both GEMMs that read them: `values` (E, N, K) row-major
+    with `scales` (E, N) for the forward, and the same values column-major (`transposed`, (E, N, K) strides
+    (N K, 1, N)) for the grad-input GEMM."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    transposed: torch.Tensor
+
+
+def quantize_weights(weights: Sequence[torch.Tensor]) -> Float8Weights:
+    """`Float8Weights` of weights (E, N_i, K) stacked along N (no autograd: the GEMMs' weight gradients go to the
+    weights themselves)."""
+    with torch.no_grad():
+        values, scales = _rowwise_stacked(list(weights))
+        return Float8Weights(values, scales, _column_major(values))
+
+
+class Float8WeightCache:
+    """The FP8 copies of some weights, quantized again only when a weight changed: its version counter moved (an
+    in-place update: the optimizer, a checkpoint load, init; `MultiTensorAdamW`'s kernel bumps it too) or it
+    holds other storage. One quantization per optimizer step instead of one per use (forward, the activation-
+    checkpoint recompute, each micro-batch), and the grad-input layout is kept instead of transposed per backward.
+
+    Only for weights that stay in place between steps: under FSDP each forward gathers them anew (the gathered
+    storage is reused without a version change), so FSDP-wrapped modules quantize at every use instead."""
+
+    def __init__(self) -> None:
+        self._key: tuple[tuple[int, int], ...] | None = None
+        self._weights: Float8Weights | None = None
+
+    def get(self, weights: Sequence[torch.Tensor]) -> Float8Weights:
+        key = tuple((w._version, w.data_ptr()) for w in weights)
+        if key != self._key or self._weights is None:
+            self._weights = quantize_weights(weights)
+            self._key = key
+        return self._weights
+
+
+def float8_grouped_mm(
+    x: torch.Tensor,
+    w: torch.Tensor | Sequence[torch.Tensor],
+    offsets: torch.Tensor,
+    w_float8: Float8Weights | None = None,
+) -> torch.Tensor:
     """x (M, K) @ w[g] (E, N, K) transposed for the rows of each group g -> (M, N) bf16, in FP8 both ways.
 
     w may be a pair of weights (E, N_i, K) that share x, the experts' gate and up projections: one GEMM against
     them stacked along N -> (M, N_1 + N_2), with x quantized once each way (forward rows, weight-gradient columns).
     offsets: (E,) int32 cumulative group ends, as for `torch._grouped_mm`; with M, multiples of 16 (`ROWS_PER_BLOCK`).
+    w_float8: w already quantized (`quantize_weights`, e.g. from a `Float8WeightCache`); else quantized here.
     """
     w, w_stacked = (w, None) if isinstance(w, torch.Tensor) else w
-    return _Float8GroupedMM.apply(x, offsets, w, w_stacked)
+    if w_float8 is None:
+        return _Float8GroupedMM.apply(x, offsets, w, w_stacked, None, None, None)
+    return _Float8GroupedMM.apply(x, offsets, w, w_stacked, *w_float8)
 
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -132,35 +185,44 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             "use a seq_len that is a multiple of 16 or drop --quantize.float8_linears"
         )
     offsets = torch.full((1,), rows.shape[0], dtype=torch.int32, device=x.device)
-    out = _Float8GroupedMM.apply(rows, offsets, weight.unsqueeze(0), None)
+    out = _Float8GroupedMM.apply(rows, offsets, weight.unsqueeze(0), None, None, None, None)
     return out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
 
 
 class _Float8GroupedMM(torch.autograd.Function):
-    """x @ w^T, or x @ [w; w_stacked]^T when w_stacked is given (fixed arguments: dynamo in torch 2.11 mis-traced
-    a variable number of weights)."""
+    """x @ w^T, or x @ [w; w_stacked]^T when w_stacked is given; w_q, w_scale, w_q_t: their `Float8Weights` when
+    quantized already (fixed arguments: dynamo in torch 2.11 mis-traced a variable number of weights)."""
 
     @staticmethod
     def forward(
-        ctx, x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, w_stacked: torch.Tensor | None
+        ctx,
+        x: torch.Tensor,
+        offsets: torch.Tensor,
+        w: torch.Tensor,
+        w_stacked: torch.Tensor | None,
+        w_q: torch.Tensor | None,
+        w_scale: torch.Tensor | None,
+        w_q_t: torch.Tensor | None,
     ) -> torch.Tensor:
         weights = [w] if w_stacked is None else [w, w_stacked]
         x_q, x_scale = _rowwise(x)  # (M, K), (M,)
-        w_q, w_scale = _rowwise_stacked(weights)  # (E, N, K), (E, N) with N = sum N_i
-        ctx.save_for_backward(x, offsets, w_q, w_scale)
+        if w_q is None:
+            w_q, w_scale = _rowwise_stacked(weights)  # (E, N, K), (E, N) with N = sum N_i
+        ctx.save_for_backward(x, offsets, w_q, w_scale, w_q_t)
         ctx.rows = [weight.shape[1] for weight in weights]
         ctx.dtypes = [weight.dtype for weight in weights]
         return _scaled_grouped_mm(x_q, w_q.transpose(-2, -1), x_scale, w_scale, offsets, forward=True)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, offsets, w_q, w_scale = ctx.saved_tensors
+        x, offsets, w_q, w_scale, w_q_t = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[0]:
             # W_e's forward scales vary along this GEMM's reduction (N): they multiply grad_out's columns before its
             # rows are quantized, and W_e's FP8 values are reused, transposed into the column-major (N, K) operand
             g_q, g_scale = _rowwise_group_scaled(grad_out, w_scale, offsets)  # (M, N), (M,)
-            w_q_t = w_q.transpose(-2, -1).contiguous().transpose(-2, -1)  # (E, N, K), column-major
+            if w_q_t is None:
+                w_q_t = _column_major(w_q)
             no_scale = w_scale.new_ones(w_q.shape[0], w_q.shape[2])  # (E, K)
             grad_x = _scaled_grouped_mm(g_q, w_q_t, g_scale, no_scale, offsets, forward=False).to(x.dtype)
         grad_ws = [None, None]
@@ -173,7 +235,12 @@ class _Float8GroupedMM(torch.autograd.Function):
                 grad_w = _scaled_grouped_mm(gt_q[rows], xt_q.t(), g_scale[:, rows], x_scale, offsets, forward=False)
                 grad_ws[i] = grad_w.to(dtype)
                 start += n
-        return grad_x, None, *grad_ws
+        return grad_x, None, *grad_ws, None, None, None
+
+
+def _column_major(w_q: torch.Tensor) -> torch.Tensor:
+    """(E, N, K) -> the same values (E, N, K) stored column-major (as (E, K, N) contiguous)."""
+    return w_q.transpose(-2, -1).contiguous().transpose(-2, -1)
 
 
 # The quantization as custom ops: CUDA runs the Triton kernels of float8_kernels.py (one pass per operand), other

@@ -103,8 +103,12 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
                 block.moe.overlap = overlap
     if job_config.quantize.float8_experts:
         check_float8_supported(torch.device(device_type()))
-        converted = convert_to_float8_experts(model)
-        logger.info(f"quantize.float8_experts: {converted} routed-expert modules run FP8 grouped GEMMs")
+        # FSDP gathers the weights anew every forward: quantized at every use there, else once per optimizer step
+        converted = convert_to_float8_experts(model, cache_weights=not parallel_dims.fsdp_enabled)
+        logger.info(
+            f"quantize.float8_experts: {converted} routed-expert modules run FP8 grouped GEMMs, their weights "
+            + ("quantized at every use (FSDP)" if parallel_dims.fsdp_enabled else "quantized once per optimizer step")
+        )
     if job_config.quantize.float8_linears:
         check_float8_supported(torch.device(device_type()), "--quantize.float8_linears")
         converted = convert_to_float8_linears(model)

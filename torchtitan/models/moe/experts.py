@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.distributed.expert_parallel.dispatcher import ExpertRows
 from torchtitan.kernels.cpu_grouped_mm import cpu_grouped_mm
-from torchtitan.kernels.float8 import float8_grouped_mm
+from torchtitan.kernels.float8 import Float8WeightCache, Float8Weights, float8_grouped_mm
 
 
 def run_experts_grouped_mm(
@@ -25,22 +25,23 @@ def run_experts_grouped_mm(
     w2: torch.Tensor,
     w3: torch.Tensor,
     float8: bool = False,
+    float8_weights: tuple[Float8Weights, Float8Weights] | None = None,
 ) -> torch.Tensor:
     """x (P, dim) bf16 padded expert-major rows, group_ends (E,) int32 -> (P, dim) bf16; rows past the last group
     end are undefined (no caller reads them). float8: the three GEMMs in FP8 with rowwise scales, forward and
-    backward (float8.py); needs groups aligned to 16 rows."""
+    backward (float8.py); needs groups aligned to 16 rows. float8_weights: (w1 and w3 stacked, w2) quantized
+    already (`GroupedExperts.float8_weight_caches`), else the weights are quantized here."""
     # A no-op in training. FSDP casts module inputs to its parameter dtype (fp32 with mixed_precision_param=float32),
     # so the rows may arrive in another dtype than the dispatcher wrote them in.
     x = x.bfloat16()
     if float8:  # gate and up in one GEMM: x quantized once each way; the weights in their own dtype (no bf16 copy)
-        gate, up = float8_grouped_mm(x, (w1, w3), group_ends).chunk(2, dim=-1)
-        grouped_mm = float8_grouped_mm
-    else:
-        w1, w2, w3 = w1.bfloat16(), w2.bfloat16(), w3.bfloat16()
-        gate, up = _bf16_grouped_mm(x, w1, group_ends), _bf16_grouped_mm(x, w3, group_ends)
-        grouped_mm = _bf16_grouped_mm
+        w13_float8, w2_float8 = float8_weights or (None, None)
+        gate, up = float8_grouped_mm(x, (w1, w3), group_ends, w13_float8).chunk(2, dim=-1)
+        return float8_grouped_mm(F.silu(gate) * up, w2, group_ends, w2_float8)
+    w1, w2, w3 = w1.bfloat16(), w2.bfloat16(), w3.bfloat16()
+    gate, up = _bf16_grouped_mm(x, w1, group_ends), _bf16_grouped_mm(x, w3, group_ends)
     h = F.silu(gate) * up  # (P, hidden)
-    return grouped_mm(h, w2, group_ends)  # (P, dim)
+    return _bf16_grouped_mm(h, w2, group_ends)  # (P, dim)
 
 
 def _bf16_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -68,6 +69,10 @@ class GroupedExperts(nn.Module):
     float8: bool = False
     """FP8 rowwise-scaled grouped GEMMs (`quantize.float8_experts`, set by `convert_to_float8_experts`)."""
 
+    float8_weight_caches: tuple[Float8WeightCache, Float8WeightCache] | None = None
+    """With `float8`: the FP8 copies of (w1 and w3 stacked, w2), quantized once per optimizer step; None (under
+    FSDP, which gathers the weights anew every forward): quantized at every use."""
+
     run_grouped_mm = staticmethod(run_experts_grouped_mm)
     """The grouped-GEMM computation; `apply_compile` sets the compiled region its model's layers share."""
 
@@ -91,7 +96,11 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
         if self.use_grouped_mm:
-            return self.run_grouped_mm(x, group_ends, w1, w2, w3, self.float8)
+            float8_weights = None
+            if self.float8 and self.float8_weight_caches is not None:
+                w13_cache, w2_cache = self.float8_weight_caches
+                float8_weights = (w13_cache.get((w1, w3)), w2_cache.get((w2,)))
+            return self.run_grouped_mm(x, group_ends, w1, w2, w3, self.float8, float8_weights)
         return _run_experts_for_loop(x, group_ends, w1, w2, w3)
 
     def init_weights(self, init_std: float) -> None:
@@ -100,9 +109,10 @@ class GroupedExperts(nn.Module):
         nn.init.trunc_normal_(self.w3, mean=0.0, std=init_std)
 
 
-def convert_to_float8_experts(model: nn.Module) -> int:
+def convert_to_float8_experts(model: nn.Module, cache_weights: bool) -> int:
     """Switch every GroupedExperts of `model` to FP8 grouped GEMMs; returns how many. Raises naming the fix when
-    a shape cannot run in FP8 (both GEMM dims must be multiples of 16) or the experts use the per-expert loop."""
+    a shape cannot run in FP8 (both GEMM dims must be multiples of 16) or the experts use the per-expert loop.
+    cache_weights: keep the weights' FP8 copies between uses (`Float8WeightCache`); not under FSDP."""
     converted = 0
     for name, module in model.named_modules():
         if not isinstance(module, GroupedExperts):
@@ -115,6 +125,7 @@ def convert_to_float8_experts(model: nn.Module) -> int:
             )
         module.float8 = True
         module.token_group_alignment = 16
+        module.float8_weight_caches = (Float8WeightCache(), Float8WeightCache()) if cache_weights else None
         converted += 1
     return converted
 

@@ -2,6 +2,7 @@
 
 import torch
 
+from torchtitan.kernels.float8 import Float8Weights
 from torchtitan.kernels.permute import PermutePlan, permute_tokens, plan_permutation, unpermute_tokens
 from torchtitan.models.moe.experts import GroupedExperts, run_experts_grouped_mm
 
@@ -24,12 +25,18 @@ def run_on_rows(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) 
 
 
 def run_fp8_experts_on_rows(
-    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    float8_weights: tuple[Float8Weights, Float8Weights] | None = None,
 ) -> torch.Tensor:
     """`run_on_rows` for FP8 experts as a function of tensors (what a compile test compiles): pad, grouped GEMMs,
-    unpad."""
+    unpad. float8_weights: the weights quantized already (as `GroupedExperts` passes them from its caches)."""
     rows, plan = pad_rows(x, counts, 16, torch.bfloat16)
-    return unpermute_tokens(run_experts_grouped_mm(rows, plan.group_ends, w1, w2, w3, True), plan, 1, None, x.dtype)
+    out = run_experts_grouped_mm(rows, plan.group_ends, w1, w2, w3, True, float8_weights)
+    return unpermute_tokens(out, plan, 1, None, x.dtype)
 
 
 def expert_of_padded_row(group_ends: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -130,16 +130,53 @@ def test_weight_gradient_scales_each_expert_on_its_own():
     assert _relative_error(wi.grad[1], expected) < 0.06
 
 
-def _experts(float8_on: bool) -> GroupedExperts:
+def _experts(float8_on: bool, cache_weights: bool = False) -> GroupedExperts:
     torch.manual_seed(0)
     experts = GroupedExperts(32, 48, 4)
     experts.init_weights(0.05)
     if float8_on:
-        assert convert_to_float8_experts(experts) == 1
+        assert convert_to_float8_experts(experts, cache_weights) == 1
     return experts
 
 
-def test_fp8_experts_take_the_scaled_path_and_stay_close_to_bf16(monkeypatch):
+def test_cached_fp8_weights_are_quantized_once_per_update_and_change_nothing(monkeypatch):
+    """With the weight cache, two forward+backward passes (micro-batches, or a forward and its recompute) quantize
+    each weight set once, an optimizer step or an in-place load quantizes it again, and every output and gradient
+    equals the per-use quantization's bit for bit."""
+    quantized = []
+    real = float8._rowwise_stacked
+    monkeypatch.setattr(float8, "_rowwise_stacked", lambda weights: quantized.append(len(weights)) or real(weights))
+    counts = torch.tensor([5, 0, 17, 9])
+    x, grad_out = torch.randn(31, 32), torch.randn(31, 32)
+    results = {}
+    for cache in (True, False):
+        experts = _experts(True, cache_weights=cache)
+        optimizer = torch.optim.AdamW(experts.parameters(), lr=1e-2, foreach=True)
+        quantized.clear()
+        steps = []
+        for update in ("step", "load", None):
+            for _ in range(2):
+                xi = x.clone().requires_grad_()
+                out = run_on_rows(experts, xi, counts)
+                out.backward(grad_out)
+                steps.append((out, xi.grad))
+            steps.append(tuple(p.grad.clone() for p in experts.parameters()))
+            if update == "step":
+                optimizer.step()
+            elif update == "load":
+                experts.load_state_dict({k: v * 1.5 for k, v in experts.state_dict().items()})
+            optimizer.zero_grad()
+        results[cache] = (steps, list(quantized))
+    # gate+up stacked (2 weights) and down (1): once per weight version with the cache, every forward without
+    assert results[True][1] == [2, 1] * 3
+    assert results[False][1] == [2, 1] * 6
+    for cached, per_use in zip(results[True][0], results[False][0], strict=True):
+        for actual, expected in zip(cached, per_use, strict=True):
+            assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("cache_weights", [False, True], ids=["quantized_per_use", "cached"])
+def test_fp8_experts_take_the_scaled_path_and_stay_close_to_bf16(monkeypatch, cache_weights):
     calls = []
     real = float8._scaled_grouped_mm
     monkeypatch.setattr(
@@ -150,7 +187,7 @@ def test_fp8_experts_take_the_scaled_path_and_stay_close_to_bf16(monkeypatch):
     grad_out = torch.randn(31, 32)
     outputs = []
     for float8_on in (True, False):
-        experts = _experts(float8_on)
+        experts = _experts(float8_on, cache_weights)
         xi = x.clone().requires_grad_()
         out = run_on_rows(experts, xi, counts)
         out.backward(grad_out)
@@ -185,16 +222,20 @@ def test_quantization_ops_fake_kernels_match():
         torch.library.opcheck(torch.ops.torchtitan.fp8_scaled_grouped_mm_emulated, args, test_utils=checks)
 
 
-def test_fp8_experts_compile_with_a_dynamic_row_count():
+@pytest.mark.parametrize("cached", [False, True], ids=["quantized_per_use", "cached"])
+def test_fp8_experts_compile_with_a_dynamic_row_count(cached):
     """Inductor, token rows dynamic (they change every step): two row counts, one graph, the eager results; and
     every tensor the backward takes from the forward whose size is the row count is row-major (contiguous).
     A column-major one has the row count as its stride, and the 16B run on H200 (5153e79) failed the compiled
-    backward's check of that stride at its second step."""
+    backward's check of that stride at its second step. Cached: the weights come quantized (a cache's copies)."""
     experts = _experts(True)
     compiled, backward_inputs = compile_recording_backward_inputs(run_fp8_experts_on_rows)
+    float8_weights = None
+    if cached:
+        float8_weights = (float8.quantize_weights((experts.w1, experts.w3)), float8.quantize_weights((experts.w2,)))
     for counts in (torch.tensor([5, 0, 17, 9]), torch.tensor([12, 3, 0, 30])):
         x = torch.randn(int(counts.sum()), 32)
-        args = (counts, experts.w1, experts.w2, experts.w3)
+        args = (counts, experts.w1, experts.w2, experts.w3, float8_weights)
         results = []
         for fn in (run_fp8_experts_on_rows, compiled):
             xi = x.clone().requires_grad_()
@@ -203,14 +244,18 @@ def test_fp8_experts_compile_with_a_dynamic_row_count():
             results.append((out, xi.grad))
         for actual, expected in zip(results[1], results[0], strict=True):
             torch.testing.assert_close(actual, expected, rtol=2e-2, atol=2e-2)
-    assert not strided_by_a_dynamic_size(backward_inputs)
+    strided = strided_by_a_dynamic_size(backward_inputs)
+    # dynamic=True makes the weights' sizes dynamic too: the cached column-major copies (experts first, their size
+    # never changes in training) are the only ones allowed
+    assert [(shape, stride) for shape, stride in strided if not (cached and shape[0] == 4)] == []
+    assert len(strided) == (2 if cached else 0)
 
 
 def test_shapes_fp8_cannot_take_are_rejected():
     with pytest.raises(ValueError, match="multiples of 16.*drop --quantize.float8_experts"):
-        convert_to_float8_experts(GroupedExperts(24, 48, 2))
+        convert_to_float8_experts(GroupedExperts(24, 48, 2), cache_weights=True)
     with pytest.raises(ValueError, match="use_grouped_mm=False"):
-        convert_to_float8_experts(GroupedExperts(32, 48, 2, use_grouped_mm=False))
+        convert_to_float8_experts(GroupedExperts(32, 48, 2, use_grouped_mm=False), cache_weights=True)
 
 
 def test_gpu_without_fp8_tensor_cores_is_rejected(monkeypatch):
