@@ -115,6 +115,24 @@ def test_triton_quantization_kernels_equal_the_torch_versions():
     _agree(quantize_columns_per_group_cuda(t, one_group), quantize_columns_per_group(t, one_group))
 
 
+def test_cached_weights_hold_the_per_use_quantization_in_both_layouts():
+    """`quantize_weights` on CUDA (the Triton transpose) gives the values, scales and column-major copy the per-use
+    path computes, bit for bit, for 16B's expert shapes and odd sizes (partial tiles)."""
+    from torchtitan.kernels.float8 import _column_major, _rowwise_stacked, quantize_weights
+
+    torch.manual_seed(0)
+    for shape in ((4, 1408, 2048), (3, 200, 72)):
+        w1, w3 = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) * scale for scale in (1e-2, 1e2))
+        cached = quantize_weights((w1, w3))
+        values, scales = _rowwise_stacked([w1, w3])
+        transposed = _column_major(values)
+        assert cached.transposed.stride() == transposed.stride()
+        for actual, expected in zip(cached, (values, scales, transposed), strict=True):
+            if actual.element_size() == 1:  # FP8: compare the bytes (no FP8 comparison kernels)
+                actual, expected = actual.view(torch.uint8), expected.view(torch.uint8)
+            assert torch.equal(actual, expected)
+
+
 def test_fp8_experts_compile_with_a_dynamic_row_count():
     """Inductor with dynamic token rows, as the trainer compiles the experts (16B's expert shapes): two row counts,
     one graph, each close to eager, and no saved activation strided by the row count. The 16B end-to-end run

@@ -131,6 +131,10 @@ def quantize_weights(weights: Sequence[torch.Tensor]) -> Float8Weights:
     weights themselves)."""
     with torch.no_grad():
         values, scales = _rowwise_stacked(list(weights))
+        if values.is_cuda:
+            from torchtitan.kernels.float8_kernels import transpose_slabs_cuda
+
+            return Float8Weights(values, scales, transpose_slabs_cuda(values).transpose(-2, -1))
         return Float8Weights(values, scales, _column_major(values))
 
 

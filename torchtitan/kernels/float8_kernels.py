@@ -14,7 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["quantize_columns_per_group_cuda", "quantize_rowwise_cuda", "quantize_rowwise_stacked_cuda"]
+__all__ = [
+    "quantize_columns_per_group_cuda",
+    "quantize_rowwise_cuda",
+    "quantize_rowwise_stacked_cuda",
+    "transpose_slabs_cuda",
+]
 
 _FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _EPS = 1e-12
@@ -244,3 +249,27 @@ def quantize_columns_per_group_cuda(t: torch.Tensor, offsets: torch.Tensor) -> t
         t, offsets.to(torch.int32), q, scale, num_rows, num_cols, num_groups, FP8_MAX=_FP8_MAX, EPS=_EPS
     )
     return q, scale
+
+
+@triton.jit
+def _transpose_kernel(src_ptr, dst_ptr, num_rows, num_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One (BLOCK_R, BLOCK_C) tile of one slab: src (E, R, C) -> dst (E, C, R), both row-major."""
+    slab_start = tl.program_id(2).to(tl.int64) * num_rows * num_cols
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
+    tile = tl.load(src_ptr + slab_start + rows.to(tl.int64)[:, None] * num_cols + cols[None, :], mask=mask)
+    out = dst_ptr + slab_start + cols.to(tl.int64)[:, None] * num_rows + rows[None, :]
+    tl.store(out, tl.trans(tile), mask=tl.trans(mask))
+
+
+def transpose_slabs_cuda(t: torch.Tensor) -> torch.Tensor:
+    """t (E, R, C) contiguous, 1-byte elements (FP8 weights) -> (E, C, R) contiguous, through tiles in shared memory:
+    eager's strided copy reads or writes one byte per 32-byte sector (1.6 ms for a 16B layer's 0.55 GB, 8x this)."""
+    num_slabs, num_rows, num_cols = t.shape
+    out = torch.empty((num_slabs, num_cols, num_rows), dtype=t.dtype, device=t.device)
+    block = 64
+    grid = (triton.cdiv(num_rows, block), triton.cdiv(num_cols, block), num_slabs)
+    src, dst = t.view(torch.uint8), out.view(torch.uint8)  # bytes: no FP8 loads or stores needed
+    _transpose_kernel[grid](src, dst, num_rows, num_cols, BLOCK_R=block, BLOCK_C=block)
+    return out
