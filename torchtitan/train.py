@@ -183,7 +183,7 @@ class Trainer:
         batches = []
         for _ in range(self.grad_accum_steps):
             input_dict, labels = next(data_iterator)
-            batches.append((input_dict["input"].to(self.device), labels.to(self.device)))
+            batches.append((batch_to_device(input_dict["input"], self.device), batch_to_device(labels, self.device)))
         return batches
 
     def _document_ids(self, tokens: torch.Tensor) -> torch.Tensor | None:
@@ -309,7 +309,7 @@ class Trainer:
         token_sum, all_labels = torch.zeros((), device=self.device), []
         self.validation_loader.dataset.load_state_dict({"samples_yielded": 0})  # every pass reads the same batches
         for input_dict, labels in itertools.islice(self.validation_loader, self.job_config.validation.steps):
-            tokens, labels = input_dict["input"].to(self.device), labels.to(self.device)
+            tokens, labels = batch_to_device(input_dict["input"], self.device), batch_to_device(labels, self.device)
             if mtp_layers:  # the MTP heads run as in training; only the main loss is kept
                 self.step_loss.start_step([1.0] * mtp_layers)
             mtp_labels = [mtp_targets(tokens, labels, k, self.tokenizer.bos_id) for k in range(mtp_layers)]
@@ -394,6 +394,16 @@ def _release_deepep_buffers() -> None:
 
 def _global_rank() -> int:
     return int(os.environ.get("RANK", 0))
+
+
+def batch_to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch on `device`. To a GPU through pinned memory, without blocking: a copy from pageable memory waits
+    for every kernel queued before it, so each step began with the GPU's queue empty and the GPU idle while the
+    host launched the step's first kernels (the pinned block is not reused before its copy ran: torch's host
+    allocator records the copy)."""
+    if device.type != "cuda":
+        return batch.to(device)
+    return batch.pin_memory().to(device, non_blocking=True)
 
 
 def _select_device() -> torch.device:

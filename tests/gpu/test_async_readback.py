@@ -37,3 +37,20 @@ def test_marks_time_the_queued_work_between_them_on_the_device():
     wall = time.perf_counter() - begin
     assert start.reached() and end.reached()
     assert 0.5 * wall < start.seconds_until(end) <= wall
+
+
+def test_a_batch_goes_to_the_gpu_without_waiting_for_queued_work():
+    """The trainer's batch transfer (`batch_to_device`) returns while earlier kernels still run, and the batch
+    arrives intact once they have. A pageable copy would wait for them (the step then began on an empty queue)."""
+    from torchtitan.train import batch_to_device
+
+    x = torch.randn(4096, 4096, device="cuda")
+    batch = torch.randint(0, 100_000, (4, 4096))
+    for _ in range(2):  # the first pass warms up (module loading, the first pinned block)
+        torch.cuda.synchronize()
+        for _ in range(200):  # ~0.5 s of queued fp32 GEMMs
+            x = torch.nn.functional.normalize(x @ x, dim=-1)
+        on_device = batch_to_device(batch, x.device)
+        returned_before_the_queue_ran = not torch.cuda.current_stream().query()
+        assert torch.equal(on_device.cpu(), batch)
+    assert returned_before_the_queue_ran
