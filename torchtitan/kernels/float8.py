@@ -152,6 +152,8 @@ class Float8WeightCache:
         self._weights: Float8Weights | None = None
 
     def get(self, weights: Sequence[torch.Tensor]) -> Float8Weights:
+        if torch.is_inference_mode_enabled():  # inference tensors could not be saved for a later training backward
+            return quantize_weights(weights)
         key = tuple((w._version, w.data_ptr()) for w in weights)
         if key != self._key or self._weights is None:
             self._weights = quantize_weights(weights)

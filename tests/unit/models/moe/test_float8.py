@@ -175,6 +175,18 @@ def test_cached_fp8_weights_are_quantized_once_per_update_and_change_nothing(mon
             assert torch.equal(actual, expected)
 
 
+def test_weights_cached_under_inference_mode_are_not_kept_for_training():
+    """A forward under torch.inference_mode (sampling) quantizes without filling the cache: inference tensors
+    cannot be saved for backward, and the next training forward must still run its backward."""
+    experts = _experts(True, cache_weights=True)
+    counts = torch.tensor([5, 0, 17, 9])
+    with torch.inference_mode():
+        run_on_rows(experts, torch.randn(31, 32), counts)
+    xi = torch.randn(31, 32, requires_grad=True)
+    run_on_rows(experts, xi, counts).sum().backward()
+    assert xi.grad is not None and experts.w2.grad is not None
+
+
 @pytest.mark.parametrize("cache_weights", [False, True], ids=["quantized_per_use", "cached"])
 def test_fp8_experts_take_the_scaled_path_and_stay_close_to_bf16(monkeypatch, cache_weights):
     calls = []
