@@ -23,6 +23,11 @@ bytes are unknown, so their class's GB/s is null. A class's TFLOP/s (GB/s) is ov
 peak for GEMMs and attention (also FP8 GEMMs: their % of bound can pass 100), its HBM bandwidth for the memory-bound
 classes, none for communication (link traffic is not in the trace) and "other".
 
+Host waits (`host_waits`): the CUDA calls inside the step that held the host until the device got there (a
+synchronize, a pageable copy), with the outermost host op each ran in and its input shapes. `host_ms` minus their
+sum is the host's own work: when that is close to the kernels' busy time, the step is host-bound, and a wait empties
+the device's queue, so the work launched after it starts on an idle device.
+
 Idle gaps (`idle_gaps`, the longest of each step): the kernel before and after each gap, when the kernel after it was
 launched relative to the gap's start (after it: the device waited for the host; before it: for something else,
 another stream or an event), the host op it was launched from, and the outermost host ops that ran on the launching
@@ -40,7 +45,13 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from torchtitan.tools.profiling import DEVICE_EVENTS, RUNTIME_CALLS, ProfiledStep, profiled_steps  # noqa: E402
+from torchtitan.tools.profiling import (  # noqa: E402
+    DEVICE_EVENTS,
+    HOST_BLOCKING_CALLS,
+    RUNTIME_CALLS,
+    ProfiledStep,
+    profiled_steps,
+)
 
 _INDUCTOR = r"^triton_(poi|per|red|for)_"  # Inductor's generated kernels, named after every op fused into them
 _LAYOUT_OPS = (
@@ -153,6 +164,8 @@ def step_breakdown(
         "classes": {
             cls: class_breakdown(by_class.get(cls, []), span_us, flop, nbytes, bounds.get(cls)) for cls in CLASSES
         },
+        "host_wait_ms": sum(c["dur"] for c in step.runtime_calls if c["name"] in HOST_BLOCKING_CALLS) / 1e3,
+        "host_waits": host_waits(step, host or {}),
         "idle_gaps": idle_gaps(step, host or {}),
     }
 
@@ -177,6 +190,26 @@ def host_ops_by_thread(trace: dict) -> dict[tuple, list[tuple[dict, int]]]:
             stack.append(event)
         result[key] = with_depth
     return result
+
+
+def host_waits(step: ProfiledStep, host: dict, top: int = 5) -> list[dict]:
+    """The step's `top` longest blocking CUDA calls, longest first, each with the outermost host op it ran in."""
+    waits = []
+    for call in step.runtime_calls:
+        if call["name"] not in HOST_BLOCKING_CALLS:
+            continue
+        ops = host.get((call["pid"], call["tid"]), [])
+        enclosing = [(e, depth) for e, depth in ops if e["ts"] <= call["ts"] <= e["ts"] + e["dur"]]
+        outer = min(enclosing, key=lambda pair: pair[1])[0] if enclosing else None
+        waits.append(
+            {
+                "ms": call["dur"] / 1e3,
+                "call": call["name"],
+                "op": outer["name"][:120] if outer else None,
+                "op_input_dims": outer.get("args", {}).get("Input Dims") if outer else None,
+            }
+        )
+    return sorted(waits, key=lambda w: -w["ms"])[:top]
 
 
 def idle_gaps(step: ProfiledStep, host: dict, top: int = 5) -> list[dict]:
@@ -418,6 +451,13 @@ def markdown_table(step: dict, result: dict) -> list[str]:
         f"| kernels (streams added) | {step['kernel_ms']:.1f} | {step['launches']} | "
         f"{100.0 * step['kernel_ms'] / step['span_ms'] if step['span_ms'] else 0.0:.1f}% | - | - | - | - |",
     ]
+    waits = step.get("host_waits", [])  # absent from breakdowns made before the waits were recorded
+    if waits:
+        lines += ["", f"Host waits for the device: {step['host_wait_ms']:.1f} ms of the step's host time:"]
+    for wait in waits:
+        where = f" in `{wait['op'][:60]}`" if wait["op"] else ""
+        dims = f" {wait['op_input_dims']}" if wait["op_input_dims"] else ""
+        lines.append(f"- {wait['ms']:.2f} ms in `{wait['call']}`{where}{dims}")
     gaps = step.get("idle_gaps", [])  # absent from breakdowns made before the gaps were recorded
     if gaps:
         lines += ["", "Longest idle gaps:"]

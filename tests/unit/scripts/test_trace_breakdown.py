@@ -128,6 +128,38 @@ def test_idle_gaps_name_what_the_host_did_while_the_device_waited():
     assert "host meanwhile: `enumerate(DataLoader)#_StatefulSingleProcessDataLoaderIter._` 0.49 ms" in table
 
 
+def test_host_waits_name_the_blocking_call_and_the_op_it_ran_in():
+    """The wait that emptied every step's queue (one H200, 332b892): the batch's copy from pageable memory, an
+    `aten::to` of (4, 4096) token ids whose cudaStreamSynchronize held the host until the queued step had run."""
+    events = [
+        host_event("ProfilerStep#1", 100, 900, cat="user_annotation"),
+        host_event("aten::to", 110, 700, **{"Input Dims": [[4, 4096], [], []]}),
+        host_event("aten::copy_", 112, 695),
+        launch_event("cudaMemcpyAsync", 115, correlation=1),
+        launch_event("cudaStreamSynchronize", 120, correlation=2, dur=680),
+        device_event("Memcpy HtoD (Pageable -> Device)", 7, 790, 5, correlation=1, cat="gpu_memcpy", bytes=8),
+        launch_event("cudaDeviceSynchronize", 850, correlation=3, dur=40),  # outside any op
+        launch_event("cudaLaunchKernel", 900, correlation=4),
+        device_event("triton_poi_fused_add_0", 7, 905, 50, correlation=4),
+    ]
+    trace = {"deviceProperties": [{"name": "NVIDIA H200"}], "traceEvents": events}
+    result = breakdown(trace)
+    step = result["steps"][0]
+    assert step["host_wait_ms"] == pytest.approx(0.72)
+    batch_copy, outside_any_op = step["host_waits"]  # longest first
+    assert batch_copy == {
+        "ms": pytest.approx(0.68),
+        "call": "cudaStreamSynchronize",
+        "op": "aten::to",
+        "op_input_dims": [[4, 4096], [], []],
+    }
+    assert (outside_any_op["ms"], outside_any_op["call"]) == (pytest.approx(0.04), "cudaDeviceSynchronize")
+    assert outside_any_op["op"] is None and outside_any_op["op_input_dims"] is None
+    table = "\n".join(markdown_table(step, result))
+    assert "Host waits for the device: 0.7 ms of the step's host time:" in table
+    assert "- 0.68 ms in `cudaStreamSynchronize` in `aten::to` [[4, 4096], [], []]" in table
+
+
 @pytest.mark.parametrize(
     "kernel, cls",
     [
