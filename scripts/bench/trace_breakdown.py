@@ -45,13 +45,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from torchtitan.tools.profiling import (  # noqa: E402
-    DEVICE_EVENTS,
-    HOST_BLOCKING_CALLS,
-    RUNTIME_CALLS,
-    ProfiledStep,
-    profiled_steps,
-)
+from torchtitan.tools.profiling import DEVICE_EVENTS, RUNTIME_CALLS, ProfiledStep, profiled_steps  # noqa: E402
 
 _INDUCTOR = r"^triton_(poi|per|red|for)_"  # Inductor's generated kernels, named after every op fused into them
 _LAYOUT_OPS = (
@@ -164,7 +158,7 @@ def step_breakdown(
         "classes": {
             cls: class_breakdown(by_class.get(cls, []), span_us, flop, nbytes, bounds.get(cls)) for cls in CLASSES
         },
-        "host_wait_ms": sum(c["dur"] for c in step.runtime_calls if c["name"] in HOST_BLOCKING_CALLS) / 1e3,
+        "host_wait_ms": sum(call["dur"] for call in step.blocking_calls()) / 1e3,
         "host_waits": host_waits(step, host or {}),
         "idle_gaps": idle_gaps(step, host or {}),
     }
@@ -195,12 +189,9 @@ def host_ops_by_thread(trace: dict) -> dict[tuple, list[tuple[dict, int]]]:
 def host_waits(step: ProfiledStep, host: dict, top: int = 5) -> list[dict]:
     """The step's `top` longest blocking CUDA calls, longest first, each with the outermost host op it ran in."""
     waits = []
-    for call in step.runtime_calls:
-        if call["name"] not in HOST_BLOCKING_CALLS:
-            continue
-        ops = host.get((call["pid"], call["tid"]), [])
-        enclosing = [(e, depth) for e, depth in ops if e["ts"] <= call["ts"] <= e["ts"] + e["dur"]]
-        outer = min(enclosing, key=lambda pair: pair[1])[0] if enclosing else None
+    for call in step.blocking_calls():
+        enclosing = _enclosing_ops(host, call)
+        outer = enclosing[0] if enclosing else None
         waits.append(
             {
                 "ms": call["dur"] / 1e3,
@@ -226,7 +217,7 @@ def idle_gaps(step: ProfiledStep, host: dict, top: int = 5) -> list[dict]:
     for idle_us, start, before, after in sorted(gaps, key=lambda g: -g[0])[:top]:
         launch = launches.get(after["args"].get("correlation"))
         ops = host.get((launch["pid"], launch["tid"]), []) if launch else []
-        launched_inside = [e for e, _ in ops if e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]] if launch else []
+        launched_inside = _enclosing_ops(host, launch) if launch else []
         window_end = min(after["ts"], launch["ts"]) if launch else start
         busy = []
         for event, depth in ops:
@@ -412,6 +403,12 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
             total += end - max(start, reach)
             reach = end
     return total
+
+
+def _enclosing_ops(host: dict, call: dict) -> list[dict]:
+    """The host ops on `call`'s thread whose range holds it, outermost first (`host_ops_by_thread`)."""
+    ops = host.get((call["pid"], call["tid"]), [])
+    return [event for event, _ in ops if event["ts"] <= call["ts"] <= event["ts"] + event["dur"]]
 
 
 def markdown_table(step: dict, result: dict) -> list[str]:

@@ -124,7 +124,7 @@ class MetricsProcessor:
             get_peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
         )
 
-        self._last_log_step: int | None = None
+        self._logged_before = False
         # Seconds and steps of every window but the first (which holds init, compile and checkpoint load).
         self._steady_seconds = 0.0
         self._steady_steps = 0
@@ -182,7 +182,7 @@ class MetricsProcessor:
         mtp_loss: the multi-token prediction modules' mean loss, with MTP (`loss` is then the main model's).
         """
         window_seconds, window_steps = max(seconds, 1e-9), steps
-        if self._last_log_step is not None:  # every window but the first (init, compile) counts for the ETA
+        if self._logged_before:  # every window but the first (init, compile) counts for the ETA
             self._steady_seconds += window_seconds
             self._steady_steps += window_steps
         first_window_sec_per_step = window_seconds / max(window_steps, 1)
@@ -221,7 +221,7 @@ class MetricsProcessor:
                 self.jsonl_file.write(json.dumps(record) + "\n")
                 self.jsonl_file.flush()
 
-        self._last_log_step = step
+        self._logged_before = True
         self.memory_monitor.reset_peak_stats()
         return record
 

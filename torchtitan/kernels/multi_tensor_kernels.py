@@ -235,7 +235,7 @@ def adamw_update_(
     )
     # written behind autograd's back: their version counters say so (caches of the weights, e.g. the FP8 experts'
     # quantized copies, and saved-tensor checks read them)
-    torch.autograd.graph.increment_version([t for tensors in (params, *tables[4:]) for t in tensors])
+    torch.autograd.graph.increment_version([*params, *(bf16_params or [])])
 
 
 def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:

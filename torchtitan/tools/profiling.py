@@ -120,6 +120,10 @@ class ProfiledStep:
     def holds(self, event: dict) -> bool:
         return self.start_us <= event["ts"] <= self.end_us
 
+    def blocking_calls(self) -> list[dict]:
+        """The step's CUDA calls that held the host until the device got there (`HOST_BLOCKING_CALLS`)."""
+        return [call for call in self.runtime_calls if call["name"] in HOST_BLOCKING_CALLS]
+
 
 def profiled_steps(trace: dict) -> tuple[list[ProfiledStep], list[dict]]:
     """The recorded steps of a chrome trace (`export_chrome_trace`), each with the device events launched inside its
@@ -162,10 +166,9 @@ def step_summary(trace: dict, top: int = 40) -> dict:
         for event in step.device_events:
             kernels[event["name"]][0] += event["dur"] / 1e3
             kernels[event["name"]][1] += 1
-        for call in step.runtime_calls:
-            if call["name"] in HOST_BLOCKING_CALLS:
-                blocking[call["name"]][0] += call["dur"] / 1e3
-                blocking[call["name"]][1] += 1
+        for call in step.blocking_calls():
+            blocking[call["name"]][0] += call["dur"] / 1e3
+            blocking[call["name"]][1] += 1
         device_ms = sum(ms for ms, _ in kernels.values())
         summaries.append(
             {
