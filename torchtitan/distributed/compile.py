@@ -13,9 +13,10 @@ two things in them cannot be traced into one graph:
   dispatcher's reordering between ranks and local experts run eager.
 Also compiled inside an MoE block: attention with its norm and residual add (`attention_residual`, so that the norm
 and the add fuse instead of running as eager kernels in forward, recompute and backward), the router's expert
-selection, the shared experts (all see a fixed number of tokens). The FFN norm stays eager: its output feeds three
-regions, and per-op SAC would save it (`saved_by_sac_options`); a bare `torch.nn` module compiled as its own root
-frame is on dynamo's skip list.
+selection, the shared experts, the FFN norm with its cast (`ffn_input`) and the sum of the routed and shared
+experts (`MoE.sum_experts`); all see a fixed number of tokens. The last two are not wrapped for SAC: each is one
+kernel, cheaper to run again than to keep. (A bare `torch.nn` module compiled as its own root frame is on dynamo's
+skip list, hence the block method around the norm.)
 A dense block wrapped by activation checkpointing is compiled together with its checkpoint (dynamo traces the
 checkpoint and its SAC policy); in MoE blocks the checkpoint stays eager around the compiled children, and under
 per-op SAC the attention, router selection and shared experts are compiled so that SAC saves their outputs.
@@ -67,6 +68,7 @@ def apply_compile(model: nn.Module, backend: str, regions: MoERegions, per_op_sa
             block.compile(backend=backend, fullgraph=True)
             continue
         inner.attention_residual = torch.compile(inner.attention_residual, backend=backend, fullgraph=True, **saved)
+        inner.ffn_input = torch.compile(inner.ffn_input, backend=backend, fullgraph=True)
         compile_moe(inner.moe, backend, regions, saved)
 
 
@@ -100,6 +102,7 @@ def compile_moe(moe: nn.Module, backend: str, regions: MoERegions, saved_options
     )
     if moe.shared_experts is not None:
         moe.shared_experts.compile(backend=backend, fullgraph=True, **saved_options)
+    moe.sum_experts = torch.compile(moe.sum_experts, backend=backend, fullgraph=True)
     moe.experts.run_grouped_mm = regions.grouped_mm
 
 

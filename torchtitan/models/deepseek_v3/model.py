@@ -188,7 +188,7 @@ class TransformerBlock(nn.Module):
         """x (bs, slen, dim) -> (bs, slen, dim)."""
         h = self.attention_residual(x, freqs_cis, attention_mask)
         ffn = self.moe if self.moe_enabled else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
+        return h + ffn(self.ffn_input(h))
 
     def attention_residual(
         self, x: torch.Tensor, freqs_cis: torch.Tensor, attention_mask: AttentionMask
@@ -196,6 +196,17 @@ class TransformerBlock(nn.Module):
         """x + attention(attention_norm(x)): a method of its own so that an MoE block compiles the norm and the add
         with the attention (`distributed/compile.py`)."""
         return x + self.attention(self.attention_norm(x), freqs_cis, attention_mask)
+
+    def ffn_input(self, h: torch.Tensor) -> torch.Tensor:
+        """ffn_norm(h), under autocast cast once to its dtype. Else each consumer casts it (an MoE has three: the
+        router, the shared experts, the routed experts' permutation) and backward sums their gradients in fp32, as
+        many more passes over a (tokens, dim) tensor. A method of its own so that an MoE block compiles the norm and
+        the cast into one kernel (`distributed/compile.py`)."""
+        normed = self.ffn_norm(h)
+        device = h.device.type
+        if torch.is_autocast_enabled(device):
+            normed = normed.to(torch.get_autocast_dtype(device))
+        return normed
 
     def init_weights(self, buffer_device: torch.device | str) -> None:
         for norm in (self.attention_norm, self.ffn_norm):

@@ -45,12 +45,16 @@ def precompute_freqs_cis(args: DeepSeekV3ModelArgs, device: torch.device | str |
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs of x's last dim.
 
-    x: (bs, seqlen, n_heads, rope_dim); freqs_cis: (seqlen, rope_dim // 2). Computed in fp32, returned in x's dtype.
+    x: (bs, seqlen, n_heads, rope_dim); freqs_cis: (seqlen, rope_dim // 2) complex. Computed in fp32, returned in
+    x's dtype. Written as real arithmetic on (cos, sin), which inductor fuses into one kernel with its neighbours;
+    a complex multiply is an eager fallback there, with copies into and out of complex layout around it. The same
+    products as the complex multiply, bit for bit.
     """
     bs, seqlen, n_heads, rope_dim = x.shape
-    x_complex = torch.view_as_complex(x.float().reshape(bs, seqlen, n_heads, rope_dim // 2, 2))
-    rotated = x_complex * freqs_cis.view(1, seqlen, 1, rope_dim // 2)
-    return torch.view_as_real(rotated).flatten(3).to(x.dtype)
+    cos, sin = torch.view_as_real(freqs_cis).view(1, seqlen, 1, rope_dim // 2, 2).unbind(-1)
+    real, imag = x.float().reshape(bs, seqlen, n_heads, rope_dim // 2, 2).unbind(-1)
+    rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
+    return rotated.flatten(3).to(x.dtype)
 
 
 def _correction_dim(num_rotations: float, dim: int, base: float, original_seq_len: int) -> float:

@@ -35,6 +35,26 @@ def test_rotary_emb_rotates_interleaved_pairs():
     torch.testing.assert_close(apply_rotary_emb(x, freqs_cis), expected, atol=1e-6, rtol=0)
 
 
+def _complex_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """The rotation as a complex multiply (the formulation the real arithmetic replaced)."""
+    bs, seqlen, n_heads, rope_dim = x.shape
+    x_complex = torch.view_as_complex(x.float().reshape(bs, seqlen, n_heads, rope_dim // 2, 2))
+    return torch.view_as_real(x_complex * freqs_cis.view(1, seqlen, 1, rope_dim // 2)).flatten(3).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_emb_equals_complex_multiply_eager_and_compiled(dtype):
+    """Same values bit for bit as the complex multiply, on a split (non-contiguous) view as MLA passes it, eager and
+    compiled (where inductor fuses the real arithmetic; a complex multiply would be an eager fallback)."""
+    torch.manual_seed(0)
+    freqs_cis = torch.polar(torch.ones(12, 8), torch.randn(12, 8))
+    q = torch.randn(2, 12, 3, 24, dtype=dtype)
+    q_pe = q[..., 8:]  # (2, 12, 3, 16), strided
+    expected = _complex_rotary_emb(q_pe, freqs_cis)
+    assert torch.equal(apply_rotary_emb(q_pe, freqs_cis), expected)
+    assert torch.equal(torch.compile(apply_rotary_emb, fullgraph=True)(q_pe, freqs_cis), expected)
+
+
 @pytest.mark.parametrize("q_lora_rank", [0, 24])
 def test_mla_output_shape_and_dtype(q_lora_rank):
     args = tiny_args(q_lora_rank=q_lora_rank)

@@ -72,12 +72,16 @@ def test_mtp_modules_keep_the_trunks_residual_dtype_under_autocast():
     args = tiny_args(mtp_layers=1)
     model = _model(args)
     tokens = torch.randint(0, args.vocab_size, (2, 12))
-    seen = []
+    residual, moe_input = [], []
     for block in [*list(model.layers.values())[args.n_dense_layers :], *model.mtp.values()]:
-        block.moe.register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0].dtype))
+        block.register_forward_pre_hook(lambda module, inputs: residual.append(inputs[0].dtype))
+        block.moe.register_forward_pre_hook(lambda module, inputs: moe_input.append(inputs[0].dtype))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(tokens, next_tokens=torch.roll(tokens, -1, dims=1))
-    assert len(seen) == args.n_layers - args.n_dense_layers + 1 and set(seen) == {torch.float32}
+    moe_blocks = args.n_layers - args.n_dense_layers + 1
+    assert len(residual) == moe_blocks and set(residual) == {torch.float32}
+    # the FFN norm's output, cast once to autocast's dtype (`TransformerBlock.ffn_input`), in every block alike
+    assert len(moe_input) == moe_blocks and set(moe_input) == {torch.bfloat16}
 
 
 def test_mtp_targets_never_cross_a_document_or_the_sequence_end():
