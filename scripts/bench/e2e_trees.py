@@ -9,7 +9,8 @@ Runs alternate, old first (old, new, old, new with --repeats 2), each `scripts/b
 `<name>_<commit>_r<i>` (GIT_COMMIT tells each tree its commit: a `git archive` copy has no .git). The comparison,
 written to `compare_<name>.json` next to the runs' JSONs ($BENCH_OUT or benchmarks/results/): tokens/s of each tree
 (median over its runs) and their ratio, peak memory, and the first runs' losses: the largest relative difference at
-one step and over windows of --window steps (`loss_curve.window_gaps`).
+one step and over windows of --window steps (`loss_curve.window_gaps`). With --repeats 2 or more, also the old tree's
+first two runs against each other (the run-to-run noise of the same code) and each repeat's new run against its old.
 """
 
 import argparse
@@ -28,9 +29,7 @@ def compare(old: list[dict], new: list[dict], window: int) -> dict:
     """Each tree's e2e results (its runs) -> the comparison (module docstring)."""
     trees = {"old": old, "new": new}
     tps = {name: median([r["tokens_per_sec_per_gpu"] for r in runs]) for name, runs in trees.items()}
-    old_losses, new_losses = old[0]["losses"], new[0]["losses"]
-    steps = min(len(old_losses), len(new_losses))
-    return {
+    comparison = {
         "tokens_per_sec_per_gpu": tps,
         "speedup": tps["new"] / tps["old"],
         "tokens_per_sec_runs": {name: [r["tokens_per_sec_per_gpu"] for r in runs] for name, runs in trees.items()},
@@ -38,11 +37,25 @@ def compare(old: list[dict], new: list[dict], window: int) -> dict:
         "peak_memory_allocated_gib": {
             name: _max(r["peak_memory_allocated_gib"] for r in runs) for name, runs in trees.items()
         },
+        **loss_gaps(old[0]["losses"], new[0]["losses"], window),
+    }
+    if len(old) > 1:
+        # With the router's own routing and atomic-add kernels, one tree's runs differ too: its gap is the noise
+        # the new-vs-old gaps are read against.
+        comparison["old_run_to_run"] = loss_gaps(old[0]["losses"], old[1]["losses"], window)
+        comparison["new_vs_old_by_repeat"] = [
+            loss_gaps(o["losses"], n["losses"], window) for o, n in zip(old, new, strict=False)
+        ]
+    return comparison
+
+
+def loss_gaps(reference: list[float], losses: list[float], window: int) -> dict:
+    """The largest relative loss difference to `reference` at one step and over windows of `window` steps."""
+    steps = min(len(reference), len(losses))
+    return {
         "steps_compared": steps,
-        "max_rel_loss_diff": max(
-            abs(b - a) / abs(a) for a, b in zip(old_losses[:steps], new_losses[:steps], strict=True)
-        ),
-        f"max_rel_loss_diff_{window}_step_windows": window_gaps({"old": old_losses, "new": new_losses}, window)["new"],
+        "max_rel_loss_diff": max(abs(b - a) / abs(a) for a, b in zip(reference[:steps], losses[:steps], strict=True)),
+        f"max_rel_loss_diff_{window}_step_windows": window_gaps({"old": reference, "new": losses}, window)["new"],
     }
 
 

@@ -26,3 +26,15 @@ def test_compare_takes_each_trees_median_speed_and_the_first_runs_losses():
 def test_compare_without_device_memory_says_none():
     result = compare([_run(1.0, [2.0], reserved=None)], [_run(1.0, [2.0], reserved=None)], window=1)
     assert result["peak_memory_gib"] == {"old": None, "new": None}
+
+
+def test_compare_with_repeats_reports_the_old_trees_run_to_run_gap():
+    old = [_run(100.0, [4.0, 4.0]), _run(100.0, [4.0, 4.2])]
+    new = [_run(100.0, [4.0, 4.4]), _run(100.0, [4.4, 4.0])]
+    result = compare(old, new, window=2)
+    assert result["old_run_to_run"]["max_rel_loss_diff"] == pytest.approx(0.05)
+    assert result["old_run_to_run"]["max_rel_loss_diff_2_step_windows"] == pytest.approx(0.025)
+    by_repeat = result["new_vs_old_by_repeat"]
+    assert [gaps["max_rel_loss_diff"] for gaps in by_repeat] == pytest.approx([0.1, 0.1])  # 4.4 vs 4.0, 4.4 vs 4.0
+    assert by_repeat[1]["max_rel_loss_diff_2_step_windows"] == pytest.approx(0.2 / 8.2)
+    assert "old_run_to_run" not in compare(old[:1], new[:1], window=2)
