@@ -21,9 +21,11 @@ elementwise ops, index ops) in backward:
   compiled inside the block's eager checkpoint, compiled so that SAC sees each as one op
   (`compile.saved_by_sac_options`); their outputs (results and the activations their own backward needs) are saved
   and the recompute skips them. The routed experts' compiled regions (DeepEP's local stages, the grouped-GEMM
-  SwiGLU) stay invisible to SAC and are recomputed: their activations, one row per token copy, are most of an MoE
-  block's memory. So per-op SAC in an MoE block recomputes the routed-expert compute and the eager glue (norms,
-  residual adds, token sorting). Without inductor those regions are all recomputed. Dense blocks are compiled
+  SwiGLU) are not wrapped: their activations, one row per token copy, are most of an MoE block's memory, and their
+  generated kernels (the gathers, the SwiGLU) run again in the recompute. Their grouped GEMMs, though, are extern
+  calls through the dispatcher, where SAC's mode sees them: their outputs are saved like every matmul's, and the
+  recompute gets them back without running them. So per-op SAC in an MoE block recomputes the routed experts'
+  gathers and SwiGLU and the eager glue (residual adds, token sorting), never a GEMM. Dense blocks are compiled
   together with their checkpoint (dynamo traces the policy, which must not refer to that op there): the
   partitioner applies the policy op by op inside the graph.
 

@@ -103,3 +103,42 @@ def test_per_op_sac_saves_compiled_moe_block_regions():
     assert not recomputed, f"forward graphs that ran kernels again in backward: {recomputed}"
     assert sum(backward_kernels.values()) > 0  # the backward graphs' kernels are counted
     _assert_matches_eager(loss.detach(), {n: p.grad for n, p in model.named_parameters()}, ref_loss, ref_grads)
+
+
+@pytest.mark.skipif(not hasattr(torch._higher_order_ops, "inductor_compiled_code"), reason="needs torch >= 2.10")
+def test_per_op_sac_saves_the_grouped_gemms_inside_the_compiled_experts_region():
+    # The routed experts' region is compiled without SAC wrapping, so its generated kernels (the SwiGLU) run again in
+    # the recompute. Its grouped GEMMs are extern calls through the dispatcher, where SAC's mode saves their outputs
+    # and hands them back: the recompute runs none of them (this is what bounds the block's memory and recompute).
+    torch._dynamo.reset()
+    args = tiny_args()
+    args = replace(args, n_layers=1, n_dense_layers=0, moe_args=replace(args.moe_args, use_grouped_mm=True))
+    model = build_reference(args)
+    _compile(model, "inductor", "selective")
+    reference_loss_and_grads(model)  # compiles
+    model.zero_grad(set_to_none=True)
+    inputs, labels = batch()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as forward:
+        loss = loss_of(model(inputs), labels, labels.numel())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as backward:
+        loss.backward()
+
+    def gemm_calls(prof) -> dict[str, list[bool]]:
+        """Each compiled graph's grouped-GEMM calls: whether each ran the GEMM (rather than got SAC's saved output)."""
+
+        def ran(event) -> bool:
+            return any(child.name == "aten::_grouped_mm" or ran(child) for child in event.cpu_children)
+
+        calls = collections.defaultdict(list)
+        for event in prof.events():
+            parent = event.cpu_parent
+            if event.name == "torchtitan::cpu_grouped_mm" and parent is not None and "CompiledFxGraph" in parent.name:
+                calls[parent.name].append(ran(event))
+        return calls
+
+    forward_calls, backward_calls = gemm_calls(forward), gemm_calls(backward)
+    (experts_graph, forward_runs), *others = forward_calls.items()
+    assert not others and forward_runs == [True] * 3, forward_calls  # gate, up, down
+    recompute_runs = backward_calls.pop(experts_graph)
+    assert recompute_runs == [False] * 3, recompute_runs  # called again by the recompute, answered from SAC's cache
+    assert [runs for runs in backward_calls.values()] == [[True] * 6], backward_calls  # each GEMM's two gradients
