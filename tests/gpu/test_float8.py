@@ -133,6 +133,26 @@ def test_cached_weights_hold_the_per_use_quantization_in_both_layouts():
             assert torch.equal(actual, expected)
 
 
+def test_cached_fp8_experts_after_an_inference_mode_forward():
+    """A forward under torch.inference_mode (sampling) quantizes without filling the cache: the training forward
+    after it fills the cache itself, gives the same output bit for bit, and its backward runs."""
+    torch.manual_seed(0)
+    counts = torch.tensor([300, 0, 1000, 50], device="cuda")
+    x = torch.randn(int(counts.sum()), 512, device="cuda", dtype=torch.bfloat16)
+    experts = GroupedExperts(512, 256, 4).cuda()
+    experts.init_weights(0.02)
+    convert_to_float8_experts(experts, cache_weights=True)
+    with torch.inference_mode():
+        sampled = run_on_rows(experts, x, counts)
+    assert all(cache._weights is None for cache in experts.float8_weight_caches)
+    xi = x.clone().requires_grad_()
+    trained = run_on_rows(experts, xi, counts)
+    assert all(cache._weights is not None for cache in experts.float8_weight_caches)
+    trained.float().sum().backward()
+    assert torch.equal(sampled, trained.detach())
+    assert xi.grad is not None and experts.w2.grad is not None and bool(experts.w2.grad.abs().sum() > 0)
+
+
 def test_fp8_experts_compile_with_a_dynamic_row_count():
     """Inductor with dynamic token rows, as the trainer compiles the experts (16B's expert shapes): two row counts,
     one graph, each close to eager, and no saved activation strided by the row count. The 16B end-to-end run
