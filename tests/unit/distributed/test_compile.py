@@ -55,6 +55,20 @@ def test_compiled_model_matches_eager(ac_mode):
     _assert_matches_eager(loss, grads, ref_loss, ref_grads)
 
 
+def _profile_one_step(model):
+    """After a first (compiling) step, one forward and its backward, each under the CPU profiler -> (loss, forward
+    profile, backward profile, inputs)."""
+    reference_loss_and_grads(model)  # compiles
+    model.zero_grad(set_to_none=True)
+    inputs, labels = batch()
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu) as forward:
+        loss = loss_of(model(inputs), labels, labels.numel())
+    with torch.profiler.profile(activities=cpu) as backward:
+        loss.backward()
+    return loss, forward, backward, inputs
+
+
 def _kernels_per_graph_call(prof) -> dict[str, int]:
     """Generated kernels that ran inside each compiled graph's calls, keyed by the graph (its FX graph cache key)."""
 
@@ -84,13 +98,7 @@ def test_per_op_sac_saves_compiled_moe_block_regions():
     # routed experts' (their activations are the bulk of a block's memory): eager here, out of the check
     with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):  # each kernel a profiler event
         _compile(model, "inductor", "selective", compiled_permutation=False)
-        reference_loss_and_grads(model)  # compiles
-        model.zero_grad(set_to_none=True)
-        inputs, labels = batch()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as forward:
-            loss = loss_of(model(inputs), labels, labels.numel())
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as backward:
-            loss.backward()
+        loss, forward, backward, inputs = _profile_one_step(model)
         block = model.layers["0"]._checkpoint_wrapped_module
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as norm_alone:
             block.ffn_input(torch.randn(*inputs.shape, block.ffn_norm.weight.shape[0], requires_grad=True))
@@ -115,13 +123,7 @@ def test_per_op_sac_saves_the_grouped_gemms_inside_the_compiled_experts_region()
     args = replace(args, n_layers=1, n_dense_layers=0, moe_args=replace(args.moe_args, use_grouped_mm=True))
     model = build_reference(args)
     _compile(model, "inductor", "selective")
-    reference_loss_and_grads(model)  # compiles
-    model.zero_grad(set_to_none=True)
-    inputs, labels = batch()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as forward:
-        loss = loss_of(model(inputs), labels, labels.numel())
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as backward:
-        loss.backward()
+    _, forward, backward, _ = _profile_one_step(model)
 
     def gemm_calls(prof) -> dict[str, list[bool]]:
         """Each compiled graph's grouped-GEMM calls: whether each ran the GEMM (rather than got SAC's saved output)."""
