@@ -48,7 +48,7 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     x: (bs, seqlen, n_heads, rope_dim); freqs_cis: (seqlen, rope_dim // 2) complex. Computed in fp32, returned in
     x's dtype. Written as real arithmetic on (cos, sin), which inductor fuses into one kernel with its neighbours;
     a complex multiply is an eager fallback there, with copies into and out of complex layout around it. The same
-    products as the complex multiply, bit for bit.
+    products as the complex multiply (bit for bit on CPU; a compiled GPU kernel may fuse them into FMAs).
     """
     bs, seqlen, n_heads, rope_dim = x.shape
     cos, sin = torch.view_as_real(freqs_cis).view(1, seqlen, 1, rope_dim // 2, 2).unbind(-1)
