@@ -180,11 +180,10 @@ def float8_grouped_mm(
     return _Float8GroupedMM.apply(x, offsets, w, w_stacked, *w_float8)
 
 
-def float8_linear(x: torch.Tensor, weight: torch.Tensor, weight_float8: Float8Weights | None = None) -> torch.Tensor:
+def float8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`F.linear(x, weight)` (no bias) in FP8 both ways, the same recipe as the experts': the one-group case of
     `float8_grouped_mm` (on CUDA the GEMMs are then cuBLAS's `torch._scaled_mm`). x (..., K), weight (N, K); the
-    rows of x (its leading dims' product) and N, K must be multiples of 16. weight_float8: the weight as one group,
-    (1, N, K), quantized already (`quantize_weights`); else quantized here."""
+    rows of x (its leading dims' product) and N, K must be multiples of 16."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] % ROWS_PER_BLOCK:
         raise ValueError(
@@ -192,7 +191,7 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, weight_float8: Float8We
             "use a seq_len that is a multiple of 16 or drop --quantize.float8_linears"
         )
     offsets = torch.full((1,), rows.shape[0], dtype=torch.int32, device=x.device)
-    out = _Float8GroupedMM.apply(rows, offsets, weight.unsqueeze(0), None, *(weight_float8 or (None, None, None)))
+    out = _Float8GroupedMM.apply(rows, offsets, weight.unsqueeze(0), None, None, None, None)
     return out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
 
 

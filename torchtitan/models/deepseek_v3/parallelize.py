@@ -111,11 +111,8 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
         )
     if job_config.quantize.float8_linears:
         check_float8_supported(torch.device(device_type()), "--quantize.float8_linears")
-        converted = convert_to_float8_linears(model, cache_weights=not parallel_dims.fsdp_enabled)
-        logger.info(
-            f"quantize.float8_linears: {converted} linears run FP8 GEMMs, their weights "
-            + ("quantized at every use (FSDP)" if parallel_dims.fsdp_enabled else "quantized once per optimizer step")
-        )
+        converted = convert_to_float8_linears(model)
+        logger.info(f"quantize.float8_linears: {converted} linears run FP8 GEMMs")
 
     apply_ac(model, job_config.activation_checkpoint, regions.all() if regions is not None else ())
     if regions is not None:

@@ -14,7 +14,6 @@ from torchtitan.kernels import float8
 from torchtitan.kernels.float8 import dequantize, float8_linear, quantize_rowwise
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model
 from torchtitan.models.deepseek_v3.float8_linears import Float8Linear, convert_to_float8_linears
-from torchtitan.models.moe.feed_forward import FeedForward
 from torchtitan.models.output_head import OutputHead
 from torchtitan.preflight import check_float8_dispatch, check_float8_linears
 
@@ -116,76 +115,6 @@ def test_compiles_with_a_dynamic_row_count():
         for actual, expected in zip(results[1], results[0], strict=True):
             torch.testing.assert_close(actual, expected, rtol=2e-2, atol=2e-2)
     assert not strided_by_a_dynamic_size(backward_inputs)
-
-
-def _ffn_model(cache_weights: bool) -> nn.Module:
-    """An eager outer module around one FeedForward, its linears FP8: as in the trainer, the weight cache's hook
-    runs on the (eager) model and the linears inside it."""
-    torch.manual_seed(0)
-    model = nn.Sequential(FeedForward(64, 96))
-    model[0].init_weights(0.05)
-    assert convert_to_float8_linears(model, cache_weights=cache_weights) == 3
-    return model
-
-
-def test_cached_weights_are_quantized_once_per_update_and_change_nothing(monkeypatch):
-    """With the cache, two forward+backward passes quantize each weight once, an optimizer step or an in-place
-    load quantizes it again, and every output and gradient equals per-use quantization's bit for bit."""
-    quantized = []
-    real = float8._rowwise_stacked
-    monkeypatch.setattr(float8, "_rowwise_stacked", lambda weights: quantized.append(weights[0].shape) or real(weights))
-    x = torch.randn(2, 16, 64)
-    results = {}
-    for cache in (True, False):
-        model = _ffn_model(cache)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-        quantized.clear()
-        steps = []
-        for update in ("step", "load", None):
-            for _ in range(2):
-                xi = x.clone().requires_grad_()
-                out = model(xi)
-                out.square().sum().backward()
-                steps.append((out, xi.grad))
-            steps.append(tuple(p.grad.clone() for p in model.parameters()))
-            if update == "step":
-                optimizer.step()
-            elif update == "load":
-                model.load_state_dict({k: v * 1.5 for k, v in model.state_dict().items()})
-            optimizer.zero_grad()
-        results[cache] = (steps, len(quantized))
-    assert results[True][1] == 3 * 3  # three linears, three weight versions
-    assert results[False][1] == 3 * 6  # three linears, six forwards
-    for cached, per_use in zip(results[True][0], results[False][0], strict=True):
-        for actual, expected in zip(cached, per_use, strict=True):
-            assert torch.equal(actual, expected)
-
-
-def test_cached_weights_compile_once_across_optimizer_steps():
-    """The FP8 copies reach the compiled FFN as inputs: new copies after an optimizer step compile no new graph,
-    and the results follow the per-use quantization's."""
-    from torchtitan.distributed.compile import graphs_compiled
-
-    torch._dynamo.reset()
-    x = torch.randn(32, 64)
-    runs = {}
-    for cache in (True, False):
-        model = _ffn_model(cache)
-        model[0].compile(backend="inductor", fullgraph=True)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        outputs, graphs = [], []
-        for _ in range(3):
-            before = graphs_compiled()
-            out = model(x.clone().requires_grad_())
-            out.square().sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            outputs.append(out.detach())
-            graphs.append(graphs_compiled() - before)
-        runs[cache] = outputs
-        assert graphs[1:] == [0, 0], graphs
-    for cached, per_use in zip(runs[True], runs[False], strict=True):
-        torch.testing.assert_close(cached, per_use, rtol=1e-5, atol=1e-5)
 
 
 def test_shapes_fp8_cannot_take_are_rejected():
