@@ -30,7 +30,7 @@ def _rowwise_kernel(
     x_ptr,
     q_ptr,
     scale_ptr,
-    group_of_row_ptr,
+    group_ends_ptr,
     col_scale_ptr,
     num_cols,
     num_groups,
@@ -39,6 +39,7 @@ def _rowwise_kernel(
     out_row_offset,
     GROUP_SCALED: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     FP8_MAX: tl.constexpr,
     EPS: tl.constexpr,
 ):
@@ -49,7 +50,9 @@ def _rowwise_kernel(
     mask = cols < num_cols
     x = tl.load(x_ptr + row * num_cols + cols, mask=mask, other=0.0).to(tl.float32)
     if GROUP_SCALED:  # the row times its group's column scales (rows past the last group: the last group's)
-        group = tl.minimum(tl.load(group_of_row_ptr + row), num_groups - 1).to(tl.int64)
+        groups = tl.arange(0, BLOCK_G)
+        ends = tl.load(group_ends_ptr + groups, mask=groups < num_groups, other=0x7FFFFFFF)
+        group = tl.minimum(tl.sum((ends <= row).to(tl.int32), axis=0), num_groups - 1).to(tl.int64)
         x = x * tl.load(col_scale_ptr + group * num_cols + cols, mask=mask, other=0.0)
     amax = tl.maximum(tl.max(tl.abs(x), axis=0), EPS)
     q = tl.clamp(x * tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX, amax), -FP8_MAX, FP8_MAX)
@@ -65,12 +68,10 @@ def quantize_rowwise_cuda(
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     num_rows = scale.numel()
-    group_of_row = num_groups = None
-    if col_scale is not None:
-        rows = torch.arange(num_rows, device=x.device, dtype=torch.int32)
-        group_of_row = torch.searchsorted(offsets.to(torch.int32), rows, right=True).to(torch.int32)
-        col_scale, num_groups = col_scale.float().contiguous(), col_scale.shape[0]
-    _launch_rowwise(x, q, scale, num_rows, num_rows, 0, group_of_row, col_scale, num_groups)
+    group_ends = num_groups = None
+    if col_scale is not None:  # each row's group is found in the kernel (the ends <= its index)
+        group_ends, col_scale, num_groups = offsets.to(torch.int32), col_scale.float().contiguous(), col_scale.shape[0]
+    _launch_rowwise(x, q, scale, num_rows, num_rows, 0, group_ends, col_scale, num_groups)
     return q, scale
 
 
@@ -88,7 +89,7 @@ def quantize_rowwise_stacked_cuda(weights: list[torch.Tensor]) -> tuple[torch.Te
 
 
 def _launch_rowwise(
-    x, q, scale, rows_per_slab, out_rows_per_slab, out_row_offset, group_of_row=None, col_scale=None, num_groups=1
+    x, q, scale, rows_per_slab, out_rows_per_slab, out_row_offset, group_ends=None, col_scale=None, num_groups=1
 ):
     """Row r of x (rows of C) -> row (r // rows_per_slab) * out_rows_per_slab + out_row_offset + r % rows_per_slab
     of q and scale: the identity for one slab, or an expert's weight rows placed into a stack."""
@@ -99,7 +100,7 @@ def _launch_rowwise(
         x,
         q,
         scale,
-        group_of_row if group_scaled else scale,  # unused without group scales
+        group_ends if group_scaled else scale,  # unused without group scales
         col_scale if group_scaled else scale,
         num_cols,
         num_groups,
@@ -108,6 +109,7 @@ def _launch_rowwise(
         out_row_offset,
         GROUP_SCALED=group_scaled,
         BLOCK=block,
+        BLOCK_G=triton.next_power_of_2(num_groups),
         FP8_MAX=_FP8_MAX,
         EPS=_EPS,
         num_warps=8 if block >= 4096 else 4,
@@ -184,6 +186,28 @@ def _tile_column_amax_kernel(
     tl.store(partial_ptr + tl.program_id(1).to(tl.int64) * num_cols + cols, tile_amax, mask=col_mask)
 
 
+@triton.jit
+def _column_amax_kernel(
+    partial_ptr,
+    amax_ptr,
+    scale_ptr,
+    num_tiles,
+    num_cols,
+    BLOCK_C: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    EPS: tl.constexpr,
+):
+    """One column block: the maxima over the row tiles' column maxima, and the columns' scales."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < num_cols
+    amax = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for tile in range(0, num_tiles):
+        amax = tl.maximum(amax, tl.load(partial_ptr + tile * num_cols + cols, mask=col_mask, other=0.0))
+    amax = tl.maximum(amax, EPS)
+    tl.store(amax_ptr + cols, amax, mask=col_mask)
+    tl.store(scale_ptr + cols, tl.math.div_rn(amax, tl.zeros_like(amax) + FP8_MAX), mask=col_mask)
+
+
 @triton.autotune(configs=_TILES, key=["num_cols"])
 @triton.jit
 def _tile_column_cast_kernel(
@@ -215,21 +239,26 @@ def _tile_column_cast_kernel(
 def _quantize_columns_one_group(t: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_columns_per_group_cuda` for one group (a dense linear's operand), over row x column tiles: the
     per-group kernel would run only C / BLOCK_C programs, each walking every row. Tile maxima, their maximum over
-    the tiles (a small torch reduction), then the cast."""
+    the tiles with the scales, then the cast: three launches."""
     num_rows, num_cols = t.shape
     end = offsets.to(torch.int32)
     block_m, block_c = 64, 128
-    partial = torch.empty(triton.cdiv(num_rows, block_m), num_cols, dtype=torch.float32, device=t.device)
-    tiles = (triton.cdiv(num_cols, block_c), triton.cdiv(num_rows, block_m))
+    num_tiles = triton.cdiv(num_rows, block_m)
+    partial = torch.empty(num_tiles, num_cols, dtype=torch.float32, device=t.device)
+    tiles = (triton.cdiv(num_cols, block_c), num_tiles)
     _tile_column_amax_kernel[tiles](t, partial, num_rows, num_cols, end, BLOCK_M=block_m, BLOCK_C=block_c)
-    amax = partial.amax(0)
+    amax = torch.empty(num_cols, dtype=torch.float32, device=t.device)
+    scale = torch.empty(1, num_cols, dtype=torch.float32, device=t.device)
+    _column_amax_kernel[(triton.cdiv(num_cols, 256),)](
+        partial, amax, scale, num_tiles, num_cols, BLOCK_C=256, FP8_MAX=_FP8_MAX, EPS=_EPS
+    )
 
     def grid(meta):
         return (triton.cdiv(num_cols, meta["BLOCK_C"]), triton.cdiv(num_rows, meta["BLOCK_M"]))
 
     q = torch.empty(num_cols, num_rows, dtype=torch.float8_e4m3fn, device=t.device)
     _tile_column_cast_kernel[grid](t, amax, q, num_rows, num_cols, end, FP8_MAX=_FP8_MAX, EPS=_EPS)
-    return q, (amax.clamp_min(_EPS) / _FP8_MAX)[None]
+    return q, scale
 
 
 def quantize_columns_per_group_cuda(t: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
