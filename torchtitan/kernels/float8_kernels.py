@@ -68,7 +68,7 @@ def quantize_rowwise_cuda(
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     num_rows = scale.numel()
-    group_ends = num_groups = None
+    group_ends, num_groups = None, 1
     if col_scale is not None:  # each row's group is found in the kernel (the ends <= its index)
         group_ends, col_scale, num_groups = offsets.to(torch.int32), col_scale.float().contiguous(), col_scale.shape[0]
     _launch_rowwise(x, q, scale, num_rows, num_rows, 0, group_ends, col_scale, num_groups)
