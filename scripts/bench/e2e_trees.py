@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.bench.common import REPO_ROOT, RESULTS_DIR, git_commit, median, write_result  # noqa: E402
-from scripts.bench.loss_curve import window_gaps  # noqa: E402
+from scripts.bench.loss_curve import step_gaps, window_gaps  # noqa: E402
 
 
 def compare(old: list[dict], new: list[dict], window: int) -> dict:
@@ -51,11 +51,11 @@ def compare(old: list[dict], new: list[dict], window: int) -> dict:
 
 def loss_gaps(reference: list[float], losses: list[float], window: int) -> dict:
     """The largest relative loss difference to `reference` at one step and over windows of `window` steps."""
-    steps = min(len(reference), len(losses))
+    runs = {"old": reference, "new": losses}
     return {
-        "steps_compared": steps,
-        "max_rel_loss_diff": max(abs(b - a) / abs(a) for a, b in zip(reference[:steps], losses[:steps], strict=True)),
-        f"max_rel_loss_diff_{window}_step_windows": window_gaps({"old": reference, "new": losses}, window)["new"],
+        "steps_compared": min(len(reference), len(losses)),
+        "max_rel_loss_diff": step_gaps(runs, after=0)["new"],
+        f"max_rel_loss_diff_{window}_step_windows": window_gaps(runs, window)["new"],
     }
 
 

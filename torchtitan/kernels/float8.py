@@ -175,9 +175,7 @@ def float8_grouped_mm(
     w_float8: w already quantized (`quantize_weights`, e.g. from a `Float8WeightCache`); else quantized here.
     """
     w, w_stacked = (w, None) if isinstance(w, torch.Tensor) else w
-    if w_float8 is None:
-        return _Float8GroupedMM.apply(x, offsets, w, w_stacked, None, None, None)
-    return _Float8GroupedMM.apply(x, offsets, w, w_stacked, *w_float8)
+    return _Float8GroupedMM.apply(x, offsets, w, w_stacked, *(w_float8 or (None, None, None)))
 
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
