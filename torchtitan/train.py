@@ -451,9 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130  # Ctrl-C: the launcher (torchtitan.launch) prints the one line saying where training stopped
     finally:
-        world_mesh = trainer.parallel_dims.world_mesh if trainer is not None else None
         del trainer
-        dist_utils.destroy_process_groups(world_mesh)
+        dist_utils.destroy_process_groups()
     return 0
 
 

@@ -21,7 +21,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.bench.common import cuda_time_ms, init_nccl_from_torchrun, write_result  # noqa: E402
 from torchtitan.distributed.deepep import ops  # noqa: E402
-from torchtitan.distributed.deepep.buffer import get_or_create_buffer  # noqa: E402
+from torchtitan.distributed.deepep.buffer import destroy_buffers, get_or_create_buffer  # noqa: E402
+from torchtitan.distributed.utils import destroy_process_groups  # noqa: E402
 
 
 def main() -> None:
@@ -80,8 +81,9 @@ def main() -> None:
         )
         write_result(result, f"deepep_bandwidth_ep{ep}" + ("_fp8" if args.fp8 else ""))
         print(f"ep={ep}: dispatch {rates[0].item():.1f} GB/s, combine {rates[1].item():.1f} GB/s", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    destroy_buffers()  # collective on CUDA: before the groups go
+    destroy_process_groups()

@@ -38,12 +38,14 @@ from scripts.bench.common import (  # noqa: E402
 )
 from scripts.bench.overlap_parts import compute_alone, exchange_alone  # noqa: E402
 from torchtitan.distributed.compile import MoERegions, compile_moe  # noqa: E402
+from torchtitan.distributed.deepep import destroy_buffers  # noqa: E402
 from torchtitan.distributed.expert_parallel.dispatcher import (  # noqa: E402
     EAGER_PERMUTATION,
     LocalTokenDispatcher,
     TokenPermutation,
 )
 from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel  # noqa: E402
+from torchtitan.distributed.utils import destroy_process_groups  # noqa: E402
 from torchtitan.models.moe.args import MoEArgs  # noqa: E402
 from torchtitan.models.moe.deepep_moe import DeepEPMoE  # noqa: E402
 from torchtitan.models.moe.experts import convert_to_float8_experts, run_experts_grouped_mm  # noqa: E402
@@ -311,8 +313,9 @@ def main() -> None:
                 f"exchange, on / max(compute, exchange) {result['on_over_max_compute_exchange']:.2f}",
                 flush=True,
             )
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    destroy_buffers()  # main's layer and buffers go before their groups, while the interpreter is alive
+    destroy_process_groups()

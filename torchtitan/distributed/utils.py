@@ -94,23 +94,25 @@ def set_pg_timeouts(timeout_seconds: int, world_mesh: DeviceMesh) -> None:
         dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
-def destroy_process_groups(world_mesh: DeviceMesh | None) -> None:
+def destroy_process_groups() -> None:
     """Destroy every process group and free it now, while the interpreter is fully alive.
 
     destroy_process_group() only unregisters the groups: a DeviceMesh keeps its groups in `_pg_registry` (torch
     2.13; absent in older versions) and torch's DTensor caches keep the meshes, so the groups would be freed during
     interpreter finalization. A gloo worker thread still releasing the tensors of the last collective then takes the
     GIL while the interpreter is finalizing, and the process aborts with "terminate called without an active
-    exception" (pytorch/pytorch#190489) after a finished run. Dropping the mesh's references runs the groups'
-    destructors here (they release the GIL and join their threads). Callers drop their own references to the model
-    and optimizer first: FSDP states hold groups too.
+    exception" (pytorch/pytorch#190489) after a finished run. Dropping every mesh's references runs the groups'
+    destructors here (they release the GIL and join their threads). Callers drop their own references to the model,
+    optimizer and DeepEP buffers first (`deepep.destroy_buffers`): they hold groups too.
     """
     if not dist.is_initialized():
         return
-    gc.collect()  # the trainer's reference cycles (the model, FSDP states) hold groups
+    gc.collect()  # reference cycles (the model, FSDP states) hold groups
     dist.destroy_process_group()
-    if world_mesh is not None:
-        getattr(world_mesh, "_pg_registry", {}).clear()
+    for obj in gc.get_objects():
+        if type(obj) is DeviceMesh:  # not isinstance: DeviceMesh's metaclass would touch every object (warnings)
+            getattr(obj, "_pg_registry", {}).clear()
+    gc.collect()
 
 
 def set_determinism(world_mesh: DeviceMesh | None, device: torch.device, seed: int | None, deterministic: bool) -> int:

@@ -1,7 +1,6 @@
 """Run a function on N gloo ranks in fresh processes (forked from `tests.forkserver`); a rank's exception fails the
 test with its traceback."""
 
-import gc
 import os
 import tempfile
 import traceback
@@ -10,14 +9,12 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.device_mesh import DeviceMesh
 
 from tests.forkserver import CONTEXT, adopt_environment
+from torchtitan.distributed.utils import destroy_process_groups
 
 
-def _worker(
-    rank: int, world_size: int, environ: dict, init_file: str, fn: Callable, args: tuple, errors: Any
-) -> None:
+def _worker(rank: int, world_size: int, environ: dict, init_file: str, fn: Callable, args: tuple, errors: Any) -> None:
     adopt_environment({**environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}, 1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
@@ -25,21 +22,8 @@ def _worker(
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise
-    _free_process_groups()
-
-
-def _free_process_groups() -> None:
-    """Destroy the process groups now, as the trainer does (torchtitan.distributed.utils.destroy_process_groups),
-    so the process exits normally and a crash at exit fails the test.
-
-    `fn`'s meshes outlive it in torch's DTensor caches and keep their groups in `_pg_registry`; a group freed during
-    interpreter finalization can abort the process (pytorch/pytorch#190489). Remove once that issue is fixed."""
-    gc.collect()
-    dist.destroy_process_group()
-    for obj in gc.get_objects():
-        if isinstance(obj, DeviceMesh):
-            getattr(obj, "_pg_registry", {}).clear()
-    gc.collect()
+    # Free the groups while the interpreter is alive, as the trainer does, so a crash at exit fails the test.
+    destroy_process_groups()
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any) -> None:
@@ -48,8 +32,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any) -> None:
         errors = CONTEXT.SimpleQueue()
         try:
             mp.start_processes(
-                _worker, args=(world_size, dict(os.environ), os.path.join(tmp, "init"), fn, args, errors),
-                nprocs=world_size, start_method="forkserver",
+                _worker,
+                args=(world_size, dict(os.environ), os.path.join(tmp, "init"), fn, args, errors),
+                nprocs=world_size,
+                start_method="forkserver",
             )
         except mp.ProcessRaisedException as exc:
             details = [] if errors.empty() else [errors.get()]
