@@ -32,6 +32,7 @@ from torchtitan.distributed.deepep import destroy_buffers, get_or_create_buffer,
 from torchtitan.distributed.expert_parallel.deepep_dispatcher import DeepEPTokenDispatcher  # noqa: E402
 from torchtitan.distributed.expert_parallel.dispatcher import ExpertRows  # noqa: E402
 from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel  # noqa: E402
+from torchtitan.distributed.utils import destroy_process_groups  # noqa: E402
 from torchtitan.kernels.float8 import dequantize_blockwise, quantize_blockwise  # noqa: E402
 from torchtitan.models.moe import MoE, MoEArgs  # noqa: E402
 from torchtitan.models.moe.deepep_moe import DeepEPMoE  # noqa: E402
@@ -322,7 +323,7 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str | None, sha
         with open(os.path.join(out_dir, name), "w") as f:
             json.dump(summary, f, indent=2)
     destroy_buffers()
-    dist.destroy_process_group()
+    destroy_process_groups()  # gloo groups freed now, not at interpreter exit (pytorch#190489)
     failed = [r for r in results if r["status"] != "passed"]
     if failed:
         raise AssertionError("\n".join(f"rank {rank} {r['check']}:\n{r['error']}" for r in failed))
