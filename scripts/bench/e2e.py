@@ -6,14 +6,16 @@
 Writes benchmarks/results/e2e_<name>.json (or $BENCH_OUT) with median tokens/s per GPU, TFLOPS, MFU,
 peak memory, the losses, the graphs torch.compile compiled per step (recompiles after warm-up should be 0) and the
 routing ("natural": the router's own; "balanced": forced round-robin), read from the run's metrics.jsonl. With
-`--profile-step N`: rank 0's summary of step N (`profile_rank0`) and its kernels by class (`profile_breakdown`,
-scripts/bench/trace_breakdown.py).
+`--profile-step N`: rank 0's summary of step N (`profile_rank0`), its kernels by class (`profile_breakdown`,
+scripts/bench/trace_breakdown.py) and every rank's compute, exposed communication, waiting for other ranks and idle
+time (`profile_ranks`, scripts/bench/rank_profile.py). $BENCH_TRACES names a folder to copy the traces into.
 """
 
 import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,6 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.bench.common import REPO_ROOT, median, write_result  # noqa: E402
+from scripts.bench.rank_profile import markdown_table as rank_table  # noqa: E402
+from scripts.bench.rank_profile import rank_profile, read_traces  # noqa: E402
 from scripts.bench.trace_breakdown import breakdown, markdown_table  # noqa: E402
 from torchtitan.tools.profiling import MIN_PROFILE_FREQ  # noqa: E402
 
@@ -132,6 +136,10 @@ def train_and_measure(
         traces = dump / "profile_traces" / f"iteration_{profile_step}"
         result["profile_rank0"] = json.loads((traces / "rank0_summary.json").read_text())
         result["profile_breakdown"] = breakdown(json.loads((traces / "rank0_trace.json").read_text()))
+        result["profile_ranks"] = rank_profile(read_traces(traces))
+        if os.environ.get("BENCH_TRACES"):
+            keep = Path(os.environ["BENCH_TRACES"]) / name
+            shutil.copytree(traces, keep, dirs_exist_ok=True)
     return result
 
 
@@ -167,6 +175,9 @@ def main() -> None:
     print(json.dumps({k: result[k] for k in keys}))
     for step in result.get("profile_breakdown", {}).get("steps", []):
         print("\n".join(markdown_table(step, result["profile_breakdown"])))
+    if "profile_ranks" in result:
+        print("\nEach rank's profiled step, ms (scripts/bench/rank_profile.py):")
+        print("\n".join(rank_table(result["profile_ranks"])))
     print(f"wrote {path}")
 
 

@@ -6,6 +6,7 @@
 #   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh ep4 [deepep|standard]  # 4 GPUs: the same
 #   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh balanced2|balanced4    # forced-balance references
 #   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh ep4full                # the full 27-layer 16B flavor
+#   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh scaling N  # 1 GPU vs FSDP x EP over N, profiled
 #   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh parity                 # 4 GPUs: 50-step loss parity
 #   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh layers2|layers4        # MoE layer: balanced vs Zipf
 # The matrix takes an optional backend so it can be split over two calls of one held machine (10-minute limit).
@@ -25,7 +26,7 @@ run_16b() {
   [[ -n "${PROFILE_STEP:-}" ]] && profile=(--profile-step "$PROFILE_STEP")
   timeout 300 $R --name "${name}" --ngpu "$ngpu" --warmup-steps 4 "${profile[@]}" -- \
     --model.flavor "$flavor" --training.steps 14 --checkpoint.enable=false \
-    --metrics.enable_tensorboard=false --parallelism.expert_parallel_degree "$ngpu" "$@" | tail -1
+    --metrics.enable_tensorboard=false --parallelism.expert_parallel_degree "$ngpu" "$@"
 }
 run16() { local ngpu=$1 name=$2; shift 2; run_16b "$ngpu" 16B_bench4 "16b8L_ep${ngpu}_$name" "$@"; }
 run16full() { local ngpu=$1 name=$2; shift 2; run_16b "$ngpu" 16B "16b_ep${ngpu}_$name" "$@"; }
@@ -63,13 +64,24 @@ layers() {
   done
 }
 
-case "${1:?usage: e2e_suite.sh ep2|ep4 [backend] | balanced2|balanced4 | ep4full | parity | layers2|layers4}" in
+# Does every GPU keep one GPU's speed? The same job on 1 GPU (EP=1) and FSDP x EP over n GPUs: deepep, standard
+# (both with every rank's profiled step, rank_profile.py), FP8 experts + FP8 dispatch.
+scaling() {
+  local n=$1
+  PROFILE_STEP=12 run16 1 compile_sac
+  PROFILE_STEP=12 run16 "$n" deepep_compile_sac
+  PROFILE_STEP=12 run16 "$n" standard_compile_sac --parallelism.expert_parallel_comm_backend standard
+  run16 "$n" deepep_compile_sac_fp8 --quantize.float8_experts --quantize.float8_dispatch
+}
+
+case "${1:?usage: e2e_suite.sh ep2|ep4 [backend] | balanced2|balanced4 | ep4full | parity | layers2|layers4 | scaling N}" in
 ep2) matrix 2 "${2:-}" ;;
 ep4) matrix 4 "${2:-}" ;;
 balanced2) balanced 2 ;;
 balanced4) balanced 4 ;;
 layers2) layers 2 ;;
 layers4) layers 4 ;;
+scaling) scaling "${2:?scaling takes the number of GPUs}" ;;
 ep4full)
   run16full 4 deepep_compile_sac
   run16full 4 standard_compile_sac --parallelism.expert_parallel_comm_backend standard
