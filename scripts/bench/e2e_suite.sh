@@ -7,6 +7,7 @@
 #   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh balanced2|balanced4    # forced-balance references
 #   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh ep4full                # the full 27-layer 16B flavor
 #   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh scaling N  # 1 GPU vs FSDP x EP over N, profiled
+#   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh one N NAME [trainer args]  # one 16B_bench4 run
 #   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh parity                 # 4 GPUs: 50-step loss parity
 #   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh layers2|layers4        # MoE layer: balanced vs Zipf
 # The matrix takes an optional backend so it can be split over two calls of one held machine (10-minute limit).
@@ -74,7 +75,7 @@ scaling() {
   run16 "$n" deepep_compile_sac_fp8 --quantize.float8_experts --quantize.float8_dispatch
 }
 
-case "${1:?usage: e2e_suite.sh ep2|ep4 [backend] | balanced2|balanced4 | ep4full | parity | layers2|layers4 | scaling N}" in
+case "${1:?usage: e2e_suite.sh ep2|ep4 [backend] | balanced2|balanced4 | ep4full | parity | layers2|layers4 | scaling N | one N NAME}" in
 ep2) matrix 2 "${2:-}" ;;
 ep4) matrix 4 "${2:-}" ;;
 balanced2) balanced 2 ;;
@@ -82,6 +83,7 @@ balanced4) balanced 4 ;;
 layers2) layers 2 ;;
 layers4) layers 4 ;;
 scaling) scaling "${2:?scaling takes the number of GPUs}" ;;
+one) run16 "${2:?one N NAME [trainer args]}" "${3:?one N NAME [trainer args]}" "${@:4}" ;;
 ep4full)
   run16full 4 deepep_compile_sac
   run16full 4 standard_compile_sac --parallelism.expert_parallel_comm_backend standard
