@@ -46,7 +46,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.weight_init import copy_from_unsharded_init
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs, DeepSeekV3StateDictAdapter
 from torchtitan.models.deepseek_v3.parallelize import expert_bias_reduce_group, parallelize_deepseekv3
-from torchtitan.models.moe import GroupedExperts, MoE, build_expert_bias_hook
+from torchtitan.models.moe import ExpertBiasHook, GroupedExperts, MoE
 from torchtitan.models.output_head import chunk_loss_and_grad
 from torchtitan.preflight import check_batch_sizes, check_job
 from torchtitan.tools.async_readback import DeviceMark
@@ -154,9 +154,10 @@ class Trainer:
             logger.info("weights stay fp32, cast by autocast at every use: bf16 weights need optimizer AdamW 'triton'")
         self.optimizers = build_optimizers(self.model_parts, job_config, master_weights)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, job_config)
-        self.optimizers.register_step_pre_hook(
-            build_expert_bias_hook(self.model_parts, expert_bias_reduce_group(self.parallel_dims))
+        self.expert_bias_hook = ExpertBiasHook(
+            self.model_parts, expert_bias_reduce_group(self.parallel_dims), self.parallel_dims.ep
         )
+        self.optimizers.register_step_pre_hook(self.expert_bias_hook)
 
         self.train_state = TrainState()
         self.checkpointer = CheckpointManager(
@@ -366,7 +367,14 @@ class Trainer:
                 mtp_loss = [] if self.last_mtp_loss is None else [self.last_mtp_loss]
                 # Checks and logs the previous step, with this one queued behind it: the device keeps running while
                 # the host waits for those values and then prepares the next step.
-                step_log.add(step, lr, started, [loss, grad_norm, *mtp_loss], graphs_compiled())
+                step_log.add(
+                    step,
+                    lr,
+                    started,
+                    [loss, grad_norm, *mtp_loss],
+                    graphs_compiled(),
+                    ep_load_imbalance=self.expert_bias_hook.ep_load_imbalance,
+                )
                 validates = job_config.validation.enable and (step % job_config.validation.freq == 0 or step == steps)
                 if step in (1, steps) or validates or self.checkpointer.saves_at(step, last_step=step == steps):
                     step_log.flush()  # this step checked before its checkpoint: a diverged update is never saved

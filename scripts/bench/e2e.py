@@ -123,6 +123,8 @@ def train_and_measure(
         losses=[r["loss"] for r in records],
         tokens_per_sec_steps=[r.get("tps") for r in records],  # every logged step's, the warm-up's too
         mtp_losses=[r["mtp_loss"] for r in records if "mtp_loss" in r],
+        # per steady step, the busiest EP rank's token copies over the mean, worst MoE layer (None without EP)
+        ep_load_imbalance_max=summary("ep_load_imbalance_max", median),
         graphs_compiled_per_step=[r.get("graphs_compiled", 0) for r in records],
         recompiles_after_warmup=sum(r.get("graphs_compiled", 0) for r in records if r["step"] > warm),
     )
@@ -170,6 +172,7 @@ def main() -> None:
         "peak_memory_gib",
         "peak_memory_allocated_gib",
         "recompiles_after_warmup",
+        "ep_load_imbalance_max",
         "wall_s",
     )
     print(json.dumps({k: result[k] for k in keys}))

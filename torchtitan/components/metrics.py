@@ -173,6 +173,7 @@ class MetricsProcessor:
         total_steps: int | None = None,
         graphs_compiled: int = 0,
         mtp_loss: float | None = None,
+        ep_load_imbalance: list[float] | None = None,
     ) -> dict[str, Any]:
         """Log one step's metrics for the window of steps since the previous call; returns the jsonl record.
 
@@ -180,6 +181,8 @@ class MetricsProcessor:
         on the device; validation passes and checkpoint saves between steps are not in them).
         graphs_compiled: graphs torch.compile compiled in the window (0 after warm-up; more means recompiles).
         mtp_loss: the multi-token prediction modules' mean loss, with MTP (`loss` is then the main model's).
+        ep_load_imbalance: with expert parallelism, per MoE layer the token copies of the busiest EP rank over the
+        mean per EP rank, in the logged step (`update_expert_bias`).
         """
         window_seconds, window_steps = max(seconds, 1e-9), steps
         if self._logged_before:  # every window but the first (init, compile) counts for the ETA
@@ -214,6 +217,9 @@ class MetricsProcessor:
         }
         if mtp_loss is not None:
             record["mtp_loss"] = float(mtp_loss)
+        if ep_load_imbalance:
+            record["ep_load_imbalance"] = [round(v, 4) for v in ep_load_imbalance]
+            record["ep_load_imbalance_max"] = max(ep_load_imbalance)
         if self.is_logging_rank:
             logger.info(format_metrics_line(record, memory, total_steps, eta_seconds))
             self._write_tensorboard(record, memory)
@@ -239,6 +245,9 @@ class MetricsProcessor:
     def _write_tensorboard(self, record: dict[str, Any], memory: MemoryStats | None) -> None:
         scalars = {k: record[k] for k in ("loss", "grad_norm", "tps", "tflops", "mfu", "lr", "graphs_compiled")}
         scalars["mtp_loss"] = record.get("mtp_loss")
+        scalars["ep_load_imbalance_max"] = record.get("ep_load_imbalance_max")
+        for layer, value in enumerate(record.get("ep_load_imbalance", [])):
+            scalars[f"ep_load_imbalance/moe_layer_{layer}"] = value
         scalars["memory_gib"] = record["memory_gib"]
         scalars["memory_allocated_gib"] = record["memory_allocated_gib"]
         scalars["memory_pct"] = memory.max_reserved_pct if memory else None
@@ -277,6 +286,8 @@ def format_metrics_line(
     )
     if "mtp_loss" in record:
         line += f"  mtp_loss: {record['mtp_loss']:.4f}"
+    if "ep_load_imbalance_max" in record:
+        line += f"  ep_imbalance: {record['ep_load_imbalance_max']:.2f}"
     if record.get("graphs_compiled"):
         line += f"  compiled: {record['graphs_compiled']} graphs"
     progress = []

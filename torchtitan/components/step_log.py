@@ -19,7 +19,8 @@ class _StepReport:
     lr: float
     graphs_compiled: int  # graphs dynamo had compiled in this process once the step was launched
     started: DeviceMark  # before the step loaded its batch: its time runs from here to `scalars.ready`
-    scalars: HostScalars  # loss, grad norm[, MTP loss]
+    scalars: HostScalars  # loss, grad norm[, MTP loss][, EP load imbalance per MoE layer]
+    num_scalars: int  # loss, grad norm[, MTP loss]: the values before the imbalance
 
 
 class StepLog:
@@ -41,10 +42,13 @@ class StepLog:
         started: DeviceMark,
         scalars: list[torch.Tensor],
         graphs_compiled: int,
+        ep_load_imbalance: torch.Tensor | None = None,
     ) -> None:
-        """A launched step (`started` marked before it loaded its batch; scalars: loss, grad norm[, MTP loss]).
-        Checks and logs the step before it, whose work has run by the time this one's is queued."""
-        report = _StepReport(step, lr, graphs_compiled, started, HostScalars(scalars))
+        """A launched step (`started` marked before it loaded its batch; scalars: loss, grad norm[, MTP loss];
+        ep_load_imbalance: (MoE layers,), `ExpertBiasHook`). Checks and logs the step before it, whose work has run
+        by the time this one's is queued."""
+        values = scalars if ep_load_imbalance is None else [*scalars, ep_load_imbalance]
+        report = _StepReport(step, lr, graphs_compiled, started, HostScalars(values), len(scalars))
         self.flush()
         self._unchecked = report
 
@@ -57,7 +61,9 @@ class StepLog:
     def _check_and_log(self, report: _StepReport) -> None:
         """Stop on a diverged step (non-finite loss, zero or non-finite grad norm); log every `log_freq`-th step
         and the last."""
-        loss, grad_norm, *mtp_loss = report.scalars.wait()
+        values = report.scalars.wait()
+        loss, grad_norm, *mtp_loss = values[: report.num_scalars]
+        ep_load_imbalance = values[report.num_scalars :] or None
         check_finite_loss(loss, report.step, self.rank)
         check_grad_norm(grad_norm, report.step)
         # The step's own time on the device: when its values are read (one step late, or at once) does not matter,
@@ -73,6 +79,7 @@ class StepLog:
                 total_steps=self.total_steps,
                 graphs_compiled=report.graphs_compiled - self._graphs_at_last_log,
                 mtp_loss=mtp_loss[0] if mtp_loss else None,
+                ep_load_imbalance=ep_load_imbalance,
                 seconds=self._seconds_since_last_log,
                 steps=self._steps_since_last_log,
             )

@@ -140,7 +140,10 @@ class Parallelism:
     """FSDP shard degree; -1 = whatever is left of the world size after the other degrees."""
 
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
-    """`default` reshards after forward except for the last block (and never with PP)."""
+    """After each unit's forward, free its gathered weights (`always`) and all-gather them again in backward, or keep
+    them (`never`: memory for fewer collectives). `default`: never with PP; with EP only the routed experts are
+    resharded (the dense weights stay gathered: each backward all-gather is one more collective between the EP
+    ranks); else every unit but the final norm and output head."""
 
     tensor_parallel_degree: int = 1
     """Tensor (and sequence) parallel degree."""

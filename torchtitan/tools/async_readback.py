@@ -36,7 +36,8 @@ class DeviceMark:
 
 
 class HostScalars:
-    """0-d tensors of one step (loss, grad norm, ...), copied to pinned host memory in stream order.
+    """Values of one step (loss, grad norm, ...: tensors of any shape, flattened one after the other), copied to
+    pinned host memory in stream order.
 
     `.item()` right after a step makes the host wait until the device has run the whole step, so the device then
     idles while the host loads the next batch and launches its first kernels. Reading these values one step later,
@@ -44,7 +45,7 @@ class HostScalars:
     """
 
     def __init__(self, scalars: list[torch.Tensor]):
-        stacked = torch.stack([s.detach().float().reshape(()) for s in scalars])
+        stacked = torch.cat([s.detach().float().reshape(-1) for s in scalars])
         if stacked.device.type == "cpu":
             self._host = stacked
         else:

@@ -204,3 +204,22 @@ def test_console_line_names_graphs_compiled_only_when_there_were_some():
     record = {"step": 3, "loss": 1.0, "grad_norm": 0.5, "tps": 10.0, "tflops": 0.1, "mfu": None, "lr": None}
     assert "compiled" not in format_metrics_line({**record, "graphs_compiled": 0}, None)
     assert "compiled: 2 graphs" in format_metrics_line({**record, "graphs_compiled": 2}, None)
+
+
+def test_expert_parallel_imbalance_goes_to_the_line_the_jsonl_and_tensorboard(tmp_path, caplog):
+    pytest.importorskip("tensorboard")
+    processor = MetricsProcessor(
+        job_config(tmp_path, tensorboard=True), num_flops_per_token=1.0, device="cpu", is_logging_rank=True
+    )
+    with caplog.at_level(logging.INFO):
+        processor.log(2, loss=1.5, grad_norm=0.5, seconds=1.0, steps=2, ep_load_imbalance=[1.25, 1.5])
+    processor.close()
+    assert "ep_imbalance: 1.50" in caplog.text
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert (record["ep_load_imbalance"], record["ep_load_imbalance_max"]) == ([1.25, 1.5], 1.5)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert events.Scalars("ep_load_imbalance/moe_layer_1")[0].value == pytest.approx(1.5)
+    assert events.Scalars("ep_load_imbalance_max")[0].value == pytest.approx(1.5)

@@ -46,6 +46,20 @@ def test_steps_are_logged_one_step_late_or_at_flush(clock):
     assert (second["loss"], second["seconds"], second["steps"], second["graphs_compiled"]) == (4.0, 0.5, 1, 1)
 
 
+def test_the_expert_parallel_imbalance_per_layer_is_logged_with_its_step(clock):
+    metrics = _Metrics()
+    step_log = StepLog(metrics, rank=0, total_steps=2, graphs_compiled=0)
+    clock.append(0.0)
+    scalars = [torch.tensor(5.0), torch.tensor(1.0), torch.tensor(7.0)]  # loss, grad norm, MTP loss
+    step_log.add(1, 1e-3, DeviceMark(torch.device("cpu")), scalars, 0, ep_load_imbalance=torch.tensor([1.5, 1.25]))
+    _add(step_log, 2, 4.0, 0.5, clock)  # no imbalance (no EP)
+    step_log.flush()
+    (_, first), (_, second) = metrics.logged
+    assert (first["loss"], first["grad_norm"], first["mtp_loss"]) == (5.0, 1.0, 7.0)
+    assert first["ep_load_imbalance"] == [1.5, 1.25]
+    assert second["ep_load_imbalance"] is None and second["mtp_loss"] is None
+
+
 def test_a_window_counts_the_steps_this_run_took(clock):
     # resumed after step 5 with log_freq 10: the first window holds steps 6..10 only
     metrics = _Metrics()

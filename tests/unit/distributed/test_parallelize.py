@@ -104,3 +104,30 @@ def test_fp32_params_warn_once_that_grouped_mm_experts_stay_bf16(caplog):
         _warn_if_experts_stay_bf16(model, "bfloat16", use_deepep=True)
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 1 and "mixed_precision_param=float32" in messages[0] and "DeepEP" in messages[0]
+
+
+def _reshards_after_forward(unit: torch.nn.Module) -> bool:
+    return unit._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
+
+
+def _reshard_policies(rank: int, world_size: int) -> None:
+    reference = build_reference(tiny_args())
+    ref_loss, ref_grads = reference_loss_and_grads(reference)
+    for policy, ep, dense, experts in (
+        ("default", 2, False, True),  # with EP the dense units keep their weights gathered, the experts reshard
+        ("default", 1, True, None),  # without EP every block reshards
+        ("always", 2, True, True),
+        ("never", 2, False, False),
+    ):
+        cfg = job_config(parallelism__expert_parallel_degree=ep, parallelism__fsdp_reshard_after_forward=policy)
+        model = check_parallel_matches(reference, ref_loss, ref_grads, cfg, world_size)
+        block = model.layers["1"]  # an MoE block
+        found = (_reshards_after_forward(block), _reshards_after_forward(model.tok_embeddings))
+        assert found == (dense, dense), f"{policy}, ep={ep}: block and embedding reshard {found}, expected {dense}"
+        if experts is not None:
+            assert _reshards_after_forward(block.moe.experts) == experts, f"{policy}: experts"
+        assert _reshards_after_forward(model.output) == (policy == "always")
+
+
+def test_reshard_after_forward_policy_per_unit_keeps_results():
+    run_distributed(_reshard_policies, 2)

@@ -345,12 +345,16 @@ def apply_fsdp(
         config["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     match reshard_after_forward_policy:
         case "always":
-            reshard_after_forward = True
+            reshard_after_forward = reshard_experts = True
         case "never":
-            reshard_after_forward = False
+            reshard_after_forward = reshard_experts = False
         case "default":
             # with PP, resharding would all-gather again for every micro-batch
-            reshard_after_forward = not pp_enabled
+            reshard_experts = not pp_enabled
+            # With EP, each dense unit's all-gather in backward is one more collective between the EP ranks, which
+            # already meet at every DeepEP barrier: the rank that is ahead waits twice. The dense weights are small
+            # next to the routed experts' (which are still resharded), so they stay gathered until backward.
+            reshard_after_forward = reshard_experts and experts_mesh is None
         case _:
             raise ValueError(
                 f"parallelism.fsdp_reshard_after_forward={reshard_after_forward_policy!r}: use default, always, never"
@@ -372,7 +376,7 @@ def apply_fsdp(
             fully_shard(
                 experts,
                 **{**config, "mesh": experts_mesh},
-                reshard_after_forward=reshard_after_forward,
+                reshard_after_forward=reshard_experts,
                 shard_placement_fn=placement_fn,
             )
         fully_shard(block, **config, reshard_after_forward=reshard_after_forward)

@@ -28,27 +28,38 @@ from torch.distributed.tensor import DTensor, Replicate
 
 
 @torch.no_grad()
-def update_expert_bias(moe_modules: Iterable[nn.Module], reduce_group: dist.ProcessGroup | None) -> None:
+def update_expert_bias(
+    moe_modules: Iterable[nn.Module], reduce_group: dist.ProcessGroup | None, ep_degree: int = 1
+) -> torch.Tensor | None:
     """b += coeff * sign(mean(c) - c); b -= mean(b); c = 0, for every MoE layer with a load_balance_coeff.
 
     `reduce_group` spans the ranks that see different tokens of the same layers (data parallel x context
     parallel); None means no reduction. All layers' counts go through ONE all-reduce.
+
+    Returns, with expert parallelism (`ep_degree` > 1), each layer's expert-parallel load imbalance on the device:
+    the token copies routed to the busiest EP rank's experts over the mean per EP rank (1.0 = balanced; that rank
+    sets the pace of the layer's experts and every rank waits for it at the combine), from the step's counts
+    summed over `reduce_group`. None without EP or without counting layers.
     """
     layers = [m for m in moe_modules if m.load_balance_coeff is not None]
     if not layers:
-        return
+        return None
     counts = [local_buffer(m.tokens_per_expert) for m in layers]
     all_counts = torch.cat(counts)  # (sum of E over layers,)
     if reduce_group is not None and dist.get_world_size(reduce_group) > 1:
         dist.all_reduce(all_counts, group=reduce_group)
 
-    for layer, layer_counts, local_counts in zip(
-        layers, all_counts.split([c.numel() for c in counts]), counts, strict=True
-    ):
+    per_layer_counts = all_counts.split([c.numel() for c in counts])
+    imbalance = None
+    if ep_degree > 1:  # experts are split over the EP ranks in contiguous blocks (ExpertParallel's Shard(0))
+        per_rank = torch.stack([c.view(ep_degree, -1).sum(dim=1) for c in per_layer_counts])  # (layers, ep)
+        imbalance = per_rank.amax(dim=1) / per_rank.mean(dim=1).clamp_min(1.0)
+    for layer, layer_counts, local_counts in zip(layers, per_layer_counts, counts, strict=True):
         bias = local_buffer(layer.expert_bias)
         bias.add_(layer.load_balance_coeff * torch.sign(layer_counts.mean() - layer_counts))
         bias.sub_(bias.mean())  # only differences between experts matter; keep b centred so it cannot drift
         local_counts.zero_()
+    return imbalance
 
 
 def local_buffer(buffer: torch.Tensor) -> torch.Tensor:

@@ -150,16 +150,18 @@ def run_inline(stages: Stages) -> torch.Tensor:
         result = stage(*args)
 
 
-def build_expert_bias_hook(
-    model_parts: list[nn.Module], reduce_group: dist.ProcessGroup | None
-) -> Callable[[Any, Any, Any], None]:
-    """A `register_step_pre_hook` hook (optimizer, args, kwargs) that runs `update_expert_bias`.
+class ExpertBiasHook:
+    """A `register_step_pre_hook` hook (optimizer, args, kwargs) that runs `update_expert_bias` and keeps the step's
+    expert-parallel load imbalance per MoE layer (`ep_load_imbalance`, on the device; None without EP).
 
     Register it once per training step (on the optimizers container, not on each optimizer of it).
     """
-    moe_modules = [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
 
-    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-        update_expert_bias(moe_modules, reduce_group)
+    def __init__(self, model_parts: list[nn.Module], reduce_group: dist.ProcessGroup | None, ep_degree: int = 1):
+        self.moe_modules = [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
+        self.reduce_group = reduce_group
+        self.ep_degree = ep_degree
+        self.ep_load_imbalance: torch.Tensor | None = None
 
-    return hook
+    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.ep_load_imbalance = update_expert_bias(self.moe_modules, self.reduce_group, self.ep_degree)

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from tests.unit.distributed._spawn import run_distributed
 from torchtitan.models.moe.args import MoEArgs
 from torchtitan.models.moe.load_balance import update_expert_bias
-from torchtitan.models.moe.moe import MoE, build_expert_bias_hook
+from torchtitan.models.moe.moe import ExpertBiasHook, MoE
 
 DIM, HIDDEN = 16, 24
 
@@ -117,11 +117,26 @@ def test_bias_update_sign_rule_recentring_and_reset():
     assert frozen.tokens_per_expert.tolist() == [4.0, 0.0, 0.0, 0.0]
 
 
+def test_expert_parallel_load_imbalance_per_layer():
+    # 4 experts over 2 EP ranks: rank 0 holds experts 0-1, rank 1 experts 2-3
+    skewed, even, frozen = make_moe(num_experts=4), make_moe(num_experts=4), make_moe(num_experts=4)
+    frozen.load_balance_coeff = None  # counts nothing: not a layer of the result
+    skewed.tokens_per_expert.copy_(torch.tensor([5.0, 1.0, 1.0, 1.0]))  # ranks get 6 and 2: max 6 / mean 4
+    even.tokens_per_expert.copy_(torch.tensor([4.0, 0.0, 1.0, 3.0]))  # 4 and 4
+
+    imbalance = update_expert_bias([skewed, frozen, even], reduce_group=None, ep_degree=2)
+
+    torch.testing.assert_close(imbalance, torch.tensor([1.5, 1.0]))
+    assert skewed.tokens_per_expert.sum() == 0  # still reset after the measure
+    assert update_expert_bias([skewed], reduce_group=None) is None  # no EP: nothing to measure
+
+
 def test_hook_runs_before_optimizer_step_and_moves_bias_towards_balance():
     moe = make_moe()
     model = torch.nn.ModuleDict({"layer": moe})
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    optimizer.register_step_pre_hook(build_expert_bias_hook([model], reduce_group=None))
+    hook = ExpertBiasHook([model], reduce_group=None, ep_degree=2)
+    optimizer.register_step_pre_hook(hook)
     x = torch.randn(4, 8, DIM)
     counts = routed_counts(moe, x)
     moe(x).sum().backward()
@@ -129,6 +144,8 @@ def test_hook_runs_before_optimizer_step_and_moves_bias_towards_balance():
     expected = 0.1 * torch.sign(counts.mean() - counts)
     torch.testing.assert_close(moe.expert_bias, expected - expected.mean())
     assert moe.tokens_per_expert.sum() == 0
+    per_rank = counts.view(2, -1).sum(dim=1)
+    torch.testing.assert_close(hook.ep_load_imbalance, (per_rank.max() / per_rank.mean()).reshape(1))
 
 
 def _two_rank_worker(rank: int, world_size: int) -> None:
