@@ -349,12 +349,10 @@ def apply_fsdp(
         case "never":
             reshard_after_forward = reshard_experts = False
         case "default":
-            # with PP, resharding would all-gather again for every micro-batch
-            reshard_experts = not pp_enabled
-            # With EP, each dense unit's all-gather in backward is one more collective between the EP ranks, which
-            # already meet at every DeepEP barrier: the rank that is ahead waits twice. The dense weights are small
-            # next to the routed experts' (which are still resharded), so they stay gathered until backward.
-            reshard_after_forward = reshard_experts and experts_mesh is None
+            # With PP, resharding would all-gather again for every micro-batch. With EP, each backward all-gather
+            # is one more collective between the EP ranks (which already meet at every DeepEP barrier), and on an
+            # expert mesh of one rank a gather is a copy of the experts' weights: keeping them costs less.
+            reshard_after_forward = reshard_experts = not pp_enabled and experts_mesh is None
         case _:
             raise ValueError(
                 f"parallelism.fsdp_reshard_after_forward={reshard_after_forward_policy!r}: use default, always, never"
