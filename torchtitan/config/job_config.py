@@ -141,9 +141,9 @@ class Parallelism:
 
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """After each unit's forward, free its gathered weights (`always`) and all-gather them again in backward, or keep
-    them (`never`: memory for fewer collectives). `default`: never with PP; with EP only the routed experts are
-    resharded (the dense weights stay gathered: each backward all-gather is one more collective between the EP
-    ranks); else every unit but the final norm and output head."""
+    them (`never`: memory for fewer collectives and copies). `default`: never with PP or EP (with EP each backward
+    all-gather is one more collective between the EP ranks, and the experts' own mesh often has one rank, where a
+    gather is a copy); else every unit but the final norm and output head."""
 
     tensor_parallel_degree: int = 1
     """Tensor (and sequence) parallel degree."""

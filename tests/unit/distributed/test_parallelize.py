@@ -114,7 +114,7 @@ def _reshard_policies(rank: int, world_size: int) -> None:
     reference = build_reference(tiny_args())
     ref_loss, ref_grads = reference_loss_and_grads(reference)
     for policy, ep, dense, experts in (
-        ("default", 2, False, True),  # with EP the dense units keep their weights gathered, the experts reshard
+        ("default", 2, False, False),  # with EP every unit keeps its gathered weights until backward
         ("default", 1, True, None),  # without EP every block reshards
         ("always", 2, True, True),
         ("never", 2, False, False),

@@ -345,14 +345,15 @@ def apply_fsdp(
         config["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     match reshard_after_forward_policy:
         case "always":
-            reshard_after_forward = reshard_experts = True
+            reshard_after_forward = True
         case "never":
-            reshard_after_forward = reshard_experts = False
+            reshard_after_forward = False
         case "default":
             # With PP, resharding would all-gather again for every micro-batch. With EP, each backward all-gather
             # is one more collective between the EP ranks (which already meet at every DeepEP barrier), and on an
-            # expert mesh of one rank a gather is a copy of the experts' weights: keeping them costs less.
-            reshard_after_forward = reshard_experts = not pp_enabled and experts_mesh is None
+            # expert mesh of one rank a gather is a copy of the experts' weights: keeping every unit's gathered
+            # weights until its backward trades memory (the bf16 copies of all layers) for time (benchmarks/NOTES.md).
+            reshard_after_forward = not pp_enabled and experts_mesh is None
         case _:
             raise ValueError(
                 f"parallelism.fsdp_reshard_after_forward={reshard_after_forward_policy!r}: use default, always, never"
@@ -374,7 +375,7 @@ def apply_fsdp(
             fully_shard(
                 experts,
                 **{**config, "mesh": experts_mesh},
-                reshard_after_forward=reshard_experts,
+                reshard_after_forward=reshard_after_forward,
                 shard_placement_fn=placement_fn,
             )
         fully_shard(block, **config, reshard_after_forward=reshard_after_forward)
