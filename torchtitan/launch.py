@@ -1,9 +1,11 @@
 """`python -m torchtitan.launch [torchrun flags] -m torchtitan.train ...`: torchrun that ends in one line.
 
 torchrun reports a failed worker with its own Python traceback and a failure table, after whatever the worker
-printed. The trainer already prints a user error (bad data, a corrupt checkpoint, a non-finite loss) as one
-`error:` line, and a bug as its traceback; so this launcher adds one line that names the rank and exit code, and
-turns Ctrl-C into one line and exit code 130. run_train.sh uses it in place of `python -m torch.distributed.run`.
+printed. The trainer already prints a user error (bad data, a corrupt checkpoint, a non-finite loss, out of memory)
+as one `error:` line, and a bug as its traceback; so this launcher adds one line that names the rank and exit code,
+and turns Ctrl-C into one line and exit code 130. run_train.sh uses it in place of `python -m torch.distributed.run`.
+A worker hands its error line to the launcher too (`report_error`, through torchrun's per-worker error file): when
+`--local-ranks-filter` hides that rank's output, the launcher's line carries it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 from torch.distributed import run
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -20,19 +23,45 @@ INTERRUPTED_EXIT_CODE = 130
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     try:
         run.main(argv)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         code = failure.exitcode
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        print(f"training failed: rank {rank} {how} (its message is above)", file=sys.stderr)
+        reported = os.path.isfile(failure.error_file) and isinstance(failure.message, str) and failure.message
+        if reported and not _output_shown(failure.local_rank, argv):
+            print(f"training failed: rank {rank} {how}: {failure.message}", file=sys.stderr)
+        else:
+            print(f"training failed: rank {rank} {how} (its message is above)", file=sys.stderr)
         return code if code > 0 else 1
     except (KeyboardInterrupt, SignalException):
-        where = _where_it_stopped(sys.argv[1:] if argv is None else argv)
+        where = _where_it_stopped(argv)
         print(f"interrupted: training stopped{where}", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
     return 0
+
+
+def report_error(line: str) -> None:
+    """In a worker: print its one error line, and leave it where torchrun looks for a failed worker's error
+    ($TORCHELASTIC_ERROR_FILE), for the launcher to show when this rank's output is filtered out."""
+    print(line, file=sys.stderr, flush=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+
+
+def _output_shown(local_rank: int, argv: list[str]) -> bool:
+    """Whether torchrun shows this local rank's output (`--local-ranks-filter`, e.g. run_train.sh's LOG_RANK)."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--local-ranks-filter") or arg.startswith("--local_ranks_filter"):
+            value = arg.split("=", 1)[1] if "=" in arg else argv[i + 1]
+            return str(local_rank) in value.split(",")
+        if arg in ("-m", "--module") or not arg.startswith("-") and arg.endswith(".py"):
+            break  # the training script's own arguments follow
+    return True
 
 
 def _where_it_stopped(argv: list[str]) -> str:

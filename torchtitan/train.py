@@ -44,12 +44,14 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.compile import graphs_compiled
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.weight_init import copy_from_unsharded_init
+from torchtitan.launch import report_error
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs, DeepSeekV3StateDictAdapter
 from torchtitan.models.deepseek_v3.parallelize import expert_bias_reduce_group, parallelize_deepseekv3
 from torchtitan.models.moe import ExpertBiasHook, GroupedExperts, MoE
 from torchtitan.models.output_head import chunk_loss_and_grad
 from torchtitan.preflight import check_batch_sizes, check_job
 from torchtitan.tools.async_readback import DeviceMark
+from torchtitan.tools.out_of_memory import is_out_of_memory, out_of_memory_line
 from torchtitan.tools.profiling import StepProfiler
 
 logger = logging.getLogger("torchtitan")
@@ -454,8 +456,17 @@ def main(argv: list[str] | None = None) -> int:
         _release_deepep_buffers()
     except (DatasetError, CheckpointError, FloatingPointError, DumpFolderBusyError) as err:
         # The user's data, folder or hyperparameters: one line with the fix, no traceback.
-        print(f"error: {err}", file=sys.stderr)
+        report_error(f"error: {err}")
         return 1
+    except Exception as err:
+        if not is_out_of_memory(err):
+            raise
+        step = trainer.train_state.step if trainer is not None else 0
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        report_error(out_of_memory_line(_global_rank(), step, device))
+        # No teardown: the other ranks wait inside collectives this rank never joins, and destroying its process
+        # groups would wait for them (NCCL's watchdog fires minutes later). Exiting lets torchrun stop them at once.
+        os._exit(1)
     except KeyboardInterrupt:
         return 130  # Ctrl-C: the launcher (torchtitan.launch) prints the one line saying where training stopped
     finally:

@@ -115,3 +115,60 @@ def test_finished_run_frees_its_process_groups_before_exit(tmp_path):
     assert len(reports) == 2, run.stdout[-2000:]
     for report in reports:
         assert "gloo" not in report, report
+
+
+# Loaded at interpreter start (a sitecustomize.py on PYTHONPATH): on rank $OOM_RANK, the $OOM_STEP-th optimizer step
+# raises the allocator's out-of-memory error, after writing the time it did to $OOM_MARK.
+_OUT_OF_MEMORY_ON_ONE_RANK = """
+import os, time
+if os.environ.get("RANK") == os.environ.get("OOM_RANK"):
+    import torch
+    from torchtitan.components import optimizer
+
+    _step, _calls = optimizer.OptimizersContainer.step, []
+
+    def step(self, *args, **kwargs):
+        _calls.append(1)
+        if len(_calls) == int(os.environ["OOM_STEP"]):
+            open(os.environ["OOM_MARK"], "w").write(str(time.time()))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return _step(self, *args, **kwargs)
+
+    optimizer.OptimizersContainer.step = step
+"""
+
+
+def test_out_of_memory_on_a_hidden_rank_is_one_line_and_stops_every_rank(tmp_path):
+    """Rank 1 of 2 runs out of memory at step 2 while LOG_RANK=0 hides its output: the launcher's last line names
+    the rank, the step and the settings that lower the peak; no traceback; rank 0, left waiting inside a collective
+    the failed rank never joins, is stopped within seconds, not after a collective timeout."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_OUT_OF_MEMORY_ON_ONE_RANK)
+    mark = tmp_path / "oom_time"
+    env = {**_env(), "NGPU": "2", "LOG_RANK": "0", "OOM_RANK": "1", "OOM_STEP": "2", "OOM_MARK": str(mark)}
+    env["PYTHONPATH"] = os.pathsep.join([str(hook), str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    args = [*FAST_ARGS, "--training.local_batch_size", "2", "--training.steps", "50"]
+    args += ["--job.dump_folder", str(tmp_path / "outputs")]
+    launcher = subprocess.run(
+        ["bash", "run_train.sh", *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    stopped = time.time()
+    assert launcher.returncode == 1, launcher.stderr[-3000:]
+    assert "Traceback" not in launcher.stderr, launcher.stderr[-3000:]
+    mentions = [line for line in launcher.stderr.splitlines() if "out of device memory" in line]
+    assert len(mentions) == 1, launcher.stderr[-3000:]  # rank 1's own line is filtered out; the launcher's stays
+    assert mentions[0] == launcher.stderr.strip().splitlines()[-1]
+    assert mentions[0].startswith("training failed: rank 1 exited with code 1: error: rank 1 ran out of device ")
+    assert "at step 2" in mentions[0] and "--training.local_batch_size" in mentions[0]
+    assert "--activation_checkpoint.mode full" in mentions[0]
+    assert stopped - float(mark.read_text()) < 30, "the other rank was not stopped at once"
+
+
+def test_the_launcher_knows_which_ranks_output_is_shown():
+    from torchtitan.launch import _output_shown
+
+    run = ["--nproc-per-node", "2", "--local-ranks-filter", "0", "--role", "rank", "-m", "torchtitan.train"]
+    assert _output_shown(0, run) and not _output_shown(1, run)
+    assert _output_shown(1, ["--local-ranks-filter=0,1", "-m", "torchtitan.train"])
+    assert _output_shown(1, ["--nproc-per-node", "2", "-m", "torchtitan.train", "--local-ranks-filter", "0"])
