@@ -55,13 +55,8 @@ def report_error(line: str) -> None:
 
 def _output_shown(local_rank: int, argv: list[str]) -> bool:
     """Whether torchrun shows this local rank's output (`--local-ranks-filter`, e.g. run_train.sh's LOG_RANK)."""
-    for i, arg in enumerate(argv):
-        if arg.startswith("--local-ranks-filter") or arg.startswith("--local_ranks_filter"):
-            value = arg.split("=", 1)[1] if "=" in arg else argv[i + 1]
-            return str(local_rank) in value.split(",")
-        if arg in ("-m", "--module") or not arg.startswith("-") and arg.endswith(".py"):
-            break  # the training script's own arguments follow
-    return True
+    shown = run.parse_args(argv).local_ranks_filter  # "" shows every rank
+    return not shown or str(local_rank) in shown.split(",")
 
 
 def _where_it_stopped(argv: list[str]) -> str:

@@ -55,9 +55,9 @@ def step_attribution(device_events: list[dict]) -> dict:
     """One rank's step (its device events) -> span, the disjoint time per class, idle, and communication hidden under
     compute, in ms."""
     priority = {cls: i for i, cls in enumerate(SEGMENT_CLASSES)}
+    indices = [priority[segment_class(event["name"])] for event in device_events]
     edges = []  # (time, +1/-1, class index)
-    for event in device_events:
-        index = priority[segment_class(event["name"])]
+    for event, index in zip(device_events, indices, strict=True):
         edges += [(event["ts"], 1, index), (event["ts"] + event["dur"], -1, index)]
     edges.sort(key=lambda e: (e[0], e[1]))  # at one instant, ends before starts
     active = [0] * len(SEGMENT_CLASSES)
@@ -84,7 +84,7 @@ def step_attribution(device_events: list[dict]) -> dict:
         "exposed_ms": {cls: exposed[i] / 1e3 for i, cls in enumerate(SEGMENT_CLASSES)},
         "hidden_ms": {cls: hidden[i] / 1e3 for i, cls in enumerate(SEGMENT_CLASSES) if i > 0},
         "grouped_gemm_ms": sum(e["dur"] for e in device_events if classify(e["name"]) == "grouped_gemm") / 1e3,
-        "deepep_notify_launches": sum(1 for e in device_events if segment_class(e["name"]) == "exchange_wait"),
+        "deepep_notify_launches": indices.count(priority["exchange_wait"]),
     }
 
 
