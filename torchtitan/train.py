@@ -146,15 +146,18 @@ class Trainer:
             copy_from_unsharded_init(self.model_parts, unsharded_model, seed=job_config.debug.seed or 0)
             del unsharded_model
 
-        master_weights = None
+        master_low_bits = None
         if autocast_dtype == torch.bfloat16 and updates_master_weights(job_config.optimizer):
             # what computes in bf16 is stored in bf16, updated through fp32 masters: no cast per use (master_weights.py)
             bf16_modules = (nn.Linear, GroupedExperts)
-            master_weights = store_weights_in_bf16(self.model_parts, bf16_modules, fp32_grads=self.grad_accum_steps > 1)
-            logger.info(f"{len(master_weights)} weights stored in bf16, their fp32 masters updated by the optimizer")
+            master_low_bits = store_weights_in_bf16(self.model_parts, bf16_modules, self.grad_accum_steps > 1)
+            logger.info(
+                f"{len(master_low_bits)} weights stored in bf16, their fp32 masters (the weight and 16 low bits) "
+                "updated by the optimizer"
+            )
         elif autocast_dtype is not None:
             logger.info("weights stay fp32, cast by autocast at every use: bf16 weights need optimizer AdamW 'triton'")
-        self.optimizers = build_optimizers(self.model_parts, job_config, master_weights)
+        self.optimizers = build_optimizers(self.model_parts, job_config, master_low_bits)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, job_config)
         self.expert_bias_hook = ExpertBiasHook(
             self.model_parts, expert_bias_reduce_group(self.parallel_dims), self.parallel_dims.ep

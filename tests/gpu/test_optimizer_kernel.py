@@ -13,6 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from torchtitan.components.adamw import MultiTensorAdamW
+from torchtitan.components.master_weights import join_fp32, split_fp32
 from torchtitan.distributed.utils import grad_norm_and_clip_coef
 from torchtitan.kernels.chunk_table import CHUNK
 
@@ -119,19 +120,23 @@ def test_one_update_launch_per_param_group_and_no_host_sync():
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32], ids=["bf16-grads", "fp32-grads"])
 @pytest.mark.parametrize("unaligned", [False, True], ids=["aligned", "unaligned"])
 def test_master_weights_follow_torch_fused_adamw_and_the_same_launch_writes_the_bf16_weights(grad_dtype, unaligned):
-    """bf16 weights with fp32 masters (fp32 gradients: gradient accumulation's `grad_dtype`): the masters equal torch's
-    fused AdamW on fp32 parameters given the same gradients, every bf16 weight is its master rounded to nearest even
-    (bit for bit), and a step is still one kernel launch per param group. Every written tensor's version counter
-    moves (what the FP8 experts' weight cache reads)."""
+    """bf16 weights holding fp32 masters with their int16 low bits (fp32 gradients: gradient accumulation's
+    `grad_dtype`): the masters equal torch's fused AdamW on fp32 parameters given the same gradients, the kernel's
+    split equals `split_fp32` bit for bit (the weight the master rounded to nearest, ties away from zero), and a step
+    is still one kernel launch per param group. Every written tensor's version counter moves (what the FP8 experts'
+    weight cache reads)."""
     ref_params, master_params = make_params(unaligned), make_params(unaligned)
-    ours_params = []
+    ours_params, low_bits = [], {}
     for master in master_params:
+        weight, low = split_fp32(master.detach())
         base = torch.empty(master.numel() + 1, dtype=torch.bfloat16, device="cuda")
         data = (base[1:] if unaligned else base[: master.numel()]).view(master.shape)
-        ours_params.append(torch.nn.Parameter(data.copy_(master.detach())))
+        ours_params.append(torch.nn.Parameter(data.copy_(weight)))
         ours_params[-1].grad_dtype = grad_dtype
-    masters = {ours: master.detach() for ours, master in zip(ours_params, master_params, strict=True)}
-    ours = MultiTensorAdamW(groups(ours_params), betas=(0.9, 0.95), weight_decay=0.0, master_weights=masters)
+        low_base = torch.empty(master.numel() + 1, dtype=torch.int16, device="cuda")
+        low_bits[ours_params[-1]] = (low_base[1:] if unaligned else low_base[: master.numel()]).view(master.shape)
+        low_bits[ours_params[-1]].copy_(low)
+    ours = MultiTensorAdamW(groups(ours_params), betas=(0.9, 0.95), weight_decay=0.0, master_low_bits=low_bits)
     ref = torch.optim.AdamW(groups(ref_params), betas=(0.9, 0.95), weight_decay=0.0, fused=True)
     gen = torch.Generator(device="cuda").manual_seed(1)
     for step in range(4):
@@ -139,20 +144,22 @@ def test_master_weights_follow_torch_fused_adamw_and_the_same_launch_writes_the_
             grad = torch.randn(ref_param.shape, generator=gen, device="cuda").bfloat16()
             ours_param.grad, ref_param.grad = grad.to(grad_dtype), grad.float()
         torch.cuda.synchronize()
-        versions = [(param._version, masters[param]._version) for param in ours_params]
+        versions = [(param._version, low_bits[param]._version) for param in ours_params]
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             ours.step()
             torch.cuda.synchronize()
         ref.step()
-        for (weight_version, master_version), param in zip(versions, ours_params, strict=True):
-            assert param._version > weight_version and masters[param]._version > master_version
+        for (weight_version, low_version), param in zip(versions, ours_params, strict=True):
+            assert param._version > weight_version and low_bits[param]._version > low_version
         names = [event.name for event in prof.events() if event.device_type.name == "CUDA"]
         assert sum("_adamw_kernel" in name for name in names) == 2, names
         assert all("_adamw_kernel" in name or "Memcpy" in name for name in names), names  # no cast or copy kernel
         for ours_param, ref_param in zip(ours_params, ref_params, strict=True):
-            master = masters[ours_param]
+            master = join_fp32(ours_param, low_bits[ours_param])
             torch.testing.assert_close(master, ref_param, **TOLERANCE)
-            assert torch.equal(ours_param, master.bfloat16()), step
+            weight, low = split_fp32(master)
+            assert torch.equal(ours_param.view(torch.int16), weight.view(torch.int16)), step
+            assert torch.equal(low_bits[ours_param], low), step
             for key in ("exp_avg", "exp_avg_sq"):
                 assert ours.state[ours_param][key].dtype == torch.float32
                 torch.testing.assert_close(ours.state[ours_param][key], ref.state[ref_param][key], **TOLERANCE)

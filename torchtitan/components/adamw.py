@@ -14,9 +14,10 @@ CUDA parameters are stepped by the Triton kernel of `multi_tensor_kernels.py`; p
 torch's foreach ops (the same update, the order of torch's foreach AdamW), which is also what CPU tests exercise.
 DTensor parameters (FSDP2, expert parallel) are updated through their local shards.
 
-`master_weights` ({bf16 parameter: fp32 master}, `master_weights.py`): the update runs on the master (fp32 moments,
-the parameter's gradient) and writes it rounded to bf16 into the parameter in the same pass. The state is then made at
-construction: DCP's own state init sets zero gradients of the parameter's dtype, refused where `grad_dtype` is fp32.
+`master_low_bits` ({bf16 parameter: int16 low bits of its fp32 master}, `master_weights.py`): the update runs on the
+fp32 master the two hold (fp32 moments, the parameter's gradient) and writes it back split, the parameter becoming the
+new master rounded to nearest, in the same pass. The state is then made at construction: DCP's own state init sets
+zero gradients of the parameter's dtype, refused where `grad_dtype` is fp32.
 """
 
 from collections import defaultdict
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from torchtitan.components.master_weights import join_fp32, split_fp32
 from torchtitan.kernels.multi_tensor import cuda_kernels
 
 __all__ = ["MultiTensorAdamW"]
@@ -56,7 +58,7 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         amsgrad: bool = False,
         maximize: bool = False,
-        master_weights: Mapping[torch.Tensor, torch.Tensor] | None = None,
+        master_low_bits: Mapping[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         _check_supported({"amsgrad": amsgrad, "maximize": maximize})
         defaults = {
@@ -69,8 +71,8 @@ class MultiTensorAdamW(torch.optim.Optimizer):
             **_TORCH_ADAMW_IMPLEMENTATION_KEYS,
         }
         super().__init__(params, defaults)
-        self.master_weights = dict(master_weights or {})
-        if self.master_weights:
+        self.master_low_bits = dict(master_low_bits or {})
+        if self.master_low_bits:
             for group in self.param_groups:
                 for param in group["params"]:
                     self._state(param)
@@ -101,12 +103,12 @@ class MultiTensorAdamW(torch.optim.Optimizer):
             if state["step"].device.type != "cpu":
                 # a checkpoint of torch's fused AdamW keeps steps on the GPU: one copy here, then no syncs
                 state["step"] = state["step"].cpu()
-            master = self.master_weights.get(param)
-            local_param, local_grad = _local(master if master is not None else param), _local(_grad_like_param(param))
-            key = (local_param.device, local_param.dtype, local_grad.dtype, master is not None)
+            low_bits = self.master_low_bits.get(param)
+            local_param, local_grad = _local(param), _local(_grad_like_param(param))
+            key = (local_param.device, local_param.dtype, local_grad.dtype, low_bits is not None)
             bucket = buckets.setdefault(key, _Bucket())
-            if master is not None:
-                bucket.bf16_params.append(param)
+            if low_bits is not None:
+                bucket.low_bits.append(_local(low_bits))
             bucket.params.append(local_param)
             bucket.grads.append(local_grad)
             bucket.exp_avgs.append(_local(state["exp_avg"]))
@@ -115,22 +117,26 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         return buckets
 
     def _state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The parameter's state, made as torch.optim.AdamW (neither fused nor capturable) makes it, like the master
-        where there is one."""
+        """The parameter's state, made as torch.optim.AdamW (neither fused nor capturable) makes it; fp32 moments
+        where the parameter has a master."""
         state = self.state[param]
         if not state:
-            like = self.master_weights.get(param, param)
+            dtype = torch.float32 if param in self.master_low_bits else param.dtype
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(like, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's load, which casts each loaded moment to its parameter's dtype: while it runs, the groups hold the
-        fp32 masters in place of their bf16 parameters, so the moments stay fp32 (no bf16 copy is made)."""
-        parameter_of = {id(master): param for param, master in self.master_weights.items()}
+        """torch's load, which casts each loaded moment to its parameter's dtype: while it runs, the groups hold an fp32
+        stand-in (one element, expanded) for each parameter with a master, so the moments stay fp32."""
+        stand_ins = {
+            param: torch.zeros((), dtype=torch.float32, device=param.device).expand(param.shape)
+            for param in self.master_low_bits
+        }
+        parameter_of = {id(stand_in): param for param, stand_in in stand_ins.items()}
         for group in self.param_groups:
-            group["params"] = [self.master_weights.get(param, param) for param in group["params"]]
+            group["params"] = [stand_ins.get(param, param) for param in group["params"]]
         try:
             super().load_state_dict(state_dict)
         finally:
@@ -141,14 +147,14 @@ class MultiTensorAdamW(torch.optim.Optimizer):
 
 @dataclass
 class _Bucket:
-    """Parameters stepped together: one device, one parameter dtype, one gradient dtype."""
+    """Parameters stepped together: one device, one parameter dtype, one gradient dtype, with or without masters."""
 
     params: list[torch.Tensor] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
     exp_avgs: list[torch.Tensor] = field(default_factory=list)
     exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
     steps: list[torch.Tensor] = field(default_factory=list)  # 0-dim fp32 CPU tensors
-    bf16_params: list[torch.Tensor] = field(default_factory=list)  # written from `params`, their fp32 masters
+    low_bits: list[torch.Tensor] = field(default_factory=list)  # int16, of the bf16 `params`' fp32 masters
 
 
 def _step_bucket(bucket: _Bucket, group: dict[str, Any], grad_scale: torch.Tensor | None) -> None:
@@ -174,7 +180,7 @@ def _step_bucket(bucket: _Bucket, group: dict[str, Any], grad_scale: torch.Tenso
         beta2=beta2,
         eps=eps,
         grad_scale=None if grad_scale is None else grad_scale.to(device),
-        bf16_params=bucket.bf16_params or None,
+        low_bits=bucket.low_bits or None,
     )
 
 
@@ -191,10 +197,14 @@ def _foreach_adamw_update_(
     beta2: float,
     eps: float,
     grad_scale: torch.Tensor | None,
-    bf16_params: list[torch.Tensor] | None = None,
+    low_bits: list[torch.Tensor] | None = None,
 ) -> None:
-    """The update on any device with torch's foreach ops, in the order of torch's foreach AdamW; then the params
-    rounded to bf16 into `bf16_params` where given."""
+    """The update on any device with torch's foreach ops, in the order of torch's foreach AdamW. With `low_bits`, the
+    bf16 `params` and their low bits hold fp32 masters (`master_weights.py`): the update runs on the joined masters,
+    then splits them back."""
+    bf16_params = None
+    if low_bits is not None:
+        bf16_params, params = params, [join_fp32(param, low) for param, low in zip(params, low_bits, strict=True)]
     if grads[0].dtype != params[0].dtype:
         grads = [grad.to(params[0].dtype) for grad in grads]
     if grad_scale is not None:
@@ -208,7 +218,10 @@ def _foreach_adamw_update_(
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(params, exp_avgs, denom, [-step_size for step_size in step_sizes])
     if bf16_params is not None:
-        torch._foreach_copy_(bf16_params, params)
+        for bf16_param, low, master in zip(bf16_params, low_bits, params, strict=True):
+            weight, new_low = split_fp32(master)
+            bf16_param.copy_(weight)
+            low.copy_(new_low)
 
 
 def _check_supported(group: dict[str, Any]) -> None:

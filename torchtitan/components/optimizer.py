@@ -109,13 +109,13 @@ def updates_master_weights(config: Any) -> bool:
 def build_optimizers(
     model_parts: list[nn.Module],
     job_config: JobConfig,
-    master_weights: dict[torch.Tensor, torch.Tensor] | None = None,
+    master_low_bits: dict[torch.Tensor, torch.Tensor] | None = None,
 ) -> OptimizersContainer:
     """One optimizer per model part, configured by `job_config.optimizer`: `MultiTensorAdamW` for AdamW with
-    implementation 'triton', else `torch.optim.{AdamW,Adam}`. master_weights: {bf16 parameter: fp32 master}
-    (`store_weights_in_bf16`), which the optimizer updates; needs `updates_master_weights`."""
+    implementation 'triton', else `torch.optim.{AdamW,Adam}`. master_low_bits: {bf16 parameter: the low bits of its
+    fp32 master} (`store_weights_in_bf16`), which the optimizer updates; needs `updates_master_weights`."""
     config = job_config.optimizer
-    if master_weights and not updates_master_weights(config):
+    if master_low_bits and not updates_master_weights(config):
         raise ValueError(f"fp32 master weights need optimizer AdamW with implementation 'triton', got {config}")
     optimizer_classes = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
     if config.name not in optimizer_classes:
@@ -128,7 +128,7 @@ def build_optimizers(
     implementation = config.implementation
     if implementation == "triton":
         if config.name == "AdamW":
-            kwargs["master_weights"] = master_weights
+            kwargs["master_low_bits"] = master_low_bits
             return OptimizersContainer(model_parts, [MultiTensorAdamW(params, **kwargs) for params in params_per_part])
         logger.info("optimizer.implementation='triton' implements AdamW only; Adam uses torch's 'fused'")
         implementation = "fused"

@@ -30,7 +30,7 @@ _GRAD_DTYPES = (torch.float32, torch.bfloat16)
 
 @triton.jit
 def _adamw_kernel(
-    addresses_ptr,  # (4 or 5, num_tensors) int64: param, grad, exp_avg, exp_avg_sq[, bf16 copy of param]
+    addresses_ptr,  # (4 or 5, num_tensors) int64: param, grad, exp_avg, exp_avg_sq[, low bits of the masters]
     scalars_ptr,  # (2, num_tensors) fp32: lr / bias_correction1, sqrt(bias_correction2)
     numels_ptr,
     tensor_of_chunk_ptr,
@@ -45,7 +45,7 @@ def _adamw_kernel(
     eps,
     HAS_GRAD_SCALE: tl.constexpr,
     GRAD_BF16: tl.constexpr,
-    WRITE_BF16: tl.constexpr,
+    SPLIT_MASTERS: tl.constexpr,
     ALIGNED: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -54,11 +54,12 @@ def _adamw_kernel(
     tensor = tl.load(tensor_of_chunk_ptr + chunk)
     start = tl.load(chunk_in_tensor_ptr + chunk).to(tl.int64) * CHUNK
     numel = tl.load(numels_ptr + tensor)
-    if WRITE_BF16:  # the table's fifth row
-        bf16_ptr = tl.load(addresses_ptr + 4 * num_tensors + tensor).to(tl.pointer_type(tl.bfloat16))
+    if SPLIT_MASTERS:  # bf16 params (read as their bits) and the table's fifth row, their masters' low bits
+        param_ptr = tl.load(addresses_ptr + tensor).to(tl.pointer_type(tl.int16))
+        low_ptr = tl.load(addresses_ptr + 4 * num_tensors + tensor).to(tl.pointer_type(tl.int16))
     else:
-        bf16_ptr = addresses_ptr  # never written
-    param_ptr = tl.load(addresses_ptr + tensor).to(tl.pointer_type(tl.float32))
+        param_ptr = tl.load(addresses_ptr + tensor).to(tl.pointer_type(tl.float32))
+        low_ptr = addresses_ptr  # never read
     exp_avg_ptr = tl.load(addresses_ptr + 2 * num_tensors + tensor).to(tl.pointer_type(tl.float32))
     exp_avg_sq_ptr = tl.load(addresses_ptr + 3 * num_tensors + tensor).to(tl.pointer_type(tl.float32))
     if GRAD_BF16:
@@ -70,7 +71,7 @@ def _adamw_kernel(
         grad_ptr = tl.multiple_of(grad_ptr, 16)
         exp_avg_ptr = tl.multiple_of(exp_avg_ptr, 16)
         exp_avg_sq_ptr = tl.multiple_of(exp_avg_sq_ptr, 16)
-        bf16_ptr = tl.multiple_of(bf16_ptr, 16)
+        low_ptr = tl.multiple_of(low_ptr, 16)
     step_size = tl.load(scalars_ptr + tensor)
     bias_correction2_sqrt = tl.load(scalars_ptr + num_tensors + tensor)
     if HAS_GRAD_SCALE:
@@ -81,16 +82,16 @@ def _adamw_kernel(
     if start + CHUNK <= numel:
         for offset in range(0, CHUNK, BLOCK):
             _adamw_block(
-                param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, bf16_ptr, start + offset + tl.arange(0, BLOCK),
+                param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, low_ptr, start + offset + tl.arange(0, BLOCK),
                 numel, grad_scale, step_size, bias_correction2_sqrt, decay_factor, beta1, one_minus_beta1, beta2,
-                one_minus_beta2, eps, WRITE_BF16=WRITE_BF16, MASKED=False,
+                one_minus_beta2, eps, SPLIT_MASTERS=SPLIT_MASTERS, MASKED=False,
             )  # fmt: skip
     else:
         for offset in range(0, CHUNK, BLOCK):
             _adamw_block(
-                param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, bf16_ptr, start + offset + tl.arange(0, BLOCK),
+                param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, low_ptr, start + offset + tl.arange(0, BLOCK),
                 numel, grad_scale, step_size, bias_correction2_sqrt, decay_factor, beta1, one_minus_beta1, beta2,
-                one_minus_beta2, eps, WRITE_BF16=WRITE_BF16, MASKED=True,
+                one_minus_beta2, eps, SPLIT_MASTERS=SPLIT_MASTERS, MASKED=True,
             )  # fmt: skip
 
 
@@ -100,7 +101,7 @@ def _adamw_block(
     grad_ptr,
     exp_avg_ptr,
     exp_avg_sq_ptr,
-    bf16_ptr,
+    low_ptr,
     offsets,
     numel,
     grad_scale,
@@ -112,17 +113,24 @@ def _adamw_block(
     beta2,
     one_minus_beta2,
     eps,
-    WRITE_BF16: tl.constexpr,
+    SPLIT_MASTERS: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     if MASKED:
         mask = offsets < numel
-        param = tl.load(param_ptr + offsets, mask=mask, other=0.0)
+        if SPLIT_MASTERS:
+            weight_bits = tl.load(param_ptr + offsets, mask=mask, other=0)
+            param = _join_fp32(weight_bits, tl.load(low_ptr + offsets, mask=mask, other=0))
+        else:
+            param = tl.load(param_ptr + offsets, mask=mask, other=0.0)
         grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0)
         exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0)
     else:
-        param = tl.load(param_ptr + offsets)
+        if SPLIT_MASTERS:
+            param = _join_fp32(tl.load(param_ptr + offsets), tl.load(low_ptr + offsets))
+        else:
+            param = tl.load(param_ptr + offsets)
         grad = tl.load(grad_ptr + offsets).to(tl.float32)
         exp_avg = tl.load(exp_avg_ptr + offsets)
         exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets)
@@ -134,18 +142,41 @@ def _adamw_block(
     denom = tl.math.div_rn(tl.math.sqrt_rn(exp_avg_sq), bias_correction2_sqrt) + eps
     param = param - tl.math.div_rn(step_size * exp_avg, denom)
 
+    if SPLIT_MASTERS:
+        weight_bits, low_bits = _split_fp32(param)
     if MASKED:
-        tl.store(param_ptr + offsets, param, mask=mask)
+        if SPLIT_MASTERS:
+            tl.store(param_ptr + offsets, weight_bits, mask=mask)
+            tl.store(low_ptr + offsets, low_bits, mask=mask)
+        else:
+            tl.store(param_ptr + offsets, param, mask=mask)
         tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
         tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
-        if WRITE_BF16:
-            tl.store(bf16_ptr + offsets, param.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=mask)
     else:
-        tl.store(param_ptr + offsets, param)
+        if SPLIT_MASTERS:
+            tl.store(param_ptr + offsets, weight_bits)
+            tl.store(low_ptr + offsets, low_bits)
+        else:
+            tl.store(param_ptr + offsets, param)
         tl.store(exp_avg_ptr + offsets, exp_avg)
         tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq)
-        if WRITE_BF16:
-            tl.store(bf16_ptr + offsets, param.to(tl.bfloat16, fp_downcast_rounding="rtne"))
+
+
+@triton.jit
+def _join_fp32(weight_bits, low_bits):
+    """A master from its bf16 weight's bits and its low bits, both int16 (`master_weights.join_fp32`)."""
+    low = low_bits.to(tl.int32) & 0xFFFF
+    upper = (weight_bits.to(tl.int32) & 0xFFFF) - (low >= 0x8000).to(tl.int32)
+    return ((upper << 16) | low).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split_fp32(master):
+    """(bf16 weight bits: nearest, ties away from zero; low bits), both int16 (`master_weights.split_fp32`)."""
+    bits = master.to(tl.int32, bitcast=True)
+    low = bits & 0xFFFF
+    upper = ((bits >> 16) & 0xFFFF) + (low >= 0x8000).to(tl.int32)
+    return upper.to(tl.int16), low.to(tl.int16)
 
 
 @triton.jit
@@ -196,13 +227,13 @@ def adamw_update_(
     beta2: float,
     eps: float,
     grad_scale: torch.Tensor | None,
-    bf16_params: list[torch.Tensor] | None = None,
+    low_bits: list[torch.Tensor] | None = None,
 ) -> None:
     """One launch: param = param * decay_factor - step_size * m / (sqrt(v) / bias_correction2_sqrt + eps), after
     updating m and v with grad * grad_scale. fp32 params and moments, fp32 or bf16 gradients, all contiguous.
-    bf16_params: where given, each param's new value rounded to bf16 is also written there (the model's weights
-    whose fp32 masters `params` are)."""
-    tables = (params, grads, exp_avgs, exp_avg_sqs) + ((bf16_params,) if bf16_params is not None else ())
+    low_bits: the params are bf16 and hold fp32 masters with these int16 low bits (`master_weights.py`); the update
+    runs on the masters and writes both halves back."""
+    tables = (params, grads, exp_avgs, exp_avg_sqs) + ((low_bits,) if low_bits is not None else ())
     _check_tensors(*tables)
     device = params[0].device
     table = chunk_table(tuple(p.numel() for p in params), device)
@@ -227,7 +258,7 @@ def adamw_update_(
         eps,
         HAS_GRAD_SCALE=grad_scale is not None,
         GRAD_BF16=grads[0].dtype == torch.bfloat16,
-        WRITE_BF16=bf16_params is not None,
+        SPLIT_MASTERS=low_bits is not None,
         ALIGNED=all(address % 16 == 0 for address in addresses),
         CHUNK=CHUNK,
         BLOCK=_BLOCK,
@@ -235,7 +266,7 @@ def adamw_update_(
     )
     # written behind autograd's back: their version counters say so (caches of the weights, e.g. the FP8 experts'
     # quantized copies, and saved-tensor checks read them)
-    torch.autograd.graph.increment_version([*params, *(bf16_params or [])])
+    torch.autograd.graph.increment_version([*params, *(low_bits or [])])
 
 
 def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -276,14 +307,19 @@ def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _check_tensors(params: list[torch.Tensor], grads: list[torch.Tensor], *others: list[torch.Tensor]) -> None:
-    """The kernel reads flat memory: every tensor contiguous, moments and params fp32, one gradient dtype, bf16
-    copies (a fifth list)."""
-    bf16_copies = all(copy.dtype == torch.bfloat16 for copy in others[2]) if len(others) > 2 else True
-    if params[0].dtype != torch.float32 or grads[0].dtype not in _GRAD_DTYPES or not bf16_copies:
+    """The kernel reads flat memory: every tensor contiguous, fp32 moments, one gradient dtype, and fp32 params or
+    bf16 params with int16 low bits (a fifth list)."""
+    split = len(others) > 2
+    param_dtype, low_dtypes = (torch.bfloat16, {torch.int16}) if split else (torch.float32, set())
+    if (
+        any(param.dtype != param_dtype for param in params)
+        or grads[0].dtype not in _GRAD_DTYPES
+        or (split and {low.dtype for low in others[2]} != low_dtypes)
+    ):
         raise ValueError(
-            f"the Triton AdamW takes float32 parameters (and bf16 copies) and {_GRAD_DTYPES} gradients, got "
-            f"{params[0].dtype} and {grads[0].dtype}: keep fp32 master weights, or set --optimizer.implementation "
-            "foreach"
+            f"the Triton AdamW takes float32 parameters (or bf16 ones with the int16 low bits of their masters) and "
+            f"{_GRAD_DTYPES} gradients, got {params[0].dtype} and {grads[0].dtype}: keep fp32 master weights, or set "
+            "--optimizer.implementation foreach"
         )
     for tensors in (params, grads, *others):
         for tensor in tensors:

@@ -5,6 +5,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from torchtitan.components.adamw import MultiTensorAdamW
+from torchtitan.components.master_weights import join_fp32, split_fp32
 from torchtitan.distributed.utils import grad_norm_and_clip_coef
 from torchtitan.kernels.chunk_table import CHUNK, chunk_table
 from torchtitan.kernels.multi_tensor import sum_of_squares
@@ -141,12 +142,14 @@ def test_bf16_gradients_update_fp32_params_like_their_fp32_copy():
 
 
 def test_master_weights_step_like_torch_adamw_on_fp32_and_write_their_bf16_rounding():
-    """bf16 parameters with fp32 masters and bf16 gradients: the masters follow torch.optim.AdamW on fp32 parameters
-    given the same gradients (clip folded in), the moments are fp32, and each parameter is its master in bf16."""
+    """bf16 parameters holding fp32 masters with their low bits, and bf16 gradients: the masters follow
+    torch.optim.AdamW on fp32 parameters given the same gradients (clip folded in), the moments are fp32, and each
+    parameter is its master rounded to nearest (`split_fp32`)."""
     ref_params = make_params()
-    ours_params = [torch.nn.Parameter(param.detach().bfloat16()) for param in ref_params]
-    masters = {ours: ref.detach().clone() for ours, ref in zip(ours_params, ref_params, strict=True)}
-    ours = MultiTensorAdamW(param_groups(ours_params), betas=(0.9, 0.95), master_weights=masters)
+    split = [split_fp32(param.detach()) for param in ref_params]
+    ours_params = [torch.nn.Parameter(weight) for weight, _ in split]
+    low_bits = {ours: low for ours, (_, low) in zip(ours_params, split, strict=True)}
+    ours = MultiTensorAdamW(param_groups(ours_params), betas=(0.9, 0.95), master_low_bits=low_bits)
     ref = torch.optim.AdamW(param_groups(ref_params), betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(3)
     for _ in range(4):
@@ -158,8 +161,9 @@ def test_master_weights_step_like_torch_adamw_on_fp32_and_write_their_bf16_round
         ours.step(grad_scale=grad_norm_and_clip_coef(ours_params, max_norm)[1])
         ref.step()
         for ours_param, ref_param in zip(ours_params, ref_params, strict=True):
-            torch.testing.assert_close(masters[ours_param], ref_param)
-            assert torch.equal(ours_param, masters[ours_param].bfloat16())
+            master = join_fp32(ours_param, low_bits[ours_param])
+            torch.testing.assert_close(master, ref_param)
+            assert torch.equal(ours_param, split_fp32(master)[0])
             for key in ("exp_avg", "exp_avg_sq"):
                 assert ours.state[ours_param][key].dtype == torch.float32
                 torch.testing.assert_close(ours.state[ours_param][key], ref.state[ref_param][key])
