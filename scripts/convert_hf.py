@@ -9,8 +9,9 @@
 
 The model shape comes from --flavor or --hf-config (a config.json); from-hf defaults to the folder's config.json.
 Routed experts are stacked/unstacked and names mapped by DeepSeekV3StateDictAdapter; no tensor is otherwise changed
-(except the optional --dtype cast). to-hf writes nothing unless the checkpoint's files match their manifest (sizes and
-crc32, as a resume checks) and its tensors the shape given; bad input ends with one `error:` line naming the fix.
+(except the optional --dtype cast). Nothing is written unless the output folder is new (or empty), every weight is
+finite and the tensors have the shape given; to-hf also checks the checkpoint's files against their manifest (sizes
+and crc32, as a resume checks). Bad input ends with one `error:` line naming the fix.
 """
 
 import argparse
@@ -69,6 +70,9 @@ def main(argv: list[str] | None = None) -> None:
     if not os.path.isdir(opts.src):
         expected = "a checkpoint's step-N folder" if opts.direction == "to-hf" else "a HF folder (safetensors)"
         raise ValueError(f"{opts.src} is not a folder: give {expected}")
+    if os.path.exists(opts.dst) and not (os.path.isdir(opts.dst) and not os.listdir(opts.dst)):
+        # writing into it would overwrite files in place (a training checkpoint could no longer resume)
+        raise ValueError(f"{opts.dst} exists and is not an empty folder: nothing was written; give a new output folder")
     config_path = opts.hf_config
     if config_path is None and opts.flavor is None and opts.direction == "from-hf":
         config_path = os.path.join(opts.src, "config.json")
@@ -96,6 +100,7 @@ def dcp_to_hf(
     src: str, dst: str, args: DeepSeekV3ModelArgs, dtype: torch.dtype | None, max_shard_size: int | str
 ) -> None:
     state_dict = load_model_from_dcp(src, args)
+    _check_finite(state_dict, src)
     hf_state_dict = DeepSeekV3StateDictAdapter(args).to_hf(_cast(state_dict, dtype))
     save_hf_safetensors(hf_state_dict, dst, max_shard_size=max_shard_size)
     config = hf_config_from_model_args(args)
@@ -117,9 +122,18 @@ def hf_to_dcp(
     state_dict = DeepSeekV3StateDictAdapter(args).from_hf(hf_state_dict)
     if args.mtp_layers and not any(key.startswith("mtp.") for key in state_dict):
         state_dict.update(_fresh_mtp_modules(args))
-    expected = set(_model_state(args))
-    if missing := sorted(expected - set(state_dict)):
+    expected = _model_state(args)
+    if missing := sorted(set(expected) - set(state_dict)):
         raise ValueError(f"{src} lacks {len(missing)} tensors of this model, e.g. {missing[:3]}; check the flavor")
+    fix = "give the --flavor or --hf-config of the folder's model (its config.json by default)"
+    for name, value in state_dict.items():
+        if name in expected and value.shape != expected[name].shape:
+            raise ValueError(
+                f"{src}: {name} is {tuple(value.shape)}, {tuple(expected[name].shape)} in the model shape given: {fix}"
+            )
+    if extra := sorted(set(state_dict) - set(expected)):
+        raise ValueError(f"{src} holds {len(extra)} tensors the model shape given lacks, e.g. {extra[:3]}: {fix}")
+    _check_finite(state_dict, src)
     dcp.save({"model": _cast(state_dict, dtype)}, checkpoint_id=dst, no_dist=True)
 
 
@@ -153,6 +167,16 @@ def load_model_from_dcp(src: str, args: DeepSeekV3ModelArgs) -> dict[str, torch.
     except (Exception, dcp.CheckpointException) as err:  # DCP's own exception is a BaseException
         raise CheckpointError(f"reading {src} failed ({dcp_error_text(err)}): convert an intact checkpoint") from err
     return state_dict
+
+
+def _check_finite(state_dict: dict[str, torch.Tensor], src: str) -> None:
+    """A weight holding inf or NaN is a corrupt or diverged checkpoint: refuse it rather than export it."""
+    for name, value in state_dict.items():
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise CheckpointError(
+                f"{src}: {name} holds inf or NaN values; nothing was written: convert a checkpoint from before the "
+                "run diverged (an older step-N)"
+            )
 
 
 def _verify_files(src: str) -> None:

@@ -22,7 +22,8 @@ convert_hf = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(convert_hf)
 
 
-ARGS = tiny_args(q_lora_rank=24, moe=dict(score_func="sigmoid", num_expert_groups=4, num_limited_groups=2))
+MOE = dict(score_func="sigmoid", num_expert_groups=4, num_limited_groups=2)
+ARGS = tiny_args(q_lora_rank=24, moe=MOE)
 
 
 def _tiny_state(tmp_path):
@@ -139,3 +140,46 @@ def test_bad_input_is_one_error_line_without_traceback(tmp_path, monkeypatch, ar
     message = exit_info.value.code
     assert isinstance(message, str) and "\n" not in message  # a str code exits with status 1
     assert message.startswith(expected.format(tmp=tmp_path)), message
+
+
+def _hf_folder(tmp_path, args=ARGS) -> Path:
+    """An HF export (safetensors + config.json) of a tiny model."""
+    state, config_path = _tiny_state(tmp_path)
+    dcp.save({"model": state}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    convert_hf.main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--hf-config", config_path])
+    return tmp_path / "hf"
+
+
+def test_from_hf_refuses_an_existing_checkpoint_folder_and_leaves_it_as_it_was(tmp_path):
+    """Converting into a training checkpoint's folder used to overwrite its shards in place (it could not resume)."""
+    checkpoint = _published_checkpoint(tmp_path)
+    before = {path.name: path.read_bytes() for path in checkpoint.iterdir()}
+    hf = _hf_folder(tmp_path)
+    with pytest.raises(ValueError, match=r"step-3 exists and is not an empty folder: nothing was written; give a new"):
+        convert_hf.main(["from-hf", str(hf), str(checkpoint)])
+    assert {path.name: path.read_bytes() for path in checkpoint.iterdir()} == before
+    (tmp_path / "empty").mkdir()
+    convert_hf.main(["from-hf", str(hf), str(tmp_path / "empty")])
+    assert (tmp_path / "empty" / ".metadata").is_file()  # an empty folder counts as new
+
+
+def test_from_hf_refuses_a_model_shape_other_than_the_folders(tmp_path):
+    """`--hf-config` (or `--flavor`) of another shape than the folder's tensors: one error naming a tensor, no DCP
+    of the wrong shapes."""
+    hf = _hf_folder(tmp_path)
+    other = _shape_config(tmp_path, tiny_args(q_lora_rank=24, dim=32, moe=MOE))
+    with pytest.raises(
+        ValueError, match=r"hf: \S+\.weight is \(128, 64\), \(128, 32\) in the model shape given: give the --flavor"
+    ):
+        convert_hf.main(["from-hf", str(hf), str(tmp_path / "out"), "--hf-config", other])
+    assert not (tmp_path / "out").exists()
+
+
+def test_to_hf_refuses_non_finite_weights_without_a_manifest(tmp_path):
+    """A DCP folder as from-hf writes it (no manifest to check) holding a NaN weight: refused, nothing written."""
+    state, config_path = _tiny_state(tmp_path)
+    state["layers.1.attention.wo.weight"][0, 0] = float("nan")
+    dcp.save({"model": state}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    with pytest.raises(CheckpointError, match=r"layers\.1\.attention\.wo\.weight holds inf or NaN values; nothing was"):
+        convert_hf.main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--hf-config", config_path])
+    assert not (tmp_path / "hf").exists()
