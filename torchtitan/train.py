@@ -27,6 +27,7 @@ from torchtitan.components.loss import (
     LossWithMTP,
     RescaledLoss,
     build_loss_fn,
+    check_finite_weights,
     count_valid_tokens,
     mtp_targets,
 )
@@ -381,8 +382,11 @@ class Trainer:
                     ep_load_imbalance=self.expert_bias_hook.ep_load_imbalance,
                 )
                 validates = job_config.validation.enable and (step % job_config.validation.freq == 0 or step == steps)
-                if step in (1, steps) or validates or self.checkpointer.saves_at(step, last_step=step == steps):
+                saves = self.checkpointer.saves_at(step, last_step=step == steps)
+                if step in (1, steps) or validates or saves:
                     step_log.flush()  # this step checked before its checkpoint: a diverged update is never saved
+                if saves:
+                    check_finite_weights(self.model_parts, step)
                 if step == 1:
                     dist_utils.set_pg_timeouts(job_config.comm.train_timeout_seconds, self.parallel_dims.world_mesh)
                 if validates:

@@ -160,6 +160,34 @@ def check_finite_loss(loss: torch.Tensor | float, step: int, rank: int) -> None:
         )
 
 
+@torch.no_grad()
+def check_finite_weights(model_parts: Iterable[torch.nn.Module], step: int) -> None:
+    """Raise FloatingPointError on every rank if any rank holds a weight with inf or NaN values: before a checkpoint,
+    so that an update that diverged with a finite loss and gradient (a huge lr) is never saved. One multi-tensor max
+    per rank and one all-reduce; a step that saves waits for its update anyway."""
+    named = [
+        (name, param.to_local() if hasattr(param, "to_local") else param)
+        for part in model_parts
+        for name, param in part.named_parameters()
+    ]
+    named = [(name, local) for name, local in named if local.numel() > 0]
+    if not named:
+        return
+    peaks = torch.stack(torch._foreach_norm([local.detach() for _, local in named], float("inf")))
+    finite = torch.isfinite(peaks)
+    bad = (~finite.all()).to(torch.int32).reshape(1)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if not bool(bad.item()):
+        return
+    local_names = [name for (name, _), ok in zip(named, finite.tolist(), strict=True) if not ok]
+    where = f" (on this rank: {local_names[0]})" if local_names else " (on another rank)"
+    raise FloatingPointError(
+        f"step {step}'s update made weights inf or NaN{where} with a finite loss and gradient norm; step {step} is "
+        "not saved. Lower the lr (--optimizer.lr) and resume from the last checkpoint"
+    )
+
+
 def check_grad_norm(grad_norm: torch.Tensor | float, step: int) -> None:
     """Raise FloatingPointError for a non-finite or zero total gradient norm; the trainer checks it before the
     step's checkpoint, so none holds the update it made. Zero means diverged weights: activations so large that an

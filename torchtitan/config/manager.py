@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import math
 import sys
 import textwrap
 import tomllib
@@ -132,7 +133,7 @@ def validate(job_config: JobConfig) -> None:
         _require(value >= 1, f"{key} must be >= 1, got {value}; pass --{key} 1 to disable it")
     for key, ok, requirement in _RANGES:
         value = _value(job_config, key)
-        _require(ok(value), f"{key} must be {requirement}, got {value}")
+        _require(ok(value), f"{key} must be {requirement}, got {value}; pass --{key} with such a value")
     for key in ("parallelism.deepep_num_sms", "parallelism.deepep_overlap_num_sms"):
         sms = _value(job_config, key)
         if sms is not None:
@@ -213,13 +214,18 @@ _DEGREE_KEYS = (
 _RANGES = (
     ("validation.local_batch_size", lambda v: v is None or v > 0, "none or a positive integer"),
     ("validation.seq_len", lambda v: v is None or v > 0, "none or a positive integer"),
-    ("training.max_norm", lambda v: v > 0, "> 0"),
+    ("training.max_norm", lambda v: v > 0 and not math.isnan(v), "> 0 (inf: no clipping)"),
     ("parallelism.data_parallel_shard_degree", lambda v: v == -1 or v >= 1, "-1 (use the remaining ranks) or >= 1"),
     ("parallelism.pipeline_parallel_layers_per_stage", lambda v: v is None or v >= 1, "None or >= 1"),
     ("lr_scheduler.warmup_steps", lambda v: v >= 0, ">= 0"),
     ("lr_scheduler.decay_ratio", lambda v: v is None or 0.0 <= v <= 1.0, "in [0, 1] or none"),
     ("lr_scheduler.min_lr_factor", lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
-    ("optimizer.lr", lambda v: v >= 0, ">= 0"),
+    ("model.mtp_loss_weight", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+    ("optimizer.lr", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+    ("optimizer.beta1", lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+    ("optimizer.beta2", lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+    ("optimizer.eps", lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
+    ("optimizer.weight_decay", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
     ("checkpoint.keep_latest_k", lambda v: v >= 0, ">= 0 (0 keeps all)"),
 )
 

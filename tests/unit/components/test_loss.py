@@ -6,6 +6,7 @@ from torchtitan.components.loss import (
     IGNORE_INDEX,
     build_loss_fn,
     check_finite_loss,
+    check_finite_weights,
     check_grad_norm,
     count_valid_tokens,
     cross_entropy_sum,
@@ -119,3 +120,35 @@ def test_zero_or_non_finite_grad_norm_raises_with_the_fix(grad_norm, expected):
     with pytest.raises(FloatingPointError, match=expected):
         check_grad_norm(grad_norm, step=7)
     check_grad_norm(torch.tensor(1e-8), step=7)  # small is fine
+
+
+def _two_linears() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+
+
+def test_finite_weights_pass_and_a_nan_weight_is_named():
+    model = _two_linears()
+    check_finite_weights([model], step=3)
+    with torch.no_grad():
+        model[1].weight[0, 1] = float("inf")
+    with pytest.raises(
+        FloatingPointError, match=r"step 3's update made weights inf or NaN \(on this rank: 1\.weight\)"
+    ):
+        check_finite_weights([model], step=3)
+
+
+def _only_rank_one_diverged(rank: int, world_size: int) -> None:
+    model = _two_linears()
+    if rank == 1:
+        with torch.no_grad():
+            model[0].bias[2] = float("nan")
+    where = "on this rank: 0.bias" if rank == 1 else "on another rank"
+    with pytest.raises(FloatingPointError, match=f"\\({where}\\) with a finite loss .* step 5 is not saved"):
+        check_finite_weights([model], step=5)
+
+
+def test_every_rank_stops_when_one_rank_holds_a_non_finite_weight():
+    """The check precedes a collective save: every rank must raise, not only the one holding the bad weight."""
+    from tests.unit.distributed._spawn import run_distributed
+
+    run_distributed(_only_rank_one_diverged, 2)

@@ -336,6 +336,15 @@ def test_uncaught_help_exits_process_with_zero():
         (["--parallelism.context_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2"], "not supported with"),
         (["--validation.local_batch_size=0"], "validation.local_batch_size must be none or a positive"),
         (["--validation.freq=0"], "validation.freq must be a positive"),
+        (["--optimizer.lr", "inf"], r"optimizer.lr must be a finite number >= 0, got inf; pass --optimizer.lr"),
+        (["--optimizer.lr", "nan"], r"optimizer.lr must be a finite number >= 0, got nan"),
+        (["--optimizer.beta1", "1.5"], r"optimizer.beta1 must be in \[0, 1\), got 1.5"),
+        (["--optimizer.beta2", "1"], r"optimizer.beta2 must be in \[0, 1\), got 1.0"),
+        (["--optimizer.eps", "-1e-8"], r"optimizer.eps must be a finite number > 0, got -1e-08"),
+        (["--optimizer.weight_decay", "nan"], r"optimizer.weight_decay must be a finite number >= 0, got nan"),
+        (["--training.max_norm", "nan"], r"training.max_norm must be > 0 \(inf: no clipping\), got nan"),
+        (["--model.mtp_loss_weight", "-0.1"], r"model.mtp_loss_weight must be a finite number >= 0"),
+        (["--lr_scheduler.min_lr_factor", "nan"], r"min_lr_factor must be in \[0, 1\], got nan"),
     ],
 )
 def test_validation_rejects_bad_values(flags, message):
