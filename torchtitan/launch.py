@@ -2,15 +2,19 @@
 
 torchrun reports a failed worker with its own Python traceback and a failure table, after whatever the worker
 printed. The trainer already prints a user error (bad data, a corrupt checkpoint, a non-finite loss, out of memory)
-as one `error:` line, and a bug as its traceback; so this launcher adds one line that names the rank and exit code,
-and turns Ctrl-C into one line and exit code 130. run_train.sh uses it in place of `python -m torch.distributed.run`.
+as one `error:` line, and a bug as its traceback; this launcher adds a line naming the rank and exit code only where
+that error line is not on the terminal (a bug, a signal, a rank whose output is hidden), and turns Ctrl-C into one
+line and exit code 130. run_train.sh uses it in place of `python -m torch.distributed.run`.
 A worker hands its error line to the launcher too (`report_error`, through torchrun's per-worker error file): when
-`--local-ranks-filter` hides that rank's output, the launcher's line carries it.
+`--local-ranks-filter` hides that rank's output, the launcher's line carries it. torchrun's own log lines (its
+OMP_NUM_THREADS banner, the signals it sends, its error-file notes) say nothing the one line does not, so they are
+off unless `LOGLEVEL` (torchrun's variable) is set, e.g. LOGLEVEL=INFO.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -24,6 +28,7 @@ INTERRUPTED_EXIT_CODE = 130
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    _quiet_torchrun()
     try:
         run.main(argv)
     except ChildFailedError as err:
@@ -31,16 +36,27 @@ def main(argv: list[str] | None = None) -> int:
         code = failure.exitcode
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         reported = os.path.isfile(failure.error_file) and isinstance(failure.message, str) and failure.message
-        if reported and not _output_shown(failure.local_rank, argv):
+        if not reported:  # a traceback (a bug) or a signal: say which rank
+            print(f"training failed: rank {rank} {how} (its output is above)", file=sys.stderr)
+        elif not _output_shown(failure.local_rank, argv):
             print(f"training failed: rank {rank} {how}: {failure.message}", file=sys.stderr)
-        else:
-            print(f"training failed: rank {rank} {how} (its message is above)", file=sys.stderr)
+        # else its one error line is on the terminal already: nothing to add
         return code if code > 0 else 1
     except (KeyboardInterrupt, SignalException):
         where = _where_it_stopped(argv)
         print(f"interrupted: training stopped{where}", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
     return 0
+
+
+def _quiet_torchrun() -> None:
+    """torchrun's loggers (and those its workers make) at CRITICAL, unless the user set LOGLEVEL."""
+    if "LOGLEVEL" in os.environ:
+        return
+    os.environ["LOGLEVEL"] = "CRITICAL"  # read when torch.distributed.elastic makes a logger
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def report_error(line: str) -> None:

@@ -90,8 +90,14 @@ def test_ctrl_c_ends_with_one_line_and_exit_code_130(tmp_path):
     _, stderr = launcher.communicate(timeout=120)
     assert launcher.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
+    assert _launcher_lines(stderr) == [stderr.strip().splitlines()[-1]], stderr[-3000:]  # torchrun's own are off
     assert stderr.strip().splitlines()[-1].startswith("interrupted: training stopped after step ")
     assert _wait_gone(workers, 10) == []
+
+
+def _launcher_lines(output: str) -> list[str]:
+    """The lines not printed by a worker (torchrun tags those with [rank<N>]:)."""
+    return [line for line in output.strip().splitlines() if not line.startswith("[rank")]
 
 
 # main(), then the names of the process's threads that are still running.
@@ -158,7 +164,7 @@ def test_out_of_memory_on_a_hidden_rank_is_one_line_and_stops_every_rank(tmp_pat
     assert "Traceback" not in launcher.stderr, launcher.stderr[-3000:]
     mentions = [line for line in launcher.stderr.splitlines() if "out of device memory" in line]
     assert len(mentions) == 1, launcher.stderr[-3000:]  # rank 1's own line is filtered out; the launcher's stays
-    assert mentions[0] == launcher.stderr.strip().splitlines()[-1]
+    assert _launcher_lines(launcher.stderr) == [mentions[0]], launcher.stderr[-3000:]
     assert mentions[0].startswith("training failed: rank 1 exited with code 1: error: rank 1 ran out of device ")
     assert "at step 2" in mentions[0] and "--training.local_batch_size" in mentions[0]
     assert "--activation_checkpoint.mode full" in mentions[0]
