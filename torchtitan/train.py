@@ -47,7 +47,11 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.weight_init import copy_from_unsharded_init
 from torchtitan.launch import report_error
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs, DeepSeekV3StateDictAdapter
-from torchtitan.models.deepseek_v3.parallelize import expert_bias_reduce_group, parallelize_deepseekv3
+from torchtitan.models.deepseek_v3.parallelize import (
+    expert_bias_reduce_group,
+    experts_outside_fsdp,
+    parallelize_deepseekv3,
+)
 from torchtitan.models.moe import ExpertBiasHook, GroupedExperts, MoE
 from torchtitan.models.output_head import chunk_loss_and_grad
 from torchtitan.preflight import check_batch_sizes, check_job
@@ -147,10 +151,15 @@ class Trainer:
             copy_from_unsharded_init(self.model_parts, unsharded_model, seed=job_config.debug.seed or 0)
             del unsharded_model
 
-        master_low_bits = None
+        master_low_bits, bf16_modules = None, ()
         if autocast_dtype == torch.bfloat16 and updates_master_weights(job_config.optimizer):
             # what computes in bf16 is stored in bf16, updated through fp32 masters: no cast per use (master_weights.py)
             bf16_modules = (nn.Linear, GroupedExperts)
+        elif job_config.training.mixed_precision_param == "bfloat16" and experts_outside_fsdp(
+            self.parallel_dims, job_config
+        ):
+            bf16_modules = (GroupedExperts,)  # FSDP casts the rest; these it does not wrap
+        if bf16_modules:
             master_low_bits = store_weights_in_bf16(self.model_parts, bf16_modules, self.grad_accum_steps > 1)
             logger.info(
                 f"{len(master_low_bits)} weights stored in bf16, their fp32 masters (the weight and 16 low bits) "

@@ -36,8 +36,23 @@ CKPT_ARGS = ["--checkpoint.enable", "--checkpoint.interval", "5"]
                 "2",
             ],
         ),
+        # EP = FSDP degree: the experts stay outside FSDP, bf16 DTensors with fp32 masters, fp32 gradient sums over
+        # 2 micro-batches (parallelize.experts_outside_fsdp)
+        (
+            2,
+            [
+                "--parallelism.expert_parallel_degree",
+                "2",
+                "--training.mixed_precision_param",
+                "bfloat16",
+                "--training.global_batch_size",
+                "8",
+                "--training.local_batch_size",
+                "2",
+            ],
+        ),
     ],
-    ids=["single-process", "fsdp4-ep2"],
+    ids=["single-process", "fsdp4-ep2", "fsdp2-ep2-bf16-experts"],
 )
 def test_resume_is_bitwise_identical(tmp_path, nproc, layout):
     """A fresh process given a copy of the straight run's step-3 checkpoint continues to step 6 bit for bit (the

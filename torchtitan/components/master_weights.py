@@ -19,6 +19,10 @@ micro-batch), 2 bytes per weight more.
 The model's state dict holds the masters (same keys, fp32), joined on the CPU (on the GPU they would need 4 bytes
 per weight when a checkpoint is saved next to the optimizer's state), and a loaded value is split into the weight and
 its low bits; checkpoints, exports and initial loads see fp32 values, interchangeable with an fp32 model's.
+
+Also for DTensor parameters (the routed experts under expert parallelism when no FSDP wraps them): each rank splits
+and joins its local shard (DTensor's own bit shifts are not exact), the parameter becomes a bf16 DTensor of the same
+layout, and its low bits are a plain tensor of the local shard's shape.
 """
 
 from functools import partial
@@ -26,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["join_fp32", "split_fp32", "store_weights_in_bf16"]
 
@@ -54,14 +59,25 @@ def store_weights_in_bf16(
     """Store the parameters of the modules of `module_types` in bf16 (after their fp32 init); returns {parameter:
     the int16 low bits of its fp32 master}. fp32_grads: their gradients are fp32 (gradient accumulation)."""
     low_bits: dict[nn.Parameter, torch.Tensor] = {}
+    replaced: dict[nn.Parameter, nn.Parameter] = {}  # DTensor fp32 parameter -> its bf16 one
     for part in model_parts:
         for module in part.modules():
             if not isinstance(module, module_types):
                 continue
             own = {}
-            for name, param in module.named_parameters(recurse=False):
-                if param not in low_bits:  # else shared with a module seen before
-                    param.data, low_bits[param] = split_fp32(param.data)
+            for name, param in list(module.named_parameters(recurse=False)):
+                if param in replaced:  # shared with a module seen before
+                    param = replaced[param]
+                    module.register_parameter(name, param)
+                elif param not in low_bits:
+                    weight, low = split_fp32(_local(param.detach()))
+                    if isinstance(param, DTensor):  # a new bf16 parameter (setting .data would keep the fp32 shard)
+                        replaced[param] = nn.Parameter(_like(param, weight), requires_grad=param.requires_grad)
+                        param = replaced[param]
+                        module.register_parameter(name, param)
+                    else:
+                        param.data = weight
+                    low_bits[param] = low
                     if fp32_grads:
                         param.grad_dtype = torch.float32
                 own[name] = (param, low_bits[param])
@@ -73,16 +89,32 @@ def store_weights_in_bf16(
 def _masters_in_state_dict(masters: dict[str, tuple], module: nn.Module, state_dict: dict, prefix: str, *_: Any):
     for name, (param, low_bits) in masters.items():
         if prefix + name in state_dict:
-            state_dict[prefix + name] = join_fp32(param.detach().cpu(), low_bits.cpu())
+            master = join_fp32(_local(param.detach()).cpu(), low_bits.cpu())
+            if isinstance(param, DTensor):  # a DTensor of the parameter's layout holding the CPU shard
+                value = param.detach().to(device="cpu", dtype=torch.float32)
+                value.to_local().copy_(master)
+                master = value
+            state_dict[prefix + name] = master
 
 
 def _load_into_masters(masters: dict[str, tuple], module: nn.Module, state_dict: dict, prefix: str, *_: Any):
     for name, (param, low_bits) in masters.items():
         value = state_dict.get(prefix + name)
         if isinstance(value, torch.Tensor) and value is not param and value.shape == param.shape:
-            weight, low = split_fp32(value.detach().to(param.device))
+            weight, low = split_fp32(_local(value.detach()).to(param.device))
             with torch.no_grad():
-                param.copy_(weight)
+                _local(param).copy_(weight)
                 low_bits.copy_(low)
             # the loader's own copy into the parameter must not round the master again
             state_dict[prefix + name] = param
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _like(param: DTensor, local: torch.Tensor) -> DTensor:
+    """A DTensor of `param`'s layout whose local shard is `local` (already on the shard's device)."""
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )

@@ -1,6 +1,8 @@
 """parallelize_deepseekv3 under every supported layout gives the single-process loss and gradients (fp32, gloo)."""
 
+import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from tests.unit.distributed._model_parity import (
     build_reference,
@@ -10,6 +12,9 @@ from tests.unit.distributed._model_parity import (
     tiny_args,
 )
 from tests.unit.distributed._spawn import run_distributed
+from torchtitan.config import JobConfig
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.deepseek_v3.parallelize import experts_outside_fsdp
 
 CASES = {
     "fsdp4": dict(parallelism__data_parallel_shard_degree=4),
@@ -113,21 +118,56 @@ def _reshards_after_forward(unit: torch.nn.Module) -> bool:
 def _reshard_policies(rank: int, world_size: int) -> None:
     reference = build_reference(tiny_args())
     ref_loss, ref_grads = reference_loss_and_grads(reference)
-    for policy, ep, dense, experts in (
-        ("default", 2, False, False),  # with EP every unit keeps its gathered weights until backward
-        ("default", 1, True, None),  # without EP every block reshards
-        ("always", 2, True, True),
-        ("never", 2, False, False),
+    for policy, ep, dense in (
+        ("default", 2, False),  # with EP every unit keeps its gathered weights until backward
+        ("default", 1, True),  # without EP every block reshards
+        ("always", 2, True),
+        ("never", 2, False),
     ):
         cfg = job_config(parallelism__expert_parallel_degree=ep, parallelism__fsdp_reshard_after_forward=policy)
         model = check_parallel_matches(reference, ref_loss, ref_grads, cfg, world_size)
         block = model.layers["1"]  # an MoE block
         found = (_reshards_after_forward(block), _reshards_after_forward(model.tok_embeddings))
         assert found == (dense, dense), f"{policy}, ep={ep}: block and embedding reshard {found}, expected {dense}"
-        if experts is not None:
-            assert _reshards_after_forward(block.moe.experts) == experts, f"{policy}: experts"
+        if ep > 1:  # EP = FSDP degree: every expert lives on one rank, FSDP leaves them out (experts_outside_fsdp)
+            experts = block.moe.experts
+            assert not isinstance(experts, FSDPModule), policy
+            assert experts.w1.device_mesh.mesh_dim_names == ("ep",), experts.w1.device_mesh
         assert _reshards_after_forward(model.output) == (policy == "always")
 
 
 def test_reshard_after_forward_policy_per_unit_keeps_results():
     run_distributed(_reshard_policies, 2)
+
+
+@pytest.mark.parametrize(
+    "world_size, overrides, outside",
+    [
+        (2, {"parallelism.expert_parallel_degree": 2}, True),  # EP = FSDP degree: each expert on one rank
+        (4, {"parallelism.expert_parallel_degree": 4}, True),
+        (4, {"parallelism.expert_parallel_degree": 2}, False),  # experts sharded over 2 FSDP ranks
+        (4, {"parallelism.expert_parallel_degree": 2, "parallelism.data_parallel_replicate_degree": 2}, False),
+        (2, {"parallelism.expert_parallel_degree": 1}, False),  # no EP: experts are FSDP-sharded like the rest
+        (2, {"parallelism.expert_parallel_degree": 2, "training.enable_cpu_offload": True}, False),
+        (2, {"parallelism.expert_parallel_degree": 2, "training.mixed_precision_param": "bfloat16"}, True),
+        # bf16 experts outside FSDP need an optimizer that updates their fp32 masters
+        (
+            2,
+            {
+                "parallelism.expert_parallel_degree": 2,
+                "training.mixed_precision_param": "bfloat16",
+                "optimizer.implementation": "foreach",
+            },
+            False,
+        ),  # fmt: skip
+        (2, {"parallelism.expert_parallel_degree": 2, "training.mixed_precision_param": "float16"}, False),
+    ],
+)
+def test_experts_outside_fsdp_only_where_no_expert_has_a_data_parallel_copy(world_size, overrides, outside):
+    cfg = JobConfig()
+    cfg.training.mixed_precision_param = "float32"
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    assert experts_outside_fsdp(dims, cfg) == outside

@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from torchtitan.components.optimizer import updates_master_weights
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import MoERegions, apply_compile
 from torchtitan.distributed.context_parallel import ContextParallel
@@ -104,10 +105,11 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
     if job_config.quantize.float8_experts:
         check_float8_supported(torch.device(device_type()))
         # FSDP gathers the weights anew every forward: quantized at every use there, else once per optimizer step
-        converted = convert_to_float8_experts(model, cache_weights=not parallel_dims.fsdp_enabled)
+        cached = not parallel_dims.fsdp_enabled or experts_outside_fsdp(parallel_dims, job_config)
+        converted = convert_to_float8_experts(model, cache_weights=cached)
         logger.info(
             f"quantize.float8_experts: {converted} routed-expert modules run FP8 grouped GEMMs, their weights "
-            + ("quantized at every use (FSDP)" if parallel_dims.fsdp_enabled else "quantized once per optimizer step")
+            + ("quantized once per optimizer step" if cached else "quantized at every use (FSDP)")
         )
     if job_config.quantize.float8_linears:
         check_float8_supported(torch.device(device_type()), "--quantize.float8_linears")
@@ -141,8 +143,24 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
             pp_enabled=parallel_dims.pp_enabled,
             cpu_offload=job_config.training.enable_cpu_offload,
             ep_degree=parallel_dims.ep,
+            experts_outside=experts_outside_fsdp(parallel_dims, job_config),
         )
     return model
+
+
+def experts_outside_fsdp(parallel_dims: ParallelDims, job_config: Any) -> bool:
+    """Whether FSDP leaves the routed experts alone: every expert lives on one rank (the experts' FSDP mesh has one
+    rank, e.g. EP = the data-parallel degree), so there is nothing to shard, gather or reduce. Wrapped anyway, FSDP
+    copies their weights in each forward and their gradients through a one-rank reduce-scatter in each backward
+    (16B_bench4 at FSDP2 x EP2: 2.7 ms of host time and ~2 ms of device copies per MoE layer). Unwrapped, they
+    compute in the dtype they are stored in: fp32, or for bf16 compute bf16 weights whose fp32 masters the optimizer
+    updates (`components/master_weights.py`; the trainer stores them so), which needs AdamW 'triton'."""
+    if not parallel_dims.ep_enabled or parallel_dims.dp_replicate * parallel_dims.dp_shard_mod_ep != 1:
+        return False
+    if job_config.training.enable_cpu_offload:
+        return False
+    param_dtype = job_config.training.mixed_precision_param
+    return param_dtype == "float32" or (param_dtype == "bfloat16" and updates_master_weights(job_config.optimizer))
 
 
 def _deepep_num_sms(parallelism: Any) -> int:
@@ -333,14 +351,19 @@ def apply_fsdp(
     pp_enabled: bool = False,
     cpu_offload: bool = False,
     ep_degree: int = 1,
+    experts_outside: bool = False,
 ) -> None:
     """FSDP2 (HSDP when dp_mesh is 2-D): embedding, each block, [norm, output], the root.
 
     With EP (`experts_mesh` set), each MoE block's routed experts form their own unit on the expert-FSDP mesh (the
-    dp ranks EP did not take); the router and shared experts stay in the block's unit.
+    dp ranks EP did not take); the router and shared experts stay in the block's unit. `experts_outside`
+    (`experts_outside_fsdp`): the experts' parameters are left out of every unit instead.
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     config: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp_policy}
+    if experts_outside:
+        moe_blocks = [_inner(block) for block in transformer_blocks(model) if _inner(block).moe_enabled]
+        config["ignored_params"] = {param for block in moe_blocks for param in block.moe.experts.parameters()}
     if cpu_offload:
         config["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     match reshard_after_forward_policy:
@@ -364,7 +387,7 @@ def apply_fsdp(
     blocks = list(model.layers.values())
     one_rank_units = []  # units whose mesh has one rank: nothing to reduce
     for block in transformer_blocks(model):  # MTP modules: units like blocks, outside the explicit prefetch
-        if experts_mesh is not None and _inner(block).moe_enabled:
+        if experts_mesh is not None and not experts_outside and _inner(block).moe_enabled:
             experts = _inner(block).moe.experts
             if experts_mesh.size() == 1:
                 one_rank_units.append(experts)
@@ -406,7 +429,8 @@ def _set_explicit_prefetch(model: nn.Module, blocks: list[nn.Module]) -> None:
 
     def units(block: nn.Module) -> list[nn.Module]:
         inner = _inner(block)
-        return [block, inner.moe.experts] if inner.moe_enabled else [block]
+        experts_unit = inner.moe_enabled and isinstance(inner.moe.experts, FSDPModule)
+        return [block, inner.moe.experts] if experts_unit else [block]
 
     if not blocks:
         return
