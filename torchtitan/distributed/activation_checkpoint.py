@@ -5,11 +5,9 @@ elementwise ops, index ops) in backward:
 
 - matmuls (aten.mm, aten.bmm, aten._grouped_mm, aten._scaled_grouped_mm and its CPU emulation, aten.addmm) are all
   saved. torchtitan saves every other mm to trade more recompute for memory; we save all of them (simpler, and the
-  MoE's activations are dominated by the expert GEMMs, which we do not want to run twice). The exception is the router
-  gate matmul (bs*seq x dim x num_experts): it is tiny and recomputed. Routing must not change on recompute, so the
-  selection ops that consume it (topk, and the stable sort that orders token copies expert-major) are saved: the
-  recomputed forward reuses the original expert choice and order even if the recomputed scores differed in the last
-  bit.
+  MoE's activations are dominated by the expert GEMMs, which we do not want to run twice). The order of token copies
+  must not change on recompute, so the selection ops (topk, and the stable sort that orders token copies
+  expert-major) are saved too.
 - attention kernels (SDPA variants, flex attention).
 - collectives: all-to-all (functional and autograd variants), reduce-scatter and the context-parallel all-gather of
   the attention latent (`torchtitan::cp_all_gather`), so recompute issues no communication, and device-to-host
@@ -17,20 +15,16 @@ elementwise ops, index ops) in backward:
   whole blocks: it gathers the latent again in backward (576 values per token and layer for DeepSeek-V3).
 - aten.max (amax-like reductions that low-precision recipes reuse).
 - DeepEP's dispatch/combine custom ops when torchtitan.distributed.deepep registered them.
-- in MoE blocks, the compiled attention, router selection and shared experts (`inductor_compiled_code`): they run
-  compiled inside the block's eager checkpoint, compiled so that SAC sees each as one op
-  (`compile.saved_by_sac_options`); their outputs (results and the activations their own backward needs) are saved
-  and the recompute skips them. The routed experts' compiled regions (DeepEP's local stages, the grouped-GEMM
-  SwiGLU) are not wrapped: their activations, one row per token copy, are most of an MoE block's memory, and their
-  generated kernels (the gathers, the SwiGLU) run again in the recompute. Their grouped GEMMs, though, are extern
-  calls through the dispatcher, where SAC's mode sees them: their outputs are saved like every matmul's, and the
-  recompute gets them back without running them. So per-op SAC in an MoE block recomputes the routed experts'
-  gathers and SwiGLU and the eager glue (residual adds, token sorting), never a GEMM. Dense blocks are compiled
-  together with their checkpoint (dynamo traces the policy, which must not refer to that op there): the
-  partitioner applies the policy op by op inside the graph.
 
-Why not save the routed experts' regions too: it bought no speed and cost memory per layer (benchmarks/NOTES.md,
-"Per-op SAC keeps the compiled attention, router and shared experts").
+In MoE blocks per-op SAC checkpoints only the routed experts' local part (`MoE.routed_experts`: the gathers into the
+experts' rows, the grouped-GEMM SwiGLU, the gathers back), not the block: its activations, one row per token copy,
+are most of an MoE block's memory, and the recompute runs its gathers and SwiGLU again but no GEMM (the grouped GEMMs
+are extern calls SAC's mode sees, saved like every matmul). The rest of the block (attention, norm, router, shared
+experts, the exchange) keeps its activations: a few per token, and an eager checkpoint of the whole block replayed
+its Python in backward, 8.6 ms of host time per layer to launch 1.1 ms of device work, which left the GPU idle
+(16B_bench4, FSDP2 x EP2 on H100s; benchmarks/NOTES.md). The exchange lies outside the checkpoint, so recompute
+never communicates. Dense blocks are compiled together with their checkpoint (dynamo traces the policy, which must
+not refer to that op there): the partitioner applies the policy op by op inside the graph.
 """
 
 from __future__ import annotations
@@ -43,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from torchtitan.distributed.compile import CompiledRegion, recompile_guard_contexts
 
@@ -89,12 +83,6 @@ def op_sac_save_list() -> set[Any]:
     return save
 
 
-def _compiled_region_op() -> set[Any]:
-    """The higher-order op of an inductor region compiled with `compile.saved_by_sac_options` (torch >= 2.10)."""
-    op = getattr(torch._higher_order_ops, "inductor_compiled_code", None)
-    return {op} if op is not None else set()
-
-
 def _deepep_ops() -> set[Any]:
     try:
         import torchtitan.distributed.deepep  # noqa: F401  (registers torch.ops.deepep when present)
@@ -114,10 +102,11 @@ def _deepep_ops() -> set[Any]:
 def apply_ac(model: nn.Module, ac_config: Any, compiled_regions: tuple[CompiledRegion, ...] = ()) -> None:
     """Wrap the blocks of `model.layers` (and `model.mtp`) in non-reentrant checkpoint wrappers per `ac_config`.
 
-    mode "none": nothing. "full": every block. "selective" with selective_ac_option "op": per-op SAC on every block;
-    with an integer N: full checkpointing of every Nth block (blocks 0, N, 2N, ... by position in this model part).
-    MoE blocks also get the recompile guard of `compile.recompile_guard_contexts` over `compiled_regions` (the
-    model's `MoERegions` run inside an eager checkpoint; dense blocks are compiled together with theirs).
+    mode "none": nothing. "full": every block. "selective" with selective_ac_option "op": per-op SAC on every dense
+    block and on the routed experts of every MoE block (module docstring); with an integer N: full checkpointing of
+    every Nth block (blocks 0, N, 2N, ... by position in this model part). The checkpoints in MoE blocks also get the
+    recompile guard of `compile.recompile_guard_contexts` over `compiled_regions` (the model's `MoERegions` run
+    inside an eager checkpoint; dense blocks are compiled together with theirs).
     """
     mode, option = ac_config.mode, str(ac_config.selective_ac_option)
     if mode == "none":
@@ -140,14 +129,14 @@ def apply_ac(model: nn.Module, ac_config: Any, compiled_regions: tuple[CompiledR
     _wrap_blocks(model, lambda position: position % every == 0, None, compiled_regions)
 
 
-def per_op_sac_contexts(num_experts: int | None):
-    """The (forward, recompute) contexts per-op SAC runs a block under: a `context_fn` for torch.utils.checkpoint."""
-    return _sac_contexts(op_sac_save_list(), num_experts)
+def per_op_sac_contexts():
+    """The (forward, recompute) contexts of the per-op SAC policy: a `context_fn` for torch.utils.checkpoint."""
+    return _sac_contexts(op_sac_save_list())
 
 
 def _ignore_profiler_ops_in_sac() -> None:
     """SAC replays ops by (op, call index) during recompute, so every op must run as often in recompute as in
-    forward. FSDP2's hooks of the routed experts' unit (inside the block) open a different number of profiler
+    forward. FSDP2's hooks of the routed experts' unit (inside their checkpoint) open a different number of profiler
     `record_function` ranges in recompute (e.g. FSDP::root_pre_forward) than in forward. Those ops carry no tensor
     data; torch.utils.checkpoint.SAC_IGNORED_OPS is the set SAC passes through untracked, so add them to it (once
     per process; idempotent). Remove it when torch's SAC leaves profiler ops untracked itself: a per-op SAC run with
@@ -170,7 +159,6 @@ def _wrap_blocks(
     compiled_regions: tuple[CompiledRegion, ...],
 ) -> None:
     """Checkpoint the selected blocks; per-op SAC when `sac_save_ops` is given, else whole-block recompute."""
-    num_experts = _num_routed_experts(model)
     # the transformer blocks, then the multi-token prediction modules (blocks too), by position
     blocks = [(model.layers, "layers", name, block) for name, block in model.layers.named_children()]
     mtp = getattr(model, "mtp", None)
@@ -181,25 +169,27 @@ def _wrap_blocks(
             continue
         is_moe = getattr(block, "moe_enabled", False)
         guard_name = f"{prefix}.{name}" if is_moe and compiled_regions else None
-        save_ops = sac_save_ops
-        if save_ops is not None and is_moe:
-            save_ops = save_ops | _compiled_region_op()
+        guarded = compiled_regions if guard_name is not None else ()  # dynamo traces a dense block's partial
+        if is_moe and sac_save_ops is not None:
+            contexts = partial(_checkpoint_contexts, sac_save_ops, guard_name, guarded)
+            block.moe.routed_experts_checkpoint = partial(
+                checkpoint, use_reentrant=False, preserve_rng_state=False, context_fn=contexts
+            )
+            continue
         # dynamo traces a dense block's checkpoint: pass no context_fn unless there is something to run in it
         kwargs = {}
-        if save_ops is not None or guard_name is not None:
-            guarded = compiled_regions if guard_name is not None else ()  # dynamo traces a dense block's partial
-            kwargs["context_fn"] = partial(_checkpoint_contexts, save_ops, num_experts, guard_name, guarded)
+        if sac_save_ops is not None or guard_name is not None:
+            kwargs["context_fn"] = partial(_checkpoint_contexts, sac_save_ops, guard_name, guarded)
         container.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False, **kwargs))
 
 
 def _checkpoint_contexts(
     sac_save_ops: set[Any] | None,
-    num_experts: int | None,
     guard_name: str | None,
     compiled_regions: tuple[CompiledRegion, ...],
 ):
     """checkpoint's context_fn: (forward, recompute) contexts of SAC and, for MoE blocks, the recompile guard."""
-    contexts = [_sac_contexts(sac_save_ops, num_experts)] if sac_save_ops is not None else []
+    contexts = [_sac_contexts(sac_save_ops)] if sac_save_ops is not None else []
     if guard_name is not None:
         contexts.append(recompile_guard_contexts(guard_name, compiled_regions))
     if len(contexts) == 1:
@@ -215,33 +205,15 @@ def _stacked(managers):
         yield
 
 
-def _num_routed_experts(model: nn.Module) -> int | None:
-    for block in model.layers.values():
-        moe = getattr(block, "moe", None)
-        if moe is not None:
-            return moe.num_experts
-    return None
-
-
-def _sac_contexts(save_ops: set[Any], num_experts: int | None):
+def _sac_contexts(save_ops: set[Any]):
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
         if func in save_ops:
-            if num_experts is not None and _is_router_gate_matmul(func, args, num_experts):
-                return CheckpointPolicy.PREFER_RECOMPUTE
             return CheckpointPolicy.MUST_SAVE
         if func is torch.ops.aten._to_copy.default and _is_device_to_host(args, kwargs):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
-
-
-def _is_router_gate_matmul(func: Any, args: tuple, num_experts: int) -> bool:
-    """The gate is nn.Linear(dim, num_experts): mm(x (N, dim), weight.t() (dim, num_experts))."""
-    if getattr(func, "_opname", None) not in ("mm", "addmm"):
-        return False
-    weight = args[-1]
-    return isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == num_experts
 
 
 def _is_device_to_host(args: tuple, kwargs: dict) -> bool:

@@ -12,14 +12,13 @@ two things in them cannot be traced into one graph:
   `CompiledRegion` for why that matters under activation checkpointing). The sort by expert and the all-to-all
   dispatcher's reordering between ranks and local experts run eager.
 Also compiled inside an MoE block: attention with its norm and residual add (`attention_residual`, so that the norm
-and the add fuse instead of running as eager kernels in forward, recompute and backward), the router's expert
-selection, the shared experts, the FFN norm with its cast (`ffn_input`) and the sum of the routed and shared
-experts (`MoE.sum_experts`); all see a fixed number of tokens. The last two are not wrapped for SAC: each is one
-kernel, cheaper to run again than to keep. (A bare `torch.nn` module compiled as its own root frame is on dynamo's
-skip list, hence the block method around the norm.)
+and the add fuse instead of running as eager kernels in forward and backward), the router's expert selection, the
+shared experts, the FFN norm with its cast (`ffn_input`) and the sum of the routed and shared experts
+(`MoE.sum_experts`); all see a fixed number of tokens. (A bare `torch.nn` module compiled as its own root frame is on
+dynamo's skip list, hence the block method around the norm.)
 A dense block wrapped by activation checkpointing is compiled together with its checkpoint (dynamo traces the
-checkpoint and its SAC policy); in MoE blocks the checkpoint stays eager around the compiled children, and under
-per-op SAC the attention, router selection and shared experts are compiled so that SAC saves their outputs.
+checkpoint and its SAC policy); in MoE blocks a checkpoint (the whole block, or under per-op SAC the routed experts:
+`activation_checkpoint.py`) stays eager around the compiled children.
 Modules are compiled in place (`nn.Module.compile`), so parameter names (FQNs) do not change.
 """
 
@@ -51,57 +50,29 @@ __all__ = [
 ]
 
 
-def apply_compile(model: nn.Module, backend: str, regions: MoERegions, per_op_sac: bool = False) -> None:
-    """Compile each block of `model.layers` (and `model.mtp`) in place with `backend`; MoE blocks run `regions`.
-
-    per_op_sac: the blocks run under per-op SAC; compile the MoE blocks' attention (with its norm and residual),
-    router selection and shared experts so that SAC saves their outputs instead of running them again in backward
-    (`saved_by_sac_options`).
-    """
+def apply_compile(model: nn.Module, backend: str, regions: MoERegions) -> None:
+    """Compile each block of `model.layers` (and `model.mtp`) in place with `backend`; MoE blocks run `regions`."""
     # Token counts become Python ints in the expert-parallel dispatch; let dynamo capture them as unbacked symbols
     # instead of breaking the graph wherever such a count is read (process-wide: dynamo has no per-region setting).
     torch._dynamo.config.capture_scalar_outputs = True
-    saved = saved_by_sac_options(backend) if per_op_sac else {}
     for block in transformer_blocks(model):
         inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
         if not getattr(inner, "moe_enabled", False):
             block.compile(backend=backend, fullgraph=True)
             continue
-        inner.attention_residual = torch.compile(inner.attention_residual, backend=backend, fullgraph=True, **saved)
+        inner.attention_residual = torch.compile(inner.attention_residual, backend=backend, fullgraph=True)
         inner.ffn_input = torch.compile(inner.ffn_input, backend=backend, fullgraph=True)
-        compile_moe(inner.moe, backend, regions, saved)
+        compile_moe(inner.moe, backend, regions)
 
 
-def saved_by_sac_options(backend: str) -> dict[str, Any]:
-    """torch.compile kwargs that make a compiled region one op whose outputs per-op SAC saves.
-
-    An MoE block's checkpoint runs eager around its compiled regions. Plain inductor code is invisible to SAC's
-    dispatch mode, so SAC runs its forward again in backward. Wrapped in the `inductor_compiled_code` higher-order
-    op (inductor's `wrap_inductor_compiled_regions`), the region is one op to SAC, whose policy saves its outputs
-    (the result and the activations its own backward needs), and the recompute skips it. Other backends (and torch
-    builds without that op): no wrapping, the regions are recomputed.
-    """
-    if backend != "inductor" or not hasattr(torch._higher_order_ops, "inductor_compiled_code"):
-        return {}
-    return {"options": {"wrap_inductor_compiled_regions": True}}
-
-
-def compile_moe(moe: nn.Module, backend: str, regions: MoERegions, saved_options: dict[str, Any] | None = None) -> None:
+def compile_moe(moe: nn.Module, backend: str, regions: MoERegions) -> None:
     """Compile what can be compiled of one MoE layer (see the module docstring), in place; its dispatcher was built
-    with `regions.permutation` already.
-
-    saved_options (`saved_by_sac_options`, or none) go to the router selection and the shared experts, regions
-    with few activations whose forward is worth saving. The routed experts' regions never get them: their
-    activations (every token copy's SwiGLU input and hidden state) are the bulk of an MoE block's memory.
-    """
-    saved_options = saved_options or {}
+    with `regions.permutation` already."""
     # MoE.route calls the router's two methods, not router.forward. Only the selection (top-k, group masking,
     # counting: many small ops on fixed shapes) is compiled; the scoring is one linear layer plus a sigmoid.
-    moe.router.select_experts = torch.compile(
-        moe.router.select_experts, backend=backend, fullgraph=True, **saved_options
-    )
+    moe.router.select_experts = torch.compile(moe.router.select_experts, backend=backend, fullgraph=True)
     if moe.shared_experts is not None:
-        moe.shared_experts.compile(backend=backend, fullgraph=True, **saved_options)
+        moe.shared_experts.compile(backend=backend, fullgraph=True)
     moe.sum_experts = torch.compile(moe.sum_experts, backend=backend, fullgraph=True)
     moe.experts.run_grouped_mm = regions.grouped_mm
 
@@ -212,7 +183,9 @@ def _graphs_per_region(regions: tuple[CompiledRegion, ...]) -> dict[str, int]:
 def _check_no_recompile(
     block_name: str, regions: tuple[CompiledRegion, ...], forward_graphs: dict[str, int], when: str
 ) -> None:
-    changed = [name for name, graphs in _graphs_per_region(regions).items() if graphs != forward_graphs.get(name, 0)]
+    # a region without a graph at the end of the forward did not run inside the checkpoint (it runs after it)
+    ran_inside = {name: graphs for name, graphs in forward_graphs.items() if graphs > 0}
+    changed = [name for name, graphs in _graphs_per_region(regions).items() if graphs != ran_inside.get(name, graphs)]
     if not changed:
         return
     reasons = {m.co_name: m.recompile_reason for m in get_compilation_metrics() if m.co_name in changed}

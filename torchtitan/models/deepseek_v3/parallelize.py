@@ -118,9 +118,7 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
 
     apply_ac(model, job_config.activation_checkpoint, regions.all() if regions is not None else ())
     if regions is not None:
-        ac = job_config.activation_checkpoint
-        per_op_sac = ac.mode == "selective" and str(ac.selective_ac_option) == "op"
-        apply_compile(model, compile_config.backend, regions, per_op_sac=per_op_sac)
+        apply_compile(model, compile_config.backend, regions)
 
     if parallel_dims.fsdp_enabled:
         dense_mesh = (

@@ -56,6 +56,9 @@ class MoE(nn.Module):
         """Replaced by the expert-parallel ParallelStyles (`parallelize`); not a module, holds no parameters."""
         self.overlap: MicroBatchOverlap | None = None
         """Set by `parallelize` for `parallelism.expert_parallel_overlap`: run two micro-batches' stages interleaved."""
+        self.routed_experts_checkpoint: Callable[..., Any] | None = None
+        """Set by per-op SAC (`activation_checkpoint.py`): `checkpoint(fn, *args)` that runs `routed_experts` so that
+        its gathers and SwiGLU are recomputed in backward; None runs it as is."""
         # Aux-loss-free balancing state. expert_bias is always used for selection (it may come from a checkpoint);
         # load_balance_coeff=None only stops updating it. Both are updated outside the forward (load_balance.py).
         self.tokens_per_optimizer_step: int | None = None
@@ -82,11 +85,20 @@ class MoE(nn.Module):
         dispatcher = self.dispatcher
         prepared = dispatcher.dispatch_preprocess(tokens, selected_experts, top_scores)
         dispatched = yield dispatcher.token_dispatch, (prepared,)
-        expert_input, group_ends, state = dispatcher.dispatch_postprocess(dispatched, self.experts.row_layout(x.dtype))
-        to_combine = dispatcher.combine_preprocess(self.experts(expert_input, group_ends), state)
+        if self.routed_experts_checkpoint is None:
+            to_combine, state = self.routed_experts(dispatched, x.dtype)
+        else:
+            to_combine, state = self.routed_experts_checkpoint(self.routed_experts, dispatched, x.dtype)
         combined = yield dispatcher.token_combine, (to_combine, state)
         routed = dispatcher.combine_postprocess(combined, state)  # sum_k g_{t,k} FFN_k(x_t): (N, dim)
         return self.sum_experts(routed, self.finish_shared_experts(shared), x.dtype).view(bs, slen, dim)
+
+    def routed_experts(self, dispatched: Any, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+        """This rank's part between dispatch and combine: the received token copies into the experts' rows, the
+        experts, and their outputs ready to send back -> (what combine sends, the dispatcher's state)."""
+        dispatcher = self.dispatcher
+        expert_input, group_ends, state = dispatcher.dispatch_postprocess(dispatched, self.experts.row_layout(dtype))
+        return dispatcher.combine_preprocess(self.experts(expert_input, group_ends), state), state
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (bs, slen, dim) -> top_scores (N, k) fp32, selected_experts (N, k).

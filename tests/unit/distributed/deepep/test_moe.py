@@ -1,7 +1,6 @@
 """`DeepEPMoE` + `DeepEPExpertParallel` on gloo ranks (CPU kernels): parity with the standard all-to-all EP,
 activation checkpointing, no handle leaks, torch.compile, and configuration errors."""
 
-import functools
 import gc
 import sys
 import weakref
@@ -100,7 +99,7 @@ def _checkpointing(rank: int, world_size: int) -> None:
         return dict(calls), x.grad, _grads(moe)
 
     # the trainer's per-op SAC policy (activation_checkpoint.py), not a test-only one
-    sac_context = functools.partial(per_op_sac_contexts, _deepep_moe(mesh).num_experts)
+    sac_context = per_op_sac_contexts
     plain = run(lambda m, x: m(x))
     sac = run(lambda m, x: checkpoint(m, x, use_reentrant=False, context_fn=sac_context))
     full = run(lambda m, x: checkpoint(m, x, use_reentrant=False))
@@ -163,7 +162,7 @@ def _sync_free_matches_synced(rank: int, world_size: int) -> None:
     the grouped GEMMs and with the per-expert loop, also under the trainer's per-op SAC."""
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
     tokens = torch.randn(2, 6, DIM, generator=torch.Generator().manual_seed(rank))  # the same count on every rank
-    sac_context = functools.partial(per_op_sac_contexts, 8)
+    sac_context = per_op_sac_contexts
     for use_grouped_mm in (False, True):
         results = []
         for sync_free in (False, True):
