@@ -88,14 +88,18 @@ class CompiledRegion:
     gives one graph for every row count.
 
     `token_dims` maps a positional argument's index to its row dim, or for a dataclass argument to {field: row dim}
-    (None arguments are skipped). `num_graphs` counts the graphs this region compiled (the activation-checkpoint
-    guard reads it).
+    (None arguments are skipped). `num_graphs` counts the graphs this region compiled, `graphs_in_checkpoints` those
+    it compiled inside an MoE checkpoint (the activation-checkpoint guard reads it: a region may also run outside
+    the checkpoint, e.g. the gather back of the standard dispatcher in fp32 after the combine, and a graph compiled
+    there for other dtypes is never one the checkpoint's calls use).
     """
 
     def __init__(self, fn: Callable, backend: str, token_dims: dict[int, int | dict[str, int]]):
         self.name = fn.__name__
         self.token_dims = token_dims
         self.num_graphs = 0
+        self.graphs_in_checkpoints = 0
+        self.checkpoints_running = 0  # MoE checkpoints (forward or recompute) running now (the guard's contexts)
         self._compiled = torch.compile(fn, backend=backend, fullgraph=True)
 
     def __call__(self, *args: Any) -> Any:
@@ -108,7 +112,10 @@ class CompiledRegion:
         before = graphs_compiled()
         with fx_config.patch(backed_size_oblivious=True):
             out = self._compiled(*args)
-        self.num_graphs += graphs_compiled() - before
+        compiled = graphs_compiled() - before
+        self.num_graphs += compiled
+        if self.checkpoints_running:
+            self.graphs_in_checkpoints += compiled
         return out
 
 
@@ -162,30 +169,41 @@ def recompile_guard_contexts(
 
     @contextlib.contextmanager
     def forward() -> Iterator[None]:
-        yield
+        with _checkpoint_running(regions):
+            yield
         forward_graphs.update(_graphs_per_region(regions))
 
     @contextlib.contextmanager
     def recompute() -> Iterator[None]:
         _check_no_recompile(block_name, regions, forward_graphs, "before")
         try:
-            yield
+            with _checkpoint_running(regions):
+                yield
         finally:
             _check_no_recompile(block_name, regions, forward_graphs, "during")
 
     return forward(), recompute()
 
 
+@contextlib.contextmanager
+def _checkpoint_running(regions: tuple[CompiledRegion, ...]) -> Iterator[None]:
+    for region in regions:
+        region.checkpoints_running += 1
+    try:
+        yield
+    finally:
+        for region in regions:
+            region.checkpoints_running -= 1
+
+
 def _graphs_per_region(regions: tuple[CompiledRegion, ...]) -> dict[str, int]:
-    return {region.name: region.num_graphs for region in regions}
+    return {region.name: region.graphs_in_checkpoints for region in regions}
 
 
 def _check_no_recompile(
     block_name: str, regions: tuple[CompiledRegion, ...], forward_graphs: dict[str, int], when: str
 ) -> None:
-    # a region without a graph at the end of the forward did not run inside the checkpoint (it runs after it)
-    ran_inside = {name: graphs for name, graphs in forward_graphs.items() if graphs > 0}
-    changed = [name for name, graphs in _graphs_per_region(regions).items() if graphs != ran_inside.get(name, graphs)]
+    changed = [name for name, graphs in _graphs_per_region(regions).items() if graphs != forward_graphs.get(name, 0)]
     if not changed:
         return
     reasons = {m.co_name: m.recompile_reason for m in get_compilation_metrics() if m.co_name in changed}

@@ -9,9 +9,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.unit.distributed._model_parity import batch, build_reference, job_config, loss_of, tiny_args
 from tests.unit.distributed._spawn import run_distributed
+from torchtitan.components.master_weights import store_weights_in_bf16
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
+from torchtitan.models.moe.experts import GroupedExperts
 
 
 class CountAllToAll(TorchDispatchMode):
@@ -74,3 +76,32 @@ def test_bad_selective_option_names_the_fix():
     model = build_reference(tiny_args())
     with pytest.raises(ValueError, match="'op' or a positive integer"):
         apply_ac(model, SimpleNamespace(mode="selective", selective_ac_option="sometimes"))
+
+
+def _standard_ep_compiled_bf16(rank: int, world_size: int) -> None:
+    reference = build_reference(tiny_args())
+    inputs, labels = batch()
+    inputs, labels = inputs.chunk(world_size)[rank], labels.chunk(world_size)[rank]
+    cfg = job_config(
+        parallelism__expert_parallel_degree=2,
+        activation_checkpoint__mode="selective",
+        activation_checkpoint__selective_ac_option="op",
+        training__mixed_precision_param="bfloat16",
+        compile__enable=True,
+        compile__backend="aot_eager",
+    )
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    dims.build_mesh("cpu")
+    model = parallelize_deepseekv3(copy.deepcopy(reference), dims, cfg)
+    store_weights_in_bf16([model], (GroupedExperts,), fp32_grads=False)  # as the trainer does: FSDP leaves them alone
+    for _ in range(2):
+        loss = loss_of(model(inputs), labels, labels.numel())
+        loss.backward()
+        assert torch.isfinite(loss)
+
+
+def test_op_sac_under_compile_with_the_gather_back_compiled_for_two_dtypes():
+    # The standard dispatcher's gather back runs twice per layer through one compiled region: inside the routed
+    # experts' checkpoint in the rows' dtype (bf16), after the combine in fp32. The fp32 graph, compiled after the
+    # first layer's forward, is not a recompile of anything the checkpoint ran: the recompile guard must let it be.
+    run_distributed(_standard_ep_compiled_bf16, 2)
