@@ -27,6 +27,12 @@ if [[ -z "${NGPU:-}" ]]; then
   NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 1)")
 fi
 NNODES=${NNODES:-1}
+for name in NGPU NNODES; do
+  if [[ ! "${!name}" =~ ^[1-9][0-9]*$ ]]; then
+    echo "error: $name=${!name} is not a positive whole number; set $name to the number of $([[ $name == NGPU ]] && echo "processes (GPUs) per node" || echo nodes)" >&2
+    exit 2
+  fi
+done
 
 # Fail fast, in one line, on bad config or degrees before torchrun starts any process.
 "$PYTHON" -m torchtitan.preflight --world-size $((NGPU * NNODES)) --job.config_file "$CONFIG_FILE" "$@"

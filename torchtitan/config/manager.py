@@ -187,6 +187,13 @@ def validate(job_config: JobConfig) -> None:
             f"a DeepEP feature; got {backend!r}, {ep}); drop the flag or switch the backend",
         )
 
+    checkpoint = job_config.checkpoint
+    _require(
+        checkpoint.load_step == -1 or checkpoint.enable,
+        f"checkpoint.load_step={checkpoint.load_step} resumes from a checkpoint, but checkpointing is off (nothing "
+        "would be loaded: training would start at step 1); add --checkpoint.enable or drop --checkpoint.load_step",
+    )
+
     unknown = sorted(set(job_config.compile.components) - {"model", "loss"})
     _require(
         not unknown,
@@ -227,6 +234,7 @@ _RANGES = (
     ("optimizer.eps", lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
     ("optimizer.weight_decay", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
     ("checkpoint.keep_latest_k", lambda v: v >= 0, ">= 0 (0 keeps all)"),
+    ("checkpoint.load_step", lambda v: v == -1 or v >= 1, "-1 (the latest checkpoint) or a step >= 1"),
 )
 
 

@@ -71,7 +71,23 @@ def test_space_and_equals_forms():
 
 
 def test_negative_number_is_a_value():
-    assert parse("--checkpoint.load_step", "-1", "--checkpoint.load_step", "-3").checkpoint.load_step == -3
+    args = ("--training.global_batch_size", "8", "--training.global_batch_size", "-1")
+    assert parse(*args).training.global_batch_size == -1
+    assert parse("--checkpoint.enable", "--checkpoint.load_step", "-1").checkpoint.load_step == -1
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # checkpointing off: nothing would be loaded and training would start at step 1
+        (["--checkpoint.load_step", "5"], "checkpoint.load_step=5 resumes from a checkpoint, but checkpointing is off"),
+        (["--checkpoint.enable", "--checkpoint.load_step", "-3"], "checkpoint.load_step must be -1"),
+        (["--checkpoint.enable", "--checkpoint.load_step", "0"], "checkpoint.load_step must be -1"),
+    ],
+)
+def test_load_step_needs_checkpointing_and_a_step(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse(*argv)
 
 
 @pytest.mark.parametrize(
