@@ -81,8 +81,17 @@ def _run_launcher(args: list[str], env_extra: dict[str, str] | None = None) -> s
         ([], {"NGPU": "abc"}, "NGPU=abc is not a positive whole number"),
         (["--checkpoint.load_step", "5"], {}, "add --checkpoint.enable or drop --checkpoint.load_step"),
     ],
-    ids=["missing-config", "unknown-key", "wrong-type", "model-name", "degrees-vs-world-size", "seq-len-not-divisible",
-         "ngpu-zero", "ngpu-not-a-number", "load-step-without-checkpointing"],
+    ids=[
+        "missing-config",
+        "unknown-key",
+        "wrong-type",
+        "model-name",
+        "degrees-vs-world-size",
+        "seq-len-not-divisible",
+        "ngpu-zero",
+        "ngpu-not-a-number",
+        "load-step-without-checkpointing",
+    ],
 )
 def test_bad_input_fails_fast_with_one_line(args, env, expected):
     proc = _run_launcher(args, env)
