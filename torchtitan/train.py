@@ -367,7 +367,13 @@ class Trainer:
         gc.disable()
         gc.collect(1)
         steps = job_config.training.steps
-        logger.info(f"training from step {self.train_state.step + 1} to {steps}")
+        if self.train_state.step >= steps:
+            logger.info(
+                f"the checkpoint of step {self.train_state.step} already reaches training.steps={steps}: nothing to "
+                "train; pass a larger --training.steps to continue"
+            )
+        else:
+            logger.info(f"training from step {self.train_state.step + 1} to {steps}")
         profiler = StepProfiler(job_config.profiling, job_config.job.dump_folder, self.rank, self.device)
         step_log = StepLog(self.metrics, self.rank, steps, graphs_compiled())
         try:

@@ -203,3 +203,14 @@ def _one_error_line(run: subprocess.CompletedProcess) -> str:
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in output, output[-3000:]
     return errors[0]
+
+
+def test_rerunning_a_finished_job_says_there_is_nothing_to_train(tmp_path):
+    args = [*FAST_ARGS, "--checkpoint.enable", "--checkpoint.interval", "2", "--training.steps", "2"]
+    run_trainer(tmp_path, args)
+    before = (tmp_path / "metrics.jsonl").read_text()
+    proc = run_trainer(tmp_path, args)
+    out = proc.stdout + proc.stderr
+    assert "the checkpoint of step 2 already reaches training.steps=2: nothing to train" in out, out[-2000:]
+    assert "training from step 3" not in out
+    assert (tmp_path / "metrics.jsonl").read_text() == before
