@@ -63,12 +63,24 @@ def save_hf_safetensors(
     for name, shard in zip(names, shards, strict=True):
         # clone: safetensors refuses tensors that share storage (e.g. experts unstacked from one 3D tensor)
         shard = {k: v.detach().cpu().clone() for k, v in shard.items()}
-        save_file(shard, os.path.join(folder, name), metadata={"format": "pt"})
+        path = os.path.join(folder, name)
+        save_file(shard, path, metadata={"format": "pt"})
+        os.chmod(path, _FILE_MODE)  # safetensors writes 0600; an export is read by others, like the index json
         weight_map.update(dict.fromkeys(shard, name))
     total_size = sum(t.numel() * t.element_size() for t in state_dict.values())
     with open(os.path.join(folder, INDEX_FILE), "w") as f:
         json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, f, indent=2)
     return names
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_FILE_MODE = 0o666 & ~_umask()
+"""The mode open() gives a new file under this process's umask."""
 
 
 def parse_size(size: int | str) -> int:
