@@ -11,8 +11,9 @@ Document sources (`resolve_corpus_files`, `read_documents`):
   - a folder holding `state.json` / `dataset_info.json` (`datasets.Dataset.save_to_disk`): its `.arrow`
     files in the order `state.json` lists them (the `datasets` package is not needed); a folder holding
     `dataset_dict.json` (`DatasetDict.save_to_disk`): its `train` split;
-  - any other folder: every file above found under it, recursively, in sorted path order.
-  Empty documents are skipped.
+  - any other folder: every file above found under it, recursively, in sorted path order (suffixes in any case,
+    e.g. `.JSONL`); the trainer logs which files it reads and which it skips (`describe_corpus`).
+  Empty documents are skipped; a corpus whose documents are all empty or whitespace is an error.
 """
 
 import gzip
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
 TINYCORPUS_PATH = Path(__file__).resolve().parents[1] / "assets" / "tinycorpus" / "austen_chapters.jsonl.gz"
 DOCUMENT_SUFFIXES = (".jsonl", ".jsonl.gz", ".txt", ".txt.gz", ".parquet", ".arrow")
+_HF_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")  # a saved Hugging Face dataset folder
 TEXT_FIELD = "text"
 
 
@@ -41,12 +43,14 @@ def check_corpus(
     Reads at most `records_per_file` documents of each file (the trainer reads them all, and a bad record further
     in fails there with the same one-line message)."""
     files = resolve_corpus_files(dataset, dataset_path, section)
-    if not any(doc for path in files for doc in read_documents(path, limit=records_per_file)):
+    if not any(doc.strip() for path in files for doc in read_documents(path, limit=records_per_file)):
         raise empty_corpus_error(files)
 
 
 def empty_corpus_error(files: list[Path]) -> DatasetError:
-    return DatasetError(f"no non-empty documents in {', '.join(map(str, files))}: the corpus is empty")
+    return DatasetError(
+        f"no non-empty documents in {', '.join(map(str, files))}: the corpus is empty (or only whitespace)"
+    )
 
 
 def resolve_corpus_files(dataset: str, dataset_path: str | None, section: str = "training") -> list[Path]:
@@ -85,7 +89,7 @@ def resolve_corpus_files(dataset: str, dataset_path: str | None, section: str = 
 def read_documents(path: Path, limit: int | None = None) -> list[str]:
     """Documents of one corpus file (format chosen by suffix, see the module docstring); the first `limit` only
     if given. Undecodable content raises DatasetError naming the file and line."""
-    name = path.name
+    name = path.name.lower()
     try:
         if name.endswith((".jsonl", ".jsonl.gz")):
             return _read_jsonl(path, limit)
@@ -185,10 +189,35 @@ def _text_column(table: "pa.Table", path: Path) -> list[str]:
 
 
 def _open_text(path: Path):
-    if path.name.endswith(".gz"):
+    if path.name.lower().endswith(".gz"):
         return gzip.open(path, "rt", encoding="utf-8")
     return open(path, encoding="utf-8")
 
 
 def _has_document_suffix(path: Path) -> bool:
-    return path.name.endswith(DOCUMENT_SUFFIXES)
+    return path.name.lower().endswith(DOCUMENT_SUFFIXES)
+
+
+def describe_corpus(files: list[Path], dataset_path: str | None, shown: int = 5) -> str:
+    """One log line: the files a job reads and, for a plain folder, the files under it that it skips (no corpus
+    format; hidden files aside)."""
+    line = f"corpus: {_count(files, 'file')} ({_names([f.name for f in files], shown)})"
+    folder = Path(dataset_path).expanduser() if dataset_path is not None else None
+    if folder is None or not folder.is_dir() or any((folder / marker).is_file() for marker in _HF_MARKERS):
+        return line
+    relative = (p.relative_to(folder) for p in folder.rglob("*") if p.is_file() and not _has_document_suffix(p))
+    skipped = sorted(r.as_posix() for r in relative if not any(part.startswith(".") for part in r.parts))
+    if skipped:
+        line += (
+            f"; skipped {_count(skipped, 'file')} of no corpus format ({', '.join(DOCUMENT_SUFFIXES)}): "
+            f"{_names(skipped, shown)}"
+        )
+    return line
+
+
+def _count(items: list, noun: str) -> str:
+    return f"{len(items)} {noun}{'s' if len(items) != 1 else ''}"
+
+
+def _names(names: list[str], shown: int) -> str:
+    return ", ".join(names[:shown]) + (f", ... ({len(names) - shown} more)" if len(names) > shown else "")

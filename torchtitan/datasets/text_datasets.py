@@ -22,7 +22,13 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from torchtitan.config.job_config import JobConfig
-from torchtitan.datasets.corpus import DatasetError, empty_corpus_error, read_documents, resolve_corpus_files
+from torchtitan.datasets.corpus import (
+    DatasetError,
+    describe_corpus,
+    empty_corpus_error,
+    read_documents,
+    resolve_corpus_files,
+)
 from torchtitan.datasets.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -99,6 +105,7 @@ def build_text_dataset(
     source = validation if split == "validation" and not held_out else training
     name = "training" if source is training else "validation"
     files = resolve_corpus_files(training.dataset, source.dataset_path, name)
+    logger.info(f"{name} {describe_corpus(files, source.dataset_path)}")
     token_stream, num_documents = tokenize_corpus(files, tokenizer)
     if held_out:
         token_stream, num_documents = split_documents(token_stream, tokenizer.bos_id, split == "validation")
@@ -162,7 +169,7 @@ def tokenize_corpus(files: list[Path], tokenizer: Tokenizer) -> tuple[torch.Tens
     cached = _load_tokenized(cache_file)
     if cached is None:
         documents = [doc for f in files for doc in read_documents(f) if doc]
-        if not documents:
+        if not any(doc.strip() for doc in documents):
             raise empty_corpus_error(files)
         token_lists = tokenizer.encode_batch(documents, add_bos=True, add_eos=True)
         cached = (torch.cat([torch.tensor(ids, dtype=torch.int64) for ids in token_lists]), len(documents))

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from torchtitan.datasets import text_datasets
-from torchtitan.datasets.corpus import DatasetError, check_corpus, read_documents, resolve_corpus_files
+from torchtitan.datasets.corpus import (
+    DatasetError,
+    check_corpus,
+    describe_corpus,
+    read_documents,
+    resolve_corpus_files,
+)
 from torchtitan.datasets.text_datasets import CACHE_DIR_ENV, PackedTextDataset, build_text_dataset, tokenize_corpus
 
 
@@ -194,6 +200,20 @@ def test_folder_of_mixed_files_in_sorted_order_skipping_other_files(tmp_path, do
     assert read_corpus(tmp_path) == documents
 
 
+def test_folder_suffixes_in_any_case_and_the_log_line_names_read_and_skipped_files(tmp_path, documents):
+    (tmp_path / "A.TXT").write_text(documents[0])
+    (tmp_path / "b.JSONL").write_text(json.dumps({"text": documents[1]}) + "\n")
+    (tmp_path / "notes.json").write_text("{}")
+    (tmp_path / ".cache").write_text("hidden files are no news")
+    files = resolve_corpus_files("tinycorpus", str(tmp_path))
+    assert [f.name for f in files] == ["A.TXT", "b.JSONL"]
+    assert read_corpus(tmp_path) == documents[:2]
+    line = describe_corpus(files, str(tmp_path))
+    assert line.startswith("corpus: 2 files (A.TXT, b.JSONL); skipped 1 file of no corpus format")
+    assert line.endswith(": notes.json")
+    assert describe_corpus(files[:1], str(files[0])) == "corpus: 1 file (A.TXT)"
+
+
 def test_empty_documents_are_skipped(tmp_path, tokenizer):
     (tmp_path / "d.jsonl").write_text('{"text": ""}\n{"text": "Emma"}\n')
     stream, num_documents = tokenize_corpus([tmp_path / "d.jsonl"], tokenizer)
@@ -254,6 +274,14 @@ def test_preflight_rejects_a_corpus_of_only_empty_documents(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"text": ""}\n{"text": ""}\n')
     with pytest.raises(DatasetError, match="the corpus is empty"):
         check_corpus("tinycorpus", str(tmp_path / "d.jsonl"))
+
+
+def test_a_corpus_of_only_whitespace_is_empty_to_preflight_and_trainer(tmp_path, tokenizer):
+    (tmp_path / "w.txt").write_text("  \n\t\n")
+    with pytest.raises(DatasetError, match="the corpus is empty"):
+        check_corpus("tinycorpus", str(tmp_path / "w.txt"))
+    with pytest.raises(DatasetError, match="the corpus is empty"):
+        tokenize_corpus([tmp_path / "w.txt"], tokenizer)
 
 
 def test_missing_dataset_path_names_the_config_key(tmp_path):
