@@ -243,6 +243,11 @@ class ActivationCheckpoint:
     selective_ac_option: str = "op"
     """`op` = per-op SAC with a save list; an integer N = checkpoint every Nth block fully."""
 
+    num_blocks: int = -1
+    """Checkpoint only the first N blocks of each model part (its transformer blocks, then its MTP modules; Megatron's
+    --recompute-method block --recompute-num-layers N): the others keep every activation, trading memory for the
+    recompute. -1: every block `mode` selects."""
+
 
 @dataclass
 class Compile:

@@ -200,6 +200,12 @@ def validate(job_config: JobConfig) -> None:
         f"compile.components may only contain 'model' and 'loss', got {unknown}; "
         "pass e.g. --compile.components model,loss",
     )
+    ac = job_config.activation_checkpoint
+    _require(
+        ac.num_blocks == -1 or ac.mode != "none",
+        f"activation_checkpoint.num_blocks={ac.num_blocks} limits which blocks are checkpointed, but the mode is "
+        "none; pass --activation_checkpoint.mode selective (or full), or drop --activation_checkpoint.num_blocks",
+    )
     option = job_config.activation_checkpoint.selective_ac_option
     _require(
         option == "op" or (option.isdigit() and int(option) > 0),
@@ -235,6 +241,7 @@ _RANGES = (
     ("optimizer.weight_decay", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
     ("checkpoint.keep_latest_k", lambda v: v >= 0, ">= 0 (0 keeps all)"),
     ("checkpoint.load_step", lambda v: v == -1 or v >= 1, "-1 (the latest checkpoint) or a step >= 1"),
+    ("activation_checkpoint.num_blocks", lambda v: v >= -1, "-1 (every block) or a number of blocks >= 0"),
 )
 
 

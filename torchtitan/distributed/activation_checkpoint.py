@@ -104,29 +104,32 @@ def apply_ac(model: nn.Module, ac_config: Any, compiled_regions: tuple[CompiledR
 
     mode "none": nothing. "full": every block. "selective" with selective_ac_option "op": per-op SAC on every dense
     block and on the routed experts of every MoE block (module docstring); with an integer N: full checkpointing of
-    every Nth block (blocks 0, N, 2N, ... by position in this model part). The checkpoints in MoE blocks also get the
+    every Nth block (blocks 0, N, 2N, ... by position in this model part). `num_blocks` (>= 0) keeps only the
+    selected blocks at positions below it. The checkpoints in MoE blocks also get the
     recompile guard of `compile.recompile_guard_contexts` over `compiled_regions` (the model's `MoERegions` run
     inside an eager checkpoint; dense blocks are compiled together with theirs).
     """
     mode, option = ac_config.mode, str(ac_config.selective_ac_option)
+    num_blocks = ac_config.num_blocks
     if mode == "none":
         return
-    if mode == "full":
-        _wrap_blocks(model, lambda position: True, None, compiled_regions)
-        return
-    if mode != "selective":
+    if mode not in ("full", "selective"):
         raise ValueError(f"activation_checkpoint.mode={mode!r}: use none, full or selective")
-    if option == "op":
-        _ignore_profiler_ops_in_sac()
-        _wrap_blocks(model, lambda position: True, op_sac_save_list(), compiled_regions)
-        return
-    if not option.isdigit() or int(option) < 1:
+    if mode == "selective" and option != "op" and (not option.isdigit() or int(option) < 1):
         raise ValueError(
             f"activation_checkpoint.selective_ac_option={option!r}: use 'op' or a positive integer N "
             "(checkpoint every Nth block)"
         )
-    every = int(option)
-    _wrap_blocks(model, lambda position: position % every == 0, None, compiled_regions)
+    every = int(option) if mode == "selective" and option != "op" else 1
+
+    def selected(position: int) -> bool:
+        return position % every == 0 and (num_blocks == -1 or position < num_blocks)
+
+    sac_save_ops = None
+    if mode == "selective" and option == "op":
+        _ignore_profiler_ops_in_sac()
+        sac_save_ops = op_sac_save_list()
+    _wrap_blocks(model, selected, sac_save_ops, compiled_regions)
 
 
 def per_op_sac_contexts():

@@ -83,9 +83,11 @@ def test_negative_number_is_a_value():
         (["--checkpoint.load_step", "5"], "checkpoint.load_step=5 resumes from a checkpoint, but checkpointing is off"),
         (["--checkpoint.enable", "--checkpoint.load_step", "-3"], "checkpoint.load_step must be -1"),
         (["--checkpoint.enable", "--checkpoint.load_step", "0"], "checkpoint.load_step must be -1"),
+        (["--activation_checkpoint.num_blocks", "-2"], "activation_checkpoint.num_blocks must be -1"),
+        (["--activation_checkpoint.mode", "none", "--activation_checkpoint.num_blocks", "3"], "but the mode is none"),
     ],
 )
-def test_load_step_needs_checkpointing_and_a_step(argv, message):
+def test_cross_field_and_range_errors_name_the_fix(argv, message):
     with pytest.raises(ConfigError, match=message):
         parse(*argv)
 

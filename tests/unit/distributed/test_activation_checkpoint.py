@@ -1,7 +1,6 @@
 """Activation checkpointing: per-op SAC recomputes without communicating; every mode leaves gradients unchanged."""
 
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.unit.distributed._model_parity import batch, build_reference, job_config, loss_of, tiny_args
 from tests.unit.distributed._spawn import run_distributed
 from torchtitan.components.master_weights import store_weights_in_bf16
+from torchtitan.config.job_config import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
@@ -49,8 +49,9 @@ def _all_to_all_counts(rank: int, world_size: int) -> None:
         with counter:
             loss_of(model(inputs), labels, labels.numel()).backward()
         counts[mode] = counter.calls
-        grads[mode] = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor() for n, p in
-                       model.named_parameters()}
+        grads[mode] = {
+            n.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor() for n, p in model.named_parameters()
+        }
     moe_layers = 2  # tiny_args: 3 layers, the first dense
     # forward: counts + tokens all-to-all at dispatch, tokens at combine; backward: the two token all-to-alls
     assert counts["none"] == moe_layers * 5, counts
@@ -65,17 +66,41 @@ def test_op_sac_recompute_issues_no_all_to_all_and_keeps_gradients():
     run_distributed(_all_to_all_counts, 2)
 
 
+def _checkpointed(model) -> list[bool]:
+    """Per block: wrapped whole (dense, full AC) or its routed experts checkpointed (MoE under per-op SAC)."""
+    return [
+        type(block).__name__ == "CheckpointWrapper"
+        or getattr(getattr(block, "moe", None), "routed_experts_checkpoint", None) is not None
+        for block in model.layers.values()
+    ]
+
+
 def test_every_nth_block_is_wrapped():
     model = build_reference(tiny_args())
-    apply_ac(model, SimpleNamespace(mode="selective", selective_ac_option="2"))
-    wrapped = [type(block).__name__ == "CheckpointWrapper" for block in model.layers.values()]
-    assert wrapped == [True, False, True]
+    apply_ac(model, ActivationCheckpoint(mode="selective", selective_ac_option="2"))
+    assert _checkpointed(model) == [True, False, True]
+
+
+@pytest.mark.parametrize(
+    "mode, option, num_blocks, expected",
+    [
+        ("selective", "op", 2, [True, True, False]),  # dense block 0 and MoE block 1 checkpointed, block 2 not
+        ("selective", "op", 0, [False, False, False]),
+        ("full", "op", 1, [True, False, False]),
+        ("selective", "2", 2, [True, False, False]),  # every 2nd block among the first 2
+        ("selective", "op", -1, [True, True, True]),
+    ],
+)
+def test_num_blocks_checkpoints_only_the_first_blocks(mode, option, num_blocks, expected):
+    model = build_reference(tiny_args())
+    apply_ac(model, ActivationCheckpoint(mode=mode, selective_ac_option=option, num_blocks=num_blocks))
+    assert _checkpointed(model) == expected
 
 
 def test_bad_selective_option_names_the_fix():
     model = build_reference(tiny_args())
     with pytest.raises(ValueError, match="'op' or a positive integer"):
-        apply_ac(model, SimpleNamespace(mode="selective", selective_ac_option="sometimes"))
+        apply_ac(model, ActivationCheckpoint(mode="selective", selective_ac_option="sometimes"))
 
 
 def _standard_ep_compiled_bf16(rank: int, world_size: int) -> None:

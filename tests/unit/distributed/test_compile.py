@@ -4,13 +4,13 @@ pieces meant to run compiled do."""
 import collections
 import copy
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
 from torch._dynamo.utils import get_compilation_metrics
 
 from tests.unit.distributed._model_parity import batch, build_reference, loss_of, reference_loss_and_grads, tiny_args
+from torchtitan.config.job_config import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import MoERegions, apply_compile
 from torchtitan.distributed.expert_parallel.dispatcher import EAGER_PERMUTATION, LocalTokenDispatcher
@@ -24,7 +24,7 @@ def _compile(model, backend: str, ac_mode: str, compiled_permutation: bool = Tru
         if block.moe_enabled:
             permutation = regions.permutation if compiled_permutation else EAGER_PERMUTATION
             block.moe.dispatcher = LocalTokenDispatcher(block.moe.num_experts, False, permutation)
-    apply_ac(model, SimpleNamespace(mode=ac_mode, selective_ac_option="op"), regions.all())
+    apply_ac(model, ActivationCheckpoint(mode=ac_mode), regions.all())
     apply_compile(model, backend, regions)
 
 
