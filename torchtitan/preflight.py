@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from torchtitan.components.run_lock import DumpFolderBusyError, check_dump_folder_free
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
-from torchtitan.datasets.corpus import check_corpus
+from torchtitan.datasets.corpus import CACHE_DIR_ENV, check_corpus, disk_cache_dir
 
 if TYPE_CHECKING:
     from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs
@@ -38,6 +38,8 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, "DeepSeekV3M
     job_config = ConfigManager().parse_args(argv)
     # Config, dump folder and corpus errors come before the model code (and torch) is imported: in well under a second.
     check_dump_folder(job_config.job.dump_folder)
+    check_checkpoint_folder(job_config)
+    check_cache_folder()
     check_corpus(job_config.training.dataset, job_config.training.dataset_path)
     if job_config.validation.enable and job_config.validation.dataset_path:
         check_corpus("", job_config.validation.dataset_path, "validation")
@@ -53,6 +55,7 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, "DeepSeekV3M
     check_float8_linears(job_config, parallel_dims)
     check_float8_dispatch(job_config, model_args)
     check_profiling(job_config)
+    check_pipeline_schedule(job_config, parallel_dims)
     check_validation(job_config, model_args, parallel_dims)
     if job_config.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("--metrics.enable_wandb needs the wandb package: pip install wandb (or drop the flag)")
@@ -257,6 +260,41 @@ def check_dump_folder(dump_folder: str) -> None:
         raise ConfigError(
             f"--job.dump_folder {dump_folder!r} is not writable ({err.strerror}); choose another --job.dump_folder"
         ) from None
+
+
+def check_checkpoint_folder(job_config: JobConfig) -> None:
+    """The checkpoint folder must be a folder (or not exist yet) when checkpointing is on."""
+    if not job_config.checkpoint.enable:
+        return
+    folder = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ConfigError(
+            f"the checkpoint folder {folder!r} is a file, not a folder; move it away or pass another "
+            "--checkpoint.folder"
+        )
+
+
+def check_cache_folder() -> None:
+    """Tokenized corpora are cached under $TORCHTITAN_CACHE_DIR (default ~/.cache/torchtitan). A cache that cannot be
+    written only costs the tokenization of every run (the trainer warns); a path that is a file is a mistake."""
+    folder = disk_cache_dir()
+    if folder.exists() and not folder.is_dir():
+        where = f"${CACHE_DIR_ENV}={os.environ[CACHE_DIR_ENV]!r}" if os.environ.get(CACHE_DIR_ENV) else str(folder)
+        raise ConfigError(
+            f"the tokenized-corpus cache {where} is a file, not a folder; set {CACHE_DIR_ENV} to a folder"
+        )
+
+
+def check_pipeline_schedule(job_config: JobConfig, parallel_dims) -> None:
+    if not parallel_dims.pp_enabled:
+        return
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    name = job_config.parallelism.pipeline_parallel_schedule
+    try:
+        get_schedule_class(name)
+    except ValueError as err:
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule={name!r}: {err}; pass one of them") from None
 
 
 def check_profiling(job_config: JobConfig) -> None:

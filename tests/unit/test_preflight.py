@@ -1,4 +1,5 @@
-"""Preflight rejects validation batches the job cannot run and W&B logging without its package, in one line each."""
+"""Preflight rejects, in one line each, what the job cannot run: validation batches, W&B without its package, a
+checkpoint or cache folder that is a file, an unknown pipeline schedule."""
 
 import importlib.util
 
@@ -33,3 +34,24 @@ def test_wandb_without_its_package_names_the_install(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
     with pytest.raises(ConfigError, match="pip install wandb"):
         check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--metrics.enable_wandb"], world_size=1)
+
+
+def test_a_checkpoint_folder_that_is_a_file_is_one_error(tmp_path):
+    (tmp_path / "ck").write_text("not a folder")
+    args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--checkpoint.folder", "ck"]
+    with pytest.raises(ConfigError, match="the checkpoint folder .*ck' is a file, not a folder"):
+        check_job(args, world_size=1)
+    check_job(args[:-3], world_size=1)  # checkpointing off: the file is nobody's business
+
+
+def test_a_cache_folder_that_is_a_file_is_one_error(tmp_path, monkeypatch):
+    (tmp_path / "cache").write_text("not a folder")
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match=r"\$TORCHTITAN_CACHE_DIR=.*cache' is a file, not a folder"):
+        check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path / "dump")], world_size=1)
+
+
+def test_an_unknown_pipeline_schedule_lists_the_known_ones(tmp_path):
+    args = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Bogus"]
+    with pytest.raises(ConfigError, match="pipeline_parallel_schedule='Bogus': Unknown schedule name .*1F1B"):
+        check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path), *args], world_size=2)

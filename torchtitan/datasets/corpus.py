@@ -19,6 +19,7 @@ Document sources (`resolve_corpus_files`, `read_documents`):
 import gzip
 import io
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
 TINYCORPUS_PATH = Path(__file__).resolve().parents[1] / "assets" / "tinycorpus" / "austen_chapters.jsonl.gz"
 DOCUMENT_SUFFIXES = (".jsonl", ".jsonl.gz", ".txt", ".txt.gz", ".parquet", ".arrow")
 _HF_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")  # a saved Hugging Face dataset folder
+CACHE_DIR_ENV = "TORCHTITAN_CACHE_DIR"
+"""Where tokenized corpora are cached on disk (default ~/.cache/torchtitan)."""
+
 TEXT_FIELD = "text"
 
 
@@ -221,3 +225,8 @@ def _count(items: list, noun: str) -> str:
 
 def _names(names: list[str], shown: int) -> str:
     return ", ".join(names[:shown]) + (f", ... ({len(names) - shown} more)" if len(names) > shown else "")
+
+
+def disk_cache_dir() -> Path:
+    """Where tokenized corpora are cached: $TORCHTITAN_CACHE_DIR, else ~/.cache/torchtitan."""
+    return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "torchtitan").expanduser()

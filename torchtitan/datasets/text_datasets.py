@@ -10,6 +10,7 @@ the samples whose index i has (i // L) % W == r, so step t of rank r is samples 
 one rank with batch W * L sees exactly the concatenation (rank 0 first) of what W ranks with batch L see.
 """
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -23,8 +24,10 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.datasets.corpus import (
+    CACHE_DIR_ENV,
     DatasetError,
     describe_corpus,
+    disk_cache_dir,
     empty_corpus_error,
     read_documents,
     resolve_corpus_files,
@@ -154,8 +157,6 @@ def split_documents(token_stream: torch.Tensor, bos_id: int, held_out: bool, eve
 _TOKENIZED_CORPORA: dict[tuple, tuple[torch.Tensor, int]] = {}
 _MAX_CACHED_CORPORA = 4
 _CACHE_FORMAT = 1  # bump when the token stream a corpus maps to changes (BOS/EOS rules, document reading)
-CACHE_DIR_ENV = "TORCHTITAN_CACHE_DIR"
-"""Where tokenized corpora are cached on disk (default ~/.cache/torchtitan)."""
 
 
 def tokenize_corpus(files: list[Path], tokenizer: Tokenizer) -> tuple[torch.Tensor, int]:
@@ -165,7 +166,7 @@ def tokenize_corpus(files: list[Path], tokenizer: Tokenizer) -> tuple[torch.Tens
     if key in _TOKENIZED_CORPORA:
         _TOKENIZED_CORPORA[key] = _TOKENIZED_CORPORA.pop(key)  # most recently used goes last
         return _TOKENIZED_CORPORA[key]
-    cache_file = _disk_cache_dir() / "tokenized" / f"{hashlib.sha256(repr(key).encode()).hexdigest()[:32]}.pt"
+    cache_file = disk_cache_dir() / "tokenized" / f"{hashlib.sha256(repr(key).encode()).hexdigest()[:32]}.pt"
     cached = _load_tokenized(cache_file)
     if cached is None:
         documents = [doc for f in files for doc in read_documents(f) if doc]
@@ -178,10 +179,6 @@ def tokenize_corpus(files: list[Path], tokenizer: Tokenizer) -> tuple[torch.Tens
         _TOKENIZED_CORPORA.pop(next(iter(_TOKENIZED_CORPORA)))  # least recently used
     _TOKENIZED_CORPORA[key] = cached
     return cached
-
-
-def _disk_cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "torchtitan").expanduser()
 
 
 def _load_tokenized(path: Path) -> tuple[torch.Tensor, int] | None:
@@ -217,5 +214,6 @@ def _save_tokenized(path: Path, tokens: torch.Tensor, num_documents: int) -> Non
         torch.save({"tokens": tokens, "num_documents": num_documents, "checksum": checksum}, tmp)
         os.replace(tmp, path)
     except OSError as err:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # e.g. the cache path is a file: there is no tmp file to remove
+            tmp.unlink(missing_ok=True)
         logger.warning(f"could not cache the tokenized corpus in {path.parent} ({err}); set {CACHE_DIR_ENV}")
