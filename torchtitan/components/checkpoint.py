@@ -55,6 +55,7 @@ from torchtitan.components.checkpoint_folder import (
     validate_foreign_dcp,
     write_rank_checksums,
 )
+from torchtitan.components.loss import nonfinite_weight
 from torchtitan.config.job_config import JobConfig
 
 logger = logging.getLogger(__name__)
@@ -278,11 +279,23 @@ class CheckpointManager:
                 begin = time.monotonic()
                 self._verify_checksums(path)
                 self._dcp_load(self._states_present_in(path), path)
+                self._check_finite_weights(path)
                 logger.info(f"resumed from {path} in {time.monotonic() - begin:.2f}s")
                 return True
         if self.config.initial_load_path:
-            return self._load_initial(self.config.initial_load_path)
+            resumed = self._load_initial(self.config.initial_load_path)
+            self._check_finite_weights(self.config.initial_load_path)
+            return resumed
         return False
+
+    def _check_finite_weights(self, path: str) -> None:
+        """A loaded weight that is inf or NaN makes every loss non-finite: name the checkpoint, not the lr."""
+        where = nonfinite_weight(self.model_parts)
+        if where is not None:
+            raise CheckpointError(
+                f"{path} holds inf or NaN weights ({where}): the checkpoint is corrupt; resume from an older one "
+                "(--checkpoint.load_step N) or initialize from another (--checkpoint.initial_load_path)"
+            )
 
     def _checkpoint_to_resume(self, step: int) -> str | None:
         if not os.path.isdir(self.folder):

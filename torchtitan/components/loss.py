@@ -165,6 +165,17 @@ def check_finite_weights(model_parts: Iterable[torch.nn.Module], step: int) -> N
     """Raise FloatingPointError on every rank if any rank holds a weight with inf or NaN values: before a checkpoint,
     so that an update that diverged with a finite loss and gradient (a huge lr) is never saved. One multi-tensor max
     per rank and one all-reduce; a step that saves waits for its update anyway."""
+    name = nonfinite_weight(model_parts)
+    if name is not None:
+        raise FloatingPointError(
+            f"step {step}'s update made weights inf or NaN ({name}) with a finite loss and gradient norm; step "
+            f"{step} is not saved. Lower the lr (--optimizer.lr) and resume from the last checkpoint"
+        )
+
+
+def nonfinite_weight(model_parts: Iterable[torch.nn.Module]) -> str | None:
+    """None when every rank's weights are finite, else where one is not: "on this rank: <name>" or "on another
+    rank" (the same answer on every rank: one multi-tensor max per rank and one all-reduce)."""
     named = [
         (name, param.to_local() if hasattr(param, "to_local") else param)
         for part in model_parts
@@ -172,20 +183,16 @@ def check_finite_weights(model_parts: Iterable[torch.nn.Module], step: int) -> N
     ]
     named = [(name, local) for name, local in named if local.numel() > 0]
     if not named:
-        return
+        return None
     peaks = torch.stack(torch._foreach_norm([local.detach() for _, local in named], float("inf")))
     finite = torch.isfinite(peaks)
     bad = (~finite.all()).to(torch.int32).reshape(1)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     if not bool(bad.item()):
-        return
+        return None
     local_names = [name for (name, _), ok in zip(named, finite.tolist(), strict=True) if not ok]
-    where = f" (on this rank: {local_names[0]})" if local_names else " (on another rank)"
-    raise FloatingPointError(
-        f"step {step}'s update made weights inf or NaN{where} with a finite loss and gradient norm; step {step} is "
-        "not saved. Lower the lr (--optimizer.lr) and resume from the last checkpoint"
-    )
+    return f"on this rank: {local_names[0]}" if local_names else "on another rank"
 
 
 def check_grad_norm(grad_norm: torch.Tensor | float, step: int) -> None:

@@ -475,3 +475,23 @@ def test_two_rank_fsdp_checkpoint_loads_resharded_into_one_rank(tmp_path):
     assert_same_params(single.params(), reference["params"])
     exp_avg = {k: v for k, v in single.optimizers.state_dict().items() if k.endswith(".exp_avg")}
     assert_same_params(exp_avg, reference["exp_avg"])
+
+
+@pytest.mark.parametrize("how", ["resume", "initial_load_path"])
+def test_a_checkpoint_with_nan_weights_is_reported_as_corrupt_by_name(tmp_path, how):
+    # saved by an older version (or a bad disk): the loss would be NaN at step 1 and blamed on the lr
+    config = make_config(tmp_path)
+    config.training.steps = 2
+    run = Run(config)
+    with torch.no_grad():
+        next(run.model.parameters()).view(-1)[0] = float("nan")
+    run.manager.save(2, last_step=True)
+    path = folder(tmp_path) / "step-2"
+    if how == "resume":
+        manager = Run(make_config(tmp_path)).manager
+    else:
+        manager = Run(make_config(tmp_path / "other", initial_load_path=str(path))).manager
+    with pytest.raises(
+        CheckpointError, match=rf"{path} holds inf or NaN weights \(on this rank: .*\): the checkpoint is corrupt"
+    ):
+        manager.load()
