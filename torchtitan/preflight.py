@@ -55,6 +55,7 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, "DeepSeekV3M
     check_float8_linears(job_config, parallel_dims)
     check_float8_dispatch(job_config, model_args)
     check_profiling(job_config)
+    check_memory_budget(job_config)
     check_pipeline_schedule(job_config, parallel_dims)
     check_validation(job_config, model_args, parallel_dims)
     if job_config.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
@@ -295,6 +296,15 @@ def check_pipeline_schedule(job_config: JobConfig, parallel_dims) -> None:
         get_schedule_class(name)
     except ValueError as err:
         raise ConfigError(f"parallelism.pipeline_parallel_schedule={name!r}: {err}; pass one of them") from None
+
+
+def check_memory_budget(job_config: JobConfig) -> None:
+    import torch
+
+    if job_config.activation_checkpoint.memory_budget_gib > 0 and not torch.cuda.is_available():
+        raise ConfigError(
+            "activation_checkpoint.memory_budget_gib measures the GPU's memory in step 1; no GPU here: drop it"
+        )
 
 
 def check_profiling(job_config: JobConfig) -> None:

@@ -42,6 +42,8 @@ from torchtitan.datasets.corpus import DatasetError
 from torchtitan.datasets.dataloader import build_dataloader
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.activation_budget import ActivationBudget
+from torchtitan.distributed.activation_checkpoint import budget_blocks
 from torchtitan.distributed.compile import graphs_compiled
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.weight_init import copy_from_unsharded_init
@@ -168,6 +170,10 @@ class Trainer:
         elif autocast_dtype is not None:
             logger.info("weights stay fp32, cast by autocast at every use: bf16 weights need optimizer AdamW 'triton'")
         self.optimizers = build_optimizers(self.model_parts, job_config, master_low_bits)
+        self.activation_budget = None
+        if job_config.activation_checkpoint.memory_budget_gib > 0:
+            blocks = [block for part in self.model_parts for block in budget_blocks(part)]
+            self.activation_budget = ActivationBudget(blocks, job_config.activation_checkpoint.memory_budget_gib)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, job_config)
         self.expert_bias_hook = ExpertBiasHook(
             self.model_parts, expert_bias_reduce_group(self.parallel_dims), self.parallel_dims.ep
@@ -400,6 +406,8 @@ class Trainer:
                 saves = self.checkpointer.saves_at(step, last_step=step == steps)
                 if step in (1, steps) or validates or saves:
                     step_log.flush()  # this step checked before its checkpoint: a diverged update is never saved
+                if step == 1 and self.activation_budget is not None:
+                    self.activation_budget.choose(self.device)  # from step 1's memory: each MoE block's level
                 if saves:
                     check_finite_weights(self.model_parts, step)
                 if step == 1:

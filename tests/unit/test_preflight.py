@@ -55,3 +55,19 @@ def test_an_unknown_pipeline_schedule_lists_the_known_ones(tmp_path):
     args = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Bogus"]
     with pytest.raises(ConfigError, match="pipeline_parallel_schedule='Bogus': Unknown schedule name .*1F1B"):
         check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path), *args], world_size=2)
+
+
+def test_a_memory_budget_without_a_gpu_is_one_error(tmp_path):
+    args = [
+        *DEBUG_TOML,
+        "--job.dump_folder",
+        str(tmp_path),
+        "--activation_checkpoint.memory_budget_gib",
+        "60",
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "op",
+    ]
+    with pytest.raises(ConfigError, match="memory_budget_gib measures the GPU's memory in step 1; no GPU here"):
+        check_job(args, world_size=1)

@@ -206,6 +206,13 @@ def validate(job_config: JobConfig) -> None:
         f"activation_checkpoint.num_blocks={ac.num_blocks} limits which blocks are checkpointed, but the mode is "
         "none; pass --activation_checkpoint.mode selective (or full), or drop --activation_checkpoint.num_blocks",
     )
+    per_op_sac = ac.mode == "selective" and ac.selective_ac_option == "op"
+    _require(
+        ac.memory_budget_gib == 0 or (per_op_sac and ac.num_blocks == -1 and par.pipeline_parallel_degree == 1),
+        f"activation_checkpoint.memory_budget_gib={ac.memory_budget_gib:g} picks each MoE block's checkpointing from "
+        "a step under per-op SAC on every block: it needs --activation_checkpoint.mode selective, selective_ac_option "
+        "op and no num_blocks, and no pipeline parallelism yet; drop the budget or those flags",
+    )
     option = job_config.activation_checkpoint.selective_ac_option
     _require(
         option == "op" or (option.isdigit() and int(option) > 0),
@@ -242,6 +249,7 @@ _RANGES = (
     ("checkpoint.keep_latest_k", lambda v: v >= 0, ">= 0 (0 keeps all)"),
     ("checkpoint.load_step", lambda v: v == -1 or v >= 1, "-1 (the latest checkpoint) or a step >= 1"),
     ("activation_checkpoint.num_blocks", lambda v: v >= -1, "-1 (every block) or a number of blocks >= 0"),
+    ("activation_checkpoint.memory_budget_gib", lambda v: math.isfinite(v) and v >= 0, "a number of GiB >= 0 (0: off)"),
 )
 
 

@@ -36,12 +36,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from torchtitan.distributed.compile import CompiledRegion, recompile_guard_contexts
+from torchtitan.distributed.utils import transformer_blocks
 
-__all__ = ["apply_ac", "op_sac_save_list", "per_op_sac_contexts"]
+__all__ = ["SwitchableCheckpointWrapper", "apply_ac", "budget_blocks", "op_sac_save_list", "per_op_sac_contexts"]
 
 
 def op_sac_save_list() -> set[Any]:
@@ -129,7 +130,7 @@ def apply_ac(model: nn.Module, ac_config: Any, compiled_regions: tuple[CompiledR
     if mode == "selective" and option == "op":
         _ignore_profiler_ops_in_sac()
         sac_save_ops = op_sac_save_list()
-    _wrap_blocks(model, selected, sac_save_ops, compiled_regions)
+    _wrap_blocks(model, selected, sac_save_ops, compiled_regions, switchable=ac_config.memory_budget_gib > 0)
 
 
 def per_op_sac_contexts():
@@ -155,13 +156,36 @@ def _ignore_profiler_ops_in_sac() -> None:
     )
 
 
+class SwitchableCheckpointWrapper(CheckpointWrapper):
+    """A block's checkpoint wrapper that runs the block plainly while `enabled` is False (a memory budget's levels:
+    `activation_budget.py`). Parameter names are a checkpoint-wrapped block's."""
+
+    def __init__(self, module: nn.Module, context_fn: Callable | None):
+        kwargs = {"context_fn": context_fn} if context_fn is not None else {}
+        super().__init__(module, preserve_rng_state=False, **kwargs)
+        self.enabled = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.enabled:
+            return super().forward(*args, **kwargs)
+        return self._checkpoint_wrapped_module(*args, **kwargs)
+
+
+def budget_blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """(switchable wrapper, MoE block) of every MoE block `apply_ac` made switchable, in forward order."""
+    wrappers = [block for block in transformer_blocks(model) if isinstance(block, SwitchableCheckpointWrapper)]
+    return [(wrapper, wrapper._checkpoint_wrapped_module) for wrapper in wrappers]
+
+
 def _wrap_blocks(
     model: nn.Module,
     selected: Callable[[int], bool],
     sac_save_ops: set[Any] | None,
     compiled_regions: tuple[CompiledRegion, ...],
+    switchable: bool = False,
 ) -> None:
-    """Checkpoint the selected blocks; per-op SAC when `sac_save_ops` is given, else whole-block recompute."""
+    """Checkpoint the selected blocks; per-op SAC when `sac_save_ops` is given, else whole-block recompute.
+    switchable: MoE blocks under per-op SAC are also wrapped whole, switched off (a memory budget's `full` level)."""
     # the transformer blocks, then the multi-token prediction modules (blocks too), by position
     blocks = [(model.layers, "layers", name, block) for name, block in model.layers.named_children()]
     mtp = getattr(model, "mtp", None)
@@ -178,6 +202,10 @@ def _wrap_blocks(
             block.moe.routed_experts_checkpoint = partial(
                 checkpoint, use_reentrant=False, preserve_rng_state=False, context_fn=contexts
             )
+            if switchable:  # a memory budget may recompute the whole block instead (activation_budget.py)
+                whole = partial(_checkpoint_contexts, None, guard_name, guarded) if guard_name is not None else None
+                wrapper = SwitchableCheckpointWrapper(block, whole)
+                container.register_module(name, wrapper)
             continue
         # dynamo traces a dense block's checkpoint: pass no context_fn unless there is something to run in it
         kwargs = {}

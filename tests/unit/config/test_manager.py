@@ -85,6 +85,11 @@ def test_negative_number_is_a_value():
         (["--checkpoint.enable", "--checkpoint.load_step", "0"], "checkpoint.load_step must be -1"),
         (["--activation_checkpoint.num_blocks", "-2"], "activation_checkpoint.num_blocks must be -1"),
         (["--activation_checkpoint.mode", "none", "--activation_checkpoint.num_blocks", "3"], "but the mode is none"),
+        (["--activation_checkpoint.memory_budget_gib", "-1"], "memory_budget_gib must be a number of GiB >= 0"),
+        (["--activation_checkpoint.memory_budget_gib", "60", "--activation_checkpoint.mode", "full"],
+         "memory_budget_gib=60 picks each MoE block's checkpointing from a step under per-op SAC"),
+        (["--activation_checkpoint.memory_budget_gib", "60", "--activation_checkpoint.num_blocks", "2"],
+         "and no num_blocks"),
     ],
 )
 def test_cross_field_and_range_errors_name_the_fix(argv, message):

@@ -130,8 +130,16 @@ def test_recompile_between_forward_and_recompute_is_a_named_error():
         use_reentrant=False,
         context_fn=partial(recompile_guard_contexts, "layers.3", (region,)),
     )
-    # Another dtype cannot reuse the graph: the region compiles again before the recompute of layers.3.
-    _layer(region, x.double(), [w.detach().double() for w in weights])
+    # Another dtype cannot reuse the graph: the region compiles again, inside the next layer's checkpoint, before
+    # the recompute of layers.3. (A graph compiled outside every checkpoint is not counted: the standard
+    # dispatcher's fp32 gather back after the combine; test_activation_checkpoint.py.)
+    checkpoint(
+        partial(_layer, region),
+        x.double(),
+        [w.detach().double() for w in weights],
+        use_reentrant=False,
+        context_fn=partial(recompile_guard_contexts, "layers.4", (region,)),
+    )
     with pytest.raises(RecompiledDuringCheckpointError, match=r"_toy_experts.*layers\.3"):
         out.sum().backward()
 

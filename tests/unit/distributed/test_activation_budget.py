@@ -1,0 +1,128 @@
+"""The activation memory budget: the plan it picks for a given budget, and the levels it switches MoE blocks to
+(whole-block recompute, per-op SAC on the routed experts, none) train with the same gradients."""
+
+import copy
+
+import pytest
+import torch
+
+from tests.unit.distributed._model_parity import (
+    batch,
+    build_reference,
+    job_config,
+    loss_of,
+    reference_loss_and_grads,
+    tiny_args,
+)
+from tests.unit.distributed._spawn import run_distributed
+from tests.unit.distributed.test_activation_checkpoint import CountAllToAll
+from torchtitan.distributed.activation_budget import LEVELS, ActivationBudget, BlockCost, plan_levels, set_level
+from torchtitan.distributed.activation_checkpoint import budget_blocks
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
+
+# three MoE blocks: at full AC each keeps 1, at per-op SAC 5, without checkpointing 9 (units of memory)
+COSTS = [BlockCost(full=1, sac=5, none=9)] * 3
+
+
+@pytest.mark.parametrize(
+    "budget, levels, peak",
+    [
+        (100, ["sac", "sac", "sac"], 100),  # step 1's peak exactly: nothing to add
+        (104, ["sac", "sac", "none"], 104),  # the last block keeps its activations
+        (111, ["sac", "none", "none"], 108),
+        (1000, ["none", "none", "none"], 112),
+        (96, ["full", "sac", "sac"], 96),  # step 1 did not fit: the first block is recomputed whole
+        # two blocks recomputed whole: 100 - 8 = 92 at the end of the forward, but the second one's recompute
+        # re-creates its 9 while it and the blocks after it no longer hold theirs (1 + 5): 92 - 6 + 9 = 95
+        (95, ["full", "full", "sac"], 95),
+        # all full: 88 at the end of the forward, 88 - 1 + 9 = 96 in the last block's recompute (above a budget
+        # of 93 or 50: the trainer warns)
+        (93, ["full", "full", "full"], 96),
+        (50, ["full", "full", "full"], 96),
+    ],
+)
+def test_plan_is_the_fastest_that_fits(budget, levels, peak):
+    assert plan_levels(budget, 100, COSTS) == (levels, peak)
+
+
+def _levels_train_alike(rank: int, world_size: int) -> None:
+    reference = build_reference(tiny_args())
+    ref_loss, ref_grads = reference_loss_and_grads(reference)
+    inputs, labels = batch()
+    inputs, labels = inputs.chunk(world_size)[rank], labels.chunk(world_size)[rank]
+    cfg = job_config(
+        parallelism__expert_parallel_degree=2,
+        activation_checkpoint__mode="selective",
+        activation_checkpoint__selective_ac_option="op",
+        activation_checkpoint__memory_budget_gib=1.0,
+    )
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    dims.build_mesh("cpu")
+    model = parallelize_deepseekv3(copy.deepcopy(reference), dims, cfg)
+    blocks = budget_blocks(model)
+    assert len(blocks) == 2  # tiny_args: 3 blocks, the first dense
+    sac = [block.moe.routed_experts_checkpoint for _, block in blocks]
+    assert all(checkpoint is not None for checkpoint in sac)
+    calls = {}
+    for level in LEVELS:
+        for (wrapper, block), checkpoint in zip(blocks, sac, strict=True):
+            set_level(wrapper, block, level, checkpoint)
+        model.zero_grad(set_to_none=True)
+        counter = CountAllToAll()
+        with counter:
+            loss = loss_of(model(inputs), labels, labels.numel() * world_size)
+            loss.backward()
+        calls[level] = counter.calls
+        torch.distributed.all_reduce(loss.detach())
+        for name, param in model.named_parameters():
+            grad = param.grad.full_tensor()
+            clean = name.replace("_checkpoint_wrapped_module.", "")
+            torch.testing.assert_close(grad, ref_grads[clean], rtol=1e-4, atol=5e-5, msg=f"{level} {clean}")
+    # a whole-block recompute exchanges the tokens again (counts + tokens at dispatch, tokens at combine)
+    assert calls["sac"] == calls["none"] and calls["full"] == calls["none"] + 2 * 3, calls
+
+
+def test_each_level_trains_like_the_others_and_only_full_recompute_communicates():
+    run_distributed(_levels_train_alike, 2)
+
+
+def _budget_chooses_from_step_one(rank: int, world_size: int) -> None:
+    reference = build_reference(tiny_args())
+    inputs, labels = batch()
+    inputs, labels = inputs.chunk(world_size)[rank], labels.chunk(world_size)[rank]
+    cfg = job_config(
+        parallelism__expert_parallel_degree=2,
+        activation_checkpoint__mode="selective",
+        activation_checkpoint__selective_ac_option="op",
+        activation_checkpoint__memory_budget_gib=1.0,
+    )
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    dims.build_mesh("cpu")
+    model = parallelize_deepseekv3(copy.deepcopy(reference), dims, cfg)
+    blocks = budget_blocks(model)
+    # the allocator as the hooks see it: each MoE block's forward keeps 0.1 GiB on rank 0 and 0.2 GiB on rank 1
+    # (the plan uses the larger), step 1 reserved 0.5 GiB; a block without checkpointing adds its routed rows
+    allocated = [0]
+
+    def read_allocated() -> int:
+        allocated[0] += 0 if len(read_allocated.calls) % 2 == 0 else int((rank + 1) * 0.1 * 2**30)
+        read_allocated.calls.append(allocated[0])
+        return allocated[0]
+
+    read_allocated.calls = []
+    budget = ActivationBudget(
+        blocks, 1.0, memory_allocated=read_allocated, max_memory_reserved=lambda: int(0.5 * 2**30)
+    )
+    loss_of(model(inputs), labels, labels.numel() * world_size).backward()
+    assert budget.kept == [pytest.approx((rank + 1) * 0.1 * 2**30)] * 2
+    assert all(rows > 0 for rows in budget.recomputed)
+    levels = budget.choose(torch.device("cpu"))
+    # 0.5 GiB + the tiny model's routed rows (bytes) fit 1 GiB: no block needs checkpointing
+    assert levels == ["none", "none"]
+    assert all(not wrapper.enabled and block.moe.routed_experts_checkpoint is None for wrapper, block in blocks)
+    loss_of(model(inputs), labels, labels.numel() * world_size).backward()  # hooks removed, trains on
+
+
+def test_the_budget_measures_step_one_and_every_rank_picks_the_same_levels():
+    run_distributed(_budget_chooses_from_step_one, 2)

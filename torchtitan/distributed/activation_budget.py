@@ -1,0 +1,166 @@
+"""A memory budget for activation checkpointing (`activation_checkpoint.memory_budget_gib`).
+
+Each MoE block can run at one of three levels, from least memory (slowest) to most (fastest):
+
+    full   the whole block recomputed in backward (its exchange too): it keeps only its input
+    sac    per-op SAC on its routed experts (the default; `activation_checkpoint.py`)
+    none   no recompute: it keeps every activation
+
+Step 1 runs every block at `sac` and measures, on every rank, the peak reserved memory and per MoE block what it
+keeps from its forward to its backward (the device memory its forward leaves allocated), its output, and the rows
+its routed experts computed. With the maxima over the ranks (every rank must choose the same levels: a `full`
+block exchanges tokens again in its recompute) the budget then picks the levels from step 2 on (`plan_levels`):
+the last blocks go to `none` while the predicted peak fits, or, when even step 1 did not fit, the first blocks go
+to `full` until it does. What `none` adds to `sac` is what per-op SAC recomputes: the routed experts' input rows and
+their SwiGLU output, rows x (dim + hidden) values (measured at 0.71 GiB per block on 16B_bench4 at FSDP2 x EP2,
+where this estimate gives 0.69).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["ActivationBudget", "BlockCost", "plan_levels"]
+
+logger = logging.getLogger(__name__)
+
+LEVELS = ("full", "sac", "none")
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """Bytes an MoE block keeps from its forward to its backward at each level."""
+
+    full: float
+    sac: float
+    none: float
+
+
+def plan_levels(budget: float, sac_peak: float, costs: list[BlockCost]) -> tuple[list[str], float]:
+    """The levels of the MoE blocks (in forward order) and their predicted peak: the fastest plan that fits `budget`
+    bytes, from step 1's `sac_peak` with every block at `sac`. All `full` when nothing fits."""
+    levels = ["sac"] * len(costs)
+    if sac_peak > budget:
+        for i in range(len(costs)):
+            levels[i] = "full"
+            if predicted_peak(sac_peak, costs, levels) <= budget:
+                break
+        return levels, predicted_peak(sac_peak, costs, levels)
+    for i in reversed(range(len(costs))):
+        levels[i] = "none"
+        if predicted_peak(sac_peak, costs, levels) > budget:
+            levels[i] = "sac"
+            break
+    return levels, predicted_peak(sac_peak, costs, levels)
+
+
+def predicted_peak(sac_peak: float, costs: list[BlockCost], levels: list[str]) -> float:
+    """The peak of a plan: at the end of the forward every block's kept bytes are alive; a `full` block's backward
+    re-creates all of its activations while the blocks before it still hold theirs."""
+    kept = [getattr(cost, level) for cost, level in zip(costs, levels, strict=True)]
+    forward_end = sac_peak + sum(kept) - sum(cost.sac for cost in costs)
+    peak = forward_end
+    for i, (cost, level) in enumerate(zip(costs, levels, strict=True)):
+        if level == "full":
+            peak = max(peak, forward_end - sum(kept[i:]) + cost.none)
+    return peak
+
+
+class ActivationBudget:
+    """Measures step 1 (hooks on the MoE blocks) and then sets their levels (`choose`, once, after step 1).
+
+    `blocks`: (checkpoint wrapper or None, MoE block) per MoE block in forward order: `apply_ac` wraps every MoE
+    block in a `SwitchableCheckpointWrapper` (off) when a budget is set. `memory_allocated` / `max_memory_reserved`
+    read the device allocator (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        blocks: list[tuple[nn.Module, nn.Module]],
+        budget_gib: float,
+        memory_allocated: Callable[[], int] = torch.cuda.memory_allocated,
+        max_memory_reserved: Callable[[], int] = torch.cuda.max_memory_reserved,
+    ):
+        self.blocks = blocks
+        self.budget = budget_gib * GIB
+        self.memory_allocated = memory_allocated
+        self.max_memory_reserved = max_memory_reserved
+        self.kept = [0.0] * len(blocks)
+        self.output = [0.0] * len(blocks)
+        self.recomputed = [0.0] * len(blocks)  # rows x (dim + hidden) x bytes of the routed experts
+        self._before = [0] * len(blocks)
+        self._sac_checkpoints = [block.moe.routed_experts_checkpoint for _, block in blocks]
+        self._hooks = []
+        for i, (wrapper, block) in enumerate(blocks):
+            self._hooks.append(wrapper.register_forward_pre_hook(self._pre_hook(i)))
+            self._hooks.append(wrapper.register_forward_hook(self._post_hook(i)))
+            self._hooks.append(block.moe.experts.register_forward_hook(self._experts_hook(i)))
+        self.levels: list[str] | None = None
+
+    def _pre_hook(self, i: int):
+        def hook(module, args):
+            self._before[i] = self.memory_allocated()
+
+        return hook
+
+    def _post_hook(self, i: int):
+        def hook(module, args, output):
+            self.kept[i] = max(self.kept[i], self.memory_allocated() - self._before[i])
+            self.output[i] = max(self.output[i], output.numel() * output.element_size())
+
+        return hook
+
+    def _experts_hook(self, i: int):
+        def hook(module, args, output):
+            rows = args[0]
+            hidden = module.w1.shape[1]  # (experts, hidden, dim)
+            self.recomputed[i] = max(self.recomputed[i], rows.shape[0] * (rows.shape[1] + hidden) * rows.element_size())
+
+        return hook
+
+    def choose(self, device: torch.device) -> list[str]:
+        """After step 1: the levels from step 2 on (the same on every rank), applied and logged."""
+        for hook in self._hooks:
+            hook.remove()
+        measured = torch.tensor(
+            [float(self.max_memory_reserved()), *self.kept, *self.output, *self.recomputed],
+            dtype=torch.float64,
+            device=device,
+        )
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+        n = len(self.blocks)
+        sac_peak = measured[0].item()
+        kept, output, recomputed = (measured[1 + k * n : 1 + (k + 1) * n].tolist() for k in range(3))
+        costs = [BlockCost(full=o, sac=k, none=k + r) for k, o, r in zip(kept, output, recomputed, strict=True)]
+        self.levels, peak = plan_levels(self.budget, sac_peak, costs)
+        for (wrapper, block), sac, level in zip(self.blocks, self._sac_checkpoints, self.levels, strict=True):
+            set_level(wrapper, block, level, sac)
+        counts = {level: self.levels.count(level) for level in LEVELS if level in self.levels}
+        summary = ", ".join(f"{count} {level}" for level, count in counts.items())
+        message = (
+            f"activation_checkpoint.memory_budget_gib={self.budget / GIB:g}: step 1 reserved {sac_peak / GIB:.1f} GiB "
+            f"with per-op SAC on every MoE block; from step 2 the {n} MoE blocks run {summary} "
+            f"(predicted peak {peak / GIB:.1f} GiB)"
+        )
+        if peak > self.budget:
+            logger.warning(message + ": above the budget even with full activation checkpointing")
+        else:
+            logger.info(message)
+        return self.levels
+
+
+def set_level(wrapper: nn.Module, block: nn.Module, level: str, sac_checkpoint: Callable | None) -> None:
+    """Run one MoE block at `level` (module docstring) from its next forward on; `sac_checkpoint` is the routed
+    experts' per-op SAC checkpoint `apply_ac` gave it."""
+    if level not in LEVELS:
+        raise ValueError(f"activation checkpoint level {level!r}: use one of {LEVELS}")
+    wrapper.enabled = level == "full"
+    block.moe.routed_experts_checkpoint = sac_checkpoint if level == "sac" else None
