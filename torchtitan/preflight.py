@@ -48,6 +48,7 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, "DeepSeekV3M
 
     parallel_dims = ParallelDims.from_config(job_config.parallelism, world_size)
     model_args = get_model_args(job_config)
+    check_tokenizer(job_config, model_args)
     check_parallel_dims(parallel_dims, model_args)
     check_batch_sizes(job_config, parallel_dims.dp_size)
     check_ep_overlap(job_config, parallel_dims)
@@ -63,6 +64,19 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, "DeepSeekV3M
     if job_config.parallelism.expert_parallel_comm_backend == "deepep":
         check_deepep(parallel_dims)
     return job_config, model_args
+
+
+def check_tokenizer(job_config: JobConfig, model_args) -> None:
+    """The tokenizer loads, has BOS and EOS, and every id it gives has a row in the model's embedding."""
+    from torchtitan.datasets.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(job_config)
+    if tokenizer.vocab_size > model_args.vocab_size:
+        raise ConfigError(
+            f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but the model's vocabulary is "
+            f"{model_args.vocab_size} (--model.flavor {job_config.model.flavor}); pass a tokenizer of at most "
+            f"{model_args.vocab_size} tokens (--model.tokenizer_path) or a flavor with a larger vocabulary"
+        )
 
 
 def check_parallel_dims(dims, model_args) -> None:

@@ -1,5 +1,5 @@
 """Preflight rejects, in one line each, what the job cannot run: validation batches, W&B without its package, a
-checkpoint or cache folder that is a file, an unknown pipeline schedule."""
+checkpoint or cache folder that is a file, an unknown pipeline schedule, a tokenizer it cannot use."""
 
 import importlib.util
 
@@ -71,3 +71,24 @@ def test_a_memory_budget_without_a_gpu_is_one_error(tmp_path):
     ]
     with pytest.raises(ConfigError, match="memory_budget_gib measures the GPU's memory in step 1; no GPU here"):
         check_job(args, world_size=1)
+
+
+def test_tokenizer_problems_are_one_error_each(tmp_path):
+    args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path / "dump")]
+    (tmp_path / "garbage.json").write_text("not json")
+    with pytest.raises(ValueError, match=r"garbage.json is not a `tokenizers` tokenizer.json \(expected "):
+        check_job([*args, "--model.tokenizer_path", str(tmp_path / "garbage.json")], world_size=1)
+    with pytest.raises(FileNotFoundError, match="tokenizer file not found: --model.tokenizer_path='missing.json'"):
+        check_job([*args, "--model.tokenizer_path", "missing.json"], world_size=1)
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_names_both_sizes():
+    # an id past the embedding's rows was an IndexError deep in the first forward
+    from types import SimpleNamespace
+
+    from torchtitan.config import JobConfig
+    from torchtitan.preflight import check_tokenizer
+
+    with pytest.raises(ConfigError, match="has 2048 tokens but the model's vocabulary is 1000"):
+        check_tokenizer(JobConfig(), SimpleNamespace(vocab_size=1000))
+    check_tokenizer(JobConfig(), SimpleNamespace(vocab_size=2048))

@@ -25,7 +25,13 @@ class Tokenizer:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._tokenizer = HFTokenizer.from_file(str(self.path))
+        try:
+            self._tokenizer = HFTokenizer.from_file(str(self.path))
+        except Exception as err:  # tokenizers raises a bare Exception for unreadable JSON
+            raise ValueError(
+                f"tokenizer {self.path} is not a `tokenizers` tokenizer.json ({err}); rebuild it with "
+                "scripts/build_tokenizer.py or pass another --model.tokenizer_path"
+            ) from None
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.bos_id: int = self._special_token_id(BOS_TOKEN)
         self.eos_id: int = self._special_token_id(EOS_TOKEN)
