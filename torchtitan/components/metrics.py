@@ -148,8 +148,15 @@ class MetricsProcessor:
                 self.jsonl_file = open(os.path.join(dump_folder, "metrics.jsonl"), "a")  # noqa: SIM115
 
     def drop_records_after(self, step: int) -> None:
-        """Remove metrics.jsonl's records past `step`, where this run starts (a resume point, 0 for a fresh run): an
-        earlier run's steps after it (and a line a killed run left half written) are about to be logged again."""
+        """Remove the records past `step`, where this run starts (a resume point, 0 for a fresh run), from
+        metrics.jsonl and TensorBoard: an earlier run's steps after it (and a line a killed run left half written)
+        are about to be logged again. TensorBoard drops them itself when a writer starts with `purge_step`."""
+        if self.tb_writer is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            log_dir = self.tb_writer.log_dir
+            self.tb_writer.close()
+            self.tb_writer = SummaryWriter(log_dir=log_dir, purge_step=step + 1)
         if self.jsonl_file is None:
             return
         path = self.jsonl_file.name

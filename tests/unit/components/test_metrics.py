@@ -152,6 +152,25 @@ def test_tensorboard_event_file_has_the_scalars(tmp_path):
     assert events.Scalars("loss")[0].value == pytest.approx(1.5)
 
 
+def test_a_resumed_run_replaces_the_crashed_runs_later_steps_in_tensorboard(tmp_path):
+    # the crashed run logged steps 1-6; the run resumed from step 4 logs 5 and 6 again: TensorBoard shows each once
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for start, steps, loss in ((0, range(1, 7), 1.0), (4, range(5, 8), 2.0)):
+        processor = MetricsProcessor(
+            job_config(tmp_path, tensorboard=True), num_flops_per_token=1.0, device="cpu", is_logging_rank=True
+        )
+        processor.drop_records_after(start)
+        for step in steps:
+            processor.log(step, loss=loss, grad_norm=0.5, seconds=1.0, steps=1)
+        processor.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    logged = [(event.step, event.value) for event in events.Scalars("loss")]
+    assert logged == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 1.0), (5, 2.0), (6, 2.0), (7, 2.0)]
+
+
 def test_wandb_offline_run_gets_the_tensorboard_scalars(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb; it is in the dev extra)")
     monkeypatch.setenv("WANDB_MODE", "offline")
