@@ -92,3 +92,21 @@ def test_a_tokenizer_larger_than_the_vocabulary_names_both_sizes():
     with pytest.raises(ConfigError, match="has 2048 tokens but the model's vocabulary is 1000"):
         check_tokenizer(JobConfig(), SimpleNamespace(vocab_size=1000))
     check_tokenizer(JobConfig(), SimpleNamespace(vocab_size=2048))
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [("{bad", r"bad.json: not valid JSON \(Expecting"), ('{"model_type": "deepseek_v3"}', "has no 'n_routed_experts'")],
+    ids=["malformed", "not-deepseek"],
+)
+def test_an_hf_config_that_is_not_a_deepseek_config_json_is_one_error(tmp_path, text, message):
+    (tmp_path / "bad.json").write_text(text)
+    args = [
+        *DEBUG_TOML,
+        "--job.dump_folder",
+        str(tmp_path / "dump"),
+        "--model.hf_config_path",
+        str(tmp_path / "bad.json"),
+    ]
+    with pytest.raises(ValueError, match=message):
+        check_job(args, world_size=1)

@@ -379,7 +379,19 @@ class CheckpointManager:
     def _load_hf(self, path: str) -> None:
         from torchtitan.components.hf_safetensors import load_hf_safetensors
 
-        state = self.state_dict_adapter.from_hf(load_hf_safetensors(path))
+        if os.path.isfile(os.path.join(path, ".metadata")):
+            raise CheckpointError(
+                f"checkpoint.initial_load_path {path} is a DCP checkpoint, not a Hugging Face folder; drop "
+                "--checkpoint.initial_load_in_hf"
+            )
+        try:
+            hf_state = load_hf_safetensors(path)
+        except Exception as err:  # safetensors raises its own error type for a file that is not safetensors
+            raise CheckpointError(
+                f"cannot read the Hugging Face folder {path} ({err}); check its .safetensors files (a truncated "
+                "download?) or point --checkpoint.initial_load_path at another"
+            ) from None
+        state = self.state_dict_adapter.from_hf(hf_state)
         for part in self.model_parts:
             missing = sorted(set(get_model_state_dict(part)) - set(state))
             if not any(key.startswith("mtp.") for key in state):

@@ -109,10 +109,15 @@ def read_documents(path: Path, limit: int | None = None) -> list[str]:
             return _text_column(pq.read_table(path, columns=[TEXT_FIELD]), path)[:limit]
         if name.endswith(".arrow"):
             return _text_column(_read_arrow(path), path)[:limit]
+    except DatasetError:
+        raise
     except UnicodeDecodeError as err:
         raise DatasetError(
             f"{path}: not UTF-8 text (invalid byte 0x{err.object[err.start]:02x}); convert the file to UTF-8"
         ) from None
+    except ValueError as err:  # pyarrow's ArrowInvalid (after UnicodeDecodeError, a ValueError too)
+        kind = Path(name).suffix[1:]
+        raise DatasetError(f"{path}: not a readable {kind} file ({err}); check or remove the file") from None
     except (OSError, EOFError) as err:
         if isinstance(err, FileNotFoundError):
             raise
@@ -149,7 +154,7 @@ def _read_jsonl(path: Path, limit: int | None) -> list[str]:
 def _saved_hf_dataset_files(folder: Path, dataset_path: str) -> list[Path]:
     state_file = folder / "state.json"
     if state_file.is_file():
-        state = json.loads(state_file.read_text())
+        state = _read_json(state_file)
         files = [folder / entry["filename"] for entry in state.get("_data_files", [])]
     else:
         files = sorted(folder.glob("*.arrow"))
@@ -162,7 +167,7 @@ def _saved_hf_dataset_files(folder: Path, dataset_path: str) -> list[Path]:
 
 
 def _saved_hf_dataset_dict_files(folder: Path, dataset_path: str) -> list[Path]:
-    splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
+    splits = _read_json(folder / "dataset_dict.json").get("splits", [])
     if "train" not in splits:
         raise ValueError(
             f"--training.dataset_path={dataset_path!r} is a saved DatasetDict without a 'train' split "
@@ -230,3 +235,11 @@ def _names(names: list[str], shown: int) -> str:
 def disk_cache_dir() -> Path:
     """Where tokenized corpora are cached: $TORCHTITAN_CACHE_DIR, else ~/.cache/torchtitan."""
     return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "torchtitan").expanduser()
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON file of a saved dataset; a malformed one is a DatasetError naming it."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise DatasetError(f"{path}: not valid JSON ({err}); fix the file or save the dataset again") from None

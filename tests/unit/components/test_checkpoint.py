@@ -429,6 +429,30 @@ def test_last_save_in_hf_goes_through_adapter_and_hf_io(tmp_path, monkeypatch):
     torch.testing.assert_close(fresh.model.output.weight, written["model.output.weight"].float())
 
 
+class _IdentityAdapter:
+    def from_hf(self, sd):
+        return sd
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        ({"model.safetensors": "garbage"}, r"cannot read the Hugging Face folder .*hf \(Error while deserializing"),
+        ({}, r"cannot read the Hugging Face folder .*hf \(no .safetensors files"),
+        ({".metadata": "x"}, r"hf is a DCP checkpoint, not a Hugging Face folder; drop --checkpoint.initial_load_in"),
+    ],
+    ids=["garbage-shard", "no-shards", "dcp-folder"],
+)
+def test_an_unreadable_hf_initial_load_is_one_error_naming_the_folder(tmp_path, layout, message):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for name, text in layout.items():
+        (hf / name).write_text(text)
+    config = make_config(tmp_path / "run", initial_load_path=str(hf), initial_load_in_hf=True)
+    with pytest.raises(CheckpointError, match=message):
+        Run(config, state_dict_adapter=_IdentityAdapter()).manager.load()
+
+
 def test_hf_export_without_adapter_fails_at_construction(tmp_path):
     with pytest.raises(ValueError, match="state_dict_adapter"):
         Run(make_config(tmp_path, last_save_in_hf=True))

@@ -303,3 +303,20 @@ def test_unsupported_dataset_path_names_the_config_key(tmp_path, name):
 def test_unknown_dataset_name_without_path_is_an_error():
     with pytest.raises(ValueError, match="--training.dataset"):
         resolve_corpus_files("c4", None)
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        ({"state.json": "{bad"}, r"state.json: not valid JSON \(Expecting property name"),
+        ({"dataset_dict.json": "{bad"}, r"dataset_dict.json: not valid JSON"),
+        ({"a.parquet": "garbage"}, r"a.parquet: not a readable parquet file \(Parquet "),
+        ({"b.arrow": "garbage"}, r"b.arrow: not a readable arrow file"),
+    ],
+    ids=["state-json", "dataset-dict-json", "parquet", "arrow"],
+)
+def test_unreadable_dataset_files_are_one_error_naming_the_file(tmp_path, layout, message):
+    for name, text in layout.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(DatasetError, match=message):
+        check_corpus("tinycorpus", str(tmp_path))

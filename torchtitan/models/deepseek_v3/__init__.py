@@ -25,8 +25,18 @@ def get_model_args(job_config) -> DeepSeekV3ModelArgs:
     job's overrides. With an initial checkpoint that holds no MTP tensors, MTP is off unless model.mtp_layers asks for
     it (mtp_layers_for_checkpoint)."""
     if job_config.model.hf_config_path:
-        with open(job_config.model.hf_config_path) as f:
-            args = model_args_from_hf_config(json.load(f))
+        path = job_config.model.hf_config_path
+        try:
+            with open(path) as f:
+                config = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--model.hf_config_path {path}: not valid JSON ({err}); fix the file") from None
+        try:
+            args = model_args_from_hf_config(config)
+        except KeyError as err:
+            raise ValueError(
+                f"--model.hf_config_path {path} has no {err.args[0]!r}: not a DeepSeek-V2/V3 config.json"
+            ) from None
     else:
         flavor = job_config.model.flavor
         if flavor not in deepseekv3_flavors:
