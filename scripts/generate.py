@@ -20,6 +20,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import math
 import os
 import sys
 import warnings
@@ -30,7 +31,16 @@ from tokenizers import Tokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
-from torchtitan.components.checkpoint_folder import CheckpointError, checkpoint_keys, model_key_prefix  # noqa: E402
+from torchtitan.components.checkpoint_folder import (  # noqa: E402
+    MANIFEST_NAME,
+    CheckpointError,
+    checkpoint_keys,
+    corrupt_checkpoint_error,
+    corrupt_files,
+    dcp_error_text,
+    model_key_prefix,
+    validate_checkpoint,
+)
 from torchtitan.components.hf_safetensors import load_hf_safetensors  # noqa: E402
 from torchtitan.datasets.tokenizer import BOS_TOKEN, EOS_TOKEN, resolve_tokenizer_path  # noqa: E402
 from torchtitan.models.deepseek_v3 import (  # noqa: E402
@@ -69,8 +79,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def sample_text(opts: argparse.Namespace) -> str:
     """The text the checkpoint continues opts.prompt with."""
-    if opts.max_new_tokens < 1 or opts.temperature < 0 or (opts.top_k is not None and opts.top_k < 1):
+    if opts.max_new_tokens < 1 or not opts.temperature >= 0 or (opts.top_k is not None and opts.top_k < 1):
         raise ValueError("--max-new-tokens and --top-k must be >= 1, --temperature >= 0 (0: greedy)")
+    if not math.isfinite(opts.temperature):
+        raise ValueError(f"--temperature {opts.temperature}: use a finite temperature >= 0 (0: greedy)")
+    device = torch.device(opts.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this machine has no usable GPU; pass --device cpu")
     hf_config = _hf_config(opts.checkpoint, opts.hf_config, opts.flavor)
     args = model_args(hf_config, opts.flavor)
     tokenizer, bos_id, eos_id = load_tokenizer(opts.tokenizer, opts.checkpoint, hf_config)
@@ -82,7 +97,6 @@ def sample_text(opts: argparse.Namespace) -> str:
     prompt = ([bos_id] if bos_id is not None else []) + tokenizer.encode(opts.prompt, add_special_tokens=False).ids
     if not prompt:
         raise ValueError("the prompt is empty (and the tokenizer has no BOS token): pass a --prompt")
-    device = torch.device(opts.device)
     model = load_model(opts.checkpoint, args, device)
     # the weights stay fp32; bf16 computes under autocast, as the trainer's mixed precision does
     bf16 = (opts.dtype or ("bfloat16" if device.type == "cuda" else "float32")) == "bfloat16"
@@ -156,12 +170,21 @@ def load_model(path: str, args: DeepSeekV3ModelArgs, device: torch.device) -> De
     model.freqs_cis = precompute_freqs_cis(args, device=device)
     state = model.state_dict()  # its tensors are the model's: loading into them loads the model
     if _is_dcp(path):
+        if os.path.isfile(os.path.join(path, MANIFEST_NAME)):  # one of ours: its files' checksums, as the trainer does
+            manifest = validate_checkpoint(path)
+            bad = corrupt_files(path, manifest, rank=0, num_ranks=1)
+            if bad:
+                raise corrupt_checkpoint_error(path, bad, "sample from another checkpoint")
         keys = checkpoint_keys(path)
         prefix = model_key_prefix(keys)
         _check_holds(path, [name for name in state if prefix + name not in keys])
         with warnings.catch_warnings():  # "torch.distributed is disabled ... a single process": yes, on purpose
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load({"model": state} if prefix else state, checkpoint_id=path, no_dist=True)
+            try:
+                dcp.load({"model": state} if prefix else state, checkpoint_id=path, no_dist=True)
+            except (Exception, dcp.CheckpointException) as err:  # DCP's own exception is a BaseException
+                text = dcp_error_text(err)
+                raise CheckpointError(f"cannot read {path} ({text}); sample from another checkpoint") from None
     else:
         loaded = DeepSeekV3StateDictAdapter(args).from_hf(load_hf_safetensors(path))
         _check_holds(path, [name for name in state if name not in loaded])
@@ -175,7 +198,12 @@ def load_tokenizer(path: str | None, checkpoint: str, hf_config: dict | None) ->
     if path is None:
         in_folder = os.path.join(checkpoint, "tokenizer.json")
         path = in_folder if os.path.isfile(in_folder) else str(resolve_tokenizer_path(SHIPPED_TOKENIZER))
-    tokenizer = Tokenizer.from_file(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--tokenizer {path}: no such file; pass a `tokenizers` tokenizer.json")
+    try:
+        tokenizer = Tokenizer.from_file(path)
+    except Exception as err:  # tokenizers raises a bare Exception for unreadable JSON
+        raise ValueError(f"--tokenizer {path} is not a `tokenizers` tokenizer.json ({err})") from None
     special = []
     for token, config_key in ((BOS_TOKEN, "bos_token_id"), (EOS_TOKEN, "eos_token_id")):
         token_id = tokenizer.token_to_id(token)

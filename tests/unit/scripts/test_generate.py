@@ -1,12 +1,15 @@
 """scripts/generate.py samples from a checkpoint (a Hugging Face folder, or our DCP conversion of it): its greedy
 output is transformers' greedy output for the same weights, and sampling draws from the top-k only."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from scripts import generate
 from tests.unit.models.deepseek_v3.test_convert_hf import convert_hf
 from tests.unit.models.deepseek_v3.transformers_checkpoints import load_transformers_model, save_transformers_checkpoint
+from torchtitan.components.checkpoint_folder import FORMAT_MODEL_ONLY, publish, write_rank_checksums
 from torchtitan.datasets.tokenizer import Tokenizer, resolve_tokenizer_path
 
 transformers = pytest.importorskip("transformers")
@@ -78,3 +81,58 @@ def test_bad_input_is_one_error_line(args, message, tmp_path, capsys):
     assert generate.main([str(folder), "--prompt", "x", *args]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("error: ") and message in line
+
+
+def _damaged(tmp_path, how: str):
+    """The DCP conversion, damaged: a flipped byte in a checkpoint of ours (published with its checksums), or a
+    truncated data file in a conversion (no manifest, nothing to check it against)."""
+    hf_folder, dcp_folder = _checkpoint(tmp_path, "default", "dcp")
+    config = str(hf_folder / "config.json")
+    data = next(dcp_folder.glob("*.distcp"))
+    if how == "truncated":
+        data.write_bytes(data.read_bytes()[:5000])
+        return dcp_folder, config
+    write_rank_checksums(str(dcp_folder), 0)
+    folder = publish(str(tmp_path / "ours"), 1, str(dcp_folder), FORMAT_MODEL_ONLY)
+    data = next(Path(folder).glob("*.distcp"))
+    content = bytearray(data.read_bytes())
+    content[len(content) // 2] ^= 0xFF
+    data.write_bytes(bytes(content))
+    return Path(folder), config
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("checksum", "no longer match(es) the checksum written with it. Nothing was loaded; sample from another"),
+        ("truncated", "cannot read"),
+    ],
+)
+def test_a_damaged_checkpoint_is_one_error_line(how, message, tmp_path, capsys):
+    folder, config = _damaged(tmp_path, how)
+    capsys.readouterr()
+    assert generate.main([str(folder), "--prompt", "x", "--hf-config", config, "--device", "cpu"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: ") and message in line, line
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--temperature", "nan"], "--temperature >= 0"),
+        (["--temperature", "inf"], "--temperature inf: use a finite temperature"),
+        (["--tokenizer", "missing.json"], "--tokenizer missing.json: no such file"),
+        pytest.param(
+            ["--device", "cuda"],
+            "--device cuda: this machine has no usable GPU",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there"),
+        ),
+    ],
+    ids=["temperature-nan", "temperature-inf", "missing-tokenizer", "cuda-without-gpu"],
+)
+def test_bad_sampling_options_are_one_error_line(args, message, tmp_path, capsys):
+    hf_folder, _ = _checkpoint(tmp_path, "default", "hf")
+    capsys.readouterr()
+    assert generate.main([str(hf_folder), "--prompt", "x", *args]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: ") and message in line, line
