@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from torchtitan.components.checkpoint_folder import (  # noqa: E402
     MANIFEST_NAME,
     CheckpointError,
+    checkpoint_keys,
     corrupt_checkpoint_error,
     corrupt_files,
     dcp_error_text,
@@ -87,6 +88,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("to-hf needs --flavor or --hf-config to know the model shape")
     if opts.mtp_layers is not None:
         args.mtp_layers = opts.mtp_layers
+    elif opts.direction == "to-hf" and os.path.isfile(os.path.join(opts.src, ".metadata")):
+        # the MTP modules the checkpoint holds, as the trainer builds them (a config may name ones it does not)
+        keys = checkpoint_keys(opts.src)
+        prefix = model_key_prefix(keys)
+        ours = {key.removeprefix(prefix) for key in keys}
+        args.mtp_layers = mtp_layers_for_checkpoint(
+            args, ours, opts.src, in_hf=False, requested=False, flag="--mtp-layers"
+        )
 
     dtype = DTYPES[opts.dtype] if opts.dtype else None
     if opts.direction == "to-hf":

@@ -183,3 +183,16 @@ def test_to_hf_refuses_non_finite_weights_without_a_manifest(tmp_path):
     with pytest.raises(CheckpointError, match=r"layers\.1\.attention\.wo\.weight holds inf or NaN values; nothing was"):
         convert_hf.main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--hf-config", config_path])
     assert not (tmp_path / "hf").exists()
+
+
+def test_to_hf_with_a_config_naming_mtp_layers_the_checkpoint_lacks_exports_what_it_holds(tmp_path):
+    # the config.json the run started from names an MTP layer (transformers' default), the trained model had none
+    state, config_path = _tiny_state(tmp_path)
+    config = json.loads(Path(config_path).read_text())
+    config["num_nextn_predict_layers"] = 1
+    Path(config_path).write_text(json.dumps(config))
+    dcp.save({"model": state}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    convert_hf.main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--hf-config", config_path])
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert exported["num_nextn_predict_layers"] == 0
+    assert len(load_hf_safetensors(str(tmp_path / "hf"))) > 0
