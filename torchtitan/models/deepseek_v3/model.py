@@ -84,10 +84,11 @@ class DeepSeekV3Model(nn.Module):
             raise ValueError(
                 "positions= is this rank's part of each sequence: pass it exactly under context parallelism"
             )
-        if not self.freqs_cis.is_complex():
+        if self.freqs_cis.dtype != torch.float32:
             raise RuntimeError(
-                "freqs_cis is no longer complex (model.to(dtype) casts complex buffers to real); cast with FSDP "
-                "mixed precision instead, or recompute: model.freqs_cis = precompute_freqs_cis(model.args, device)"
+                f"freqs_cis is {self.freqs_cis.dtype}, not float32 (model.to(dtype) casts buffers too, and bf16 angles "
+                "rotate far positions wrongly); cast with FSDP mixed precision instead, or recompute: "
+                "model.freqs_cis = precompute_freqs_cis(model.args, device)"
             )
         freqs_cis = self.freqs_cis[:seqlen] if positions is None else self.freqs_cis[positions]
         training_mtp = self.args.mtp_layers > 0 and (next_tokens is not None or mtp_embeddings is not None)

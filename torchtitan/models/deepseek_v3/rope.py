@@ -1,4 +1,4 @@
-"""YaRN rotary position embedding, as in DeepSeek's reference (interleaved pairs, complex multiply).
+"""YaRN rotary position embedding, as in DeepSeek's reference (interleaved pairs, rotated as complex numbers).
 
 The rotary part of a head is read as pairs (x0, x1), (x2, x3), ... and pair i is rotated by angle pos * freq_i.
 HF DeepSeek-V3 checkpoints store the rope dims in this interleaved order (transformers' `rope_interleave=True`).
@@ -26,7 +26,9 @@ def softmax_scale(args: DeepSeekV3ModelArgs) -> float:
 
 
 def precompute_freqs_cis(args: DeepSeekV3ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
-    """exp(i * pos * freq) for every position and rotary pair: complex64 (max_seq_len, qk_rope_head_dim // 2)."""
+    """exp(i * pos * freq) for every position and rotary pair as its (cos, sin): fp32 (max_seq_len,
+    qk_rope_head_dim // 2, 2). Real, not complex64: inductor generates no code for complex tensors (each compiled
+    attention warned and fell back to eager for them); the values are torch.polar's."""
     dim, base = args.qk_rope_head_dim, args.rope_theta
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))  # (dim // 2,)
 
@@ -39,19 +41,20 @@ def precompute_freqs_cis(args: DeepSeekV3ModelArgs, device: torch.device | str |
 
     positions = torch.arange(args.max_seq_len, dtype=torch.float32, device=device)
     angles = torch.outer(positions, freqs)  # (max_seq_len, dim // 2)
-    return torch.polar(torch.ones_like(angles), angles)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs of x's last dim.
 
-    x: (bs, seqlen, n_heads, rope_dim); freqs_cis: (seqlen, rope_dim // 2) complex. Computed in fp32, returned in
-    x's dtype. Written as real arithmetic on (cos, sin), which inductor fuses into one kernel with its neighbours;
-    a complex multiply is an eager fallback there, with copies into and out of complex layout around it. The same
-    products as the complex multiply (bit for bit on CPU; a compiled GPU kernel may fuse them into FMAs).
+    x: (bs, seqlen, n_heads, rope_dim); freqs_cis: (seqlen, rope_dim // 2, 2), each pair's (cos, sin). Computed
+    in fp32, returned in x's dtype. Written as real arithmetic on (cos, sin), which inductor fuses into one kernel
+    with its neighbours; a complex multiply is an eager fallback there, with copies into and out of complex layout
+    around it. The same products as the complex multiply (bit for bit on CPU; a compiled GPU kernel may fuse them
+    into FMAs).
     """
     bs, seqlen, n_heads, rope_dim = x.shape
-    cos, sin = torch.view_as_real(freqs_cis).view(1, seqlen, 1, rope_dim // 2, 2).unbind(-1)
+    cos, sin = freqs_cis.view(1, seqlen, 1, rope_dim // 2, 2).unbind(-1)
     real, imag = x.float().reshape(bs, seqlen, n_heads, rope_dim // 2, 2).unbind(-1)
     rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
     return rotated.flatten(3).to(x.dtype)

@@ -10,11 +10,22 @@ from torchtitan.models.deepseek_v3.rope import apply_rotary_emb, precompute_freq
 from .conftest import tiny_args
 
 
+def _angles(freqs_cis: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_complex(freqs_cis.contiguous()).angle()
+
+
+def _table(angles: torch.Tensor) -> torch.Tensor:
+    """The (cos, sin) table of these angles, from torch.polar: the values precompute_freqs_cis gives."""
+    return torch.view_as_real(torch.polar(torch.ones_like(angles), angles))
+
+
 def test_freqs_cis_shape_and_unit_modulus(args):
     freqs_cis = precompute_freqs_cis(args)
-    assert freqs_cis.shape == (args.max_seq_len, args.qk_rope_head_dim // 2)
-    assert freqs_cis.dtype == torch.complex64
-    torch.testing.assert_close(freqs_cis.abs(), torch.ones(freqs_cis.shape))
+    assert freqs_cis.shape == (args.max_seq_len, args.qk_rope_head_dim // 2, 2)
+    assert freqs_cis.dtype == torch.float32  # real: inductor has no code for complex tensors
+    cos, sin = freqs_cis.unbind(-1)
+    torch.testing.assert_close(cos * cos + sin * sin, torch.ones(cos.shape))
+    torch.testing.assert_close(freqs_cis, _table(_angles(freqs_cis)))  # (cos, sin) of one angle per pair
 
 
 def test_yarn_changes_low_frequencies_and_softmax_scale_only_past_original_len():
@@ -23,14 +34,14 @@ def test_yarn_changes_low_frequencies_and_softmax_scale_only_past_original_len()
     assert softmax_scale(plain) == pytest.approx(plain.qk_head_dim**-0.5)
     mscale = 0.1 * 0.7 * math.log(4.0) + 1
     assert softmax_scale(yarn) == pytest.approx(yarn.qk_head_dim**-0.5 * mscale**2)
-    f_plain, f_yarn = precompute_freqs_cis(plain).angle()[1], precompute_freqs_cis(yarn).angle()[1]
+    f_plain, f_yarn = _angles(precompute_freqs_cis(plain))[1], _angles(precompute_freqs_cis(yarn))[1]
     assert torch.allclose(f_plain[0], f_yarn[0])  # highest frequency kept
     assert torch.allclose(f_yarn[-1], f_plain[-1] / 4.0)  # lowest frequency interpolated by 1 / rope_factor
 
 
 def test_rotary_emb_rotates_interleaved_pairs():
     x = torch.tensor([1.0, 0.0, 0.0, 2.0]).view(1, 1, 1, 4)  # pairs (1, 0) and (0, 2)
-    freqs_cis = torch.polar(torch.ones(1, 2), torch.tensor([[math.pi / 2, math.pi]]))
+    freqs_cis = _table(torch.tensor([[math.pi / 2, math.pi]]))
     expected = torch.tensor([0.0, 1.0, 0.0, -2.0]).view(1, 1, 1, 4)
     torch.testing.assert_close(apply_rotary_emb(x, freqs_cis), expected, atol=1e-6, rtol=0)
 
@@ -39,7 +50,8 @@ def _complex_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tenso
     """The rotation as a complex multiply (the formulation the real arithmetic replaced)."""
     bs, seqlen, n_heads, rope_dim = x.shape
     x_complex = torch.view_as_complex(x.float().reshape(bs, seqlen, n_heads, rope_dim // 2, 2))
-    return torch.view_as_real(x_complex * freqs_cis.view(1, seqlen, 1, rope_dim // 2)).flatten(3).to(x.dtype)
+    rotation = torch.view_as_complex(freqs_cis.contiguous()).view(1, seqlen, 1, rope_dim // 2)
+    return torch.view_as_real(x_complex * rotation).flatten(3).to(x.dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -47,7 +59,7 @@ def test_rotary_emb_equals_complex_multiply_eager_and_compiled(dtype):
     """Same values bit for bit as the complex multiply, on a split (non-contiguous) view as MLA passes it, eager and
     compiled (where inductor fuses the real arithmetic; a complex multiply would be an eager fallback)."""
     torch.manual_seed(0)
-    freqs_cis = torch.polar(torch.ones(12, 8), torch.randn(12, 8))
+    freqs_cis = _table(torch.randn(12, 8))
     q = torch.randn(2, 12, 3, 24, dtype=dtype)
     q_pe = q[..., 8:]  # (2, 12, 3, 16), strided
     expected = _complex_rotary_emb(q_pe, freqs_cis)

@@ -40,7 +40,7 @@ def test_bf16_forward_matches_fp32():
     tokens = torch.randint(0, 128, (1, 8))
     expected = model(tokens)
     model.to(torch.bfloat16)
-    with pytest.raises(RuntimeError, match="freqs_cis"):  # .to(dtype) dropped the imaginary part of the rope table
+    with pytest.raises(RuntimeError, match="freqs_cis is torch.bfloat16, not float32"):  # .to(dtype) cast it
         model(tokens)
     model.freqs_cis = precompute_freqs_cis(args)
     logits = model(tokens)
