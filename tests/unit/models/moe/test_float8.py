@@ -96,7 +96,7 @@ def test_forward_is_the_product_of_the_quantized_operands():
 
 
 def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual.detach().float() - expected.float()).norm() / expected.float().norm())
+    return float((actual.detach().float() - expected.detach().float()).norm() / expected.detach().float().norm())
 
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["one_weight", "two_stacked_weights"])
