@@ -76,9 +76,10 @@ def predicted_peak(sac_peak: float, costs: list[BlockCost], levels: list[str]) -
 class ActivationBudget:
     """Measures step 1 (hooks on the MoE blocks) and then sets their levels (`choose`, once, after step 1).
 
-    `blocks`: (checkpoint wrapper or None, MoE block) per MoE block in forward order: `apply_ac` wraps every MoE
-    block in a `SwitchableCheckpointWrapper` (off) when a budget is set. `memory_allocated` / `max_memory_reserved`
-    read the device allocator (injectable for tests).
+    `blocks`: (its `SwitchableCheckpointWrapper`, MoE block) per MoE block in forward order (`budget_blocks`:
+    `apply_ac` wraps every MoE block in one, switched off, when a budget is set). `memory_allocated` /
+    `max_memory_reserved` read the device allocator (injectable for tests). The hooks run after FSDP's, so a
+    block's gathered weights count before its forward, not in what it keeps.
     """
 
     def __init__(
