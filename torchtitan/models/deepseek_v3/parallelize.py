@@ -66,7 +66,7 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
     `preflight.check_job` (every rank runs it before building the model)."""
     parallelism = job_config.parallelism
     use_deepep = parallelism.expert_parallel_comm_backend == "deepep" and parallel_dims.ep_enabled
-    _warn_if_experts_stay_bf16(model, job_config.training.mixed_precision_param, use_deepep)
+    _say_experts_stay_bf16(model, job_config.training.mixed_precision_param, use_deepep)
     compile_config = job_config.compile
     compiled = compile_config.enable and "model" in compile_config.components
     # Created once for this model: the compiled regions its MoE layers share (the dispatchers are built with them)
@@ -168,14 +168,15 @@ def _deepep_num_sms(parallelism: Any) -> int:
     return parallelism.deepep_num_sms
 
 
-def _warn_if_experts_stay_bf16(model: nn.Module, param_dtype: str, use_deepep: bool) -> None:
+def _say_experts_stay_bf16(model: nn.Module, param_dtype: str, use_deepep: bool) -> None:
     """torch._grouped_mm (and its compile path) takes bf16 only, and DeepEP sends bf16: with other parameter
-    dtypes the routed experts still compute in bf16. Say so once instead of changing precision silently."""
+    dtypes the routed experts still compute in bf16. Say so once instead of changing precision silently (an info
+    line: it is how the model runs, e.g. the debug config's fp32 on a CPU, not a mistake in the job)."""
     uses_grouped_mm = any(isinstance(m, GroupedExperts) and m.use_grouped_mm for m in model.modules())
     if param_dtype == "bfloat16" or not (uses_grouped_mm or use_deepep):
         return
     what = "the routed experts' grouped GEMMs" + (" and DeepEP's token exchange" if use_deepep else "")
-    logger.warning(
+    logger.info(
         f"training.mixed_precision_param={param_dtype}: {what} still run in bfloat16 (the only dtype "
         "torch._grouped_mm and DeepEP take); the rest of the model uses the parameter dtype"
     )
