@@ -478,6 +478,9 @@ def main() -> None:
     parser.add_argument("--add-to", type=Path, help="an e2e result JSON to store the breakdown in (profile_breakdown)")
     args = parser.parse_args()
     result = {"trace": str(args.trace), **breakdown(json.loads(args.trace.read_text()), args.device_name)}
+    if not any(step["launches"] for step in result["steps"]):
+        # a trace of a CPU run: no kernel to break down (a table of zeros would read as a measurement)
+        sys.exit(f"error: {args.trace} records no device kernel in its steps (a CPU run?); profile a GPU run")
     for step in result["steps"]:
         print("\n".join(markdown_table(step, result)) + "\n")
     if args.json:

@@ -205,3 +205,15 @@ def test_cli_prints_the_table_and_adds_the_breakdown_to_a_result(tmp_path, monke
     assert markdown_table(stored["profile_breakdown"]["steps"][0], stored["profile_breakdown"])[4].startswith(
         "| grouped_gemm |"
     )
+
+
+def test_cli_on_a_trace_without_device_kernels_says_so_instead_of_a_table_of_zeros(tmp_path, monkeypatch, capsys):
+    trace = synthetic_trace()
+    device = ("kernel", "gpu_memcpy", "gpu_memset")
+    trace["traceEvents"] = [event for event in trace["traceEvents"] if event.get("cat") not in device]
+    path = tmp_path / "rank0_trace.json"
+    path.write_text(json.dumps(trace))
+    monkeypatch.setattr(sys, "argv", ["trace_breakdown.py", str(path)])
+    with pytest.raises(SystemExit, match="records no device kernel in its steps \\(a CPU run\\?\\)"):
+        trace_breakdown.main()
+    assert capsys.readouterr().out == ""
