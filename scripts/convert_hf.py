@@ -50,8 +50,7 @@ from torchtitan.models.deepseek_v3.state_dict_adapter import (  # noqa: E402
     model_args_from_hf_config,
     mtp_layers_for_checkpoint,
 )
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from torchtitan.tools.dtypes import DTYPES  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

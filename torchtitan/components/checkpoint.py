@@ -57,12 +57,11 @@ from torchtitan.components.checkpoint_folder import (
 )
 from torchtitan.components.loss import nonfinite_weight
 from torchtitan.config.job_config import JobConfig
+from torchtitan.tools.dtypes import DTYPES
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointError", "CheckpointManager", "ModelWrapper", "RngState", "validate_checkpoint"]
-
-_EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Stateful(Protocol):
@@ -108,9 +107,9 @@ class CheckpointManager:
             raise ValueError(f"checkpoint.interval={self.interval} must be > 0")
         if self.keep_latest_k < 0:
             raise ValueError(f"checkpoint.keep_latest_k={self.keep_latest_k} must be >= 0 (0 keeps all)")
-        if config.export_dtype not in _EXPORT_DTYPES:
-            raise ValueError(f"checkpoint.export_dtype={config.export_dtype!r}; use one of {list(_EXPORT_DTYPES)}")
-        self.export_dtype = _EXPORT_DTYPES[config.export_dtype]
+        if config.export_dtype not in DTYPES:
+            raise ValueError(f"checkpoint.export_dtype={config.export_dtype!r}; use one of {list(DTYPES)}")
+        self.export_dtype = DTYPES[config.export_dtype]
 
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1

@@ -53,12 +53,11 @@ from torchtitan.models.deepseek_v3.float8_linears import convert_to_float8_linea
 from torchtitan.models.moe.deepep_moe import DeepEPMoE
 from torchtitan.models.moe.experts import GroupedExperts, convert_to_float8_experts, run_experts_grouped_mm
 from torchtitan.models.moe.overlap import MicroBatchOverlap
+from torchtitan.tools.dtypes import DTYPES
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["apply_fsdp", "apply_moe_parallel", "apply_tp", "expert_bias_reduce_group", "parallelize_deepseekv3"]
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_config: Any) -> nn.Module:
@@ -135,8 +134,8 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
             model,
             dense_mesh,
             experts_mesh if parallel_dims.ep_enabled else None,
-            param_dtype=_DTYPES[job_config.training.mixed_precision_param],
-            reduce_dtype=_DTYPES[job_config.training.mixed_precision_reduce],
+            param_dtype=DTYPES[job_config.training.mixed_precision_param],
+            reduce_dtype=DTYPES[job_config.training.mixed_precision_reduce],
             reshard_after_forward_policy=parallelism.fsdp_reshard_after_forward,
             pp_enabled=parallel_dims.pp_enabled,
             cpu_offload=job_config.training.enable_cpu_offload,
