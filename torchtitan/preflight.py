@@ -272,13 +272,20 @@ def check_dump_folder(dump_folder: str) -> None:
         with tempfile.NamedTemporaryFile(dir=dump_folder, prefix=".write_test_"):
             pass
     except OSError as err:
-        raise ConfigError(
-            f"--job.dump_folder {dump_folder!r} is not writable ({err.strerror}); choose another --job.dump_folder"
-        ) from None
+        what = "is a file, not a folder" if os.path.isfile(dump_folder) else f"is not writable ({err.strerror})"
+        raise ConfigError(f"--job.dump_folder {dump_folder!r} {what}; choose another --job.dump_folder") from None
 
 
 def check_checkpoint_folder(job_config: JobConfig) -> None:
-    """The checkpoint folder must be a folder (or not exist yet) when checkpointing is on."""
+    """The checkpoint folder must be a folder (or not exist yet) when checkpointing is on; an initial checkpoint must
+    be a folder that exists."""
+    initial = job_config.checkpoint.initial_load_path
+    if initial and not os.path.isdir(initial):
+        raise ConfigError(
+            f"--checkpoint.initial_load_path {initial!r} is not a folder"
+            + (" (it does not exist)" if not os.path.exists(initial) else "")
+            + ": give a checkpoint's step-N folder, an export, or a Hugging Face folder"
+        )
     if not job_config.checkpoint.enable:
         return
     folder = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)

@@ -110,3 +110,14 @@ def test_an_hf_config_that_is_not_a_deepseek_config_json_is_one_error(tmp_path, 
     ]
     with pytest.raises(ValueError, match=message):
         check_job(args, world_size=1)
+
+
+def test_paths_that_are_not_what_they_should_be_are_one_error_each(tmp_path):
+    (tmp_path / "file").write_text("a file")
+    args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path / "dump")]
+    with pytest.raises(ConfigError, match="initial_load_path .*missing' is not a folder \\(it does not exist\\)"):
+        check_job([*args, "--checkpoint.initial_load_path", str(tmp_path / "missing")], world_size=1)
+    with pytest.raises(ConfigError, match="job.dump_folder .*file' is a file, not a folder"):
+        check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path / "file")], world_size=1)
+    with pytest.raises(FileNotFoundError, match="hf_config_path .*missing.json does not exist"):
+        check_job([*args, "--model.hf_config_path", str(tmp_path / "missing.json")], world_size=1)

@@ -31,6 +31,8 @@ def get_model_args(job_config) -> DeepSeekV3ModelArgs:
                 config = json.load(f)
         except json.JSONDecodeError as err:
             raise ValueError(f"--model.hf_config_path {path}: not valid JSON ({err}); fix the file") from None
+        except FileNotFoundError:
+            raise FileNotFoundError(f"--model.hf_config_path {path} does not exist; give a config.json") from None
         try:
             args = model_args_from_hf_config(config)
         except KeyError as err:
