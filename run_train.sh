@@ -35,7 +35,7 @@ for name in NGPU NNODES; do
 done
 
 # Fail fast, in one line, on bad config or degrees before torchrun starts any process.
-"$PYTHON" -m torchtitan.preflight --world-size $((NGPU * NNODES)) --job.config_file "$CONFIG_FILE" "$@"
+"$PYTHON" -m torchtitan.preflight --world-size $((NGPU * NNODES)) --nnodes "$NNODES" --job.config_file "$CONFIG_FILE" "$@"
 
 if [[ "$NNODES" -gt 1 ]]; then
   : "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port of the rendezvous host (same on every node)}"

@@ -346,13 +346,17 @@ def check_profiling(job_config: JobConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--nnodes", type=int, default=1)
     args, rest = parser.parse_known_args(argv)
     # Warnings only: every rank runs check_job again, and rank 0's log shows them once.
     logging.disable(logging.WARNING)
     try:
         job_config, _ = check_job(rest, args.world_size)
-        # Only here, before launch: on the ranks, global rank 0 already holds the lock while the others check.
-        check_dump_folder_free(job_config.job.dump_folder)
+        # Only here, before launch: on the ranks, global rank 0 already holds the lock while the others check. Not
+        # with several hosts: their launchers check at the same moment, and one would find the other's check holding
+        # the lock (global rank 0 still takes it for the run).
+        if args.nnodes == 1:
+            check_dump_folder_free(job_config.job.dump_folder)
     except (ConfigError, ValueError, FileNotFoundError, ImportError, DumpFolderBusyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

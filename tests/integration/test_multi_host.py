@@ -63,7 +63,8 @@ def test_two_launchers_train_as_two_hosts_and_resume_after_one_is_killed(tmp_pat
     hosts = _start_hosts(dump, _free_port())
     deadline = time.time() + 300
     while not (dump / "checkpoint" / "step-6").exists():
-        assert all(host.poll() is None for host in hosts), "a host exited before the second checkpoint"
+        exited = [host.communicate()[1][-3000:] for host in hosts if host.poll() is not None]
+        assert not exited, f"a host exited before the second checkpoint: {exited}"
         assert time.time() < deadline, "no checkpoint within 300 s"
         time.sleep(0.05)
     os.killpg(hosts[1].pid, signal.SIGKILL)  # the second host's launcher and its worker

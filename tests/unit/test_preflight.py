@@ -121,3 +121,20 @@ def test_paths_that_are_not_what_they_should_be_are_one_error_each(tmp_path):
         check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path / "file")], world_size=1)
     with pytest.raises(FileNotFoundError, match="hf_config_path .*missing.json does not exist"):
         check_job([*args, "--model.hf_config_path", str(tmp_path / "missing.json")], world_size=1)
+
+
+def test_the_lock_check_before_launch_is_for_one_host_only(tmp_path, capsys):
+    # A live run holds the dump folder: one host's launcher stops before starting anything. Several hosts' launchers
+    # check at the same moment and would find each other's check holding the lock (1 launch in 10 on two cores), so
+    # there only the run's global rank 0 takes it.
+    from torchtitan.components.run_lock import acquire_dump_folder
+    from torchtitan.preflight import main
+
+    held = acquire_dump_folder(str(tmp_path))
+    try:
+        args = ["--world-size", "2", *DEBUG_TOML, "--job.dump_folder", str(tmp_path)]
+        assert main(args) == 2
+        assert "another training run" in capsys.readouterr().err
+        assert main([*args, "--nnodes", "2"]) == 0
+    finally:
+        held.close()
