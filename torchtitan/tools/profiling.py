@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import pickle
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,10 +98,16 @@ class StepProfiler:
         folder.mkdir(parents=True, exist_ok=True)
         trace = folder / f"rank{self.rank}_trace.json"
         prof.export_chrome_trace(str(trace))
-        summary = {"step": self._training_step, "rank": self.rank, **step_summary(json.loads(trace.read_text()))}
+        # torch numbers the steps it records from 0 at the profiler's start: name them by training step instead
+        offset = self._training_step - self._steps_run + 1
+        text = _STEP_LABEL.sub(lambda m: f'"ProfilerStep#{int(m.group(1)) + offset}"', trace.read_text())
+        trace.write_text(text)
+        summary = {"step": self._training_step, "rank": self.rank, **step_summary(json.loads(text))}
         (folder / f"rank{self.rank}_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         logger.info(f"profiler trace of step {self._training_step} written to {folder}")
 
+
+_STEP_LABEL = re.compile(r'"ProfilerStep#(\d+)"')
 
 DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
 """Chrome-trace categories of the work a device runs; `args.correlation` names the runtime call that launched it."""

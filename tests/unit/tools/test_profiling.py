@@ -30,6 +30,9 @@ def test_records_every_profile_freq_steps(tmp_path):
     (step,) = summary["profiler_steps"]
     assert step["host_ms"] > 0 and step["device_ms"] == 0 and step["kernels"] == []  # a CPU run launches no kernels
     trace = json.loads((tmp_path / "traces" / "iteration_14" / "rank0_trace.json").read_text())
+    assert step["name"] == "ProfilerStep#14"  # named by training step (torch counts from 0 at the profiler's start)
+    labels = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
+    assert labels == {"ProfilerStep#14"}
     mm = next(event for event in trace["traceEvents"] if event.get("name") == "aten::mm")
     assert mm["args"]["Input Dims"] == [[64, 64], [64, 64]]  # shapes recorded: trace_breakdown.py counts FLOPs
 
