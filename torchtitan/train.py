@@ -406,8 +406,10 @@ class Trainer:
                 saves = self.checkpointer.saves_at(step, last_step=step == steps)
                 if step in (1, steps) or validates or saves:
                     step_log.flush()  # this step checked before its checkpoint: a diverged update is never saved
-                if step == 1 and self.activation_budget is not None:
-                    self.activation_budget.choose(self.device)  # from step 1's memory: each MoE block's level
+                if self.activation_budget is not None and self.activation_budget.levels is None:
+                    # from the memory of this run's first step (step 1, or the first after a resume): each MoE
+                    # block's level
+                    self.activation_budget.choose(self.device)
                 if saves:
                     check_finite_weights(self.model_parts, step)
                 if step == 1:

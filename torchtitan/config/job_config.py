@@ -249,9 +249,9 @@ class ActivationCheckpoint:
     recompute. -1: every block `mode` selects."""
 
     memory_budget_gib: float = 0.0
-    """With per-op SAC on a GPU: the peak reserved memory per GPU to stay within. Step 1 runs per-op SAC and
-    measures; from step 2 the trainer runs each MoE block with per-op SAC, without checkpointing (faster, more
-    memory) or fully recomputed (slower, less), the fastest choice that fits, and logs it. 0: off."""
+    """With per-op SAC on a GPU: the peak reserved memory per GPU to stay within. The run's first step runs per-op SAC
+    and measures; from the next step the trainer runs each MoE block with per-op SAC, without checkpointing (faster,
+    more memory) or fully recomputed (slower, less), the fastest choice that fits, and logs it. 0: off."""
 
 
 @dataclass

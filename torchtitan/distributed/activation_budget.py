@@ -6,14 +6,14 @@ Each MoE block can run at one of three levels, from least memory (slowest) to mo
     sac    per-op SAC on its routed experts (the default; `activation_checkpoint.py`)
     none   no recompute: it keeps every activation
 
-Step 1 runs every block at `sac` and measures, on every rank, the peak reserved memory and per MoE block what it
-keeps from its forward to its backward (the device memory its forward leaves allocated), its output, and the rows
-its routed experts computed. With the maxima over the ranks (every rank must choose the same levels: a `full`
-block exchanges tokens again in its recompute) the budget then picks the levels from step 2 on (`plan_levels`):
-the last blocks go to `none` while the predicted peak fits, or, when even step 1 did not fit, the first blocks go
-to `full` until it does. What `none` adds to `sac` is what per-op SAC recomputes: the routed experts' input rows and
-their SwiGLU output, rows x (dim + hidden) values (measured at 0.71 GiB per block on 16B_bench4 at FSDP2 x EP2,
-where this estimate gives 0.69).
+The run's first step (step 1, or the first after a resume) runs every block at `sac` and measures, on every rank,
+the peak reserved memory and per MoE block what it keeps from its forward to its backward (the device memory its
+forward leaves allocated), its output, and the rows its routed experts computed. With the maxima over the ranks
+(every rank must choose the same levels: a `full` block exchanges tokens again in its recompute) the budget then
+picks the levels from the next step on (`plan_levels`): the last blocks go to `none` while the predicted peak fits,
+or, when even the first step did not fit, the first blocks go to `full` until it does. What `none` adds to `sac` is
+what per-op SAC recomputes: the routed experts' input rows and their SwiGLU output, rows x (dim + hidden) values
+(measured at 0.71 GiB per block on 16B_bench4 at FSDP2 x EP2, where this estimate gives 0.69).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class BlockCost:
 
 def plan_levels(budget: float, sac_peak: float, costs: list[BlockCost]) -> tuple[list[str], float]:
     """The levels of the MoE blocks (in forward order) and their predicted peak: the fastest plan that fits `budget`
-    bytes, from step 1's `sac_peak` with every block at `sac`. All `full` when nothing fits."""
+    bytes, from the first step's `sac_peak` with every block at `sac`. All `full` when nothing fits."""
     levels = ["sac"] * len(costs)
     if sac_peak > budget:
         for i in range(len(costs)):
@@ -74,7 +74,7 @@ def predicted_peak(sac_peak: float, costs: list[BlockCost], levels: list[str]) -
 
 
 class ActivationBudget:
-    """Measures step 1 (hooks on the MoE blocks) and then sets their levels (`choose`, once, after step 1).
+    """Measures the run's first step (hooks on the MoE blocks) and then sets their levels (`choose`, once, after it).
 
     `blocks`: (its `SwitchableCheckpointWrapper`, MoE block) per MoE block in forward order (`budget_blocks`:
     `apply_ac` wraps every MoE block in one, switched off, when a budget is set). `memory_allocated` /
@@ -127,7 +127,8 @@ class ActivationBudget:
         return hook
 
     def choose(self, device: torch.device) -> list[str]:
-        """After step 1: the levels from step 2 on (the same on every rank), applied and logged."""
+        """After the run's first step: the levels from the next step on (the same on every rank), applied and
+        logged."""
         for hook in self._hooks:
             hook.remove()
         measured = torch.tensor(
@@ -147,8 +148,9 @@ class ActivationBudget:
         counts = {level: self.levels.count(level) for level in LEVELS if level in self.levels}
         summary = ", ".join(f"{count} {level}" for level, count in counts.items())
         message = (
-            f"activation_checkpoint.memory_budget_gib={self.budget / GIB:g}: step 1 reserved {sac_peak / GIB:.1f} GiB "
-            f"with per-op SAC on every MoE block; from step 2 the {n} MoE blocks run {summary} "
+            f"activation_checkpoint.memory_budget_gib={self.budget / GIB:g}: the first step reserved "
+            f"{sac_peak / GIB:.1f} GiB with per-op SAC on every MoE block; from the next step the {n} MoE blocks run "
+            f"{summary} "
             f"(predicted peak {peak / GIB:.1f} GiB)"
         )
         if peak > self.budget:
