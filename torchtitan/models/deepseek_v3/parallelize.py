@@ -65,6 +65,7 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
     `preflight.check_job` (every rank runs it before building the model)."""
     parallelism = job_config.parallelism
     use_deepep = parallelism.expert_parallel_comm_backend == "deepep" and parallel_dims.ep_enabled
+    experts_outside = experts_outside_fsdp(parallel_dims, job_config)
     _say_experts_stay_bf16(model, job_config.training.mixed_precision_param, use_deepep)
     compile_config = job_config.compile
     compiled = compile_config.enable and "model" in compile_config.components
@@ -104,7 +105,7 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
     if job_config.quantize.float8_experts:
         check_float8_supported(torch.device(device_type()))
         # FSDP gathers the weights anew every forward: quantized at every use there, else once per optimizer step
-        cached = not parallel_dims.fsdp_enabled or experts_outside_fsdp(parallel_dims, job_config)
+        cached = not parallel_dims.fsdp_enabled or experts_outside
         converted = convert_to_float8_experts(model, cache_weights=cached)
         logger.info(
             f"quantize.float8_experts: {converted} routed-expert modules run FP8 grouped GEMMs, their weights "
@@ -140,7 +141,7 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
             pp_enabled=parallel_dims.pp_enabled,
             cpu_offload=job_config.training.enable_cpu_offload,
             ep_degree=parallel_dims.ep,
-            experts_outside=experts_outside_fsdp(parallel_dims, job_config),
+            experts_outside=experts_outside,
         )
     return model
 
