@@ -31,11 +31,9 @@ from torchtitan.components.checkpoint_folder import (  # noqa: E402
     MANIFEST_NAME,
     CheckpointError,
     checkpoint_keys,
-    corrupt_checkpoint_error,
-    corrupt_files,
     dcp_error_text,
     model_key_prefix,
-    validate_checkpoint,
+    verify_checkpoint_files,
 )
 from torchtitan.components.hf_safetensors import load_hf_safetensors, save_hf_safetensors  # noqa: E402
 from torchtitan.models.deepseek_v3 import (  # noqa: E402
@@ -190,11 +188,8 @@ def _check_finite(state_dict: dict[str, torch.Tensor], src: str) -> None:
 def _verify_files(src: str) -> None:
     """Sizes and crc32 of every file against the manifest (as the trainer checks before a resume), before reading."""
     fix = "convert an intact checkpoint (an older step-N)"
-    if os.path.isfile(os.path.join(src, MANIFEST_NAME)):
-        manifest = validate_checkpoint(src, fix=f"Nothing was written; {fix}")
-        if bad := corrupt_files(src, manifest, rank=0, num_ranks=1):
-            raise corrupt_checkpoint_error(src, bad, fix)
-    elif not os.path.isfile(os.path.join(src, ".metadata")):
+    verify_checkpoint_files(src, fix, manifest_fix=f"Nothing was written; {fix}")
+    if not os.path.isfile(os.path.join(src, ".metadata")) and not os.path.isfile(os.path.join(src, MANIFEST_NAME)):
         raise CheckpointError(f"{src} is not a DCP checkpoint (no .metadata): give a step-N folder of a checkpoint")
 
 

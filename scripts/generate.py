@@ -32,14 +32,11 @@ from tokenizers import Tokenizer
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
 from torchtitan.components.checkpoint_folder import (  # noqa: E402
-    MANIFEST_NAME,
     CheckpointError,
     checkpoint_keys,
-    corrupt_checkpoint_error,
-    corrupt_files,
     dcp_error_text,
     model_key_prefix,
-    validate_checkpoint,
+    verify_checkpoint_files,
 )
 from torchtitan.components.hf_safetensors import load_hf_safetensors  # noqa: E402
 from torchtitan.datasets.tokenizer import BOS_TOKEN, EOS_TOKEN, resolve_tokenizer_path  # noqa: E402
@@ -170,11 +167,7 @@ def load_model(path: str, args: DeepSeekV3ModelArgs, device: torch.device) -> De
     model.freqs_cis = precompute_freqs_cis(args, device=device)
     state = model.state_dict()  # its tensors are the model's: loading into them loads the model
     if _is_dcp(path):
-        if os.path.isfile(os.path.join(path, MANIFEST_NAME)):  # one of ours: its files' checksums, as the trainer does
-            manifest = validate_checkpoint(path)
-            bad = corrupt_files(path, manifest, rank=0, num_ranks=1)
-            if bad:
-                raise corrupt_checkpoint_error(path, bad, "sample from another checkpoint")
+        verify_checkpoint_files(path, "sample from another checkpoint")
         keys = checkpoint_keys(path)
         prefix = model_key_prefix(keys)
         _check_holds(path, [name for name in state if prefix + name not in keys])

@@ -165,6 +165,17 @@ def corrupt_files(path: str, manifest: dict[str, Any], rank: int, num_ranks: int
     return bad
 
 
+def verify_checkpoint_files(path: str, fix: str, manifest_fix: str | None = None) -> None:
+    """One process about to read checkpoint `path` (the scripts): with a manifest (one of ours), every file's size
+    and crc32 against it, as the trainer checks before a resume; `fix` (and `manifest_fix` for a size or manifest
+    problem, default "Nothing was loaded; <fix>") ends the error. Without a manifest there is nothing to check."""
+    if not os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+        return
+    manifest = validate_checkpoint(path, fix=manifest_fix or f"Nothing was loaded; {fix}")
+    if bad := corrupt_files(path, manifest, rank=0, num_ranks=1):
+        raise corrupt_checkpoint_error(path, bad, fix)
+
+
 def corrupt_checkpoint_error(path: str, bad: list[str], fix: str) -> CheckpointError:
     return CheckpointError(
         f"checkpoint {path} is corrupt: {', '.join(bad)} no longer match(es) the checksum written with it. "
