@@ -63,11 +63,22 @@ def reference_loss_and_grads(model):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def check_parallel_matches(reference, ref_loss, ref_grads, cfg, world_size, rtol=1e-4, atol=5e-5):
-    """Parallelize a copy of `reference` per `cfg`, train one step on this rank's batch slice, compare."""
+def parallelized(reference, cfg, world_size):
+    """A copy of `reference` parallelized per `cfg` over a CPU mesh of `world_size` ranks; returns (model, dims)."""
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     dims.build_mesh("cpu")
-    model = parallelize_deepseekv3(copy.deepcopy(reference), dims, cfg)
+    return parallelize_deepseekv3(copy.deepcopy(reference), dims, cfg), dims
+
+
+def rank_batch(rank, world_size):
+    """This rank's slice of `batch()` when every rank is a data-parallel (or expert-parallel) rank."""
+    inputs, labels = batch()
+    return inputs.chunk(world_size)[rank], labels.chunk(world_size)[rank]
+
+
+def check_parallel_matches(reference, ref_loss, ref_grads, cfg, world_size, rtol=1e-4, atol=5e-5):
+    """Parallelize a copy of `reference` per `cfg`, train one step on this rank's batch slice, compare."""
+    model, dims = parallelized(reference, cfg, world_size)
     inputs, labels = batch()
     dp_mesh = dims.get_optional_mesh("dp")
     if dp_mesh is not None:

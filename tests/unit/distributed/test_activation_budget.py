@@ -1,16 +1,17 @@
 """The activation memory budget: the plan it picks for a given budget, and the levels it switches MoE blocks to
 (whole-block recompute, per-op SAC on the routed experts, none) train with the same gradients."""
 
-import copy
+import itertools
 
 import pytest
 import torch
 
 from tests.unit.distributed._model_parity import (
-    batch,
     build_reference,
     job_config,
     loss_of,
+    parallelized,
+    rank_batch,
     reference_loss_and_grads,
     tiny_args,
 )
@@ -18,8 +19,13 @@ from tests.unit.distributed._spawn import run_distributed
 from tests.unit.distributed.test_activation_checkpoint import CountAllToAll
 from torchtitan.distributed.activation_budget import LEVELS, ActivationBudget, BlockCost, plan_levels, set_level
 from torchtitan.distributed.activation_checkpoint import budget_blocks
-from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
+
+_BUDGET_CONFIG = job_config(
+    parallelism__expert_parallel_degree=2,
+    activation_checkpoint__mode="selective",
+    activation_checkpoint__selective_ac_option="op",
+    activation_checkpoint__memory_budget_gib=1.0,
+)
 
 # three MoE blocks: at full AC each keeps 1, at per-op SAC 5, without checkpointing 9 (units of memory)
 COSTS = [BlockCost(full=1, sac=5, none=9)] * 3
@@ -49,17 +55,8 @@ def test_plan_is_the_fastest_that_fits(budget, levels, peak):
 def _levels_train_alike(rank: int, world_size: int) -> None:
     reference = build_reference(tiny_args())
     ref_loss, ref_grads = reference_loss_and_grads(reference)
-    inputs, labels = batch()
-    inputs, labels = inputs.chunk(world_size)[rank], labels.chunk(world_size)[rank]
-    cfg = job_config(
-        parallelism__expert_parallel_degree=2,
-        activation_checkpoint__mode="selective",
-        activation_checkpoint__selective_ac_option="op",
-        activation_checkpoint__memory_budget_gib=1.0,
-    )
-    dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    dims.build_mesh("cpu")
-    model = parallelize_deepseekv3(copy.deepcopy(reference), dims, cfg)
+    inputs, labels = rank_batch(rank, world_size)
+    model, _ = parallelized(reference, _BUDGET_CONFIG, world_size)
     blocks = budget_blocks(model)
     assert len(blocks) == 2  # tiny_args: 3 blocks, the first dense
     sac = [block.moe.routed_experts_checkpoint for _, block in blocks]
@@ -89,31 +86,18 @@ def test_each_level_trains_like_the_others_and_only_full_recompute_communicates(
 
 def _budget_chooses_from_step_one(rank: int, world_size: int) -> None:
     reference = build_reference(tiny_args())
-    inputs, labels = batch()
-    inputs, labels = inputs.chunk(world_size)[rank], labels.chunk(world_size)[rank]
-    cfg = job_config(
-        parallelism__expert_parallel_degree=2,
-        activation_checkpoint__mode="selective",
-        activation_checkpoint__selective_ac_option="op",
-        activation_checkpoint__memory_budget_gib=1.0,
-    )
-    dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    dims.build_mesh("cpu")
-    model = parallelize_deepseekv3(copy.deepcopy(reference), dims, cfg)
+    inputs, labels = rank_batch(rank, world_size)
+    model, _ = parallelized(reference, _BUDGET_CONFIG, world_size)
     blocks = budget_blocks(model)
     # the allocator as the hooks see it: each MoE block's forward keeps 0.1 GiB on rank 0 and 0.2 GiB on rank 1
     # (the plan uses the larger), step 1 reserved 0.5 GiB; a block without checkpointing adds its routed rows
-    allocated = [0]
+    reads = itertools.count()  # a block's pre-hook read, then its post-hook read, block after block
 
     def read_allocated() -> int:
-        allocated[0] += 0 if len(read_allocated.calls) % 2 == 0 else int((rank + 1) * 0.1 * 2**30)
-        read_allocated.calls.append(allocated[0])
-        return allocated[0]
+        return (next(reads) + 1) // 2 * int((rank + 1) * 0.1 * 2**30)
 
-    read_allocated.calls = []
-    budget = ActivationBudget(
-        blocks, 1.0, memory_allocated=read_allocated, max_memory_reserved=lambda: int(0.5 * 2**30)
-    )
+    reserved = int(0.5 * 2**30)
+    budget = ActivationBudget(blocks, 1.0, memory_allocated=read_allocated, max_memory_reserved=lambda: reserved)
     loss_of(model(inputs), labels, labels.numel() * world_size).backward()
     assert budget.kept == [pytest.approx((rank + 1) * 0.1 * 2**30)] * 2
     assert all(rows > 0 for rows in budget.recomputed)

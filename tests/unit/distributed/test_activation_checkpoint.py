@@ -1,18 +1,21 @@
 """Activation checkpointing: per-op SAC recomputes without communicating; every mode leaves gradients unchanged."""
 
-import copy
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.unit.distributed._model_parity import batch, build_reference, job_config, loss_of, tiny_args
+from tests.unit.distributed._model_parity import (
+    build_reference,
+    job_config,
+    loss_of,
+    parallelized,
+    rank_batch,
+    tiny_args,
+)
 from tests.unit.distributed._spawn import run_distributed
 from torchtitan.components.master_weights import store_weights_in_bf16
 from torchtitan.config.job_config import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
 from torchtitan.models.moe.experts import GroupedExperts
 
 
@@ -33,8 +36,7 @@ class CountAllToAll(TorchDispatchMode):
 
 def _all_to_all_counts(rank: int, world_size: int) -> None:
     reference = build_reference(tiny_args())
-    inputs, labels = batch()
-    inputs, labels = inputs.chunk(world_size)[rank], labels.chunk(world_size)[rank]
+    inputs, labels = rank_batch(rank, world_size)
     counts, grads = {}, {}
     for mode, option in (("none", "op"), ("full", "op"), ("selective", "op")):
         cfg = job_config(
@@ -42,9 +44,7 @@ def _all_to_all_counts(rank: int, world_size: int) -> None:
             activation_checkpoint__mode=mode,
             activation_checkpoint__selective_ac_option=option,
         )
-        dims = ParallelDims.from_config(cfg.parallelism, world_size)
-        dims.build_mesh("cpu")
-        model = parallelize_deepseekv3(copy.deepcopy(reference), dims, cfg)
+        model, _ = parallelized(reference, cfg, world_size)
         counter = CountAllToAll()
         with counter:
             loss_of(model(inputs), labels, labels.numel()).backward()
@@ -104,9 +104,7 @@ def test_bad_selective_option_names_the_fix():
 
 
 def _standard_ep_compiled_bf16(rank: int, world_size: int) -> None:
-    reference = build_reference(tiny_args())
-    inputs, labels = batch()
-    inputs, labels = inputs.chunk(world_size)[rank], labels.chunk(world_size)[rank]
+    inputs, labels = rank_batch(rank, world_size)
     cfg = job_config(
         parallelism__expert_parallel_degree=2,
         activation_checkpoint__mode="selective",
@@ -115,9 +113,7 @@ def _standard_ep_compiled_bf16(rank: int, world_size: int) -> None:
         compile__enable=True,
         compile__backend="aot_eager",
     )
-    dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    dims.build_mesh("cpu")
-    model = parallelize_deepseekv3(copy.deepcopy(reference), dims, cfg)
+    model, _ = parallelized(build_reference(tiny_args()), cfg, world_size)
     store_weights_in_bf16([model], (GroupedExperts,), fp32_grads=False)  # as the trainer does: FSDP leaves them alone
     for _ in range(2):
         loss = loss_of(model(inputs), labels, labels.numel())
