@@ -249,9 +249,10 @@ class ActivationCheckpoint:
     recompute. -1: every block `mode` selects."""
 
     memory_budget_gib: float = 0.0
-    """With per-op SAC on a GPU: the peak reserved memory per GPU to stay within. The run's first step runs per-op SAC
-    and measures; from the next step the trainer runs each MoE block with per-op SAC, without checkpointing (faster,
-    more memory) or fully recomputed (slower, less), the fastest choice that fits, and logs it. 0: off."""
+    """With per-op SAC on a GPU: the peak reserved memory per GPU to stay within. The run's first step measures
+    (every MoE block recomputed whole but the last, at per-op SAC: the least memory that still shows each level's
+    cost); from the next step the trainer runs each MoE block with per-op SAC, without checkpointing (faster, more
+    memory) or fully recomputed (slower, less), the fastest choice predicted to fit, and logs it. 0: off."""
 
 
 @dataclass

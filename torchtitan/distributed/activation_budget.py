@@ -6,14 +6,17 @@ Each MoE block can run at one of three levels, from least memory (slowest) to mo
     sac    per-op SAC on its routed experts (the default; `activation_checkpoint.py`)
     none   no recompute: it keeps every activation
 
-The run's first step (step 1, or the first after a resume) runs every block at `sac` and measures, on every rank,
-the peak reserved memory and per MoE block what it keeps from its forward to its backward (the device memory its
-forward leaves allocated), its output, and the rows its routed experts computed. With the maxima over the ranks
+The run's first step (step 1, or the first after a resume) measures at the least memory it can while still seeing
+every level's cost: every MoE block recomputed whole but the last, which runs per-op SAC. (A first step at per-op SAC
+everywhere would not fit where the budget matters most: the whole 16B model at FSDP4 x EP4 on 80 GB cards.) Hooks
+read, on every rank, the peak reserved memory and per MoE block what it keeps from its forward to its backward (the
+device memory its forward leaves allocated) and the rows its routed experts computed. With the maxima over the ranks
 (every rank must choose the same levels: a `full` block exchanges tokens again in its recompute) the budget then
-picks the levels from the next step on (`plan_levels`): the last blocks go to `none` while the predicted peak fits,
-or, when even the first step did not fit, the first blocks go to `full` until it does. What `none` adds to `sac` is
-what per-op SAC recomputes: the routed experts' input rows and their SwiGLU output, rows x (dim + hidden) values
-(measured at 0.71 GiB per block on 16B_bench4 at FSDP2 x EP2, where this estimate gives 0.69).
+picks the levels from the next step on (`plan_levels`): per-op SAC everywhere if the predicted peak fits, then the
+last blocks to `none` while it still fits; or, when per-op SAC does not fit, the first blocks to `full` until it
+does. The last block's per-op SAC measurement stands for every block's, scaled up where a block computed more rows.
+What `none` adds to `sac` is what per-op SAC recomputes: the routed experts' input rows and their SwiGLU output, rows
+x (dim + hidden) values (measured at 0.71 GiB per block on 16B_bench4 at FSDP2 x EP2, where this estimate gives 0.69).
 """
 
 from __future__ import annotations
@@ -43,38 +46,52 @@ class BlockCost:
     none: float
 
 
-def plan_levels(budget: float, sac_peak: float, costs: list[BlockCost]) -> tuple[list[str], float]:
+def plan_levels(
+    budget: float, measured_peak: float, measured_levels: list[str], costs: list[BlockCost]
+) -> tuple[list[str], float]:
     """The levels of the MoE blocks (in forward order) and their predicted peak: the fastest plan that fits `budget`
-    bytes, from the first step's `sac_peak` with every block at `sac`. All `full` when nothing fits."""
+    bytes, from a step that reserved `measured_peak` at `measured_levels`. All `full` when nothing fits."""
     levels = ["sac"] * len(costs)
-    if sac_peak > budget:
+
+    def peak() -> float:
+        return predicted_peak(measured_peak, measured_levels, costs, levels)
+
+    if peak() > budget:
         for i in range(len(costs)):
             levels[i] = "full"
-            if predicted_peak(sac_peak, costs, levels) <= budget:
+            if peak() <= budget:
                 break
-        return levels, predicted_peak(sac_peak, costs, levels)
+        return levels, peak()
     for i in reversed(range(len(costs))):
         levels[i] = "none"
-        if predicted_peak(sac_peak, costs, levels) > budget:
+        if peak() > budget:
             levels[i] = "sac"
             break
-    return levels, predicted_peak(sac_peak, costs, levels)
+    return levels, peak()
 
 
-def predicted_peak(sac_peak: float, costs: list[BlockCost], levels: list[str]) -> float:
-    """The peak of a plan: at the end of the forward every block's kept bytes are alive; a `full` block's backward
-    re-creates all of its activations while the blocks before it still hold theirs."""
+def predicted_peak(
+    measured_peak: float, measured_levels: list[str], costs: list[BlockCost], levels: list[str]
+) -> float:
+    """The peak of a plan: what the blocks hold at their highest (`_held_at_peak`) changes by what the plan holds
+    there more than the measured step did; everything else (weights, the loss, buffers) stays as measured."""
+    return measured_peak - _held_at_peak(costs, measured_levels) + _held_at_peak(costs, levels)
+
+
+def _held_at_peak(costs: list[BlockCost], levels: list[str]) -> float:
+    """What the MoE blocks hold at the step's peak: at the end of the forward every block's kept bytes; a `full`
+    block's backward re-creates all of its activations while the blocks before it still hold theirs."""
     kept = [getattr(cost, level) for cost, level in zip(costs, levels, strict=True)]
-    forward_end = sac_peak + sum(kept) - sum(cost.sac for cost in costs)
-    peak = forward_end
+    held = sum(kept)
     for i, (cost, level) in enumerate(zip(costs, levels, strict=True)):
         if level == "full":
-            peak = max(peak, forward_end - sum(kept[i:]) + cost.none)
-    return peak
+            held = max(held, sum(kept[:i]) + cost.none)
+    return held
 
 
 class ActivationBudget:
-    """Measures the run's first step (hooks on the MoE blocks) and then sets their levels (`choose`, once, after it).
+    """Measures the run's first step (hooks on the MoE blocks, at `measuring_levels`) and then sets their levels
+    (`choose`, once, after it).
 
     `blocks`: (its `SwitchableCheckpointWrapper`, MoE block) per MoE block in forward order (`budget_blocks`:
     `apply_ac` wraps every MoE block in one, switched off, when a budget is set). `memory_allocated` /
@@ -98,6 +115,8 @@ class ActivationBudget:
         self.recomputed = [0.0] * len(blocks)  # rows x (dim + hidden) x bytes of the routed experts
         self._before = [0] * len(blocks)
         self._sac_checkpoints = [block.moe.routed_experts_checkpoint for _, block in blocks]
+        self.measuring_levels = ["full"] * (len(blocks) - 1) + ["sac"]
+        self._set_levels(self.measuring_levels)
         self._hooks = []
         for i, (wrapper, block) in enumerate(blocks):
             self._hooks.append(wrapper.register_forward_pre_hook(self._pre_hook(i)))
@@ -126,6 +145,17 @@ class ActivationBudget:
 
         return hook
 
+    def costs(self, kept: list[float], output: list[float], recomputed: list[float]) -> list[BlockCost]:
+        """Each block's cost at each level from the measured step: `full` its output (the next block's input);
+        `sac` what the block measured at it kept, scaled by the rows each block computed; `none` that plus what
+        per-op SAC recomputes."""
+        sac_kept, sac_rows = kept[-1], recomputed[-1]
+        scale = [max(1.0, rows / sac_rows) if sac_rows else 1.0 for rows in recomputed]
+        return [
+            BlockCost(full=out, sac=sac_kept * s, none=sac_kept * s + rows)
+            for out, s, rows in zip(output, scale, recomputed, strict=True)
+        ]
+
     def choose(self, device: torch.device) -> list[str]:
         """After the run's first step: the levels from the next step on (the same on every rank), applied and
         logged."""
@@ -139,25 +169,27 @@ class ActivationBudget:
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(measured, op=dist.ReduceOp.MAX)
         n = len(self.blocks)
-        sac_peak = measured[0].item()
+        measured_peak = measured[0].item()
         kept, output, recomputed = (measured[1 + k * n : 1 + (k + 1) * n].tolist() for k in range(3))
-        costs = [BlockCost(full=o, sac=k, none=k + r) for k, o, r in zip(kept, output, recomputed, strict=True)]
-        self.levels, peak = plan_levels(self.budget, sac_peak, costs)
-        for (wrapper, block), sac, level in zip(self.blocks, self._sac_checkpoints, self.levels, strict=True):
-            set_level(wrapper, block, level, sac)
+        costs = self.costs(kept, output, recomputed)
+        self.levels, peak = plan_levels(self.budget, measured_peak, self.measuring_levels, costs)
+        self._set_levels(self.levels)
         counts = {level: self.levels.count(level) for level in LEVELS if level in self.levels}
         summary = ", ".join(f"{count} {level}" for level, count in counts.items())
         message = (
             f"activation_checkpoint.memory_budget_gib={self.budget / GIB:g}: the first step reserved "
-            f"{sac_peak / GIB:.1f} GiB with per-op SAC on every MoE block; from the next step the {n} MoE blocks run "
-            f"{summary} "
-            f"(predicted peak {peak / GIB:.1f} GiB)"
+            f"{measured_peak / GIB:.1f} GiB (every MoE block recomputed whole but the last, at per-op SAC); from the "
+            f"next step the {n} MoE blocks run {summary} (predicted peak {peak / GIB:.1f} GiB)"
         )
         if peak > self.budget:
             logger.warning(message + ": above the budget even with full activation checkpointing")
         else:
             logger.info(message)
         return self.levels
+
+    def _set_levels(self, levels: list[str]) -> None:
+        for (wrapper, block), sac, level in zip(self.blocks, self._sac_checkpoints, levels, strict=True):
+            set_level(wrapper, block, level, sac)
 
 
 def set_level(wrapper: nn.Module, block: nn.Module, level: str, sac_checkpoint: Callable | None) -> None:

@@ -8,9 +8,11 @@ import torch
 __all__ = ["is_out_of_memory", "out_of_memory_line"]
 
 LOWER_MEMORY = (
+    "--activation_checkpoint.memory_budget_gib {budget} (recompute picked per MoE block to fit; lower it if set), "
     "a smaller --training.local_batch_size (fewer tokens per rank), --activation_checkpoint.mode full, or "
     "--parallelism.fsdp_reshard_after_forward always"
 )
+BUDGET_SHARE = 0.91  # of the card's memory: what lies outside the allocator (NCCL, DeepEP's buffers) and a margin
 
 
 def is_out_of_memory(err: BaseException) -> bool:
@@ -22,9 +24,11 @@ def is_out_of_memory(err: BaseException) -> bool:
 def out_of_memory_line(rank: int, step: int, device: torch.device | None) -> str:
     """step 0: before the first training step (building the model, its optimizer, its buffers)."""
     where = f"at step {step}" if step > 0 else "before the first step"
-    held = ""
+    held, budget = "", "B"
     if device is not None and device.type == "cuda":
         reserved = torch.cuda.memory_reserved(device) / 2**30
         total = torch.cuda.get_device_properties(device).total_memory / 2**30
-        held = f" with {reserved:.1f} of {total:.1f} GiB reserved"
-    return f"error: rank {rank} ran out of device memory {where}{held}; lower the peak with {LOWER_MEMORY}"
+        held, budget = f" with {reserved:.1f} of {total:.1f} GiB reserved", str(int(total * BUDGET_SHARE))
+    return f"error: rank {rank} ran out of device memory {where}{held}; lower the peak with " + LOWER_MEMORY.format(
+        budget=budget
+    )

@@ -49,7 +49,11 @@ COSTS = [BlockCost(full=1, sac=5, none=9)] * 3
     ],
 )
 def test_plan_is_the_fastest_that_fits(budget, levels, peak):
-    assert plan_levels(budget, 100, COSTS) == (levels, peak)
+    assert plan_levels(budget, 100, ["sac"] * 3, COSTS) == (levels, peak)
+    # the same model measured as the trainer's first step runs it (the first two blocks recomputed whole, the last at
+    # per-op SAC) holds 5 units less at its peak (1 + 1 + 9 in the second block's recompute, against 5 + 5 + 5), so
+    # it reserves 95 where per-op SAC everywhere reserved 100: it must lead to the same plan
+    assert plan_levels(budget, 95, ["full", "full", "sac"], COSTS) == (levels, peak)
 
 
 def _levels_train_alike(rank: int, world_size: int) -> None:
@@ -90,7 +94,7 @@ def _budget_chooses_from_step_one(rank: int, world_size: int) -> None:
     model, _ = parallelized(reference, _BUDGET_CONFIG, world_size)
     blocks = budget_blocks(model)
     # the allocator as the hooks see it: each MoE block's forward keeps 0.1 GiB on rank 0 and 0.2 GiB on rank 1
-    # (the plan uses the larger), step 1 reserved 0.5 GiB; a block without checkpointing adds its routed rows
+    # (the plan uses the larger), step 1 reserved 0.5 GiB; a block without checkpointing adds its routed rows.
     reads = itertools.count()  # a block's pre-hook read, then its post-hook read, block after block
 
     def read_allocated() -> int:
@@ -98,6 +102,10 @@ def _budget_chooses_from_step_one(rank: int, world_size: int) -> None:
 
     reserved = int(0.5 * 2**30)
     budget = ActivationBudget(blocks, 1.0, memory_allocated=read_allocated, max_memory_reserved=lambda: reserved)
+    # the first step: the first MoE block recomputed whole, the last at per-op SAC
+    (first_wrapper, first), (last_wrapper, last) = blocks
+    assert first_wrapper.enabled and first.moe.routed_experts_checkpoint is None
+    assert not last_wrapper.enabled and last.moe.routed_experts_checkpoint is not None
     loss_of(model(inputs), labels, labels.numel() * world_size).backward()
     assert budget.kept == [pytest.approx((rank + 1) * 0.1 * 2**30)] * 2
     assert all(rows > 0 for rows in budget.recomputed)

@@ -16,6 +16,7 @@ def test_allocator_and_runtime_out_of_memory_errors_are_recognised():
 def test_the_line_names_rank_step_and_the_settings_that_lower_the_peak():
     line = out_of_memory_line(rank=3, step=2, device=None)
     assert "\n" not in line and line.startswith("error: rank 3 ran out of device memory at step 2;")
-    for knob in ("--training.local_batch_size", "--activation_checkpoint.mode full", "fsdp_reshard_after_forward"):
+    knobs = ("--activation_checkpoint.memory_budget_gib B", "--training.local_batch_size", "mode full", "reshard_after")
+    for knob in knobs:
         assert knob in line
     assert "before the first step" in out_of_memory_line(rank=0, step=0, device=None)
