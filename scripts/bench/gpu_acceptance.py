@@ -44,6 +44,7 @@ from scripts.bench.common import RESULTS_DIR, environment, git_commit  # noqa: E
 from scripts.bench.e2e import train_and_measure  # noqa: E402
 
 CONFIG = "./train_configs/deepseek_v3_16b.toml"
+BUDGET_UNDER_BASE = 1.0  # GiB: the memory_budget row's budget below the base run's peak reserved memory
 SAME_MATH, OTHER_KERNELS, FP8, BLOCK_CAUSAL, MTP = 2e-4, 1e-3, 5e-3, 1e-2, 0.1
 # The validation row reads the shipped corpus as its own validation set, so training reads the base's data.
 VALIDATION_CORPUS = "torchtitan/assets/tinycorpus/austen_chapters.jsonl.gz"
@@ -73,6 +74,8 @@ def all_rows() -> list[Row]:
             "other exchange kernels", needs_ep=True),
         Row("full_ac", ["--activation_checkpoint.mode", "full"], SAME_MATH, "recomputation only"),
         Row("no_ac", ["--activation_checkpoint.mode", "none"], SAME_MATH, "recomputation only"),
+        Row("memory_budget", [], SAME_MATH, f"recompute per MoE block fit to {BUDGET_UNDER_BASE:g} GiB under the "
+            "base's peak, which the run's peak must not exceed"),
         Row("eager", ["--compile.enable=false"], OTHER_KERNELS, "unfused kernels"),
         Row("plain_output_head", ["--training.fused_output_loss=false"], OTHER_KERNELS, "whole logits, bf16 head grad"),
         Row("ep_overlap", ["--parallelism.expert_parallel_overlap"], SAME_MATH, "another schedule", needs_ep=True),
@@ -171,6 +174,8 @@ def run_row(row: Row, by_name: dict[str, Row], base_args: list[str], opts, ep: i
         return check_hf_export(by_name, work, opts.flavor)
 
     args = [*base_args, *row.args]
+    if row.name == "memory_budget":
+        args += ["--activation_checkpoint.memory_budget_gib", f"{budget_of(base):.2f}"]
     checkpoints = work / "checkpoint"
     if row.name in ("checkpoint_save", "checkpoint_resume"):
         # the mid-run full save, then the last step as a model-only export (save) or an HF export (resume)
@@ -197,6 +202,10 @@ def run_row(row: Row, by_name: dict[str, Row], base_args: list[str], opts, ep: i
     return {**result, "status": "failed" if problem else "passed", **problem}
 
 
+def budget_of(base: dict) -> float:
+    return base["peak_memory_gib"] - BUDGET_UNDER_BASE
+
+
 def judge(row: Row, run: dict, base: dict, by_name: dict[str, Row], opts) -> dict:
     """{} if the row passes, else {"reason": ...}; also the largest relative loss difference to its reference."""
     losses = dict(zip(run["loss_steps"], run["losses"], strict=True))
@@ -214,6 +223,8 @@ def judge(row: Row, run: dict, base: dict, by_name: dict[str, Row], opts) -> dic
         return {"reason": f"{recompiles} graphs compiled after step {opts.warmup_steps}"}
     if row.name == "base":
         return {}
+    if row.name == "memory_budget" and run["peak_memory_gib"] > budget_of(base):
+        return {"reason": f"peak {run['peak_memory_gib']:.2f} GiB above the budget of {budget_of(base):.2f} GiB"}
     reference = base
     if row.name == "checkpoint_resume":  # against the straight run that saved the checkpoint
         reference = by_name["checkpoint_save"].result

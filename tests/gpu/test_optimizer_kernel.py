@@ -163,3 +163,45 @@ def test_master_weights_follow_torch_fused_adamw_and_the_same_launch_writes_the_
             for key in ("exp_avg", "exp_avg_sq"):
                 assert ours.state[ours_param][key].dtype == torch.float32
                 torch.testing.assert_close(ours.state[ours_param][key], ref.state[ref_param][key], **TOLERANCE)
+
+
+@pytest.mark.parametrize("masters", [False, True], ids=["fp32-params", "bf16-params-with-masters"])
+def test_bf16_moments_step_like_fp32_moments_rounded_to_bf16_after_each_step(masters):
+    """`moments_dtype=torch.bfloat16`: the kernel stores bf16 moments, rounded to nearest from the fp32 step of the
+    moments read back, in the same one launch per param group. Against the fp32-moment kernel whose moments are
+    rounded to bf16 after each step: the two kernel variants compile separately (an fp32 ulp apart at most, see
+    above), so the moments agree to one bf16 ulp and the parameters to TOLERANCE."""
+
+    def build(moments_dtype):
+        params = make_params(unaligned=False)
+        low_bits = None
+        if masters:
+            split = [split_fp32(param.detach()) for param in params]
+            params = [torch.nn.Parameter(weight) for weight, _ in split]
+            low_bits = {param: low for param, (_, low) in zip(params, split, strict=True)}
+        return params, MultiTensorAdamW(groups(params), master_low_bits=low_bits, moments_dtype=moments_dtype)
+
+    (ours_params, ours), (ref_params, ref) = build(torch.bfloat16), build(None)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for _ in range(4):
+        for ours_param, ref_param in zip(ours_params, ref_params, strict=True):
+            grad = torch.randn(ref_param.shape, generator=gen, device="cuda").to(ref_param.dtype)
+            ours_param.grad, ref_param.grad = grad.clone(), grad.clone()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            ours.step()
+            torch.cuda.synchronize()
+        ref.step()
+        names = [event.name for event in prof.events() if event.device_type.name == "CUDA"]
+        assert sum("_adamw_kernel" in name for name in names) == 2, names
+        for ours_param, ref_param in zip(ours_params, ref_params, strict=True):
+            if masters:
+                ours_master, ref_master = (join_fp32(p, opt.master_low_bits[p]) for p, opt in
+                                           ((ours_param, ours), (ref_param, ref)))  # fmt: skip
+                torch.testing.assert_close(ours_master, ref_master, **TOLERANCE)
+            else:
+                torch.testing.assert_close(ours_param, ref_param, **TOLERANCE)
+            for key in ("exp_avg", "exp_avg_sq"):
+                moment, ref_moment = ours.state[ours_param][key], ref.state[ref_param][key]
+                assert moment.dtype == torch.bfloat16 and ref_moment.dtype == torch.float32
+                ref_moment.copy_(ref_moment.bfloat16())
+                torch.testing.assert_close(moment.float(), ref_moment, rtol=2**-7, atol=1e-30)

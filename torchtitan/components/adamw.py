@@ -18,6 +18,10 @@ DTensor parameters (FSDP2, expert parallel) are updated through their local shar
 fp32 master the two hold (fp32 moments, the parameter's gradient) and writes it back split, the parameter becoming the
 new master rounded to nearest, in the same pass. The state is then made at construction: DCP's own state init sets
 zero gradients of the parameter's dtype, refused where `grad_dtype` is fp32.
+
+`moments_dtype=torch.bfloat16` (`optimizer.moments_dtype`, Megatron's `--exp-avg-dtype/--exp-avg-sq-dtype bf16`):
+both moments are stored in bf16, 4 bytes per parameter less; the update still runs in fp32 (each moment read into
+fp32, rounded to nearest when stored) on fp32 masters. Made at construction too, and kept bf16 by a load.
 """
 
 from collections import defaultdict
@@ -59,6 +63,7 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         amsgrad: bool = False,
         maximize: bool = False,
         master_low_bits: Mapping[torch.Tensor, torch.Tensor] | None = None,
+        moments_dtype: torch.dtype | None = None,
     ) -> None:
         _check_supported({"amsgrad": amsgrad, "maximize": maximize})
         defaults = {
@@ -72,7 +77,8 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)
         self.master_low_bits = dict(master_low_bits or {})
-        if self.master_low_bits:
+        self.moments_dtype = moments_dtype
+        if self.master_low_bits or moments_dtype is not None:
             for group in self.param_groups:
                 for param in group["params"]:
                     self._state(param)
@@ -116,23 +122,32 @@ class MultiTensorAdamW(torch.optim.Optimizer):
             bucket.steps.append(state["step"])
         return buckets
 
+    def _moments_dtype(self, param: torch.Tensor) -> torch.dtype:
+        """`moments_dtype`, else fp32 where the parameter has a master, else the parameter's dtype (torch's)."""
+        if self.moments_dtype is not None:
+            return self.moments_dtype
+        return torch.float32 if param in self.master_low_bits else param.dtype
+
     def _state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The parameter's state, made as torch.optim.AdamW (neither fused nor capturable) makes it; fp32 moments
-        where the parameter has a master."""
+        """The parameter's state, made as torch.optim.AdamW (neither fused nor capturable) makes it, with moments of
+        `_moments_dtype`."""
         state = self.state[param]
         if not state:
-            dtype = torch.float32 if param in self.master_low_bits else param.dtype
+            dtype = self._moments_dtype(param)
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's load, which casts each loaded moment to its parameter's dtype: while it runs, the groups hold an fp32
-        stand-in (one element, expanded) for each parameter with a master, so the moments stay fp32."""
+        """torch's load, which casts each loaded moment to its parameter's dtype: while it runs, the groups hold a
+        stand-in (one element, expanded) of the moments' dtype for each parameter whose moments have another dtype
+        (fp32 for a bf16 weight with a master, bf16 moments), so the moments keep theirs."""
         stand_ins = {
-            param: torch.zeros((), dtype=torch.float32, device=param.device).expand(param.shape)
-            for param in self.master_low_bits
+            param: torch.zeros((), dtype=self._moments_dtype(param), device=param.device).expand(param.shape)
+            for group in self.param_groups
+            for param in group["params"]
+            if self._moments_dtype(param) != param.dtype
         }
         parameter_of = {id(stand_in): param for param, stand_in in stand_ins.items()}
         for group in self.param_groups:
@@ -201,10 +216,16 @@ def _foreach_adamw_update_(
 ) -> None:
     """The update on any device with torch's foreach ops, in the order of torch's foreach AdamW. With `low_bits`, the
     bf16 `params` and their low bits hold fp32 masters (`master_weights.py`): the update runs on the joined masters,
-    then splits them back."""
+    then splits them back. Moments of another dtype than the (master) params are updated in the params' dtype and
+    rounded back."""
     bf16_params = None
     if low_bits is not None:
         bf16_params, params = params, [join_fp32(param, low) for param, low in zip(params, low_bits, strict=True)]
+    stored_moments = None
+    if exp_avgs[0].dtype != params[0].dtype:
+        stored_moments = exp_avgs, exp_avg_sqs
+        exp_avgs = [moment.to(params[0].dtype) for moment in exp_avgs]
+        exp_avg_sqs = [moment.to(params[0].dtype) for moment in exp_avg_sqs]
     if grads[0].dtype != params[0].dtype:
         grads = [grad.to(params[0].dtype) for grad in grads]
     if grad_scale is not None:
@@ -217,6 +238,9 @@ def _foreach_adamw_update_(
     torch._foreach_div_(denom, bias_correction2_sqrts)
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(params, exp_avgs, denom, [-step_size for step_size in step_sizes])
+    if stored_moments is not None:
+        torch._foreach_copy_(stored_moments[0], exp_avgs)
+        torch._foreach_copy_(stored_moments[1], exp_avg_sqs)
     if bf16_params is not None:
         for bf16_param, low, master in zip(bf16_params, low_bits, params, strict=True):
             weight, new_low = split_fp32(master)

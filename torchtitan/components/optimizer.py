@@ -23,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from torchtitan.components.adamw import MultiTensorAdamW
 from torchtitan.config.job_config import JobConfig
+from torchtitan.tools.dtypes import DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ def build_optimizers(
     if implementation == "triton":
         if config.name == "AdamW":
             kwargs["master_low_bits"] = master_low_bits
+            kwargs["moments_dtype"] = DTYPES[config.moments_dtype] if config.moments_dtype != "float32" else None
             return OptimizersContainer(model_parts, [MultiTensorAdamW(params, **kwargs) for params in params_per_part])
         logger.info("optimizer.implementation='triton' implements AdamW only; Adam uses torch's 'fused'")
         implementation = "fused"

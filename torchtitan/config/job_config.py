@@ -71,6 +71,11 @@ class Optimizer:
     devices, e.g. CPU); needs triton for CUDA parameters. `fused`, `foreach`, `for-loop`: torch.optim's kernels, with
     clipping as a separate pass; `fused` falls back to `foreach` where the device has no fused kernel."""
 
+    moments_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of Adam's two moments. `bfloat16` (AdamW with implementation `triton`; Megatron's precision-aware
+    optimizer's `--exp-avg-dtype/--exp-avg-sq-dtype bf16`) stores them in 2 bytes each instead of 4, 4 bytes per
+    parameter less; the update still runs in fp32 on fp32 master weights."""
+
 
 @dataclass
 class LRScheduler:

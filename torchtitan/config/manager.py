@@ -187,6 +187,14 @@ def validate(job_config: JobConfig) -> None:
             f"a DeepEP feature; got {backend!r}, {ep}); drop the flag or switch the backend",
         )
 
+    opt = job_config.optimizer
+    _require(
+        opt.moments_dtype == "float32" or (opt.name == "AdamW" and opt.implementation == "triton"),
+        f"optimizer.moments_dtype={opt.moments_dtype} needs the update that keeps fp32 masters (--optimizer.name "
+        f"AdamW with --optimizer.implementation triton), got {opt.name} with {opt.implementation!r}; switch to it or "
+        "drop --optimizer.moments_dtype",
+    )
+
     checkpoint = job_config.checkpoint
     _require(
         checkpoint.load_step == -1 or checkpoint.enable,
@@ -209,9 +217,9 @@ def validate(job_config: JobConfig) -> None:
     per_op_sac = ac.mode == "selective" and ac.selective_ac_option == "op"
     _require(
         ac.memory_budget_gib == 0 or (per_op_sac and ac.num_blocks == -1 and par.pipeline_parallel_degree == 1),
-        f"activation_checkpoint.memory_budget_gib={ac.memory_budget_gib:g} picks each MoE block's checkpointing from "
-        "a step under per-op SAC on every block: it needs --activation_checkpoint.mode selective, selective_ac_option "
-        "op and no num_blocks, and no pipeline parallelism yet; drop the budget or those flags",
+        f"activation_checkpoint.memory_budget_gib={ac.memory_budget_gib:g} picks each MoE block's checkpointing "
+        "(per-op SAC, none or whole-block recompute): it needs --activation_checkpoint.mode selective, "
+        "selective_ac_option op and no num_blocks, and no pipeline parallelism yet; drop the budget or those flags",
     )
     option = job_config.activation_checkpoint.selective_ac_option
     _require(

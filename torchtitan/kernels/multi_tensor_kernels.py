@@ -10,7 +10,8 @@ construction, addresses are declared 16-byte aligned when the host checked they 
 run an unmasked loop (a mask against a tensor's size, unknown at compile time, would force scalar accesses).
 
 Arithmetic is fp32 with IEEE-rounded division and square root (`div_rn`, `sqrt_rn`, not Triton's approximate `/`
-and `sqrt`), in the order of torch's fused AdamW kernel.
+and `sqrt`), in the order of torch's fused AdamW kernel. bf16 moments (`optimizer.moments_dtype`) are read into fp32
+and rounded to nearest when stored.
 """
 
 import torch
@@ -45,6 +46,7 @@ def _adamw_kernel(
     eps,
     HAS_GRAD_SCALE: tl.constexpr,
     GRAD_BF16: tl.constexpr,
+    MOMENTS_BF16: tl.constexpr,
     SPLIT_MASTERS: tl.constexpr,
     ALIGNED: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -60,8 +62,12 @@ def _adamw_kernel(
     else:
         param_ptr = tl.load(addresses_ptr + tensor).to(tl.pointer_type(tl.float32))
         low_ptr = addresses_ptr  # never read
-    exp_avg_ptr = tl.load(addresses_ptr + 2 * num_tensors + tensor).to(tl.pointer_type(tl.float32))
-    exp_avg_sq_ptr = tl.load(addresses_ptr + 3 * num_tensors + tensor).to(tl.pointer_type(tl.float32))
+    if MOMENTS_BF16:
+        exp_avg_ptr = tl.load(addresses_ptr + 2 * num_tensors + tensor).to(tl.pointer_type(tl.bfloat16))
+        exp_avg_sq_ptr = tl.load(addresses_ptr + 3 * num_tensors + tensor).to(tl.pointer_type(tl.bfloat16))
+    else:
+        exp_avg_ptr = tl.load(addresses_ptr + 2 * num_tensors + tensor).to(tl.pointer_type(tl.float32))
+        exp_avg_sq_ptr = tl.load(addresses_ptr + 3 * num_tensors + tensor).to(tl.pointer_type(tl.float32))
     if GRAD_BF16:
         grad_ptr = tl.load(addresses_ptr + num_tensors + tensor).to(tl.pointer_type(tl.bfloat16))
     else:
@@ -124,16 +130,16 @@ def _adamw_block(
         else:
             param = tl.load(param_ptr + offsets, mask=mask, other=0.0)
         grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0)
-        exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0)
+        exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     else:
         if SPLIT_MASTERS:
             param = _join_fp32(tl.load(param_ptr + offsets), tl.load(low_ptr + offsets))
         else:
             param = tl.load(param_ptr + offsets)
         grad = tl.load(grad_ptr + offsets).to(tl.float32)
-        exp_avg = tl.load(exp_avg_ptr + offsets)
-        exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets)
+        exp_avg = tl.load(exp_avg_ptr + offsets).to(tl.float32)
+        exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets).to(tl.float32)
 
     grad = grad * grad_scale  # the clip coefficient: the gradient in memory stays unclipped
     param = param * decay_factor
@@ -144,6 +150,8 @@ def _adamw_block(
 
     if SPLIT_MASTERS:
         weight_bits, low_bits = _split_fp32(param)
+    exp_avg = exp_avg.to(exp_avg_ptr.dtype.element_ty)  # rounded to nearest where the moments are bf16
+    exp_avg_sq = exp_avg_sq.to(exp_avg_sq_ptr.dtype.element_ty)
     if MASKED:
         if SPLIT_MASTERS:
             tl.store(param_ptr + offsets, weight_bits, mask=mask)
@@ -230,7 +238,7 @@ def adamw_update_(
     low_bits: list[torch.Tensor] | None = None,
 ) -> None:
     """One launch: param = param * decay_factor - step_size * m / (sqrt(v) / bias_correction2_sqrt + eps), after
-    updating m and v with grad * grad_scale. fp32 params and moments, fp32 or bf16 gradients, all contiguous.
+    updating m and v with grad * grad_scale. fp32 params, fp32 or bf16 moments and gradients, all contiguous.
     low_bits: the params are bf16 and hold fp32 masters with these int16 low bits (`master_weights.py`); the update
     runs on the masters and writes both halves back."""
     tables = (params, grads, exp_avgs, exp_avg_sqs) + ((low_bits,) if low_bits is not None else ())
@@ -258,6 +266,7 @@ def adamw_update_(
         eps,
         HAS_GRAD_SCALE=grad_scale is not None,
         GRAD_BF16=grads[0].dtype == torch.bfloat16,
+        MOMENTS_BF16=exp_avgs[0].dtype == torch.bfloat16,
         SPLIT_MASTERS=low_bits is not None,
         ALIGNED=all(address % 16 == 0 for address in addresses),
         CHUNK=CHUNK,
@@ -307,19 +316,22 @@ def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _check_tensors(params: list[torch.Tensor], grads: list[torch.Tensor], *others: list[torch.Tensor]) -> None:
-    """The kernel reads flat memory: every tensor contiguous, fp32 moments, one gradient dtype, and fp32 params or
-    bf16 params with int16 low bits (a fifth list)."""
+    """The kernel reads flat memory: every tensor contiguous, one gradient dtype, one moments dtype (fp32 or bf16),
+    and fp32 params or bf16 params with int16 low bits (a fifth list)."""
     split = len(others) > 2
     param_dtype, low_dtypes = (torch.bfloat16, {torch.int16}) if split else (torch.float32, set())
+    moment_dtypes = {moment.dtype for moments in others[:2] for moment in moments}
     if (
         any(param.dtype != param_dtype for param in params)
         or grads[0].dtype not in _GRAD_DTYPES
+        or len(moment_dtypes) > 1
+        or not moment_dtypes <= set(_GRAD_DTYPES)
         or (split and {low.dtype for low in others[2]} != low_dtypes)
     ):
         raise ValueError(
-            f"the Triton AdamW takes float32 parameters (or bf16 ones with the int16 low bits of their masters) and "
-            f"{_GRAD_DTYPES} gradients, got {params[0].dtype} and {grads[0].dtype}: keep fp32 master weights, or set "
-            "--optimizer.implementation foreach"
+            f"the Triton AdamW takes float32 parameters (or bf16 ones with the int16 low bits of their masters), "
+            f"{_GRAD_DTYPES} gradients and moments of one of those, got {params[0].dtype}, {grads[0].dtype} and "
+            f"{sorted(map(str, moment_dtypes))}: keep fp32 master weights, or set --optimizer.implementation foreach"
         )
     for tensors in (params, grads, *others):
         for tensor in tensors:

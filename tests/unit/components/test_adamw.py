@@ -185,3 +185,57 @@ def test_sum_of_squares_matches_the_squared_total_norm():
     expected = torch.nn.utils.get_total_norm([t.float() for t in tensors]).square()
     torch.testing.assert_close(sum_of_squares(tensors), expected)
     assert sum_of_squares([]).item() == 0.0
+
+
+@pytest.mark.parametrize("masters", [False, True], ids=["fp32-params", "bf16-params-with-masters"])
+def test_bf16_moments_step_like_fp32_moments_rounded_to_bf16_after_each_step(masters):
+    """`moments_dtype=torch.bfloat16`: the moments are stored in bf16 and each step is the fp32 step of the moments
+    read back (the same numbers an fp32-moment AdamW computes from moments rounded to bf16), bit for bit."""
+
+    def build(moments_dtype):
+        params = make_params()
+        low_bits = None
+        if masters:
+            split = [split_fp32(param.detach()) for param in params]
+            params = [torch.nn.Parameter(weight) for weight, _ in split]
+            for param in params:
+                param.grad_dtype = torch.float32  # fp32 gradients (gradient accumulation's)
+            low_bits = {param: low for param, (_, low) in zip(params, split, strict=True)}
+        optimizer = MultiTensorAdamW(param_groups(params), master_low_bits=low_bits, moments_dtype=moments_dtype)
+        return params, optimizer
+
+    ours_params, ours = build(torch.bfloat16)
+    ref_params, ref = build(None)
+    for step in range(4):
+        set_grads(step, ours_params, ref_params)
+        ours.step()
+        ref.step()
+        for ours_param, ref_param in zip(ours_params, ref_params, strict=True):
+            assert torch.equal(ours_param, ref_param), step
+            for key in ("exp_avg", "exp_avg_sq"):
+                moment, ref_moment = ours.state[ours_param][key], ref.state[ref_param][key]
+                assert moment.dtype == torch.bfloat16 and ref_moment.dtype == torch.float32
+                ref_moment.copy_(ref_moment.bfloat16())  # the fp32 run rounds its moments as the bf16 run stores them
+                assert torch.equal(moment.float(), ref_moment), (step, key)
+
+
+@pytest.mark.parametrize("saved_moments", [torch.bfloat16, None], ids=["bf16-saved", "fp32-saved"])
+def test_bf16_moments_stay_bf16_through_a_flattened_dcp_load(saved_moments):
+    """torch's load casts moments to the parameter's dtype: a bf16-moment optimizer keeps bf16 moments, whether the
+    checkpoint holds bf16 moments or an fp32-moment run's."""
+    saver_model = TwoLayers()
+    saver = MultiTensorAdamW(saver_model.parameters(), lr=0.01, moments_dtype=saved_moments)
+    for seed in range(2):
+        saver_model.train_step(saver, seed)
+    state = {
+        k: v.clone() if isinstance(v, torch.Tensor) else v
+        for k, v in get_optimizer_state_dict(saver_model, saver, options=FLAT).items()
+    }
+    loader_model = TwoLayers()
+    loader = MultiTensorAdamW(loader_model.parameters(), lr=0.01, moments_dtype=torch.bfloat16)
+    set_optimizer_state_dict(loader_model, loader, optim_state_dict=state, options=FLAT)
+    for saver_param, loader_param in zip(saver_model.parameters(), loader_model.parameters(), strict=True):
+        for key in ("exp_avg", "exp_avg_sq"):
+            loaded = loader.state[loader_param][key]
+            assert loaded.dtype == torch.bfloat16
+            torch.testing.assert_close(loaded, saver.state[saver_param][key].bfloat16(), rtol=0, atol=0)

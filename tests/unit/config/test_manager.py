@@ -87,9 +87,12 @@ def test_negative_number_is_a_value():
         (["--activation_checkpoint.mode", "none", "--activation_checkpoint.num_blocks", "3"], "but the mode is none"),
         (["--activation_checkpoint.memory_budget_gib", "-1"], "memory_budget_gib must be a number of GiB >= 0"),
         (["--activation_checkpoint.memory_budget_gib", "60", "--activation_checkpoint.mode", "full"],
-         "memory_budget_gib=60 picks each MoE block's checkpointing from a step under per-op SAC"),
+         "memory_budget_gib=60 picks each MoE block's checkpointing"),
         (["--activation_checkpoint.memory_budget_gib", "60", "--activation_checkpoint.num_blocks", "2"],
          "and no num_blocks"),
+        (["--optimizer.moments_dtype", "bfloat16", "--optimizer.implementation", "foreach"],
+         "optimizer.moments_dtype=bfloat16 needs the update that keeps fp32 masters"),
+        (["--optimizer.moments_dtype", "float16"], "optimizer.moments_dtype"),
     ],
 )
 def test_cross_field_and_range_errors_name_the_fix(argv, message):
