@@ -54,6 +54,8 @@ def run_settings(config_file: str, train_args: list[str], ngpu: int) -> dict:
         + (
             f":{job.activation_checkpoint.selective_ac_option}" if job.activation_checkpoint.mode == "selective" else ""
         ),
+        "memory_budget_gib": job.activation_checkpoint.memory_budget_gib,
+        "moments_dtype": job.optimizer.moments_dtype,
         "tokens_per_gpu_per_step": job.training.local_batch_size * job.training.seq_len,
         "routing": "balanced" if job.debug.moe_force_load_balance else "natural",
     }
@@ -128,6 +130,10 @@ def train_and_measure(
         graphs_compiled_per_step=[r.get("graphs_compiled", 0) for r in records],
         recompiles_after_warmup=sum(r.get("graphs_compiled", 0) for r in records if r["step"] > warm),
     )
+    output = (proc.stdout + proc.stderr).splitlines()
+    plan = [line for line in output if "activation_checkpoint.memory_budget_gib=" in line]
+    if plan:  # the levels the memory budget chose, as the trainer logged them
+        result["memory_budget_plan"] = plan[-1][plan[-1].index("activation_checkpoint.") :]
     if validation:
         result.update(
             validation_steps=[r["step"] for r in validation],
