@@ -404,12 +404,12 @@ class Trainer:
                 )
                 validates = job_config.validation.enable and (step % job_config.validation.freq == 0 or step == steps)
                 saves = self.checkpointer.saves_at(step, last_step=step == steps)
+                if self.activation_budget is not None and not self.activation_budget.calibrated:
+                    # from the memory of this run's first two steps (from step 1, or the first after a resume), read
+                    # before the flush's metrics reset the peaks: each MoE block's level
+                    self.activation_budget.after_step(self.device)
                 if step in (1, steps) or validates or saves:
                     step_log.flush()  # this step checked before its checkpoint: a diverged update is never saved
-                if self.activation_budget is not None and self.activation_budget.levels is None:
-                    # from the memory of this run's first step (step 1, or the first after a resume): each MoE
-                    # block's level
-                    self.activation_budget.choose(self.device)
                 if saves:
                     check_finite_weights(self.model_parts, step)
                 if step == 1:

@@ -257,7 +257,8 @@ class ActivationCheckpoint:
     """With per-op SAC on a GPU: the peak reserved memory per GPU to stay within. The run's first step measures
     (every MoE block recomputed whole but the last, at per-op SAC: the least memory that still shows each level's
     cost); from the next step the trainer runs each MoE block with per-op SAC, without checkpointing (faster, more
-    memory) or fully recomputed (slower, less), the fastest choice predicted to fit, and logs it. 0: off."""
+    memory) or fully recomputed (slower, less), the fastest choice predicted to fit, corrects it once from the second
+    step's measurement, and logs both. 0: off. 72 fits the whole 16B at FSDP4 x EP4 on 80 GB cards."""
 
 
 @dataclass

@@ -14,7 +14,10 @@ device memory its forward leaves allocated) and the rows its routed experts comp
 (every rank must choose the same levels: a `full` block exchanges tokens again in its recompute) the budget then
 picks the levels from the next step on (`plan_levels`): per-op SAC everywhere if the predicted peak fits, then the
 last blocks to `none` while it still fits; or, when per-op SAC does not fit, the first blocks to `full` until it
-does. The last block's per-op SAC measurement stands for every block's, scaled up where a block computed more rows.
+does. The second step, at those levels, is measured once more and the levels planned again from it: the model of
+the peak misses the allocator's free blocks and where in the step the peak falls (on 16B_accept at FSDP4 x EP4 the
+first plan's peak came out 1.05 GiB above its budget), and a measurement at the plan itself is the nearest to it.
+The last block's per-op SAC measurement stands for every block's, scaled up where a block computed more rows.
 What `none` adds to `sac` is what per-op SAC recomputes: the routed experts' input rows and their SwiGLU output, rows
 x (dim + hidden) values (measured at 0.71 GiB per block on 16B_bench4 at FSDP2 x EP2, where this estimate gives 0.69).
 """
@@ -90,13 +93,13 @@ def _held_at_peak(costs: list[BlockCost], levels: list[str]) -> float:
 
 
 class ActivationBudget:
-    """Measures the run's first step (hooks on the MoE blocks, at `measuring_levels`) and then sets their levels
-    (`choose`, once, after it).
+    """Measures the run's first step (hooks on the MoE blocks, at `measuring_levels`), sets the MoE blocks' levels
+    after it and corrects them once after the next step (`after_step`).
 
     `blocks`: (its `SwitchableCheckpointWrapper`, MoE block) per MoE block in forward order (`budget_blocks`:
-    `apply_ac` wraps every MoE block in one, switched off, when a budget is set). `memory_allocated` /
-    `max_memory_reserved` read the device allocator (injectable for tests). The hooks run after FSDP's, so a
-    block's gathered weights count before its forward, not in what it keeps.
+    `apply_ac` wraps every MoE block in one, switched off, when a budget is set). `memory_allocated`,
+    `max_memory_reserved` and `release_cached` are the device allocator's (injectable for tests). The hooks run
+    after FSDP's, so a block's gathered weights count before its forward, not in what it keeps.
     """
 
     def __init__(
@@ -105,11 +108,13 @@ class ActivationBudget:
         budget_gib: float,
         memory_allocated: Callable[[], int] = torch.cuda.memory_allocated,
         max_memory_reserved: Callable[[], int] = torch.cuda.max_memory_reserved,
+        release_cached: Callable[[], None] = torch.cuda.empty_cache,
     ):
         self.blocks = blocks
         self.budget = budget_gib * GIB
         self.memory_allocated = memory_allocated
         self.max_memory_reserved = max_memory_reserved
+        self.release_cached = release_cached
         self.kept = [0.0] * len(blocks)
         self.output = [0.0] * len(blocks)
         self.recomputed = [0.0] * len(blocks)  # rows x (dim + hidden) x bytes of the routed experts
@@ -123,6 +128,9 @@ class ActivationBudget:
             self._hooks.append(wrapper.register_forward_hook(self._post_hook(i)))
             self._hooks.append(block.moe.experts.register_forward_hook(self._experts_hook(i)))
         self.levels: list[str] | None = None
+        self.predicted = 0.0  # the peak predicted for `levels`
+        self.calibrated = False
+        self._costs: list[BlockCost] = []
 
     def _pre_hook(self, i: int):
         def hook(module, args):
@@ -156,40 +164,67 @@ class ActivationBudget:
             for out, s, rows in zip(output, scale, recomputed, strict=True)
         ]
 
-    def choose(self, device: torch.device) -> list[str]:
-        """After the run's first step: the levels from the next step on (the same on every rank), applied and
-        logged."""
+    def after_step(self, device: torch.device) -> None:
+        """After each of the run's first two steps (the trainer calls it until `calibrated`), before the step's
+        metrics reset the allocator's peaks: the first chooses the levels, the second corrects them."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the step's peak is complete
+        if self.levels is None:
+            self._choose(device)
+        else:
+            self._recalibrate(device)
+
+    def _choose(self, device: torch.device) -> None:
+        """From the measuring step: the levels from the next step on (the same on every rank), applied and logged."""
         for hook in self._hooks:
             hook.remove()
-        measured = torch.tensor(
-            [float(self.max_memory_reserved()), *self.kept, *self.output, *self.recomputed],
-            dtype=torch.float64,
-            device=device,
-        )
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(measured, op=dist.ReduceOp.MAX)
         n = len(self.blocks)
-        measured_peak = measured[0].item()
-        kept, output, recomputed = (measured[1 + k * n : 1 + (k + 1) * n].tolist() for k in range(3))
-        costs = self.costs(kept, output, recomputed)
-        self.levels, peak = plan_levels(self.budget, measured_peak, self.measuring_levels, costs)
+        measured = _max_over_ranks([self.max_memory_reserved(), *self.kept, *self.output, *self.recomputed], device)
+        measured_peak = measured[0]
+        kept, output, recomputed = (measured[1 + k * n : 1 + (k + 1) * n] for k in range(3))
+        self._costs = self.costs(kept, output, recomputed)
+        self.levels, self.predicted = plan_levels(self.budget, measured_peak, self.measuring_levels, self._costs)
         self._set_levels(self.levels)
+        self._log(
+            f"the first step reserved {measured_peak / GIB:.1f} GiB (every MoE block recomputed whole but the last, "
+            "at per-op SAC)"
+        )
+
+    def _recalibrate(self, device: torch.device) -> None:
+        """From the first step at the chosen levels, which the prediction was made for: the levels again, predicted
+        from this nearer measurement (it also holds what the model misses: the allocator's free blocks, where
+        in the step the peak falls), applied and logged; cached memory released where they hold less."""
+        (measured_peak,) = _max_over_ranks([self.max_memory_reserved()], device)
+        levels, predicted = plan_levels(self.budget, measured_peak, self.levels, self._costs)
+        message = f"the second step reserved {measured_peak / GIB:.1f} GiB (predicted {self.predicted / GIB:.1f})"
+        self.levels, self.predicted, self.calibrated = levels, predicted, True
+        self._set_levels(levels)
+        if predicted < measured_peak:
+            self.release_cached()  # else the allocator keeps this step's peak reserved
+        self._log(message)
+
+    def _log(self, measured: str) -> None:
         counts = {level: self.levels.count(level) for level in LEVELS if level in self.levels}
         summary = ", ".join(f"{count} {level}" for level, count in counts.items())
         message = (
-            f"activation_checkpoint.memory_budget_gib={self.budget / GIB:g}: the first step reserved "
-            f"{measured_peak / GIB:.1f} GiB (every MoE block recomputed whole but the last, at per-op SAC); from the "
-            f"next step the {n} MoE blocks run {summary} (predicted peak {peak / GIB:.1f} GiB)"
+            f"activation_checkpoint.memory_budget_gib={self.budget / GIB:g}: {measured}; from the next step the "
+            f"{len(self.blocks)} MoE blocks run {summary} (predicted peak {self.predicted / GIB:.1f} GiB)"
         )
-        if peak > self.budget:
+        if self.predicted > self.budget:
             logger.warning(message + ": above the budget even with full activation checkpointing")
         else:
             logger.info(message)
-        return self.levels
 
     def _set_levels(self, levels: list[str]) -> None:
         for (wrapper, block), sac, level in zip(self.blocks, self._sac_checkpoints, levels, strict=True):
             set_level(wrapper, block, level, sac)
+
+
+def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    measured = torch.tensor([float(value) for value in values], dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+    return measured.tolist()
 
 
 def set_level(wrapper: nn.Module, block: nn.Module, level: str, sac_checkpoint: Callable | None) -> None:

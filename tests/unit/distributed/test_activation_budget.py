@@ -100,8 +100,16 @@ def _budget_chooses_from_step_one(rank: int, world_size: int) -> None:
     def read_allocated() -> int:
         return (next(reads) + 1) // 2 * int((rank + 1) * 0.1 * 2**30)
 
-    reserved = int(0.5 * 2**30)
-    budget = ActivationBudget(blocks, 1.0, memory_allocated=read_allocated, max_memory_reserved=lambda: reserved)
+    # the second step, at the chosen levels, reserves more than predicted on rank 1 (the allocator's free blocks)
+    reserved = iter([0.5 * 2**30, (0.6 if rank == 0 else 1.1) * 2**30])
+    released = []
+    budget = ActivationBudget(
+        blocks,
+        1.0,
+        memory_allocated=read_allocated,
+        max_memory_reserved=lambda: int(next(reserved)),
+        release_cached=lambda: released.append(True),
+    )
     # the first step: the first MoE block recomputed whole, the last at per-op SAC
     (first_wrapper, first), (last_wrapper, last) = blocks
     assert first_wrapper.enabled and first.moe.routed_experts_checkpoint is None
@@ -109,11 +117,17 @@ def _budget_chooses_from_step_one(rank: int, world_size: int) -> None:
     loss_of(model(inputs), labels, labels.numel() * world_size).backward()
     assert budget.kept == [pytest.approx((rank + 1) * 0.1 * 2**30)] * 2
     assert all(rows > 0 for rows in budget.recomputed)
-    levels = budget.choose(torch.device("cpu"))
+    budget.after_step(torch.device("cpu"))
     # 0.5 GiB + the tiny model's routed rows (bytes) fit 1 GiB: no block needs checkpointing
-    assert levels == ["none", "none"]
+    assert budget.levels == ["none", "none"] and not budget.calibrated
     assert all(not wrapper.enabled and block.moe.routed_experts_checkpoint is None for wrapper, block in blocks)
     loss_of(model(inputs), labels, labels.numel() * world_size).backward()  # hooks removed, trains on
+    budget.after_step(torch.device("cpu"))
+    # 1.1 GiB measured at none, none: per-op SAC on both saves only the routed rows (1.1 GiB less bytes); the first
+    # block recomputed whole saves its 0.2 GiB: ~0.9 GiB, and the cache the second step reserved is released
+    assert budget.levels == ["full", "sac"] and budget.calibrated and released == [True]
+    assert first_wrapper.enabled and last.moe.routed_experts_checkpoint is not None
+    assert budget.predicted == pytest.approx(0.9 * 2**30, rel=0.01)
 
 
 def test_the_budget_measures_step_one_and_every_rank_picks_the_same_levels():
