@@ -193,7 +193,8 @@ def run_row(row: Row, by_name: dict[str, Row], base_args: list[str], opts, ep: i
         key: run.get(key)
         for key in ("command", "returncode", "wall_s", "tokens_per_sec_per_gpu", "mfu_pct", "peak_memory_gib",
                     "peak_memory_allocated_gib", "recompiles_after_warmup", "loss_steps", "losses", "mtp_losses",
-                    "graphs_compiled_per_step", "validation_steps", "validation_losses", "validation_seconds")
+                    "graphs_compiled_per_step", "validation_steps", "validation_losses", "validation_seconds",
+                    "memory_budget_plan")
     }  # fmt: skip
     if run["returncode"] != 0:
         return {**result, "status": "failed", "reason": _last_error_line(run.get("error_log_tail", ""))}
