@@ -132,8 +132,8 @@ def train_and_measure(
     )
     output = (proc.stdout + proc.stderr).splitlines()
     plan = [line for line in output if "activation_checkpoint.memory_budget_gib=" in line]
-    if plan:  # the levels the memory budget chose, as the trainer logged them
-        result["memory_budget_plan"] = plan[-1][plan[-1].index("activation_checkpoint.") :]
+    if plan:  # the levels the memory budget chose after the first and the second step, as the trainer logged them
+        result["memory_budget_plan"] = [line[line.index("activation_checkpoint.") :] for line in plan]
     if validation:
         result.update(
             validation_steps=[r["step"] for r in validation],
