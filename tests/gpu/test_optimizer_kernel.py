@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 # 0-dim, one element, below / at / above one chunk and one 1024-element block, a 2-D tensor with odd rows
 SHAPES = [(), (1,), (1023,), (CHUNK,), (CHUNK + 1,), (3, 4097), (64, 1000), (2, 3 * CHUNK + 5)]
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+UPDATE_TOLERANCE = {"rtol": 1e-5, "atol": 1e-4}  # bf16 moments: see the last test
 
 
 def make_params(unaligned: bool) -> list[torch.nn.Parameter]:
@@ -171,7 +172,8 @@ def test_bf16_moments_step_like_fp32_moments_rounded_to_bf16_after_each_step(mas
     moments read back, in the same one launch per param group. Against the fp32-moment kernel whose moments are
     rounded to bf16 after each step: the two kernel variants compile separately (an fp32 ulp apart at most, see
     above), so the moments agree to one bf16 ulp, or TOLERANCE's atol where an update cancels to near zero (one
-    element in 8192 on an H100: 4.8e-9 apart near 1.3e-8), and the parameters to TOLERANCE."""
+    element in 8192 on an H100: 4.8e-9 apart near 1.3e-8). A moment one bf16 ulp apart moves its element's update
+    (about lr = 1e-2) by 2^-8: the parameters agree to 1e-4 (31 elements in 8192 differed by up to 3.5e-5)."""
 
     def build(moments_dtype):
         params = make_params(unaligned=False)
@@ -198,9 +200,9 @@ def test_bf16_moments_step_like_fp32_moments_rounded_to_bf16_after_each_step(mas
             if masters:
                 ours_master, ref_master = (join_fp32(p, opt.master_low_bits[p]) for p, opt in
                                            ((ours_param, ours), (ref_param, ref)))  # fmt: skip
-                torch.testing.assert_close(ours_master, ref_master, **TOLERANCE)
+                torch.testing.assert_close(ours_master, ref_master, **UPDATE_TOLERANCE)
             else:
-                torch.testing.assert_close(ours_param, ref_param, **TOLERANCE)
+                torch.testing.assert_close(ours_param, ref_param, **UPDATE_TOLERANCE)
             for key in ("exp_avg", "exp_avg_sq"):
                 moment, ref_moment = ours.state[ours_param][key], ref.state[ref_param][key]
                 assert moment.dtype == torch.bfloat16 and ref_moment.dtype == torch.float32
