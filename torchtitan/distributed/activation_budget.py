@@ -15,8 +15,10 @@ device memory its forward leaves allocated) and the rows its routed experts comp
 picks the levels from the next step on (`plan_levels`): per-op SAC everywhere if the predicted peak fits, then the
 last blocks to `none` while it still fits; or, when per-op SAC does not fit, the first blocks to `full` until it
 does. The second step, at those levels, is measured once more and the levels planned again from it: the model of
-the peak misses the allocator's free blocks and where in the step the peak falls (on 16B_accept at FSDP4 x EP4 the
-first plan's peak came out 1.05 GiB above its budget), and a measurement at the plan itself is the nearest to it.
+the peak misses the allocator's free blocks, where in the step the peak falls and what only the first step
+allocates (on 16B_accept at FSDP4 x EP4 the first plan's peak came out 1.05 GiB above its budget), and a measurement
+at the plan itself is the nearest to it. The allocator's cache is released after each of the two choices: what it
+reserved is a high-water mark that would otherwise carry one step's peak into the next step's measurement.
 The last block's per-op SAC measurement stands for every block's, scaled up where a block computed more rows.
 What `none` adds to `sac` is what per-op SAC recomputes: the routed experts' input rows and their SwiGLU output, rows
 x (dim + hidden) values (measured at 0.71 GiB per block on 16B_bench4 at FSDP2 x EP2, where this estimate gives 0.69).
@@ -185,6 +187,8 @@ class ActivationBudget:
         self._costs = self.costs(kept, output, recomputed)
         self.levels, self.predicted = plan_levels(self.budget, measured_peak, self.measuring_levels, self._costs)
         self._set_levels(self.levels)
+        # the allocator keeps what it reserved, a high-water mark: released, the second step's peak is its own
+        self.release_cached()
         self._log(
             f"the first step reserved {measured_peak / GIB:.1f} GiB (every MoE block recomputed whole but the last, "
             "at per-op SAC)"
@@ -193,14 +197,13 @@ class ActivationBudget:
     def _recalibrate(self, device: torch.device) -> None:
         """From the first step at the chosen levels, which the prediction was made for: the levels again, predicted
         from this nearer measurement (it also holds what the model misses: the allocator's free blocks, where
-        in the step the peak falls), applied and logged; cached memory released where they hold less."""
+        in the step the peak falls), applied and logged."""
         (measured_peak,) = _max_over_ranks([self.max_memory_reserved()], device)
         levels, predicted = plan_levels(self.budget, measured_peak, self.levels, self._costs)
         message = f"the second step reserved {measured_peak / GIB:.1f} GiB (predicted {self.predicted / GIB:.1f})"
         self.levels, self.predicted, self.calibrated = levels, predicted, True
         self._set_levels(levels)
-        if predicted < measured_peak:
-            self.release_cached()  # else the allocator keeps this step's peak reserved
+        self.release_cached()
         self._log(message)
 
     def _log(self, measured: str) -> None:
