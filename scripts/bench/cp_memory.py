@@ -28,7 +28,7 @@ JOB = [
     "--job.config_file", "train_configs/deepseek_v3_16b.toml", "--model.flavor", "16B_accept",
     "--parallelism.expert_parallel_degree", "1", "--parallelism.expert_parallel_comm_backend", "standard",
     "--training.local_batch_size", "1", "--checkpoint.enable=false", "--metrics.enable_tensorboard=false",
-    "--metrics.log_freq", "1",
+    "--metrics.log_freq", "1", "--activation_checkpoint.memory_budget_gib", "0",
 ]  # fmt: skip
 RUNS = {"cp2": ["--parallelism.context_parallel_degree", "2"], "cp1": ["--parallelism.data_parallel_shard_degree", "2"]}
 

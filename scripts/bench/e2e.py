@@ -9,6 +9,9 @@ routing ("natural": the router's own; "balanced": forced round-robin), read from
 `--profile-step N`: rank 0's summary of step N (`profile_rank0`), its kernels by class (`profile_breakdown`,
 scripts/bench/trace_breakdown.py) and every rank's compute, exposed communication, waiting for other ranks and idle
 time (`profile_ranks`, scripts/bench/rank_profile.py). $BENCH_TRACES names a folder to copy the traces into.
+
+A run measures the activation checkpointing its arguments name: the job's memory budget (the 16B job sets one) is
+off unless `--activation_checkpoint.memory_budget_gib` is among them.
 """
 
 import argparse
@@ -76,6 +79,8 @@ def train_and_measure(
     `dump` is the job's dump folder (a fresh temporary one by default); on failure the result holds
     `returncode` != 0 and `error_log_tail`."""
     dump = dump or Path(tempfile.mkdtemp(prefix=f"bench_{name}_"))
+    if not any(arg.startswith("--activation_checkpoint.memory_budget_gib") for arg in train_args):
+        train_args = [*train_args, "--activation_checkpoint.memory_budget_gib", "0"]
     env = {**os.environ, "CONFIG_FILE": config, "NGPU": str(ngpu), "LOG_RANK": "0"}
     profiling = []
     if profile_step:

@@ -24,7 +24,7 @@ from scripts.bench.common import REPO_ROOT, environment  # noqa: E402
 JOB = [
     "--job.config_file", "train_configs/deepseek_v3_16b.toml", "--model.flavor", "16B_accept",
     "--parallelism.expert_parallel_degree", "2", "--checkpoint.enable=false", "--metrics.enable_tensorboard=false",
-    "--metrics.log_freq", "1",
+    "--metrics.log_freq", "1", "--activation_checkpoint.memory_budget_gib", "0",
 ]  # fmt: skip
 ROWS = {
     "base": [],
