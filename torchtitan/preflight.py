@@ -61,8 +61,9 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, "DeepSeekV3M
     check_validation(job_config, model_args, parallel_dims)
     if job_config.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("--metrics.enable_wandb needs the wandb package: pip install wandb (or drop the flag)")
-    if job_config.parallelism.expert_parallel_comm_backend == "deepep":
-        check_deepep(parallel_dims)
+    from torchtitan.models.moe.exchange import get_backend
+
+    get_backend(job_config.parallelism.expert_parallel_comm_backend).check(parallel_dims)
     return job_config, model_args
 
 
@@ -115,36 +116,6 @@ def check_parallel_dims(dims, model_args) -> None:
             f"n_layers ({model_args.n_layers}) is smaller than pipeline_parallel_degree ({dims.pp}); every stage needs "
             "at least one layer, lower --parallelism.pipeline_parallel_degree"
         )
-
-
-DEEPEP_EP_SIZES = (2, 4, 8, 16, 24, 32, 64, 128, 144, 160)
-"""EP sizes DeepEP v1 has dispatch/combine configs for (`deep_ep.Buffer.get_dispatch_config`); others assert."""
-
-
-def check_deepep(parallel_dims) -> None:
-    """Raise if `expert_parallel_comm_backend='deepep'` cannot run with these degrees / this install.
-
-    TP (and so ETP) is rejected: DeepEP dispatch expects every rank to send its own tokens, and sequence-sharding
-    the MoE input over TP ranks before dispatch is not implemented.
-    """
-    if parallel_dims.tp > 1 or parallel_dims.etp > 1:
-        raise ValueError(
-            f"expert_parallel_comm_backend='deepep' does not support tensor_parallel_degree={parallel_dims.tp} / "
-            f"expert_tensor_parallel_degree={parallel_dims.etp}; set both to 1 (use FSDP + EP), or use "
-            "--parallelism.expert_parallel_comm_backend standard."
-        )
-    if parallel_dims.ep > 1 and parallel_dims.ep not in DEEPEP_EP_SIZES:
-        raise ValueError(
-            f"expert_parallel_degree={parallel_dims.ep}: DeepEP has kernel configs only for EP sizes "
-            f"{', '.join(map(str, DEEPEP_EP_SIZES))}; pick one of them, or use "
-            "--parallelism.expert_parallel_comm_backend standard."
-        )
-    import torch
-
-    if torch.cuda.is_available() and parallel_dims.ep > 1:
-        from torchtitan.distributed.deepep.buffer import import_deep_ep
-
-        import_deep_ep()
 
 
 def check_batch_sizes(job_config: JobConfig, dp_degree: int) -> int:

@@ -55,6 +55,7 @@ from torchtitan.models.deepseek_v3.parallelize import (
     parallelize_deepseekv3,
 )
 from torchtitan.models.moe import ExpertBiasHook, GroupedExperts, MoE
+from torchtitan.models.moe.exchange import get_backend
 from torchtitan.models.output_head import chunk_loss_and_grad
 from torchtitan.preflight import check_batch_sizes, check_job
 from torchtitan.tools.async_readback import DeviceMark
@@ -425,15 +426,6 @@ class Trainer:
             self.checkpointer.close()
 
 
-def _release_deepep_buffers() -> None:
-    """After a finished run, before the process groups go: DeepEP's destroy() is collective on CUDA. (After an
-    error it is skipped: a rank that died would leave the others waiting in it.)"""
-    if "torchtitan.distributed.deepep" in sys.modules:
-        from torchtitan.distributed.deepep import destroy_buffers
-
-        destroy_buffers()
-
-
 def _global_rank() -> int:
     return int(os.environ.get("RANK", 0))
 
@@ -485,7 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = Trainer(job_config, model_args)
         trainer.train()
-        _release_deepep_buffers()
+        # what the exchange holds (DeepEP's destroy() is collective on CUDA), before the process groups go; skipped
+        # after an error: a rank that died would leave the others waiting in it
+        get_backend(job_config.parallelism.expert_parallel_comm_backend).release()
     except (DatasetError, CheckpointError, FloatingPointError, DumpFolderBusyError) as err:
         # The user's data, folder or hyperparameters: one line with the fix, no traceback.
         report_error(f"error: {err}")

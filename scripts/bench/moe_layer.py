@@ -37,6 +37,7 @@ from scripts.bench.common import (  # noqa: E402
     write_result,
 )
 from scripts.bench.overlap_parts import compute_alone, exchange_alone  # noqa: E402
+from torchtitan.config import JobConfig  # noqa: E402
 from torchtitan.distributed.compile import MoERegions, compile_moe  # noqa: E402
 from torchtitan.distributed.deepep import destroy_buffers  # noqa: E402
 from torchtitan.distributed.expert_parallel.dispatcher import (  # noqa: E402
@@ -44,10 +45,9 @@ from torchtitan.distributed.expert_parallel.dispatcher import (  # noqa: E402
     LocalTokenDispatcher,
     TokenPermutation,
 )
-from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel  # noqa: E402
 from torchtitan.distributed.utils import destroy_process_groups  # noqa: E402
 from torchtitan.models.moe.args import MoEArgs  # noqa: E402
-from torchtitan.models.moe.deepep_moe import DeepEPMoE  # noqa: E402
+from torchtitan.models.moe.exchange import ExchangeContext, get_backend  # noqa: E402
 from torchtitan.models.moe.experts import convert_to_float8_experts, run_experts_grouped_mm  # noqa: E402
 from torchtitan.models.moe.moe import MoE  # noqa: E402
 from torchtitan.models.moe.overlap import MicroBatchOverlap  # noqa: E402
@@ -96,12 +96,13 @@ def build_layer(
         sub.to(torch.bfloat16)
     if ep_mesh.size() == 1:
         moe.dispatcher = LocalTokenDispatcher(moe.num_experts, moe.score_before_experts, permutation)
-    elif backend == "deepep":
-        moe = DeepEPMoE.from_moe(moe, torch.cuda.Stream() if device.type == "cuda" else None)
-        style = DeepEPExpertParallel(num_sms=num_sms, sync_free=sync_free, fp8=fp8_dispatch, permutation=permutation)
-        parallelize_module(moe, ep_mesh, style)
-    else:
-        parallelize_module(moe, ep_mesh, ExpertParallel(permutation))
+    else:  # the trainer's exchange backend, from a job config holding this benchmark's DeepEP settings
+        job = JobConfig()
+        job.parallelism.deepep_num_sms, job.parallelism.deepep_sync_free_dispatch = num_sms, sync_free
+        job.quantize.float8_dispatch = fp8_dispatch
+        exchange, context = get_backend(backend), ExchangeContext(job, None, permutation, device.type == "cuda")
+        moe = exchange.layer(moe, context)
+        parallelize_module(moe, ep_mesh, exchange.style(context))
     moe.dispatcher = SlowedDispatcher(moe.dispatcher, comm_slowdown)
     return moe
 

@@ -179,8 +179,9 @@ class Parallelism:
     expert_tensor_parallel_degree: int = 1
     """Tensor parallel degree inside experts: 1, or equal to tensor_parallel_degree."""
 
-    expert_parallel_comm_backend: Literal["standard", "deepep"] = "standard"
-    """Token dispatch/combine: `standard` all-to-all, or `deepep` (needs the optional deep_ep package on CUDA)."""
+    expert_parallel_comm_backend: str = "standard"
+    """Token dispatch/combine, a registered exchange backend (`models/moe/exchange.py`): `standard` all-to-all, or
+    `deepep` (needs the optional deep_ep package on CUDA)."""
 
     deepep_num_sms: int = 24
     """SMs DeepEP's communication kernels may use (even number)."""

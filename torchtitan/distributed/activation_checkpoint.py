@@ -14,7 +14,7 @@ elementwise ops, index ops) in backward:
   copies (the all-to-all split sizes), so recompute adds no host sync. Full AC (and every-Nth-block AC) recomputes
   whole blocks: it gathers the latent again in backward (576 values per token and layer for DeepSeek-V3).
 - aten.max (amax-like reductions that low-precision recipes reuse).
-- DeepEP's dispatch/combine custom ops when torchtitan.distributed.deepep registered them.
+- the exchange backend's ops (`ExchangeBackend.sac_save_ops`: DeepEP's dispatch and combine), passed in.
 
 In MoE blocks per-op SAC checkpoints only the routed experts' local part (`MoE.routed_experts`: the gathers into the
 experts' rows, the grouped-GEMM SwiGLU, the gathers back), not the block: its activations, one row per token copy,
@@ -30,7 +30,7 @@ not refer to that op there): the partitioner applies the policy op by op inside 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -80,27 +80,15 @@ def op_sac_save_list() -> set[Any]:
             save.add(candidate())
         except (AttributeError, RuntimeError):  # op not in this torch build
             continue
-    save |= _deepep_ops()
     return save
 
 
-def _deepep_ops() -> set[Any]:
-    try:
-        import torchtitan.distributed.deepep  # noqa: F401  (registers torch.ops.deepep when present)
-    except ImportError:
-        return set()
-    if not hasattr(torch.ops, "deepep"):
-        return set()
-    ops = set()
-    for name in ("dispatch", "combine"):
-        try:
-            ops.add(getattr(torch.ops.deepep, name).default)
-        except (AttributeError, RuntimeError):
-            continue
-    return ops
-
-
-def apply_ac(model: nn.Module, ac_config: Any, compiled_regions: tuple[CompiledRegion, ...] = ()) -> None:
+def apply_ac(
+    model: nn.Module,
+    ac_config: Any,
+    compiled_regions: tuple[CompiledRegion, ...] = (),
+    exchange_ops: Iterable[Any] = (),
+) -> None:
     """Wrap the blocks of `model.layers` (and `model.mtp`) in non-reentrant checkpoint wrappers per `ac_config`.
 
     mode "none": nothing. "full": every block. "selective" with selective_ac_option "op": per-op SAC on every dense
@@ -108,7 +96,8 @@ def apply_ac(model: nn.Module, ac_config: Any, compiled_regions: tuple[CompiledR
     every Nth block (blocks 0, N, 2N, ... by position in this model part). `num_blocks` (>= 0) keeps only the
     selected blocks at positions below it. The checkpoints in MoE blocks also get the
     recompile guard of `compile.recompile_guard_contexts` over `compiled_regions` (the model's `MoERegions` run
-    inside an eager checkpoint; dense blocks are compiled together with theirs).
+    inside an eager checkpoint; dense blocks are compiled together with theirs). `exchange_ops`: the exchange
+    backend's ops, which per-op SAC saves too.
     """
     mode, option = ac_config.mode, str(ac_config.selective_ac_option)
     num_blocks = ac_config.num_blocks
@@ -129,13 +118,14 @@ def apply_ac(model: nn.Module, ac_config: Any, compiled_regions: tuple[CompiledR
     sac_save_ops = None
     if mode == "selective" and option == "op":
         _ignore_profiler_ops_in_sac()
-        sac_save_ops = op_sac_save_list()
+        sac_save_ops = op_sac_save_list() | set(exchange_ops)
     _wrap_blocks(model, selected, sac_save_ops, compiled_regions, switchable=ac_config.memory_budget_gib > 0)
 
 
-def per_op_sac_contexts():
-    """The (forward, recompute) contexts of the per-op SAC policy: a `context_fn` for torch.utils.checkpoint."""
-    return _sac_contexts(op_sac_save_list())
+def per_op_sac_contexts(exchange_ops: Iterable[Any] = ()):
+    """The (forward, recompute) contexts of the per-op SAC policy, also saving `exchange_ops`: a `context_fn` for
+    torch.utils.checkpoint (bind the ops with functools.partial)."""
+    return _sac_contexts(op_sac_save_list() | set(exchange_ops))
 
 
 def _ignore_profiler_ops_in_sac() -> None:

@@ -3,6 +3,7 @@ backward, by its factor, and changes no output or gradient: all-to-all and DeepE
 plain, under activation checkpointing and in the two-micro-batch overlap schedule."""
 
 from collections import Counter
+from functools import partial
 
 import pytest
 import torch
@@ -13,12 +14,12 @@ from torch.utils.checkpoint import checkpoint
 
 from scripts.bench.comm_slowdown import SlowedDispatcher
 from tests.unit.distributed._spawn import run_distributed
+from torchtitan.config import JobConfig
 from torchtitan.distributed.activation_checkpoint import per_op_sac_contexts
 from torchtitan.distributed.deepep import destroy_buffers
-from torchtitan.distributed.expert_parallel.dispatcher import LocalTokenDispatcher
-from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel
+from torchtitan.distributed.expert_parallel.dispatcher import EAGER_PERMUTATION, LocalTokenDispatcher
 from torchtitan.models.moe import MoE, MoEArgs
-from torchtitan.models.moe.deepep_moe import DeepEPMoE
+from torchtitan.models.moe.exchange import ExchangeContext, get_backend
 from torchtitan.models.moe.overlap import MicroBatchOverlap
 
 DIM, HIDDEN, FACTOR = 16, 32, 3
@@ -46,9 +47,10 @@ def _build(backend: str, mesh, factor: int | None) -> MoE:
     args = MoEArgs(num_experts=8, num_shared_experts=1, top_k=3, score_func="sigmoid", route_norm=True)
     moe = MoE(args, DIM, HIDDEN)
     moe.init_weights(init_std=0.02)
-    if backend == "deepep":
-        moe = DeepEPMoE.from_moe(moe, side_stream=None)
-    parallelize_module(moe, mesh, DeepEPExpertParallel() if backend == "deepep" else ExpertParallel())
+    exchange = get_backend(backend)
+    context = ExchangeContext(JobConfig(), None, EAGER_PERMUTATION, on_cuda=False)
+    moe = exchange.layer(moe, context)
+    parallelize_module(moe, mesh, exchange.style(context))
     if factor is not None:
         moe.dispatcher = SlowedDispatcher(moe.dispatcher, factor)
     return moe
@@ -77,7 +79,7 @@ def _overlapped(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 
 def _slowed_matches_plain(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
-    sac = per_op_sac_contexts
+    sac = partial(per_op_sac_contexts, get_backend("deepep").sac_save_ops())
     forwards = {
         "plain": lambda moe, x: moe(x),
         "full AC": lambda moe, x: checkpoint(moe, x, use_reentrant=False),

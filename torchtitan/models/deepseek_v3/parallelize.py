@@ -38,19 +38,14 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import MoERegions, apply_compile
 from torchtitan.distributed.context_parallel import ContextParallel
 from torchtitan.distributed.expert_parallel.dispatcher import EAGER_PERMUTATION, LocalTokenDispatcher, TokenPermutation
-from torchtitan.distributed.expert_parallel.styles import (
-    DeepEPExpertParallel,
-    ExpertParallel,
-    ExpertTensorParallel,
-    TensorParallel,
-)
+from torchtitan.distributed.expert_parallel.styles import ExpertParallel, ExpertTensorParallel, TensorParallel
 from torchtitan.distributed.fsdp_gradients import ComputePoolReduceScatter
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import NoParallel, ReplicateOverTokenShards, SyncGradColumns
 from torchtitan.distributed.utils import device_type, transformer_blocks
 from torchtitan.kernels.float8 import check_float8_supported
 from torchtitan.models.deepseek_v3.float8_linears import convert_to_float8_linears
-from torchtitan.models.moe.deepep_moe import DeepEPMoE
+from torchtitan.models.moe.exchange import ExchangeBackend, ExchangeContext, get_backend
 from torchtitan.models.moe.experts import GroupedExperts, convert_to_float8_experts, run_experts_grouped_mm
 from torchtitan.models.moe.overlap import MicroBatchOverlap
 from torchtitan.tools.dtypes import DTYPES
@@ -64,9 +59,9 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
     """Apply TP/SP -> EP/ETP -> AC -> compile -> FSDP2 in place; returns the model. The config was validated by
     `preflight.check_job` (every rank runs it before building the model)."""
     parallelism = job_config.parallelism
-    use_deepep = parallelism.expert_parallel_comm_backend == "deepep" and parallel_dims.ep_enabled
+    backend = get_backend(parallelism.expert_parallel_comm_backend)
     experts_outside = experts_outside_fsdp(parallel_dims, job_config)
-    _say_experts_stay_bf16(model, job_config.training.mixed_precision_param, use_deepep)
+    _say_experts_stay_bf16(model, job_config.training.mixed_precision_param)
     compile_config = job_config.compile
     compiled = compile_config.enable and "model" in compile_config.components
     # Created once for this model: the compiled regions its MoE layers share (the dispatchers are built with them)
@@ -81,22 +76,8 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
             block.attention.context_parallel = model.context_parallel
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.get_mesh("tp"), parallel_dims.loss_parallel_enabled)
-    apply_moe_parallel(
-        model,
-        parallel_dims,
-        permutation,
-        deepep=DeepEPExpertParallel(
-            num_sms=_deepep_num_sms(parallelism),
-            sync_free=parallelism.deepep_sync_free_dispatch,
-            fp8=job_config.quantize.float8_dispatch,
-            permutation=permutation,
-        )
-        if use_deepep
-        else None,
-        side_stream=torch.cuda.Stream() if use_deepep and on_cuda else None,
-    )
-    if use_deepep and job_config.quantize.float8_dispatch:
-        logger.info("quantize.float8_dispatch: DeepEP dispatches FP8 tokens (one scale per 128 channels)")
+    exchange = ExchangeContext(job_config, parallel_dims, permutation, on_cuda)
+    apply_moe_parallel(model, parallel_dims, permutation, backend=backend, exchange=exchange)
     if parallelism.expert_parallel_overlap:
         overlap = MicroBatchOverlap(torch.cuda.Stream() if on_cuda else None)
         for block in transformer_blocks(model):
@@ -116,7 +97,8 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
         converted = convert_to_float8_linears(model)
         logger.info(f"quantize.float8_linears: {converted} linears run FP8 GEMMs")
 
-    apply_ac(model, job_config.activation_checkpoint, regions.all() if regions is not None else ())
+    exchange_ops = backend.sac_save_ops() if parallel_dims.ep_enabled else set()
+    apply_ac(model, job_config.activation_checkpoint, regions.all() if regions is not None else (), exchange_ops)
     if regions is not None:
         apply_compile(model, compile_config.backend, regions)
 
@@ -161,24 +143,16 @@ def experts_outside_fsdp(parallel_dims: ParallelDims, job_config: Any) -> bool:
     return param_dtype == "float32" or (param_dtype == "bfloat16" and updates_master_weights(job_config.optimizer))
 
 
-def _deepep_num_sms(parallelism: Any) -> int:
-    """DeepEP's SMs: `deepep_overlap_num_sms` when the overlap is on and it is set, else `deepep_num_sms`."""
-    if parallelism.expert_parallel_overlap and parallelism.deepep_overlap_num_sms is not None:
-        return parallelism.deepep_overlap_num_sms
-    return parallelism.deepep_num_sms
-
-
-def _say_experts_stay_bf16(model: nn.Module, param_dtype: str, use_deepep: bool) -> None:
-    """torch._grouped_mm (and its compile path) takes bf16 only, and DeepEP sends bf16: with other parameter
-    dtypes the routed experts still compute in bf16. Say so once instead of changing precision silently (an info
-    line: it is how the model runs, e.g. the debug config's fp32 on a CPU, not a mistake in the job)."""
+def _say_experts_stay_bf16(model: nn.Module, param_dtype: str) -> None:
+    """torch._grouped_mm (and its compile path) takes bf16 only: with other parameter dtypes the routed experts
+    still compute in bf16. Say so once instead of changing precision silently (an info line: it is how the model
+    runs, e.g. the debug config's fp32 on a CPU, not a mistake in the job)."""
     uses_grouped_mm = any(isinstance(m, GroupedExperts) and m.use_grouped_mm for m in model.modules())
-    if param_dtype == "bfloat16" or not (uses_grouped_mm or use_deepep):
+    if param_dtype == "bfloat16" or not uses_grouped_mm:
         return
-    what = "the routed experts' grouped GEMMs" + (" and DeepEP's token exchange" if use_deepep else "")
     logger.info(
-        f"training.mixed_precision_param={param_dtype}: {what} still run in bfloat16 (the only dtype "
-        "torch._grouped_mm and DeepEP take); the rest of the model uses the parameter dtype"
+        f"training.mixed_precision_param={param_dtype}: the routed experts' grouped GEMMs still run in bfloat16 "
+        "(the only dtype torch._grouped_mm takes); the rest of the model uses the parameter dtype"
     )
 
 
@@ -270,8 +244,8 @@ def apply_moe_parallel(
     parallel_dims: ParallelDims,
     permutation: TokenPermutation = EAGER_PERMUTATION,
     *,
-    deepep: DeepEPExpertParallel | None = None,
-    side_stream: torch.cuda.Stream | None = None,
+    backend: ExchangeBackend | None = None,
+    exchange: ExchangeContext | None = None,
 ) -> None:
     """Layouts at the MoE boundary plus the experts' ParallelStyle.
 
@@ -281,9 +255,13 @@ def apply_moe_parallel(
     | tp > 1, etp == 1, ep  | local sequence shard  | replicated weights, own tokens | ExpertParallel (ep)         |
     | tp == 1, ep > 1       | plain tensor          | plain                          | ExpertParallel (ep)         |
     With a Replicate input the MoE output is a partial sum over tp, reduce-scattered to the sequence shard.
-    Every layer's dispatcher is built with `permutation`; with `deepep` (the DeepEP style, EP > 1) each layer becomes
-    a `DeepEPMoE` whose shared experts run on `side_stream`. Without TP or EP the layers keep a local dispatcher.
+    Every layer's dispatcher is built with `permutation`; under EP without ETP the exchange `backend` (standard
+    all-to-all without one) gives each layer its style and, maybe, a subclass (`models/moe/exchange.py`), built from
+    `exchange`. Without TP or EP the layers keep a local dispatcher.
     """
+    style = None
+    if parallel_dims.ep_enabled and not parallel_dims.etp_enabled and backend is not None:
+        style = backend.style(exchange)
     tp_mesh = parallel_dims.get_optional_mesh("tp")
     for block in transformer_blocks(model):
         if not block.moe_enabled:
@@ -327,11 +305,11 @@ def apply_moe_parallel(
             parallelize_module(block, tp_mesh, plan)
 
         # the experts' sharding and the token dispatcher that feeds them
-        if deepep is not None:
-            block.moe = moe = DeepEPMoE.from_moe(moe, side_stream)
-            parallelize_module(moe, parallel_dims.get_mesh("ep"), deepep)
-        elif parallel_dims.etp_enabled:
+        if parallel_dims.etp_enabled:
             parallelize_module(moe, parallel_dims.get_mesh(["ep", "etp"]), ExpertTensorParallel(permutation))
+        elif style is not None:
+            block.moe = moe = backend.layer(moe, exchange)
+            parallelize_module(moe, parallel_dims.get_mesh("ep"), style)
         elif parallel_dims.ep_enabled:
             parallelize_module(moe, parallel_dims.get_mesh("ep"), ExpertParallel(permutation))
         elif tp_mesh is not None:

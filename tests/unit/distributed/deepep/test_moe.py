@@ -4,6 +4,7 @@ activation checkpointing, no handle leaks, torch.compile, and configuration erro
 import gc
 import sys
 import weakref
+from functools import partial
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from torchtitan.distributed.deepep.buffer import import_deep_ep
 from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel
 from torchtitan.models.moe import MoE, MoEArgs
 from torchtitan.models.moe.deepep_moe import DeepEPMoE
-from torchtitan.preflight import check_deepep
+from torchtitan.models.moe.exchange import get_backend
 
 DIM, HIDDEN = 16, 32
 
@@ -99,7 +100,7 @@ def _checkpointing(rank: int, world_size: int) -> None:
         return dict(calls), x.grad, _grads(moe)
 
     # the trainer's per-op SAC policy (activation_checkpoint.py), not a test-only one
-    sac_context = per_op_sac_contexts
+    sac_context = partial(per_op_sac_contexts, get_backend("deepep").sac_save_ops())
     plain = run(lambda m, x: m(x))
     sac = run(lambda m, x: checkpoint(m, x, use_reentrant=False, context_fn=sac_context))
     full = run(lambda m, x: checkpoint(m, x, use_reentrant=False))
@@ -162,7 +163,7 @@ def _sync_free_matches_synced(rank: int, world_size: int) -> None:
     the grouped GEMMs and with the per-expert loop, also under the trainer's per-op SAC."""
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
     tokens = torch.randn(2, 6, DIM, generator=torch.Generator().manual_seed(rank))  # the same count on every rank
-    sac_context = per_op_sac_contexts
+    sac_context = partial(per_op_sac_contexts, get_backend("deepep").sac_save_ops())
     for use_grouped_mm in (False, True):
         results = []
         for sync_free in (False, True):
@@ -226,16 +227,16 @@ class _Dims:
 
 def test_check_deepep_rejects_tensor_parallel():
     with pytest.raises(ValueError, match="tensor_parallel_degree=2"):
-        check_deepep(_Dims(tp=2))
+        get_backend("deepep").check(_Dims(tp=2))
     with pytest.raises(ValueError, match="expert_tensor_parallel_degree=2"):
-        check_deepep(_Dims(tp=2, etp=2))
-    check_deepep(_Dims())
+        get_backend("deepep").check(_Dims(tp=2, etp=2))
+    get_backend("deepep").check(_Dims())
 
 
 def test_check_deepep_rejects_ep_sizes_deepep_has_no_config_for():
     with pytest.raises(ValueError, match=r"expert_parallel_degree=6: DeepEP has kernel configs only for EP sizes 2, 4"):
-        check_deepep(_Dims(ep=6))
-    check_deepep(_Dims(ep=8))
+        get_backend("deepep").check(_Dims(ep=6))
+    get_backend("deepep").check(_Dims(ep=8))
 
 
 def test_missing_deep_ep_raises_install_hint(monkeypatch):
@@ -244,4 +245,4 @@ def test_missing_deep_ep_raises_install_hint(monkeypatch):
         import_deep_ep()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ImportError, match="build DeepEP from source"):
-        check_deepep(_Dims())
+        get_backend("deepep").check(_Dims())

@@ -1,0 +1,158 @@
+"""Token-exchange backends of expert parallelism: one object per backend, in one registry, looked up by
+`parallelism.expert_parallel_comm_backend` (`get_backend`).
+
+A backend checks before the model is built that it can run here (`check`: optional packages, degrees), builds the
+ParallelStyle that shards an MoE layer's routed experts over the EP mesh and installs its token dispatcher
+(`style`), may give the layer a subclass (`layer`: DeepEP runs the shared experts on a side stream while its kernels
+hold their SMs), names the ops per-op SAC must save so that a recompute never sends tokens again (`sac_save_ops`),
+and frees what it holds after a finished run (`release`). A new backend is a module with an `ExchangeBackend`
+subclass that calls `register_backend` when imported (tests/unit/models/moe/test_exchange.py registers a toy one).
+Tensor parallelism inside the experts (ETP) keeps its own all-to-all style.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from torchtitan.config import ConfigError
+from torchtitan.distributed.expert_parallel.dispatcher import TokenPermutation
+from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel
+from torchtitan.models.moe.deepep_moe import DeepEPMoE
+from torchtitan.models.moe.moe import MoE
+
+__all__ = ["BACKENDS", "ExchangeBackend", "ExchangeContext", "get_backend", "register_backend"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ExchangeContext:
+    """What a backend builds one model's layers from (`parallelize` makes one per model)."""
+
+    job_config: Any
+    parallel_dims: Any
+    permutation: TokenPermutation
+    on_cuda: bool
+    shared: dict[str, Any] = field(default_factory=dict)  # objects a backend makes once per model (streams)
+
+
+class ExchangeBackend:
+    """The default of each method is what a backend without that need does."""
+
+    name = ""
+
+    def check(self, parallel_dims: Any) -> None:
+        """Raise naming the fix where this backend cannot run with these degrees or this install."""
+
+    def style(self, ctx: ExchangeContext) -> ParallelStyle:
+        """The ParallelStyle of every MoE layer's routed experts over the 1-D EP mesh (built once per model)."""
+        raise NotImplementedError
+
+    def layer(self, moe: MoE, ctx: ExchangeContext) -> MoE:
+        """The MoE layer the style is applied to: `moe` itself, or a subclass holding its modules."""
+        return moe
+
+    def sac_save_ops(self) -> set[Any]:
+        """Ops whose outputs per-op SAC saves: the exchange's, so that a recompute does not communicate."""
+        return set()
+
+    def release(self) -> None:
+        """After a finished run, before the process groups go."""
+
+
+BACKENDS: dict[str, ExchangeBackend] = {}
+
+
+def register_backend(backend: ExchangeBackend) -> ExchangeBackend:
+    if not backend.name or backend.name in BACKENDS:
+        raise ValueError(f"an exchange backend needs a new name, got {backend.name!r} (taken: {sorted(BACKENDS)})")
+    BACKENDS[backend.name] = backend
+    return backend
+
+
+def get_backend(name: str) -> ExchangeBackend:
+    if name not in BACKENDS:
+        raise ConfigError(
+            f"parallelism.expert_parallel_comm_backend={name!r} is not a token-exchange backend; pass one of "
+            f"{sorted(BACKENDS)}"
+        )
+    return BACKENDS[name]
+
+
+class StandardBackend(ExchangeBackend):
+    """torch's all-to-all (`AllToAllTokenDispatcher`)."""
+
+    name = "standard"
+
+    def style(self, ctx: ExchangeContext) -> ParallelStyle:
+        return ExpertParallel(ctx.permutation)
+
+
+DEEPEP_EP_SIZES = (2, 4, 8, 16, 24, 32, 64, 128, 144, 160)
+"""EP sizes DeepEP v1 has dispatch/combine configs for (`deep_ep.Buffer.get_dispatch_config`); others assert."""
+
+
+class DeepEPBackend(ExchangeBackend):
+    """DeepEP's dispatch and combine as torch custom ops (`distributed/deepep/`), the optional deep_ep package on
+    CUDA; layers become `DeepEPMoE`, whose shared experts run on one side stream per model."""
+
+    name = "deepep"
+
+    def check(self, parallel_dims: Any) -> None:
+        # DeepEP dispatch expects every rank to send its own tokens; sequence-sharding the MoE input over TP ranks
+        # before dispatch is not implemented
+        if parallel_dims.tp > 1 or parallel_dims.etp > 1:
+            raise ValueError(
+                f"expert_parallel_comm_backend='deepep' does not support tensor_parallel_degree={parallel_dims.tp} / "
+                f"expert_tensor_parallel_degree={parallel_dims.etp}; set both to 1 (use FSDP + EP), or use "
+                "--parallelism.expert_parallel_comm_backend standard."
+            )
+        if parallel_dims.ep > 1 and parallel_dims.ep not in DEEPEP_EP_SIZES:
+            raise ValueError(
+                f"expert_parallel_degree={parallel_dims.ep}: DeepEP has kernel configs only for EP sizes "
+                f"{', '.join(map(str, DEEPEP_EP_SIZES))}; pick one of them, or use "
+                "--parallelism.expert_parallel_comm_backend standard."
+            )
+        if torch.cuda.is_available() and parallel_dims.ep > 1:
+            from torchtitan.distributed.deepep.buffer import import_deep_ep
+
+            import_deep_ep()
+
+    def style(self, ctx: ExchangeContext) -> ParallelStyle:
+        parallelism, fp8 = ctx.job_config.parallelism, ctx.job_config.quantize.float8_dispatch
+        if fp8:
+            logger.info("quantize.float8_dispatch: DeepEP dispatches FP8 tokens (one scale per 128 channels)")
+        num_sms = parallelism.deepep_num_sms
+        if parallelism.expert_parallel_overlap and parallelism.deepep_overlap_num_sms is not None:
+            num_sms = parallelism.deepep_overlap_num_sms  # the exchange shares the GPU with the other micro-batch
+        return DeepEPExpertParallel(
+            num_sms=num_sms, sync_free=parallelism.deepep_sync_free_dispatch, fp8=fp8, permutation=ctx.permutation
+        )
+
+    def layer(self, moe: MoE, ctx: ExchangeContext) -> MoE:
+        if "side_stream" not in ctx.shared:
+            # one for all layers: the caching allocator keeps a pool per stream
+            ctx.shared["side_stream"] = torch.cuda.Stream() if ctx.on_cuda else None
+        return DeepEPMoE.from_moe(moe, ctx.shared["side_stream"])
+
+    def sac_save_ops(self) -> set[Any]:
+        import torchtitan.distributed.deepep  # noqa: F401  (registers torch.ops.deepep)
+
+        return {torch.ops.deepep.dispatch.default, torch.ops.deepep.combine.default}
+
+    def release(self) -> None:
+        # DeepEP's destroy() is collective on CUDA; only buffers this process created
+        if "torchtitan.distributed.deepep" in sys.modules:
+            from torchtitan.distributed.deepep import destroy_buffers
+
+            destroy_buffers()
+
+
+register_backend(StandardBackend())
+register_backend(DeepEPBackend())
