@@ -38,7 +38,7 @@ from scripts.bench.common import (  # noqa: E402
 )
 from scripts.bench.overlap_parts import compute_alone, exchange_alone  # noqa: E402
 from torchtitan.config import JobConfig  # noqa: E402
-from torchtitan.distributed.compile import MoERegions, compile_moe  # noqa: E402
+from torchtitan.distributed.compile import Compiler, MoERegions  # noqa: E402
 from torchtitan.distributed.deepep import destroy_buffers  # noqa: E402
 from torchtitan.distributed.expert_parallel.dispatcher import (  # noqa: E402
     EAGER_PERMUTATION,
@@ -199,7 +199,7 @@ def main() -> None:
     if args.float8_experts:
         convert_to_float8_experts(moe, cache_weights=True)
     if regions is not None:
-        compile_moe(moe, "inductor", regions)
+        moe.compile_parts(Compiler("inductor"), regions)
     overlap = MicroBatchOverlap(torch.cuda.Stream() if device.type == "cuda" else None)
     mode = "compile" if args.compile else "eager"
     routing_tag = "" if args.routing == "balanced" else f"_zipf{args.zipf_exponent:g}"

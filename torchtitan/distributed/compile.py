@@ -1,6 +1,7 @@
 """torch.compile per transformer block (after activation checkpointing, before FSDP).
 
-Dense blocks compile whole with fullgraph=True. MoE blocks compile their parts instead (`compile_moe`), because
+Dense blocks compile whole with fullgraph=True. MoE blocks compile their parts instead, each itself (a block
+declares that it does by implementing `CompiledParts`; this module assigns nothing of the model), because
 two things in them cannot be traced into one graph:
 - the token exchange (`moe.dispatcher`) runs eager: under expert parallelism it exchanges variable-size token
   buffers whose split sizes are copied to the host (data-dependent shapes around a collective), and the routed
@@ -27,7 +28,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.fx.experimental._config as fx_config
@@ -44,7 +45,8 @@ __all__ = [
     "MoERegions",
     "RecompiledDuringCheckpointError",
     "apply_compile",
-    "compile_moe",
+    "Compiler",
+    "CompiledParts",
     "graphs_compiled",
     "recompile_guard_contexts",
 ]
@@ -55,26 +57,34 @@ def apply_compile(model: nn.Module, backend: str, regions: MoERegions) -> None:
     # Token counts become Python ints in the expert-parallel dispatch; let dynamo capture them as unbacked symbols
     # instead of breaking the graph wherever such a count is read (process-wide: dynamo has no per-region setting).
     torch._dynamo.config.capture_scalar_outputs = True
+    compiler = Compiler(backend)
     for block in transformer_blocks(model):
         inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
-        if not getattr(inner, "moe_enabled", False):
-            block.compile(backend=backend, fullgraph=True)
-            continue
-        inner.attention_residual = torch.compile(inner.attention_residual, backend=backend, fullgraph=True)
-        inner.ffn_input = torch.compile(inner.ffn_input, backend=backend, fullgraph=True)
-        compile_moe(inner.moe, backend, regions)
+        if not (isinstance(inner, CompiledParts) and inner.compile_parts(compiler, regions)):
+            compiler.module(block)  # whole, with its checkpoint wrapper: dynamo traces the checkpoint too
 
 
-def compile_moe(moe: nn.Module, backend: str, regions: MoERegions) -> None:
-    """Compile what can be compiled of one MoE layer (see the module docstring), in place; its dispatcher was built
-    with `regions.permutation` already."""
-    # MoE.route calls the router's two methods, not router.forward. Only the selection (top-k, group masking,
-    # counting: many small ops on fixed shapes) is compiled; the scoring is one linear layer plus a sigmoid.
-    moe.router.select_experts = torch.compile(moe.router.select_experts, backend=backend, fullgraph=True)
-    if moe.shared_experts is not None:
-        moe.shared_experts.compile(backend=backend, fullgraph=True)
-    moe.sum_experts = torch.compile(moe.sum_experts, backend=backend, fullgraph=True)
-    moe.experts.run_grouped_mm = regions.grouped_mm
+@dataclass(frozen=True)
+class Compiler:
+    """What a block that compiles its own parts is handed: compile one function (fullgraph), or one module in place
+    (its parameter names unchanged)."""
+
+    backend: str
+
+    def function(self, fn: Callable) -> Callable:
+        return torch.compile(fn, backend=self.backend, fullgraph=True)
+
+    def module(self, module: nn.Module) -> None:
+        module.compile(backend=self.backend, fullgraph=True)
+
+
+@runtime_checkable
+class CompiledParts(Protocol):
+    """A block that may compile its parts itself instead of being compiled whole (an MoE block, module docstring):
+    `compile_parts` compiles them with `compiler`, routes its routed experts through `regions` and returns True, or
+    returns False to be compiled whole."""
+
+    def compile_parts(self, compiler: Compiler, regions: MoERegions) -> bool: ...
 
 
 class CompiledRegion:

@@ -137,3 +137,50 @@ def test_per_op_sac_saves_the_grouped_gemms_inside_the_compiled_experts_region()
     recompute_runs = backward_calls.pop(experts_graph)
     assert recompute_runs == [False] * 3, recompute_runs  # called again by the recompute, answered from SAC's cache
     assert [runs for runs in backward_calls.values()] == [[True] * 6], backward_calls  # each GEMM's two gradients
+
+
+def test_compile_assigns_nothing_of_the_model():
+    """distributed/compile.py compiles what blocks declare (`CompiledParts`) and replaces none of their methods: it
+    assigns attributes only of its own objects (self, a CompiledRegion's counters) and of torch's config."""
+    import ast
+    import inspect
+
+    import torchtitan.distributed.compile as compile_module
+
+    assigned = []
+    for node in ast.walk(ast.parse(inspect.getsource(compile_module))):
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        for target in targets:
+            if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign) and isinstance(target, ast.Attribute):
+                root = target
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if not (isinstance(root, ast.Name) and root.id in ("self", "region", "torch")):
+                    assigned.append(ast.unparse(target))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr":
+            assigned.append(ast.unparse(node))
+    assert not assigned, assigned
+
+
+def test_blocks_declare_how_they_compile():
+    """A dense block is compiled whole (with its checkpoint wrapper); an MoE block compiles its parts itself."""
+    from torchtitan.distributed.compile import CompiledParts
+
+    model = build_reference(tiny_args())
+    dense, moe_block = model.layers["0"], model.layers["1"]
+    assert isinstance(dense, CompiledParts) and isinstance(moe_block, CompiledParts)
+    calls = []
+
+    class Recorder:
+        def function(self, fn):
+            calls.append(fn.__name__)
+            return fn
+
+        def module(self, module):
+            calls.append(type(module).__name__)
+
+    regions = MoERegions.build("eager", run_experts_grouped_mm)
+    assert dense.compile_parts(Recorder(), regions) is False and calls == []
+    assert moe_block.compile_parts(Recorder(), regions) is True
+    assert calls == ["attention_residual", "ffn_input", "select_experts", "FeedForward", "sum_experts"]
+    assert moe_block.moe.experts.run_grouped_mm is regions.grouped_mm

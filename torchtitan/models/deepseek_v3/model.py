@@ -18,6 +18,7 @@ from .attention import MLA, AttentionMask, build_attention_mask
 from .rope import precompute_freqs_cis
 
 if TYPE_CHECKING:
+    from torchtitan.distributed.compile import Compiler, MoERegions
     from torchtitan.distributed.context_parallel import ContextParallel
 
 
@@ -190,6 +191,16 @@ class TransformerBlock(nn.Module):
         h = self.attention_residual(x, freqs_cis, attention_mask)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_input(h))
+
+    def compile_parts(self, compiler: "Compiler", regions: "MoERegions") -> bool:
+        """An MoE block compiles its parts, not itself whole (`distributed/compile.py` says why); a dense block
+        is compiled whole (False)."""
+        if not self.moe_enabled:
+            return False
+        self.attention_residual = compiler.function(self.attention_residual)
+        self.ffn_input = compiler.function(self.ffn_input)
+        self.moe.compile_parts(compiler, regions)
+        return True
 
     def attention_residual(
         self, x: torch.Tensor, freqs_cis: torch.Tensor, attention_mask: AttentionMask

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchtitan.distributed.compile import Compiler, MoERegions
 from torchtitan.distributed.expert_parallel.dispatcher import LocalTokenDispatcher, TokenDispatcher
 from torchtitan.models.moe.args import MoEArgs
 from torchtitan.models.moe.experts import GroupedExperts
@@ -133,6 +134,17 @@ class MoE(nn.Module):
     def finish_shared_experts(self, shared: torch.Tensor | None) -> torch.Tensor | None:
         """The shared experts' output, ready to be summed on the current stream."""
         return shared
+
+    def compile_parts(self, compiler: Compiler, regions: MoERegions) -> None:
+        """Compile what can be compiled of this layer (`distributed/compile.py`), in place; its dispatcher was built
+        with `regions.permutation` already. `route` calls the router's two methods, not router.forward: only the
+        selection (top-k, group masking, counting: many small ops on fixed shapes) is compiled; the scoring is one
+        linear layer plus a sigmoid."""
+        self.router.select_experts = compiler.function(self.router.select_experts)
+        if self.shared_experts is not None:
+            compiler.module(self.shared_experts)
+        self.sum_experts = compiler.function(self.sum_experts)
+        self.experts.run_grouped_mm = regions.grouped_mm
 
     @staticmethod
     def sum_experts(routed: torch.Tensor, shared: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
