@@ -57,7 +57,7 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, "DeepSeekV3M
     check_float8_dispatch(job_config, model_args)
     check_profiling(job_config)
     check_memory_budget(job_config)
-    check_pipeline_schedule(job_config, parallel_dims)
+    check_pipeline_schedule(job_config, parallel_dims, model_args)
     check_validation(job_config, model_args, parallel_dims)
     if job_config.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("--metrics.enable_wandb needs the wandb package: pip install wandb (or drop the flag)")
@@ -278,16 +278,21 @@ def check_cache_folder() -> None:
         )
 
 
-def check_pipeline_schedule(job_config: JobConfig, parallel_dims) -> None:
+def check_pipeline_schedule(job_config: JobConfig, parallel_dims, model_args) -> None:
+    """The schedule exists, and it and the layers per stage split this model into stages (`stages_per_rank`)."""
     if not parallel_dims.pp_enabled:
         return
     from torch.distributed.pipelining.schedules import get_schedule_class
+
+    from torchtitan.models.deepseek_v3.pipeline import module_names_per_stage, stages_per_rank
 
     name = job_config.parallelism.pipeline_parallel_schedule
     try:
         get_schedule_class(name)
     except ValueError as err:
         raise ConfigError(f"parallelism.pipeline_parallel_schedule={name!r}: {err}; pass one of them") from None
+    num_stages = parallel_dims.pp * stages_per_rank(job_config.parallelism, parallel_dims.pp, model_args.n_layers)
+    module_names_per_stage(num_stages, model_args.n_layers, mtp_layers=model_args.mtp_layers)
 
 
 def check_memory_budget(job_config: JobConfig) -> None:

@@ -51,6 +51,21 @@ def test_a_cache_folder_that_is_a_file_is_one_error(tmp_path, monkeypatch):
         check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path / "dump")], world_size=1)
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        # the debug model's 6 layers + embedding + head at 3 a stage: 3 stages for 2 ranks
+        (["--parallelism.pipeline_parallel_layers_per_stage", "3"], "gives 3 stages .* not divisible by"),
+        (["--parallelism.pipeline_parallel_layers_per_stage", "2", "--parallelism.pipeline_parallel_schedule",
+          "1F1B"], "runs one stage per rank but pipeline_parallel_layers_per_stage gives 2"),
+    ],
+)  # fmt: skip
+def test_pipeline_stages_that_do_not_fit_fail_before_the_model_is_built(tmp_path, args, message):
+    with pytest.raises(ValueError, match=message):
+        check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--parallelism.pipeline_parallel_degree", "2",
+                   *args], world_size=2)  # fmt: skip
+
+
 def test_an_unknown_pipeline_schedule_lists_the_known_ones(tmp_path):
     args = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Bogus"]
     with pytest.raises(ConfigError, match="pipeline_parallel_schedule='Bogus': Unknown schedule name .*1F1B"):

@@ -92,33 +92,8 @@ def pipeline_deepseekv3(
     parallelism = job_config.parallelism
     pp_mesh = parallel_dims.get_mesh("pp")
     schedule_class = get_schedule_class(parallelism.pipeline_parallel_schedule)
-    single_stage = issubclass(schedule_class, PipelineScheduleSingle)
-    num_layers = model_args.n_layers
-
-    if parallelism.pipeline_parallel_layers_per_stage is None:
-        stages_per_rank = 1 if single_stage else 2
-    else:
-        num_stages = math.ceil((num_layers + 2) / parallelism.pipeline_parallel_layers_per_stage)
-        if num_stages % parallel_dims.pp != 0:
-            raise ValueError(
-                f"pipeline_parallel_layers_per_stage={parallelism.pipeline_parallel_layers_per_stage} gives "
-                f"{num_stages} stages (n_layers {num_layers} + embedding + head), not divisible by "
-                f"pipeline_parallel_degree {parallel_dims.pp}; choose another layers_per_stage."
-            )
-        stages_per_rank = num_stages // parallel_dims.pp
-        if single_stage and stages_per_rank != 1:
-            raise ValueError(
-                f"schedule {parallelism.pipeline_parallel_schedule} runs one stage per rank but "
-                f"pipeline_parallel_layers_per_stage gives {stages_per_rank}; raise layers_per_stage or use an "
-                "interleaved schedule."
-            )
-        if not single_stage and stages_per_rank < 2:
-            raise ValueError(
-                f"schedule {parallelism.pipeline_parallel_schedule} needs >= 2 stages per rank; lower "
-                "pipeline_parallel_layers_per_stage."
-            )
-    num_stages = parallel_dims.pp * stages_per_rank
-    names_per_stage = module_names_per_stage(num_stages, num_layers, mtp_layers=model_args.mtp_layers)
+    num_stages = parallel_dims.pp * stages_per_rank(parallelism, parallel_dims.pp, model_args.n_layers)
+    names_per_stage = module_names_per_stage(num_stages, model_args.n_layers, mtp_layers=model_args.mtp_layers)
 
     # preflight.check_batch_sizes: local_batch_size is a multiple of the micro-batch size
     n_microbatches = job_config.training.local_batch_size // parallelism.pipeline_parallel_microbatch_size
@@ -143,6 +118,35 @@ def pipeline_deepseekv3(
     has_first = any(stage.is_first for stage in stages)
     has_last = any(stage.is_last for stage in stages)
     return schedule, model_parts, has_first, has_last
+
+
+def stages_per_rank(parallelism: Any, pp_degree: int, num_layers: int) -> int:
+    """Pipeline stages per rank for the schedule and `pipeline_parallel_layers_per_stage` (the layers, the embedding
+    and the head counted as layers); raises naming the fix where they do not fit. Preflight calls it too."""
+    single_stage = issubclass(get_schedule_class(parallelism.pipeline_parallel_schedule), PipelineScheduleSingle)
+    layers_per_stage = parallelism.pipeline_parallel_layers_per_stage
+    if layers_per_stage is None:
+        return 1 if single_stage else 2
+    num_stages = math.ceil((num_layers + 2) / layers_per_stage)
+    if num_stages % pp_degree != 0:
+        raise ValueError(
+            f"pipeline_parallel_layers_per_stage={layers_per_stage} gives {num_stages} stages (n_layers {num_layers} + "
+            f"embedding + head), not divisible by pipeline_parallel_degree {pp_degree}; choose another "
+            "layers_per_stage."
+        )
+    per_rank = num_stages // pp_degree
+    if single_stage and per_rank != 1:
+        raise ValueError(
+            f"schedule {parallelism.pipeline_parallel_schedule} runs one stage per rank but "
+            f"pipeline_parallel_layers_per_stage gives {per_rank}; raise layers_per_stage or use an interleaved "
+            "schedule."
+        )
+    if not single_stage and per_rank < 2:
+        raise ValueError(
+            f"schedule {parallelism.pipeline_parallel_schedule} needs >= 2 stages per rank; lower "
+            "pipeline_parallel_layers_per_stage."
+        )
+    return per_rank
 
 
 def module_names_per_stage(
