@@ -10,14 +10,11 @@ import logging
 import os
 import sys
 import tempfile
-from typing import TYPE_CHECKING
+from typing import Any
 
 from torchtitan.components.run_lock import DumpFolderBusyError, check_dump_folder_free
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.datasets.corpus import CACHE_DIR_ENV, check_corpus, disk_cache_dir
-
-if TYPE_CHECKING:
-    from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs
 
 logger = logging.getLogger(__name__)
 
@@ -29,10 +26,11 @@ OVERLAP_MIN_MICRO_BATCH_TOKENS = 16384
 OVERLAP_MIN_EP_DEGREE = 8
 
 
-def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, "DeepSeekV3ModelArgs"]:
+def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, Any]:
     """Parse the config and validate everything that depends on the config, the world size and the model args.
 
-    Returns the job config and the model args (`get_model_args`, resolved once: its warnings print once).
+    Returns the job config and the model args (the model spec's `model_args`, resolved once: its warnings print
+    once).
     Raises ConfigError / ValueError with a message that names the fix.
     """
     job_config = ConfigManager().parse_args(argv)
@@ -44,10 +42,11 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, "DeepSeekV3M
     if job_config.validation.enable and job_config.validation.dataset_path:
         check_corpus("", job_config.validation.dataset_path, "validation")
     from torchtitan.distributed.parallel_dims import ParallelDims
-    from torchtitan.models.deepseek_v3 import get_model_args
+    from torchtitan.models.spec import get_model_spec
 
     parallel_dims = ParallelDims.from_config(job_config.parallelism, world_size)
-    model_args = get_model_args(job_config)
+    spec = get_model_spec(job_config.model.name)
+    model_args = spec.model_args(job_config)
     check_tokenizer(job_config, model_args)
     check_parallel_dims(parallel_dims, model_args)
     check_batch_sizes(job_config, parallel_dims.dp_size)
@@ -57,7 +56,9 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, "DeepSeekV3M
     check_float8_dispatch(job_config, model_args)
     check_profiling(job_config)
     check_memory_budget(job_config)
-    check_pipeline_schedule(job_config, parallel_dims, model_args)
+    check_pipeline_schedule(job_config, parallel_dims)
+    if parallel_dims.pp_enabled:
+        spec.check_pipeline(job_config, parallel_dims, model_args)
     check_validation(job_config, model_args, parallel_dims)
     if job_config.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("--metrics.enable_wandb needs the wandb package: pip install wandb (or drop the flag)")
@@ -278,21 +279,16 @@ def check_cache_folder() -> None:
         )
 
 
-def check_pipeline_schedule(job_config: JobConfig, parallel_dims, model_args) -> None:
-    """The schedule exists, and it and the layers per stage split this model into stages (`stages_per_rank`)."""
+def check_pipeline_schedule(job_config: JobConfig, parallel_dims) -> None:
     if not parallel_dims.pp_enabled:
         return
     from torch.distributed.pipelining.schedules import get_schedule_class
-
-    from torchtitan.models.deepseek_v3.pipeline import module_names_per_stage, stages_per_rank
 
     name = job_config.parallelism.pipeline_parallel_schedule
     try:
         get_schedule_class(name)
     except ValueError as err:
         raise ConfigError(f"parallelism.pipeline_parallel_schedule={name!r}: {err}; pass one of them") from None
-    num_stages = parallel_dims.pp * stages_per_rank(job_config.parallelism, parallel_dims.pp, model_args.n_layers)
-    module_names_per_stage(num_stages, model_args.n_layers, mtp_layers=model_args.mtp_layers)
 
 
 def check_memory_budget(job_config: JobConfig) -> None:

@@ -15,6 +15,7 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,15 +49,11 @@ from torchtitan.distributed.compile import graphs_compiled
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.weight_init import copy_from_unsharded_init
 from torchtitan.launch import report_error
-from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs, DeepSeekV3StateDictAdapter
-from torchtitan.models.deepseek_v3.parallelize import (
-    expert_bias_reduce_group,
-    experts_outside_fsdp,
-    parallelize_deepseekv3,
-)
+from torchtitan.models.deepseek_v3.parallelize import expert_bias_reduce_group, experts_outside_fsdp
 from torchtitan.models.moe import ExpertBiasHook, GroupedExperts, MoE
 from torchtitan.models.moe.exchange import get_backend
 from torchtitan.models.output_head import chunk_loss_and_grad
+from torchtitan.models.spec import get_model_spec
 from torchtitan.preflight import check_batch_sizes, check_job
 from torchtitan.tools.async_readback import DeviceMark
 from torchtitan.tools.out_of_memory import is_out_of_memory, out_of_memory_line
@@ -79,8 +76,8 @@ class TrainState:
 
 
 class Trainer:
-    def __init__(self, job_config: JobConfig, model_args: DeepSeekV3ModelArgs) -> None:
-        """model_args: `get_model_args(job_config)`, as `check_job` returns them."""
+    def __init__(self, job_config: JobConfig, model_args: Any) -> None:
+        """model_args: the model spec's args for this job (`ModelSpec.model_args`), as `check_job` returns them."""
         self.job_config = job_config
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         # Held by global rank 0 until the process ends: a second run on this folder is refused, not interleaved.
@@ -106,8 +103,9 @@ class Trainer:
             self.validation_loader = build_dataloader(job_config, self.tokenizer, dp_rank, dp_degree, "validation")
 
         # Model: built on meta, parallelized, then materialized, so no rank ever holds the full model.
+        spec = get_model_spec(job_config.model.name)
         with torch.device("meta"):
-            model = DeepSeekV3Model(self.model_args)
+            model = spec.build(self.model_args)
         nparams, self.flops_per_token = self.model_args.get_nparams_and_flops(model, job_config.training.seq_len)
         logger.info(f"model {job_config.model.flavor}: {nparams:,} parameters, {self.flops_per_token:,.0f} FLOPs/token")
 
@@ -122,13 +120,11 @@ class Trainer:
             LossWithMTP(self.loss_fn, job_config.model.mtp_loss_weight) if self.model_args.mtp_layers else self.loss_fn
         )
         if self.parallel_dims.pp_enabled:
-            from torchtitan.models.deepseek_v3.pipeline import pipeline_deepseekv3
-
-            self.pp_schedule, self.model_parts, self.has_first_stage, self.has_last_stage = pipeline_deepseekv3(
+            self.pp_schedule, self.model_parts, self.has_first_stage, self.has_last_stage = spec.pipeline(
                 model, self.parallel_dims, job_config, self.device, self.model_args, self.step_loss
             )
         else:
-            self.model_parts = [parallelize_deepseekv3(model, self.parallel_dims, job_config)]
+            self.model_parts = [spec.parallelize(model, self.parallel_dims, job_config)]
             self.has_first_stage = self.has_last_stage = True
         autocast_dtype = dist_utils.autocast_dtype(self.parallel_dims, job_config.training.mixed_precision_param)
         self.autocast = functools.partial(
@@ -190,7 +186,7 @@ class Trainer:
             dataloader=self.dataloader,
             train_state=self.train_state,
             dp_rank=dp_rank,
-            state_dict_adapter=DeepSeekV3StateDictAdapter(self.model_args),
+            state_dict_adapter=spec.state_dict_adapter(self.model_args),
         )
         self.metrics = MetricsProcessor(
             job_config, num_flops_per_token=self.flops_per_token, device=self.device, is_logging_rank=self.rank == 0
