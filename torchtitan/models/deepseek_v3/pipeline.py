@@ -92,7 +92,8 @@ def pipeline_deepseekv3(
     parallelism = job_config.parallelism
     pp_mesh = parallel_dims.get_mesh("pp")
     schedule_class = get_schedule_class(parallelism.pipeline_parallel_schedule)
-    num_stages = parallel_dims.pp * stages_per_rank(parallelism, parallel_dims.pp, model_args.n_layers)
+    per_rank = stages_per_rank(parallelism, parallel_dims.pp, model_args.n_layers)
+    num_stages = parallel_dims.pp * per_rank
     names_per_stage = module_names_per_stage(num_stages, model_args.n_layers, mtp_layers=model_args.mtp_layers)
 
     # preflight.check_batch_sizes: local_batch_size is a multiple of the micro-batch size
@@ -100,7 +101,7 @@ def pipeline_deepseekv3(
 
     pp_rank, pp_size = pp_mesh.get_local_rank(), pp_mesh.size()
     v_style = schedule_class in (ScheduleZBVZeroBubble, ScheduleDualPipeV)
-    stage_ids = _stage_ids_of_rank(pp_rank, pp_size, stages_per_rank, v_style)
+    stage_ids = _stage_ids_of_rank(pp_rank, pp_size, per_rank, v_style)
 
     stages, model_parts = [], []
     for stage_id in stage_ids:
