@@ -61,13 +61,33 @@ from torchtitan.tools.dtypes import DTYPES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointError", "CheckpointManager", "ModelWrapper", "RngState", "validate_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "ModelWrapper",
+    "RngState",
+    "StateDictAdapter",
+    "validate_checkpoint",
+]
 
 
 class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class StateDictAdapter(Protocol):
+    """A model's Hugging Face interop, which its package provides (`DeepSeekV3StateDictAdapter`): this layer knows no
+    model."""
+
+    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def hf_config(self) -> dict[str, Any] | None:
+        """A config.json for exports, or None."""
+        ...
 
 
 class CheckpointManager:
@@ -78,9 +98,7 @@ class CheckpointManager:
         dataloader, train_state: objects with state_dict()/load_state_dict(); either may be None.
         dp_rank: this rank's data-parallel rank, which keys the dataloader state. Required when
             torch.distributed runs with more than one rank and a dataloader is given.
-        state_dict_adapter: the model's HF interop for HF import/export: `to_hf(sd)`, `from_hf(sd)`, and
-            `hf_config()` (a config.json for exports; may return None). The model package provides it
-            (`DeepSeekV3StateDictAdapter`); this layer knows no model.
+        state_dict_adapter: the model's HF interop (`StateDictAdapter`), for HF import and export.
     """
 
     def __init__(
@@ -93,7 +111,7 @@ class CheckpointManager:
         train_state: Stateful | None = None,
         *,
         dp_rank: int | None = None,
-        state_dict_adapter: Any = None,
+        state_dict_adapter: StateDictAdapter | None = None,
     ) -> None:
         config = job_config.checkpoint
         self.config = config

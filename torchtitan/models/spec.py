@@ -11,6 +11,7 @@ from typing import Any
 
 from torch import nn
 
+from torchtitan.components.checkpoint import StateDictAdapter
 from torchtitan.config import ConfigError
 
 __all__ = ["MODELS", "ModelSpec", "get_model_spec"]
@@ -28,8 +29,8 @@ class ModelSpec:
     pipeline: Callable[..., tuple]
     """(model, parallel_dims, job_config, device, args, loss_fn) -> (schedule, this rank's parts, has first stage,
     has last stage)."""
-    state_dict_adapter: Callable[[Any], Any]
-    """args -> the adapter between the model's state dict and Hugging Face's (`to_hf`, `from_hf`)."""
+    state_dict_adapter: Callable[[Any], StateDictAdapter]
+    """args -> the adapter between the model's state dict and Hugging Face's."""
     check_pipeline: Callable[[Any, Any, Any], None]
     """(job_config, parallel_dims, args): raise where the pipeline split does not fit (preflight)."""
 
