@@ -40,7 +40,7 @@ from torchtitan.models.deepseek_v3 import (  # noqa: E402
     DeepSeekV3Model,
     DeepSeekV3ModelArgs,
     DeepSeekV3StateDictAdapter,
-    deepseekv3_flavors,
+    all_flavors,
 )
 from torchtitan.models.deepseek_v3.model import MTPBlock  # noqa: E402
 from torchtitan.models.deepseek_v3.state_dict_adapter import (  # noqa: E402
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("direction", choices=["to-hf", "from-hf"])
     parser.add_argument("src", help="DCP checkpoint folder (to-hf) or HF safetensors folder (from-hf)")
     parser.add_argument("dst", help="output folder")
-    parser.add_argument("--flavor", choices=sorted(deepseekv3_flavors), help="model shape preset")
+    parser.add_argument("--flavor", choices=sorted(all_flavors()), help="model shape preset")
     parser.add_argument("--hf-config", help="HF config.json giving the model shape (instead of --flavor)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating-point weights to this dtype")
     parser.add_argument("--max-shard-size", default="5GB", help="to-hf: largest safetensors shard, e.g. 5GB")
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         if not os.path.isfile(config_path):
             raise ValueError(f"{opts.src} has no config.json: give the model shape with --hf-config or --flavor")
     if opts.flavor is not None:
-        args = copy.deepcopy(deepseekv3_flavors[opts.flavor])
+        args = copy.deepcopy(all_flavors()[opts.flavor])
     elif config_path is not None:
         with open(config_path) as f:
             args = model_args_from_hf_config(json.load(f))

@@ -44,7 +44,7 @@ from torchtitan.models.deepseek_v3 import (  # noqa: E402
     DeepSeekV3Model,
     DeepSeekV3ModelArgs,
     DeepSeekV3StateDictAdapter,
-    deepseekv3_flavors,
+    all_flavors,
 )
 from torchtitan.models.deepseek_v3.rope import precompute_freqs_cis  # noqa: E402
 from torchtitan.models.deepseek_v3.state_dict_adapter import model_args_from_hf_config  # noqa: E402
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, help="sample among the k most likely tokens only (default: all)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--flavor", choices=sorted(deepseekv3_flavors), help="model shape preset")
+    parser.add_argument("--flavor", choices=sorted(all_flavors()), help="model shape preset")
     parser.add_argument("--hf-config", help="HF config.json giving the model shape (default: the HF folder's)")
     parser.add_argument("--tokenizer", help="`tokenizers` JSON (default: the folder's tokenizer.json, else ours)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -154,7 +154,7 @@ def sample(
 def model_args(hf_config: dict | None, flavor: str | None) -> DeepSeekV3ModelArgs:
     """The model shape, for inference: causal attention, no MTP modules (sampling uses the main head), and the routed
     experts' per-expert loop in the compute dtype (the grouped GEMMs compute in bf16 whatever the dtype)."""
-    args = model_args_from_hf_config(hf_config) if hf_config is not None else copy.deepcopy(deepseekv3_flavors[flavor])
+    args = model_args_from_hf_config(hf_config) if hf_config is not None else copy.deepcopy(all_flavors()[flavor])
     moe_args = dataclasses.replace(args.moe_args, use_grouped_mm=False)
     return dataclasses.replace(args, attn_mask_type="causal", mtp_layers=0, moe_args=moe_args)
 

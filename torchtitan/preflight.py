@@ -159,9 +159,8 @@ def check_ep_overlap(job_config: JobConfig, parallel_dims) -> None:
     reasons = overlap_cannot_pay(job_config, parallel_dims)
     if reasons:
         logger.warning(
-            f"{flag} will likely slow this job down: {'; '.join(reasons)}. On 2 H200s (EP=2, 8,192 tokens per "
-            "micro-batch) it trained at 0.64x the tokens/s without it. It stays on as asked; drop the flag unless a "
-            "run shows a gain."
+            f"{flag} will likely slow this job down: {'; '.join(reasons)} (README, expert parallelism). It stays on "
+            "as asked; drop the flag unless a run shows a gain."
         )
 
 

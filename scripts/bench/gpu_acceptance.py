@@ -258,9 +258,9 @@ def check_hf_export(by_name: dict[str, Row], work: Path, flavor: str) -> dict:
         return {"status": "failed", "reason": "needs passing checkpoint_save and checkpoint_resume rows"}
     from scripts.convert_hf import load_model_from_dcp
     from scripts.convert_hf import main as convert_hf
-    from torchtitan.models.deepseek_v3 import deepseekv3_flavors
+    from torchtitan.models.deepseek_v3 import all_flavors
 
-    args = deepseekv3_flavors[flavor]
+    args = all_flavors()[flavor]
     for full in (work / "checkpoint").glob("step-*"):  # resumed already: free its disk for the conversions
         shutil.rmtree(full)
     (hf_export,) = (work / "checkpoint" / "exports").glob("step-*")

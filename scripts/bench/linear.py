@@ -17,12 +17,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.bench.common import cuda_time_ms, write_result  # noqa: E402
 from torchtitan.kernels.float8 import float8_linear, quantize_rowwise  # noqa: E402
-from torchtitan.models.deepseek_v3 import deepseekv3_flavors  # noqa: E402
+from torchtitan.models.deepseek_v3 import all_flavors  # noqa: E402
 
 
 def block_linears(flavor: str) -> dict[str, tuple[int, int]]:
     """name -> (in_features, out_features) of the linears `quantize.float8_linears` converts in one block."""
-    a = deepseekv3_flavors[flavor]
+    a = all_flavors()[flavor]
     shared_hidden = a.moe_inter_dim * a.moe_args.num_shared_experts
     heads_qk = a.n_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim)
     shapes = {"wkv_a": (a.dim, a.kv_lora_rank + a.qk_rope_head_dim)}
@@ -65,7 +65,7 @@ def time_linear(k: int, n: int, tokens: int, bf16, fp8) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="16B", choices=sorted(deepseekv3_flavors))
+    parser.add_argument("--model", default="16B", choices=sorted(all_flavors()))
     parser.add_argument("--tokens", type=int, default=16384, help="rows of each linear's input (batch x seq_len)")
     args = parser.parse_args()
     torch.manual_seed(0)

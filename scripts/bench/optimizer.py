@@ -30,8 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.bench.common import RESULTS_DIR, time_ms, write_result  # noqa: E402
 from torchtitan.components.adamw import MultiTensorAdamW  # noqa: E402
 from torchtitan.distributed.utils import grad_norm_and_clip_coef  # noqa: E402
-from torchtitan.models.deepseek_v3 import DeepSeekV3Model  # noqa: E402
-from torchtitan.models.deepseek_v3.args import deepseekv3_flavors  # noqa: E402
+from torchtitan.models.deepseek_v3 import DeepSeekV3Model, all_flavors  # noqa: E402
 
 BYTES_PER_PARAM = 4 + 28  # norm: read grad; update: read p, g, m, v and write p, m, v (fp32)
 MAX_NORM = 1.0  # random N(0, 1) gradients of millions of elements: clipping is always active
@@ -40,7 +39,7 @@ LR = 1e-6  # small: parameters stay O(1) over hundreds of timed steps
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--flavor", default="16B_bench4", choices=sorted(deepseekv3_flavors))
+    parser.add_argument("--flavor", default="16B_bench4", choices=sorted(all_flavors()))
     parser.add_argument("--fsdp", type=int, default=1, help="FSDP (dp_shard) degree; EP ranks are carved from it")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides --fsdp)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -109,7 +108,7 @@ def main() -> None:
 def local_shapes(flavor: str, fsdp: int, ep: int) -> list[tuple[int, ...]]:
     """The shapes of rank 0's local shards (FSDP2 gives rank 0 the ceil-sized shard of an uneven split)."""
     with torch.device("meta"):
-        model = DeepSeekV3Model(deepseekv3_flavors[flavor])
+        model = DeepSeekV3Model(all_flavors()[flavor])
     experts_fsdp = fsdp // ep  # dp_shard_mod_ep
     shapes = []
     for name, param in model.named_parameters():

@@ -16,8 +16,9 @@ picks the levels from the next step on (`plan_levels`): per-op SAC everywhere if
 last blocks to `none` while it still fits; or, when per-op SAC does not fit, the first blocks to `full` until it
 does. The second step, at those levels, is measured once more and the levels planned again from it: the model of
 the peak misses the allocator's free blocks, where in the step the peak falls and what only the first step
-allocates, and a measurement at the plan itself is the nearest to it. The allocator's cache is released after each of the two choices: what it
-reserved is a high-water mark that would otherwise carry one step's peak into the next step's measurement.
+allocates, and a measurement at the plan itself is the nearest to it. The allocator's cache is released after each
+of the two choices: what it reserved is a high-water mark that would otherwise carry one step's peak into the next
+step's measurement.
 The last block's per-op SAC measurement stands for every block's, scaled up where a block computed more rows.
 What `none` adds to `sac` is what per-op SAC recomputes: the routed experts' input rows and their SwiGLU output, rows
 x (dim + hidden) values (measured at 0.71 GiB per block on 16B_bench4 at FSDP2 x EP2, where this estimate gives 0.69).

@@ -5,7 +5,7 @@ import json
 import logging
 import os
 
-from .args import DeepSeekV3ModelArgs, deepseekv3_flavors
+from .args import DeepSeekV3ModelArgs, benchmark_flavors, deepseekv3_flavors
 from .model import DeepSeekV3Model
 from .state_dict_adapter import DeepSeekV3StateDictAdapter, model_args_from_hf_config, mtp_layers_for_checkpoint
 
@@ -15,6 +15,8 @@ __all__ = [
     "DeepSeekV3Model",
     "DeepSeekV3ModelArgs",
     "DeepSeekV3StateDictAdapter",
+    "all_flavors",
+    "benchmark_flavors",
     "deepseekv3_flavors",
     "get_model_args",
 ]
@@ -41,9 +43,12 @@ def get_model_args(job_config) -> DeepSeekV3ModelArgs:
             ) from None
     else:
         flavor = job_config.model.flavor
-        if flavor not in deepseekv3_flavors:
-            raise ValueError(f"unknown model.flavor {flavor!r}; choose one of {sorted(deepseekv3_flavors)}")
-        args = copy.deepcopy(deepseekv3_flavors[flavor])
+        if flavor not in all_flavors():
+            raise ValueError(
+                f"unknown model.flavor {flavor!r}; choose one of {sorted(deepseekv3_flavors)} (benchmark shapes: "
+                f"{sorted(benchmark_flavors)})"
+            )
+        args = copy.deepcopy(all_flavors()[flavor])
     seq_len = job_config.training.seq_len
     if seq_len > args.max_seq_len:
         if args.max_seq_len <= args.original_seq_len < seq_len:
@@ -72,6 +77,11 @@ def get_model_args(job_config) -> DeepSeekV3ModelArgs:
             flag="--model.mtp_layers",
         )
     return args
+
+
+def all_flavors() -> dict[str, DeepSeekV3ModelArgs]:
+    """The models' flavors and the benchmarks' shapes, by name."""
+    return {**deepseekv3_flavors, **benchmark_flavors}
 
 
 def _initial_checkpoint_keys(checkpoint) -> set[str] | None:

@@ -202,12 +202,15 @@ deepseekv3_flavors["debugmodel_tiny"] = replace(
     qk_rope_head_dim=16,
     v_head_dim=32,
 )
-# GPU benchmark: the 16B layer shape cut to 8 layers (1 dense + 7 MoE), ~4.6B total / ~1.1B active params, whose
-# ~74 GB of fp32 training state fits FSDP x EP over 2-4 H200s. Trained from scratch, so no YaRN (max_seq_len 4096).
-deepseekv3_flavors["16B_bench4"] = replace(deepseekv3_flavors["16B"], n_layers=8, max_seq_len=4096)
-# GPU acceptance (scripts/bench/gpu_acceptance.py): 16B cut to 3 layers (~1.7B params), the same kernels as
-# 16B_bench4 with a training state (~21 GB) that saves and resumes within the acceptance's time and a 64 GiB disk.
-deepseekv3_flavors["16B_accept"] = replace(deepseekv3_flavors["16B"], n_layers=3, max_seq_len=4096)
-# GPU benchmark: DeepSeek-V3's real routing and expert sizes (671B cut to 1 dense + 2 MoE layers): ~25B total / ~3.6B
-# active params, ~400 GB of fp32 training state, so FSDP x EP over 8 H200s.
-deepseekv3_flavors["671B_bench8"] = replace(deepseekv3_flavors["671B"], n_layers=3, n_dense_layers=1, max_seq_len=4096)
+# The benchmarks' shapes (scripts/bench/), apart from the models users train; `--model.flavor` takes them too.
+benchmark_flavors = {
+    # the 16B layer shape cut to 8 layers (1 dense + 7 MoE), ~4.6B total / ~1.1B active params: FSDP x EP over 2-4
+    # GPUs. Trained from scratch, so no YaRN (max_seq_len 4096).
+    "16B_bench4": replace(deepseekv3_flavors["16B"], n_layers=8, max_seq_len=4096),
+    # the GPU acceptance (gpu_acceptance.py): 16B cut to 3 layers (~1.7B params), the same kernels as 16B_bench4 with a
+    # training state that saves and resumes within the acceptance's time and disk
+    "16B_accept": replace(deepseekv3_flavors["16B"], n_layers=3, max_seq_len=4096),
+    # DeepSeek-V3's real routing and expert sizes (671B cut to 1 dense + 2 MoE layers): ~25B total / ~3.6B active
+    # params, FSDP x EP over 8 GPUs
+    "671B_bench8": replace(deepseekv3_flavors["671B"], n_layers=3, n_dense_layers=1, max_seq_len=4096),
+}

@@ -3,15 +3,16 @@ import json
 import pytest
 
 from torchtitan.config.job_config import JobConfig
-from torchtitan.models.deepseek_v3 import DeepSeekV3Model, deepseekv3_flavors, get_model_args
+from torchtitan.models.deepseek_v3 import DeepSeekV3Model, benchmark_flavors, deepseekv3_flavors, get_model_args
 from torchtitan.models.deepseek_v3.state_dict_adapter import hf_config_from_model_args
 
 from .conftest import tiny_args
 
 
 def test_flavors_have_published_shapes():
-    expected = {"debugmodel", "debugmodel_flex", "debugmodel_tiny", "16B", "236B", "671B", "16B_bench4", "671B_bench8"}
+    expected = {"debugmodel", "debugmodel_flex", "debugmodel_tiny", "16B", "236B", "671B"}
     assert expected <= set(deepseekv3_flavors)
+    assert {"16B_bench4", "16B_accept", "671B_bench8"} == set(benchmark_flavors)
     assert deepseekv3_flavors["debugmodel_flex"].attn_mask_type == "block_causal"
     v3 = deepseekv3_flavors["671B"]
     assert (v3.dim, v3.n_layers, v3.n_dense_layers, v3.n_heads, v3.q_lora_rank) == (7168, 61, 3, 128, 1536)
@@ -68,8 +69,15 @@ def test_get_model_args_from_flavor():
 def test_get_model_args_unknown_flavor_lists_flavors():
     job_config = JobConfig()
     job_config.model.flavor = "7B"
-    with pytest.raises(ValueError, match="debugmodel"):
+    with pytest.raises(ValueError, match=r"debugmodel.*\(benchmark shapes: \['16B_accept', '16B_bench4'"):
         get_model_args(job_config)
+
+
+def test_benchmark_shapes_stand_apart_from_the_models_and_train_by_name():
+    assert not set(benchmark_flavors) & set(deepseekv3_flavors)
+    job_config = JobConfig()
+    job_config.model.flavor = "16B_bench4"
+    assert get_model_args(job_config).n_layers == 8
 
 
 def test_get_model_args_from_hf_config(tmp_path):
