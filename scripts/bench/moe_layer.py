@@ -174,6 +174,8 @@ def main() -> None:
 
     if args.comm_slowdown < 1:
         parser.error(f"--comm-slowdown must be >= 1 (1 = off), got {args.comm_slowdown}")
+    if args.num_sms <= 0 or args.num_sms % 2:
+        parser.error(f"--num-sms must be a positive even number (DeepEP's), got {args.num_sms}")
     device = init_process_group_from_torchrun()
     ep = dist.get_world_size()
     ep_mesh = init_device_mesh(device.type, (ep,), mesh_dim_names=("ep",))

@@ -106,10 +106,9 @@ def get_or_create_buffer(
     """Return the group's buffer, creating it (or growing it for a larger `hidden_dim` / new `num_sms`).
 
     Collective over `group` on CUDA (DeepEP exchanges IPC handles), so every rank of the group must call it with
-    the same arguments. Call it at parallelize time only; growing destroys the old `deep_ep.Buffer`.
+    the same arguments. `num_sms` is positive and even (the config checks `parallelism.deepep_num_sms`). Call it
+    at parallelize time only; growing destroys the old `deep_ep.Buffer`.
     """
-    if num_sms <= 0 or num_sms % 2 != 0:
-        raise ValueError(f"deepep num_sms must be a positive even number, got {num_sms}.")
     group_name = group.group_name
     current = _BUFFERS.get(group_name)
     if current is not None:
