@@ -24,6 +24,7 @@ import pickle
 import random
 import shutil
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -80,6 +81,10 @@ class Stateful(Protocol):
 class StateDictAdapter(Protocol):
     """A model's Hugging Face interop, which its package provides (`DeepSeekV3StateDictAdapter`): this layer knows no
     model."""
+
+    optional_prefixes: tuple[str, ...]
+    """Modules an initial checkpoint may hold none of (DeepSeek-V3's MTP modules): where the model args build them
+    anyway, they keep their fresh init."""
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
 
@@ -381,10 +386,8 @@ class CheckpointManager:
         if self.config.initial_load_model_only:
             keys = checkpoint_keys(path)
             prefix = model_key_prefix(keys)
-            state = self.model.state_dict()
-            if not any(key.startswith(prefix + "mtp.") for key in keys):
-                # MTP modules the checkpoint holds none of keep their fresh init (get_model_args warned)
-                state = {name: value for name, value in state.items() if not name.startswith("mtp.")}
+            fresh = self._absent_optional_modules(key.removeprefix(prefix) for key in keys if key.startswith(prefix))
+            state = {name: value for name, value in self.model.state_dict().items() if not name.startswith(fresh)}
             self._dcp_load({"model": state} if prefix else state, path)
             self.model.load_state_dict(state)
             logger.info(f"initialized model from {path} in {time.monotonic() - begin:.2f}s")
@@ -392,6 +395,13 @@ class CheckpointManager:
         self._dcp_load(self._states_present_in(path), path)
         logger.info(f"loaded the full training state from {path} in {time.monotonic() - begin:.2f}s")
         return True
+
+    def _absent_optional_modules(self, checkpoint_names: Iterable[str]) -> tuple[str, ...]:
+        """The adapter's optional module prefixes the checkpoint (its model tensor names) holds nothing under: those
+        modules keep their fresh init (the model args decided to build them, and said so)."""
+        names = list(checkpoint_names)
+        optional = self.state_dict_adapter.optional_prefixes if self.state_dict_adapter is not None else ()
+        return tuple(prefix for prefix in optional if not any(name.startswith(prefix) for name in names))
 
     def _load_hf(self, path: str) -> None:
         from torchtitan.components.hf_safetensors import load_hf_safetensors
@@ -409,11 +419,9 @@ class CheckpointManager:
                 "download?) or point --checkpoint.initial_load_path at another"
             ) from None
         state = self.state_dict_adapter.from_hf(hf_state)
+        fresh = self._absent_optional_modules(state)
         for part in self.model_parts:
-            missing = sorted(set(get_model_state_dict(part)) - set(state))
-            if not any(key.startswith("mtp.") for key in state):
-                # MTP modules the checkpoint holds none of keep their fresh init (get_model_args warned)
-                missing = [key for key in missing if not key.startswith("mtp.")]
+            missing = [key for key in sorted(set(get_model_state_dict(part)) - set(state)) if not key.startswith(fresh)]
             if missing:
                 raise CheckpointError(
                     f"HF checkpoint {path} lacks {len(missing)} model tensors, e.g. {missing[:3]}; check that "

@@ -409,6 +409,8 @@ def test_last_save_in_hf_goes_through_adapter_and_hf_io(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torchtitan.components.hf_safetensors", fake_io)
 
     class PrefixAdapter:
+        optional_prefixes = ()
+
         def to_hf(self, sd):
             return {"model." + k: v for k, v in sd.items()}
 
@@ -430,6 +432,8 @@ def test_last_save_in_hf_goes_through_adapter_and_hf_io(tmp_path, monkeypatch):
 
 
 class _IdentityAdapter:
+    optional_prefixes = ()
+
     def from_hf(self, sd):
         return sd
 

@@ -65,6 +65,8 @@ _OURS_ONLY = ("tokens_per_expert",)
 
 
 class DeepSeekV3StateDictAdapter:
+    optional_prefixes = ("mtp.",)  # a checkpoint without MTP modules: get_model_args decides whether to build them
+
     def __init__(self, model_args: DeepSeekV3ModelArgs):
         self.model_args = model_args
         self.to_hf_map = {_pattern(ours): hf for ours, hf in _KEY_MAP.items()}
