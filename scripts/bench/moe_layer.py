@@ -100,7 +100,7 @@ def build_layer(
         job = JobConfig()
         job.parallelism.deepep_num_sms, job.parallelism.deepep_sync_free_dispatch = num_sms, sync_free
         job.quantize.float8_dispatch = fp8_dispatch
-        exchange, context = get_backend(backend), ExchangeContext(job, None, permutation, device.type == "cuda")
+        exchange, context = get_backend(backend), ExchangeContext(job, permutation, device.type == "cuda")
         moe = exchange.layer(moe, context)
         parallelize_module(moe, ep_mesh, exchange.style(context))
     moe.dispatcher = SlowedDispatcher(moe.dispatcher, comm_slowdown)

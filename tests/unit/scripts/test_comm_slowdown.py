@@ -48,7 +48,7 @@ def _build(backend: str, mesh, factor: int | None) -> MoE:
     moe = MoE(args, DIM, HIDDEN)
     moe.init_weights(init_std=0.02)
     exchange = get_backend(backend)
-    context = ExchangeContext(JobConfig(), None, EAGER_PERMUTATION, on_cuda=False)
+    context = ExchangeContext(JobConfig(), EAGER_PERMUTATION, on_cuda=False)
     moe = exchange.layer(moe, context)
     parallelize_module(moe, mesh, exchange.style(context))
     if factor is not None:

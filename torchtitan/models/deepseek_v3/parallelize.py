@@ -37,8 +37,8 @@ from torchtitan.components.optimizer import updates_master_weights
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import MoERegions, apply_compile
 from torchtitan.distributed.context_parallel import ContextParallel
-from torchtitan.distributed.expert_parallel.dispatcher import EAGER_PERMUTATION, LocalTokenDispatcher, TokenPermutation
-from torchtitan.distributed.expert_parallel.styles import ExpertParallel, ExpertTensorParallel, TensorParallel
+from torchtitan.distributed.expert_parallel.dispatcher import EAGER_PERMUTATION, LocalTokenDispatcher
+from torchtitan.distributed.expert_parallel.styles import ExpertTensorParallel, TensorParallel
 from torchtitan.distributed.fsdp_gradients import ComputePoolReduceScatter
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import NoParallel, ReplicateOverTokenShards, SyncGradColumns
@@ -76,8 +76,7 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
             block.attention.context_parallel = model.context_parallel
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.get_mesh("tp"), parallel_dims.loss_parallel_enabled)
-    exchange = ExchangeContext(job_config, parallel_dims, permutation, on_cuda)
-    apply_moe_parallel(model, parallel_dims, permutation, backend=backend, exchange=exchange)
+    apply_moe_parallel(model, parallel_dims, backend, ExchangeContext(job_config, permutation, on_cuda))
     if parallelism.expert_parallel_overlap:
         overlap = MicroBatchOverlap(torch.cuda.Stream() if on_cuda else None)
         for block in transformer_blocks(model):
@@ -242,26 +241,23 @@ def _full_sequence_freqs_cis(model: nn.Module, module: nn.Module, args: tuple) -
 def apply_moe_parallel(
     model: nn.Module,
     parallel_dims: ParallelDims,
-    permutation: TokenPermutation = EAGER_PERMUTATION,
-    *,
-    backend: ExchangeBackend | None = None,
-    exchange: ExchangeContext | None = None,
+    backend: ExchangeBackend,
+    exchange: ExchangeContext,
 ) -> None:
     """Layouts at the MoE boundary plus the experts' ParallelStyle.
 
     | case                  | MoE input (from SP)  | router, shared experts          | routed experts              |
     | tp, ep == 1           | all-gather: Replicate | gate replicated, shared TP     | TensorParallel (tp)         |
     | tp == etp, ep > 1     | all-gather: Replicate | gate replicated, shared TP     | ExpertTensorParallel (ep,etp)|
-    | tp > 1, etp == 1, ep  | local sequence shard  | replicated weights, own tokens | ExpertParallel (ep)         |
-    | tp == 1, ep > 1       | plain tensor          | plain                          | ExpertParallel (ep)         |
+    | tp > 1, etp == 1, ep  | local sequence shard  | replicated weights, own tokens | the backend's style (ep)    |
+    | tp == 1, ep > 1       | plain tensor          | plain                          | the backend's style (ep)    |
     With a Replicate input the MoE output is a partial sum over tp, reduce-scattered to the sequence shard.
-    Every layer's dispatcher is built with `permutation`; under EP without ETP the exchange `backend` (standard
-    all-to-all without one) gives each layer its style and, maybe, a subclass (`models/moe/exchange.py`), built from
-    `exchange`. Without TP or EP the layers keep a local dispatcher.
+    Every layer's dispatcher is built with `exchange.permutation`; under EP without ETP the exchange `backend` gives
+    each layer its style and, maybe, a subclass (`models/moe/exchange.py`). Without TP or EP the layers keep a local
+    dispatcher.
     """
-    style = None
-    if parallel_dims.ep_enabled and not parallel_dims.etp_enabled and backend is not None:
-        style = backend.style(exchange)
+    permutation = exchange.permutation
+    style = backend.style(exchange) if parallel_dims.ep_enabled and not parallel_dims.etp_enabled else None
     tp_mesh = parallel_dims.get_optional_mesh("tp")
     for block in transformer_blocks(model):
         if not block.moe_enabled:
@@ -310,8 +306,6 @@ def apply_moe_parallel(
         elif style is not None:
             block.moe = moe = backend.layer(moe, exchange)
             parallelize_module(moe, parallel_dims.get_mesh("ep"), style)
-        elif parallel_dims.ep_enabled:
-            parallelize_module(moe, parallel_dims.get_mesh("ep"), ExpertParallel(permutation))
         elif tp_mesh is not None:
             parallelize_module(moe, tp_mesh, TensorParallel(permutation))
         else:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -36,10 +37,14 @@ class ExchangeContext:
     """What a backend builds one model's layers from (`parallelize` makes one per model)."""
 
     job_config: Any
-    parallel_dims: Any
     permutation: TokenPermutation
     on_cuda: bool
-    shared: dict[str, Any] = field(default_factory=dict)  # objects a backend makes once per model (streams)
+
+    @cached_property
+    def side_stream(self) -> torch.cuda.Stream | None:
+        """One stream for all layers of the model, made when a backend first asks (the caching allocator keeps a
+        pool per stream); None off CUDA."""
+        return torch.cuda.Stream() if self.on_cuda else None
 
 
 class ExchangeBackend:
@@ -136,10 +141,7 @@ class DeepEPBackend(ExchangeBackend):
         )
 
     def layer(self, moe: MoE, ctx: ExchangeContext) -> MoE:
-        if "side_stream" not in ctx.shared:
-            # one for all layers: the caching allocator keeps a pool per stream
-            ctx.shared["side_stream"] = torch.cuda.Stream() if ctx.on_cuda else None
-        return DeepEPMoE.from_moe(moe, ctx.shared["side_stream"])
+        return DeepEPMoE.from_moe(moe, ctx.side_stream)
 
     def sac_save_ops(self) -> set[Any]:
         import torchtitan.distributed.deepep  # noqa: F401  (registers torch.ops.deepep)
