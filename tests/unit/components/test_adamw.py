@@ -90,6 +90,17 @@ class TwoLayers(torch.nn.Module):
         optimizer.step()
 
 
+def saved_after_steps(model: TwoLayers, optimizer: torch.optim.Optimizer, steps: int) -> dict:
+    """The flattened DCP optimizer state dict after `steps` training steps, cloned as a checkpoint on disk would be
+    (loading keeps the very tensors it is given)."""
+    for seed in range(steps):
+        model.train_step(optimizer, seed)
+    return {
+        k: v.clone() if isinstance(v, torch.Tensor) else v
+        for k, v in get_optimizer_state_dict(model, optimizer, options=FLAT).items()
+    }
+
+
 @pytest.mark.parametrize("saved_by", ["torch", "ours"])
 def test_flattened_dcp_state_dict_loads_across_torch_adamw_both_ways(saved_by):
     """Save with one class after 3 steps, load into a fresh model + the other class; both then take the same steps."""
@@ -97,13 +108,7 @@ def test_flattened_dcp_state_dict_loads_across_torch_adamw_both_ways(saved_by):
     loaded_by = "ours" if saved_by == "torch" else "torch"
     saver_model = TwoLayers()
     saver = classes[saved_by](saver_model.parameters(), lr=0.01, weight_decay=0.1)
-    for seed in range(3):
-        saver_model.train_step(saver, seed)
-    # cloned, as a checkpoint on disk would be: loading keeps the very tensors it is given
-    state = {
-        k: v.clone() if isinstance(v, torch.Tensor) else v
-        for k, v in get_optimizer_state_dict(saver_model, saver, options=FLAT).items()
-    }
+    state = saved_after_steps(saver_model, saver, 3)
 
     loader_model = TwoLayers()
     loader_model.load_state_dict(saver_model.state_dict())
@@ -225,12 +230,7 @@ def test_bf16_moments_stay_bf16_through_a_flattened_dcp_load(saved_moments):
     checkpoint holds bf16 moments or an fp32-moment run's."""
     saver_model = TwoLayers()
     saver = MultiTensorAdamW(saver_model.parameters(), lr=0.01, moments_dtype=saved_moments)
-    for seed in range(2):
-        saver_model.train_step(saver, seed)
-    state = {
-        k: v.clone() if isinstance(v, torch.Tensor) else v
-        for k, v in get_optimizer_state_dict(saver_model, saver, options=FLAT).items()
-    }
+    state = saved_after_steps(saver_model, saver, 2)
     loader_model = TwoLayers()
     loader = MultiTensorAdamW(loader_model.parameters(), lr=0.01, moments_dtype=torch.bfloat16)
     set_optimizer_state_dict(loader_model, loader, optim_state_dict=state, options=FLAT)
