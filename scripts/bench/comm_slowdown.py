@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from torchtitan.distributed.expert_parallel.dispatcher import DispatchState, ExpertRows, TokenDispatcher
+from torchtitan.distributed.expert_parallel.dispatcher import DispatchState, ExpertTokens, TokenDispatcher
 from torchtitan.tools.tensor_tree import map_tensors, tensors_in
 
 __all__ = ["SlowedDispatcher"]
@@ -39,7 +39,7 @@ class SlowedDispatcher(TokenDispatcher):
     def __init__(self, inner: TokenDispatcher, factor: int):
         if not isinstance(factor, int) or factor < 1:
             raise ValueError(f"comm slowdown factor must be an integer >= 1 (1 = off), got {factor!r}")
-        super().__init__(inner.num_experts, inner.score_before_experts, inner.permutation)
+        super().__init__(inner.num_experts, inner.score_before_experts)
         self.backend = inner.backend
         self.inner = inner
         self.repeats = factor - 1
@@ -50,10 +50,8 @@ class SlowedDispatcher(TokenDispatcher):
     def token_dispatch(self, prepared: Any) -> Any:
         return _repeated(self.inner.token_dispatch, self.repeats, prepared)
 
-    def dispatch_postprocess(
-        self, dispatched: Any, layout: ExpertRows
-    ) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
-        return self.inner.dispatch_postprocess(dispatched, layout)
+    def dispatch_postprocess(self, dispatched: Any) -> tuple[ExpertTokens, DispatchState | None]:
+        return self.inner.dispatch_postprocess(dispatched)
 
     def combine_preprocess(self, expert_output: torch.Tensor, state: DispatchState) -> Any:
         return self.inner.combine_preprocess(expert_output, state)

@@ -48,7 +48,7 @@ from torchtitan.distributed.expert_parallel.dispatcher import (  # noqa: E402
 from torchtitan.distributed.utils import destroy_process_groups  # noqa: E402
 from torchtitan.models.moe.args import MoEArgs  # noqa: E402
 from torchtitan.models.moe.exchange import ExchangeContext, get_backend  # noqa: E402
-from torchtitan.models.moe.experts import convert_to_float8_experts, run_experts_grouped_mm  # noqa: E402
+from torchtitan.models.moe.experts import convert_to_float8_experts, run_routed_experts  # noqa: E402
 from torchtitan.models.moe.moe import MoE  # noqa: E402
 from torchtitan.models.moe.overlap import MicroBatchOverlap  # noqa: E402
 
@@ -95,7 +95,7 @@ def build_layer(
     for sub in (moe.router, moe.experts, moe.shared_experts):
         sub.to(torch.bfloat16)
     if ep_mesh.size() == 1:
-        moe.dispatcher = LocalTokenDispatcher(moe.num_experts, moe.score_before_experts, permutation)
+        moe.dispatcher = LocalTokenDispatcher(moe.num_experts, moe.score_before_experts)
     else:  # the trainer's exchange backend, from a job config holding this benchmark's DeepEP settings
         job = JobConfig()
         job.parallelism.deepep_num_sms, job.parallelism.deepep_sync_free_dispatch = num_sms, sync_free
@@ -185,7 +185,7 @@ def main() -> None:
     if args.float8_dispatch and args.backend != "deepep":
         parser.error("--float8-dispatch needs --backend deepep")
     balanced = args.routing == "balanced"
-    regions = MoERegions.build("inductor", run_experts_grouped_mm) if args.compile else None
+    regions = MoERegions.build("inductor", run_routed_experts) if args.compile else None
     moe = build_layer(
         layer,
         args.backend,

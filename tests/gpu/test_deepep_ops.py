@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import parallelize_module  # noqa: E402
 from tests.unit.models.moe._expert_rows import expert_of_padded_row  # noqa: E402
 from torchtitan.distributed.deepep import destroy_buffers, get_or_create_buffer, ops  # noqa: E402
 from torchtitan.distributed.expert_parallel.deepep_dispatcher import DeepEPTokenDispatcher  # noqa: E402
-from torchtitan.distributed.expert_parallel.dispatcher import ExpertRows  # noqa: E402
+from torchtitan.distributed.expert_parallel.dispatcher import run_on_expert_rows  # noqa: E402
 from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel  # noqa: E402
 from torchtitan.distributed.utils import destroy_process_groups  # noqa: E402
 from torchtitan.kernels.float8 import dequantize_blockwise, quantize_blockwise  # noqa: E402
@@ -122,9 +122,13 @@ def _check_backward_matches_cpu_reference(rank, world_size, cuda_group, cpu_grou
         dispatcher = DeepEPTokenDispatcher(group.group_name, NUM_EXPERTS)
         xd = x.to(device).requires_grad_()
         wd = topk_weights.to(device).requires_grad_()
-        expert_input, group_ends, state = dispatcher.dispatch(xd, topk_idx.to(device), wd, ExpertRows(8, xd.dtype))
-        scale = 1.0 + rank * local_experts + expert_of_padded_row(group_ends, expert_input.shape[0])
-        out = dispatcher.combine(torch.tanh(expert_input) * scale.unsqueeze(1), state)
+        tokens, state = dispatcher.dispatch(xd, topk_idx.to(device), wd)
+
+        def experts(rows, group_ends):
+            scale = 1.0 + rank * local_experts + expert_of_padded_row(group_ends, rows.shape[0])
+            return torch.tanh(rows) * scale.unsqueeze(1)
+
+        out = dispatcher.combine(run_on_expert_rows(tokens, experts, 8, xd.dtype), state)
         (out * upstream.to(device)).sum().backward()
         return out.cpu(), xd.grad.cpu(), wd.grad.cpu()
 

@@ -121,7 +121,6 @@ class ActivationBudget:
         self.output = [0.0] * len(blocks)
         self.recomputed = [0.0] * len(blocks)  # rows x (dim + hidden) x bytes of the routed experts
         self._before = [0] * len(blocks)
-        self._sac_checkpoints = [block.moe.routed_experts_checkpoint for _, block in blocks]
         self.measuring_levels = ["full"] * (len(blocks) - 1) + ["sac"]
         self._set_levels(self.measuring_levels)
         self._hooks = []
@@ -149,9 +148,10 @@ class ActivationBudget:
 
     def _experts_hook(self, i: int):
         def hook(module, args, output):
-            rows = args[0]
+            tokens = args[0]  # ExpertTokens: the rows are its copies
+            rows, dim = tokens.order.shape[0], tokens.x.shape[1]
             hidden = module.w1.shape[1]  # (experts, hidden, dim)
-            self.recomputed[i] = max(self.recomputed[i], rows.shape[0] * (rows.shape[1] + hidden) * rows.element_size())
+            self.recomputed[i] = max(self.recomputed[i], rows * (dim + hidden) * tokens.x.element_size())
 
         return hook
 
@@ -219,8 +219,8 @@ class ActivationBudget:
             logger.info(message)
 
     def _set_levels(self, levels: list[str]) -> None:
-        for (wrapper, block), sac, level in zip(self.blocks, self._sac_checkpoints, levels, strict=True):
-            set_level(wrapper, block, level, sac)
+        for (wrapper, block), level in zip(self.blocks, levels, strict=True):
+            set_level(wrapper, block, level)
 
 
 def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
@@ -230,10 +230,9 @@ def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
     return measured.tolist()
 
 
-def set_level(wrapper: nn.Module, block: nn.Module, level: str, sac_checkpoint: Callable | None) -> None:
-    """Run one MoE block at `level` (module docstring) from its next forward on; `sac_checkpoint` is the routed
-    experts' per-op SAC checkpoint `apply_ac` gave it."""
+def set_level(wrapper: nn.Module, block: nn.Module, level: str) -> None:
+    """Run one MoE block at `level` (module docstring) from its next forward on."""
     if level not in LEVELS:
         raise ValueError(f"activation checkpoint level {level!r}: use one of {LEVELS}")
     wrapper.enabled = level == "full"
-    block.moe.routed_experts_checkpoint = sac_checkpoint if level == "sac" else None
+    block.moe.experts.recompute = level == "sac"

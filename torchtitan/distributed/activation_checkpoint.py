@@ -16,15 +16,15 @@ elementwise ops, index ops) in backward:
 - aten.max (amax-like reductions that low-precision recipes reuse).
 - the exchange backend's ops (`ExchangeBackend.sac_save_ops`: DeepEP's dispatch and combine), passed in.
 
-In MoE blocks per-op SAC checkpoints only the routed experts' local part (`MoE.routed_experts`: the gathers into the
-experts' rows, the grouped-GEMM SwiGLU, the gathers back), not the block: its activations, one row per token copy,
-are most of an MoE block's memory, and the recompute runs its gathers and SwiGLU again but no GEMM (the grouped GEMMs
-are extern calls SAC's mode sees, saved like every matmul). The rest of the block (attention, norm, router, shared
-experts, the exchange) keeps its activations: a few per token, and an eager checkpoint of the whole block replayed
-its Python in backward, 8.6 ms of host time per layer to launch 1.1 ms of device work, which left the GPU idle
-(16B_bench4, FSDP2 x EP2 on H100s; benchmarks/NOTES.md). The exchange lies outside the checkpoint, so recompute
-never communicates. Dense blocks are compiled together with their checkpoint (dynamo traces the policy, which must
-not refer to that op there): the partitioner applies the policy op by op inside the graph.
+In MoE blocks per-op SAC checkpoints only the routed experts (`GroupedExperts.recompute`: the gathers into the
+experts' rows, the grouped-GEMM SwiGLU, the sum back), not the block: their activations, one row per token copy,
+are most of an MoE block's memory, and the recompute runs the gathers and SwiGLU again but no GEMM. The rest of the
+block (attention, norm, router, shared experts, the exchange) keeps its activations: a few per token, and an eager
+checkpoint of the whole block replayed its Python in backward, 8.6 ms of host time per layer to launch 1.1 ms of
+device work, which left the GPU idle (16B_bench4, FSDP2 x EP2 on H100s; benchmarks/NOTES.md). The exchange lies
+outside the checkpoint, so recompute never communicates. Compiled, the routed experts' checkpoint is inside their
+compiled region and dense blocks are compiled together with theirs (dynamo traces the policy): the partitioner
+applies the policy op by op inside the graph, and the host runs no checkpoint machinery in forward or backward.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtitan.distributed.compile import CompiledRegion, recompile_guard_contexts
 from torchtitan.distributed.utils import transformer_blocks
@@ -94,10 +94,10 @@ def apply_ac(
     mode "none": nothing. "full": every block. "selective" with selective_ac_option "op": per-op SAC on every dense
     block and on the routed experts of every MoE block (module docstring); with an integer N: full checkpointing of
     every Nth block (blocks 0, N, 2N, ... by position in this model part). `num_blocks` (>= 0) keeps only the
-    selected blocks at positions below it. The checkpoints in MoE blocks also get the
-    recompile guard of `compile.recompile_guard_contexts` over `compiled_regions` (the model's `MoERegions` run
-    inside an eager checkpoint; dense blocks are compiled together with theirs). `exchange_ops`: the exchange
-    backend's ops, which per-op SAC saves too.
+    selected blocks at positions below it. The whole-block checkpoints of MoE blocks also get the recompile guard of
+    `compile.recompile_guard_contexts` over `compiled_regions` (the model's `MoERegions` run inside an eager
+    checkpoint there; dense blocks are compiled together with theirs). `exchange_ops`: the exchange backend's ops,
+    which per-op SAC saves too.
     """
     mode, option = ac_config.mode, str(ac_config.selective_ac_option)
     num_blocks = ac_config.num_blocks
@@ -117,7 +117,6 @@ def apply_ac(
 
     sac_save_ops = None
     if mode == "selective" and option == "op":
-        _ignore_profiler_ops_in_sac()
         sac_save_ops = op_sac_save_list() | set(exchange_ops)
     _wrap_blocks(model, selected, sac_save_ops, compiled_regions, switchable=ac_config.memory_budget_gib > 0)
 
@@ -126,24 +125,6 @@ def per_op_sac_contexts(exchange_ops: Iterable[Any] = ()):
     """The (forward, recompute) contexts of the per-op SAC policy, also saving `exchange_ops`: a `context_fn` for
     torch.utils.checkpoint (bind the ops with functools.partial)."""
     return _sac_contexts(op_sac_save_list() | set(exchange_ops))
-
-
-def _ignore_profiler_ops_in_sac() -> None:
-    """SAC replays ops by (op, call index) during recompute, so every op must run as often in recompute as in
-    forward. FSDP2's hooks of the routed experts' unit (inside their checkpoint) open a different number of profiler
-    `record_function` ranges in recompute (e.g. FSDP::root_pre_forward) than in forward. Those ops carry no tensor
-    data; torch.utils.checkpoint.SAC_IGNORED_OPS is the set SAC passes through untracked, so add them to it (once
-    per process; idempotent). Remove it when torch's SAC leaves profiler ops untracked itself: a per-op SAC run with
-    FSDP x EP=2 and --profiling.enable_profiling then trains without it."""
-    profiler = torch.ops.profiler
-    torch.utils.checkpoint.SAC_IGNORED_OPS.update(
-        {
-            profiler._record_function_enter.default,
-            profiler._record_function_enter_new.default,
-            profiler._record_function_exit.default,
-            profiler._record_function_exit._RecordFunction,
-        }
-    )
 
 
 class SwitchableCheckpointWrapper(CheckpointWrapper):
@@ -188,10 +169,7 @@ def _wrap_blocks(
         guard_name = f"{prefix}.{name}" if is_moe and compiled_regions else None
         guarded = compiled_regions if guard_name is not None else ()  # dynamo traces a dense block's partial
         if is_moe and sac_save_ops is not None:
-            contexts = partial(_checkpoint_contexts, sac_save_ops, guard_name, guarded)
-            block.moe.routed_experts_checkpoint = partial(
-                checkpoint, use_reentrant=False, preserve_rng_state=False, context_fn=contexts
-            )
+            block.moe.experts.recompute = True
             if switchable:  # a memory budget may recompute the whole block instead (activation_budget.py)
                 whole = partial(_checkpoint_contexts, None, guard_name, guarded) if guard_name is not None else None
                 wrapper = SwitchableCheckpointWrapper(block, whole)

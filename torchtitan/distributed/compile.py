@@ -5,21 +5,21 @@ declares that it does by implementing `CompiledParts`; this module assigns nothi
 two things in them cannot be traced into one graph:
 - the token exchange (`moe.dispatcher`) runs eager: under expert parallelism it exchanges variable-size token
   buffers whose split sizes are copied to the host (data-dependent shapes around a collective), and the routed
-  experts module is its own FSDP2 unit whose pre/post-forward hooks are graph breaks. What runs around the
-  communication is compiled: the grouped-GEMM SwiGLU (`GroupedExperts.run_grouped_mm`) and the dispatcher's two
-  gathers around it (into the experts' padded rows; back with the weighted sum per token, `kernels/permute.py`).
-  Each is one `CompiledRegion` shared by every layer of the model (`MoERegions`, created once per model by
-  `parallelize` so the dispatchers are built with theirs), with its token-row dims dynamic from the first call (see
-  `CompiledRegion` for why that matters under activation checkpointing). The sort by expert and the all-to-all
-  dispatcher's reordering between ranks and local experts run eager.
+  experts module may be its own FSDP2 unit whose pre/post-forward hooks are graph breaks. What runs between the
+  exchanges is one compiled region: the routed experts' gather into their padded rows, grouped-GEMM SwiGLU and sum
+  back per token (`GroupedExperts.run_routed`, `models/moe/experts.py`), with per-op SAC's checkpoint inside the
+  graph. It is one `CompiledRegion` shared by every layer of the model (`MoERegions`, created once per model by
+  `parallelize`), with its token-row dims dynamic from the first call (see `CompiledRegion` for why). The
+  all-to-all dispatcher's send buffer (its two gathers: `MoERegions.permutation`) is compiled the same way; the sort
+  by expert and its reordering between ranks and local experts run eager.
 Also compiled inside an MoE block: attention with its norm and residual add (`attention_residual`, so that the norm
 and the add fuse instead of running as eager kernels in forward and backward), the router's expert selection, the
 shared experts, the FFN norm with its cast (`ffn_input`) and the sum of the routed and shared experts
 (`MoE.sum_experts`); all see a fixed number of tokens. (A bare `torch.nn` module compiled as its own root frame is on
 dynamo's skip list, hence the block method around the norm.)
 A dense block wrapped by activation checkpointing is compiled together with its checkpoint (dynamo traces the
-checkpoint and its SAC policy); in MoE blocks a checkpoint (the whole block, or under per-op SAC the routed experts:
-`activation_checkpoint.py`) stays eager around the compiled children.
+checkpoint and its SAC policy), and so is the routed experts' per-op SAC; a whole MoE block's checkpoint (full AC,
+or a memory budget's `full` level) stays eager around the compiled children.
 Modules are compiled in place (`nn.Module.compile`), so parameter names (FQNs) do not change.
 """
 
@@ -98,10 +98,10 @@ class CompiledRegion:
     gives one graph for every row count.
 
     `token_dims` maps a positional argument's index to its row dim, or for a dataclass argument to {field: row dim}
-    (None arguments are skipped). `num_graphs` counts the graphs this region compiled, `graphs_in_checkpoints` those
-    it compiled inside an MoE checkpoint (the activation-checkpoint guard reads it: a region may also run outside
-    the checkpoint, e.g. the gather back of the standard dispatcher in fp32 after the combine, and a graph compiled
-    there for other dtypes is never one the checkpoint's calls use).
+    (None arguments and fields are skipped). `num_graphs` counts the graphs this region compiled,
+    `graphs_in_checkpoints` those it compiled inside a whole MoE block's checkpoint (the activation-checkpoint guard
+    reads it: a region may also run outside the checkpoint, and a graph compiled there for other dtypes is never one
+    the checkpoint's calls use).
     """
 
     def __init__(self, fn: Callable, backend: str, token_dims: dict[int, int | dict[str, int]]):
@@ -116,7 +116,8 @@ class CompiledRegion:
         for index, dims in self.token_dims.items():
             if isinstance(dims, dict):
                 for field, dim in dims.items():
-                    torch._dynamo.mark_dynamic(getattr(args[index], field), dim)
+                    if getattr(args[index], field) is not None:
+                        torch._dynamo.mark_dynamic(getattr(args[index], field), dim)
             elif args[index] is not None:
                 torch._dynamo.mark_dynamic(args[index], dims)
         before = graphs_compiled()
@@ -131,17 +132,18 @@ class CompiledRegion:
 
 @dataclass(frozen=True)
 class MoERegions:
-    """The compiled regions every MoE layer of one model shares: the permutation its dispatchers are built with and
-    the experts' grouped GEMMs. `parallelize` creates them once per model, before the expert-parallel styles."""
+    """The compiled regions every MoE layer of one model shares: the routed experts and the all-to-all dispatcher's
+    send buffer permutation. `parallelize` creates them once per model, before the expert-parallel styles."""
 
     permutation: TokenPermutation
-    grouped_mm: CompiledRegion
+    routed_experts: CompiledRegion
 
     @classmethod
-    def build(cls, backend: str, grouped_mm: Callable) -> MoERegions:
-        """grouped_mm: (x (rows, dim), group_ends, w1, w2, w3, float8, float8_weights) -> (rows, dim),
-        `run_experts_grouped_mm`."""
+    def build(cls, backend: str, routed_experts: Callable) -> MoERegions:
+        """routed_experts: (tokens: ExpertTokens, w1, w2, w3, alignment, float8, float8_weights, recompute) ->
+        (tokens, dim), `run_routed_experts`."""
         plan_dims = {"padded_slot": 0, "slot_row": 0}
+        token_dims = {"x": 0, "order": 0, "weights": 0, "out_weights": 0}
         return cls(
             permutation=TokenPermutation(
                 # (x (tokens, dim), order (slots,), counts, top_k, weights (tokens, top_k) | None, alignment, dtype)
@@ -149,11 +151,11 @@ class MoERegions:
                 # (rows (rows, dim), plan, top_k, weights (tokens, top_k) | None, dtype)
                 from_experts=CompiledRegion(unpermute_tokens, backend, {0: 0, 1: plan_dims, 3: 0}),
             ),
-            grouped_mm=CompiledRegion(grouped_mm, backend, {0: 0}),
+            routed_experts=CompiledRegion(routed_experts, backend, {0: token_dims}),
         )
 
     def all(self) -> tuple[CompiledRegion, ...]:
-        return (self.permutation.to_experts, self.permutation.from_experts, self.grouped_mm)
+        return (self.permutation.to_experts, self.permutation.from_experts, self.routed_experts)
 
 
 def graphs_compiled() -> int:

@@ -63,12 +63,11 @@ def _levels_train_alike(rank: int, world_size: int) -> None:
     model, _ = parallelized(reference, _BUDGET_CONFIG, world_size)
     blocks = budget_blocks(model)
     assert len(blocks) == 2  # tiny_args: 3 blocks, the first dense
-    sac = [block.moe.routed_experts_checkpoint for _, block in blocks]
-    assert all(checkpoint is not None for checkpoint in sac)
+    assert all(block.moe.experts.recompute for _, block in blocks)
     calls = {}
     for level in LEVELS:
-        for (wrapper, block), checkpoint in zip(blocks, sac, strict=True):
-            set_level(wrapper, block, level, checkpoint)
+        for wrapper, block in blocks:
+            set_level(wrapper, block, level)
         model.zero_grad(set_to_none=True)
         counter = CountAllToAll()
         with counter:
@@ -112,21 +111,21 @@ def _budget_chooses_from_step_one(rank: int, world_size: int) -> None:
     )
     # the first step: the first MoE block recomputed whole, the last at per-op SAC
     (first_wrapper, first), (last_wrapper, last) = blocks
-    assert first_wrapper.enabled and first.moe.routed_experts_checkpoint is None
-    assert not last_wrapper.enabled and last.moe.routed_experts_checkpoint is not None
+    assert first_wrapper.enabled and not first.moe.experts.recompute
+    assert not last_wrapper.enabled and last.moe.experts.recompute
     loss_of(model(inputs), labels, labels.numel() * world_size).backward()
     assert budget.kept == [pytest.approx((rank + 1) * 0.1 * 2**30)] * 2
     assert all(rows > 0 for rows in budget.recomputed)
     budget.after_step(torch.device("cpu"))
     # 0.5 GiB + the tiny model's routed rows (bytes) fit 1 GiB: no block needs checkpointing
     assert budget.levels == ["none", "none"] and not budget.calibrated and released == [True]
-    assert all(not wrapper.enabled and block.moe.routed_experts_checkpoint is None for wrapper, block in blocks)
+    assert all(not wrapper.enabled and not block.moe.experts.recompute for wrapper, block in blocks)
     loss_of(model(inputs), labels, labels.numel() * world_size).backward()  # hooks removed, trains on
     budget.after_step(torch.device("cpu"))
     # 1.1 GiB measured at none, none: per-op SAC on both saves only the routed rows (1.1 GiB less bytes); the first
     # block recomputed whole saves its 0.2 GiB: ~0.9 GiB; the allocator's cache is released after each choice
     assert budget.levels == ["full", "sac"] and budget.calibrated and released == [True, True]
-    assert first_wrapper.enabled and last.moe.routed_experts_checkpoint is not None
+    assert first_wrapper.enabled and last.moe.experts.recompute
     assert budget.predicted == pytest.approx(0.9 * 2**30, rel=0.01)
 
 

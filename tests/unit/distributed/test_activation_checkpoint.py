@@ -70,7 +70,7 @@ def _checkpointed(model) -> list[bool]:
     """Per block: wrapped whole (dense, full AC) or its routed experts checkpointed (MoE under per-op SAC)."""
     return [
         type(block).__name__ == "CheckpointWrapper"
-        or getattr(getattr(block, "moe", None), "routed_experts_checkpoint", None) is not None
+        or getattr(getattr(getattr(block, "moe", None), "experts", None), "recompute", False)
         for block in model.layers.values()
     ]
 

@@ -13,17 +13,16 @@ from tests.unit.distributed._model_parity import batch, build_reference, loss_of
 from torchtitan.config.job_config import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import MoERegions, apply_compile
-from torchtitan.distributed.expert_parallel.dispatcher import EAGER_PERMUTATION, LocalTokenDispatcher
-from torchtitan.models.moe.experts import run_experts_grouped_mm
+from torchtitan.distributed.expert_parallel.dispatcher import LocalTokenDispatcher
+from torchtitan.models.moe.experts import run_routed_experts
 
 
-def _compile(model, backend: str, ac_mode: str, compiled_permutation: bool = True) -> None:
-    """What parallelize does without EP: dispatchers built with the model's regions, then AC, then compile."""
-    regions = MoERegions.build(backend, run_experts_grouped_mm)
+def _compile(model, backend: str, ac_mode: str) -> None:
+    """What parallelize does without EP: local dispatchers, then AC, then compile with the model's regions."""
+    regions = MoERegions.build(backend, run_routed_experts)
     for block in model.layers.values():
         if block.moe_enabled:
-            permutation = regions.permutation if compiled_permutation else EAGER_PERMUTATION
-            block.moe.dispatcher = LocalTokenDispatcher(block.moe.num_experts, False, permutation)
+            block.moe.dispatcher = LocalTokenDispatcher(block.moe.num_experts, False)
     apply_ac(model, ActivationCheckpoint(mode=ac_mode), regions.all())
     apply_compile(model, backend, regions)
 
@@ -84,20 +83,19 @@ def _kernels_per_graph_call(prof) -> dict[str, int]:
     return kernels
 
 
-def test_per_op_sac_recomputes_nothing_of_an_moe_block_but_its_routed_experts():
-    # Per-op SAC checkpoints only the routed experts of an MoE block (`MoE.routed_experts`); the regions compiled
-    # around them (attention with its norm and residual, the FFN norm, router selection, shared experts, the sum) keep
-    # their activations, so backward runs none of their forward graphs' kernels again: no replay of the block.
+def test_per_op_sac_replays_no_forward_graph_of_an_moe_block():
+    # Per-op SAC checkpoints only the routed experts of an MoE block (`GroupedExperts.recompute`), inside their
+    # compiled region: the recompute of their gathers and SwiGLU is part of that region's backward graph. The regions
+    # around them (attention with its norm and residual, the FFN norm, router selection, shared experts, the sum)
+    # keep their activations, so backward runs none of the forward graphs' kernels again: no eager replay at all.
     torch._dynamo.reset()
     reference = build_reference(replace(tiny_args(), n_layers=1, n_dense_layers=0))
     ref_loss, ref_grads = reference_loss_and_grads(reference)
     model = copy.deepcopy(reference)
-    # the dispatcher's regions (the gathers into the experts' rows and back) are recomputed by design, like the
-    # routed experts' (their activations are the bulk of a block's memory): eager here, out of the check
     with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):  # each kernel a profiler event
-        _compile(model, "inductor", "selective", compiled_permutation=False)
+        _compile(model, "inductor", "selective")
         loss, forward, backward, _ = _profile_one_step(model)
-    assert model.layers["0"].moe.routed_experts_checkpoint is not None  # the block itself is not wrapped
+    assert model.layers["0"].moe.experts.recompute  # the block itself is not wrapped
     forward_kernels, backward_kernels = _kernels_per_graph_call(forward), _kernels_per_graph_call(backward)
     assert len(forward_kernels) >= 4 and all(count > 0 for count in forward_kernels.values()), forward_kernels
     recomputed = {graph: backward_kernels[graph] for graph in forward_kernels if backward_kernels[graph]}
@@ -107,10 +105,10 @@ def test_per_op_sac_recomputes_nothing_of_an_moe_block_but_its_routed_experts():
 
 
 @pytest.mark.skipif(not hasattr(torch._higher_order_ops, "inductor_compiled_code"), reason="needs torch >= 2.10")
-def test_per_op_sac_saves_the_grouped_gemms_inside_the_compiled_experts_region():
-    # The routed experts' region is compiled without SAC wrapping, so its generated kernels (the SwiGLU) run again in
-    # the recompute. Its grouped GEMMs are extern calls through the dispatcher, where SAC's mode saves their outputs
-    # and hands them back: the recompute runs none of them (this is what bounds the block's memory and recompute).
+def test_per_op_sac_runs_the_grouped_gemms_once_inside_the_compiled_experts_region():
+    # The routed experts' region holds per-op SAC's checkpoint: its backward graph recomputes the gathers and the
+    # SwiGLU but no grouped GEMM (the policy saves their outputs): three GEMMs in forward, their six gradients in
+    # backward, none run twice.
     torch._dynamo.reset()
     args = tiny_args()
     args = replace(args, n_layers=1, n_dense_layers=0, moe_args=replace(args.moe_args, use_grouped_mm=True))
@@ -134,8 +132,7 @@ def test_per_op_sac_saves_the_grouped_gemms_inside_the_compiled_experts_region()
     forward_calls, backward_calls = gemm_calls(forward), gemm_calls(backward)
     (experts_graph, forward_runs), *others = forward_calls.items()
     assert not others and forward_runs == [True] * 3, forward_calls  # gate, up, down
-    recompute_runs = backward_calls.pop(experts_graph)
-    assert recompute_runs == [False] * 3, recompute_runs  # called again by the recompute, answered from SAC's cache
+    assert experts_graph not in backward_calls, backward_calls  # the forward graph is not run again
     assert [runs for runs in backward_calls.values()] == [[True] * 6], backward_calls  # each GEMM's two gradients
 
 
@@ -179,8 +176,8 @@ def test_blocks_declare_how_they_compile():
         def module(self, module):
             calls.append(type(module).__name__)
 
-    regions = MoERegions.build("eager", run_experts_grouped_mm)
+    regions = MoERegions.build("eager", run_routed_experts)
     assert dense.compile_parts(Recorder(), regions) is False and calls == []
     assert moe_block.compile_parts(Recorder(), regions) is True
     assert calls == ["attention_residual", "ffn_input", "select_experts", "FeedForward", "sum_experts"]
-    assert moe_block.moe.experts.run_grouped_mm is regions.grouped_mm
+    assert moe_block.moe.experts.run_routed is regions.routed_experts

@@ -7,7 +7,7 @@ tensor-parallel experts' local dispatcher.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.distributed._functional_collectives import (
@@ -19,7 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.distributed.expert_parallel.dispatcher import (
     EAGER_PERMUTATION,
-    LocalDispatchState,
+    DispatchState,
+    ExpertTokens,
     LocalTokenDispatcher,
     TokenPermutation,
 )
@@ -32,14 +33,8 @@ __all__ = ["AllToAllTokenDispatcher", "TensorParallelTokenDispatcher"]
 class TensorParallelTokenDispatcher(LocalTokenDispatcher):
     """ep == 1, experts sharded over tp on the hidden dim: all tokens stay here; their gradient is summed over tp."""
 
-    def __init__(
-        self,
-        num_experts: int,
-        score_before_experts: bool,
-        tp_mesh: DeviceMesh,
-        permutation: TokenPermutation = EAGER_PERMUTATION,
-    ):
-        super().__init__(num_experts, score_before_experts, permutation)
+    def __init__(self, num_experts: int, score_before_experts: bool, tp_mesh: DeviceMesh):
+        super().__init__(num_experts, score_before_experts)
         self.tp_mesh = tp_mesh
 
     def dispatch_preprocess(self, x, topk_idx, topk_weights):
@@ -48,10 +43,11 @@ class TensorParallelTokenDispatcher(LocalTokenDispatcher):
 
 
 @dataclass
-class AllToAllDispatchState(LocalDispatchState):
-    input_splits: list[int]  # rows this rank sends to each ep rank
-    output_splits: list[int]  # rows this rank receives from each ep rank
-    received_plan: PermutePlan  # received rows (rank-major) <-> the local experts' rows
+class AllToAllDispatchState(DispatchState):
+    plan: PermutePlan  # the local batch's (N, k) slots <-> the send buffer's rows (sorted by global expert)
+    topk_weights: torch.Tensor  # (N, k) fp32
+    input_splits: list[int] | None = None  # rows this rank sends to each ep rank
+    output_splits: list[int] | None = None  # rows this rank receives from each ep rank
 
 
 class AllToAllTokenDispatcher(LocalTokenDispatcher):
@@ -59,8 +55,8 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
 
     dispatch_preprocess   token copies sorted by global expert (= by destination rank), counted per expert
     token_dispatch        all-to-all of the counts, one host copy of the split sizes, all-to-all of the rows
-    dispatch_postprocess  received rows (rank-major) -> the local experts' padded rows
-    combine_preprocess    back to rank-major
+    dispatch_postprocess  received rows (rank-major), one token each, ordered by local expert for the experts
+    combine_preprocess    nothing: the experts return the received rows' outputs, rank-major
     token_combine         the reverse all-to-all
     combine_postprocess   back to the tokens, weight, sum over top-k (as without EP)
 
@@ -77,7 +73,9 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         etp_mesh: DeviceMesh | None = None,
         permutation: TokenPermutation = EAGER_PERMUTATION,
     ):
-        super().__init__(num_experts, score_before_experts, permutation)
+        super().__init__(num_experts, score_before_experts)
+        self.permutation = permutation
+        """The send buffer's two gathers (eager or compiled)."""
         self.group = ep_mesh.get_group()
         self.ep = ep_mesh.size()
         self.etp_mesh = etp_mesh
@@ -89,7 +87,7 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         rows, plan = self.permutation.to_experts(x, order, counts, topk_idx.shape[1], weights, None, x.dtype)
         if self.etp_mesh is not None:
             rows = sum_grad_over(rows, self.etp_mesh)
-        return rows, counts, LocalDispatchState(plan, topk_weights)
+        return rows, counts, AllToAllDispatchState(plan, topk_weights)
 
     def token_dispatch(self, prepared):
         rows, counts, state = prepared
@@ -102,7 +100,7 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         received = _wait(all_to_all_single_autograd(rows, output_splits, input_splits, self.group))
         return received, received_counts.view(self.ep, -1), state, input_splits, output_splits
 
-    def dispatch_postprocess(self, dispatched, layout):
+    def dispatch_postprocess(self, dispatched):
         received, received_counts, state, input_splits, output_splits = dispatched
         ep, num_local = received_counts.shape
         # local expert id of every received row (rank-major: source rank, then expert)
@@ -112,19 +110,20 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
             output_size=received.shape[0],
         )
         local_order = expert_major_order(local_ids, num_local)
-        expert_input, received_plan = self.permutation.to_experts(
-            received, local_order, received_counts.sum(0), 1, None, layout.alignment, layout.dtype
-        )
-        all_to_all_state = AllToAllDispatchState(
-            state.plan, state.topk_weights, input_splits, output_splits, received_plan
-        )
-        return expert_input, received_plan.group_ends, all_to_all_state
+        tokens = ExpertTokens(received, local_order, received_counts.sum(0), 1, None, None, None)
+        return tokens, replace(state, input_splits=input_splits, output_splits=output_splits)
 
     def combine_preprocess(self, expert_output, state):
-        return self.permutation.from_experts(expert_output, state.received_plan, 1, None, expert_output.dtype)
+        return expert_output
 
     def token_combine(self, prepared, state):
         return _wait(all_to_all_single_autograd(prepared, state.input_splits, state.output_splits, self.group))
+
+    def combine_postprocess(self, combined, state):
+        """combined (rows, dim) in the send buffer's order -> sum_k g_{t,k} FFN_k(x_t): (N, dim) fp32."""
+        weights = None if self.score_before_experts else state.topk_weights
+        top_k = state.topk_weights.shape[1]
+        return self.permutation.from_experts(combined, state.plan, top_k, weights, torch.float32)
 
 
 def _wait(tensor: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
     dispatch_preprocess   dtypes/contiguity DeepEP needs (int64 ids, fp32 weights)
     token_dispatch        deepep::dispatch: each token once to every rank holding one of its experts
-    dispatch_postprocess  received tokens -> the local experts' padded rows (one gather by the op's permuted_slots)
-    combine_preprocess    one gather back to received-token order with the weighted sum over this rank's experts
+    dispatch_postprocess  received tokens with the op's local-expert-major slots, as the experts' `ExpertTokens`
+    combine_preprocess    nothing: the experts return per received token the weighted sum over this rank's experts
     token_combine         deepep::combine: send back, sum per source token
     combine_postprocess   nothing left to do (output is already (num_tokens, dim))
 
@@ -18,14 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from torchtitan.distributed.deepep import ops
-from torchtitan.distributed.expert_parallel.dispatcher import (
-    EAGER_PERMUTATION,
-    DispatchState,
-    ExpertRows,
-    TokenDispatcher,
-    TokenPermutation,
-)
-from torchtitan.kernels.permute import PermutePlan
+from torchtitan.distributed.expert_parallel.dispatcher import DispatchState, ExpertTokens, TokenDispatcher
 
 __all__ = ["DeepEPDispatchState", "DeepEPDispatched", "DeepEPTokenDispatcher"]
 
@@ -45,9 +38,6 @@ class DeepEPDispatched:
 @dataclass
 class DeepEPDispatchState(DispatchState):
     handle: list[torch.Tensor]
-    plan: PermutePlan  # received (token, k) slots <-> the local experts' rows
-    recv_topk_weights: torch.Tensor  # (num_recv, top_k) fp32
-    dtype: torch.dtype  # of the tokens
 
 
 class DeepEPTokenDispatcher(TokenDispatcher):
@@ -61,9 +51,8 @@ class DeepEPTokenDispatcher(TokenDispatcher):
         *,
         sync_free: bool = False,
         fp8: bool = False,
-        permutation: TokenPermutation = EAGER_PERMUTATION,
     ):
-        super().__init__(num_experts, score_before_experts, permutation)
+        super().__init__(num_experts, score_before_experts)
         self.group_name = group_name
         self.sync_free = sync_free
         """Worst-case receive sizes, no host wait (ops.py); the padding rows get no expert."""
@@ -81,34 +70,24 @@ class DeepEPTokenDispatcher(TokenDispatcher):
             *ops.dispatch(x, topk_idx, topk_weights, self.num_experts, self.group_name, self.sync_free, self.fp8)
         )
 
-    def dispatch_postprocess(
-        self, dispatched: DeepEPDispatched, layout: ExpertRows
-    ) -> tuple[torch.Tensor, torch.Tensor, DeepEPDispatchState]:
-        top_k = dispatched.recv_topk_idx.shape[1]
-        weights = dispatched.recv_topk_weights if self.score_before_experts else None
-        expert_input, plan = self.permutation.to_experts(
+    def dispatch_postprocess(self, dispatched: DeepEPDispatched) -> tuple[ExpertTokens, DeepEPDispatchState]:
+        weights = dispatched.recv_topk_weights
+        before = self.score_before_experts
+        tokens = ExpertTokens(
             dispatched.recv_x,
             dispatched.permuted_slots,
             dispatched.tokens_per_local_expert,
-            top_k,
-            weights,
-            layout.alignment,
-            layout.dtype,
+            weights.shape[1],
+            weights if before else None,
+            None if before else weights,
+            dispatched.recv_x.dtype,  # combine sends the tokens' dtype
         )
-        state = DeepEPDispatchState(
-            handle=dispatched.handle,
-            plan=plan,
-            recv_topk_weights=dispatched.recv_topk_weights,
-            dtype=dispatched.recv_x.dtype,
-        )
-        return expert_input, plan.group_ends, state
+        return tokens, DeepEPDispatchState(dispatched.handle)
 
     def combine_preprocess(self, expert_output: torch.Tensor, state: DeepEPDispatchState) -> torch.Tensor:
-        """(rows, dim) -> (num_recv, dim) in the tokens' dtype: per received token the fp32 sum of its copies'
-        outputs, weighted unless the weights were applied before the experts."""
-        weights = None if self.score_before_experts else state.recv_topk_weights
-        top_k = state.recv_topk_weights.shape[1]
-        return self.permutation.from_experts(expert_output, state.plan, top_k, weights, state.dtype)
+        """(num_recv, dim): per received token the fp32 sum of its copies' outputs, weighted unless the weights were
+        applied before the experts, in the tokens' dtype (the experts' `ExpertTokens.out_dtype`)."""
+        return expert_output
 
     def token_combine(self, prepared: torch.Tensor, state: DeepEPDispatchState) -> torch.Tensor:
         combined, _ = ops.combine(prepared, state.handle, self.group_name)

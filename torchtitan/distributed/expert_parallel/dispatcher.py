@@ -11,8 +11,8 @@ while another micro-batch computes (`models/moe/overlap.py`).
 `LocalTokenDispatcher` (no expert parallelism) is the MoE's default; `parallelize` installs the one its backend
 needs through the expert-parallel ParallelStyles (`styles.py`): all-to-all (`all_to_all.py`) or DeepEP
 (`deepep_dispatcher.py`). A dispatcher is built with everything that shapes it and never changed afterwards. Every
-backend moves its tokens into the experts' padded rows and back with the same two gathers, `TokenPermutation`:
-eager, or the compiled regions `parallelize` creates once per model.
+backend hands its experts `ExpertTokens`: tokens and the expert-major order of their copies. The experts gather the
+copies into their padded rows and sum their outputs back per token themselves (`run_on_expert_rows`).
 """
 
 from __future__ import annotations
@@ -29,26 +29,50 @@ from torchtitan.kernels.permute import PermutePlan, expert_major_order, permute_
 __all__ = [
     "EAGER_PERMUTATION",
     "DispatchState",
-    "ExpertRows",
-    "LocalDispatchState",
+    "ExpertTokens",
     "LocalTokenDispatcher",
     "TokenDispatcher",
     "TokenPermutation",
+    "run_on_expert_rows",
 ]
 
 
-@dataclass(frozen=True)
-class ExpertRows:
-    """How the experts want their input rows: groups padded to `alignment` rows, in `dtype`."""
+@dataclass
+class ExpertTokens:
+    """The token copies this rank's experts take, as a dispatcher hands them over: tokens plus an expert-major order
+    of their (token, k) slots. The experts lay the copies out in their rows themselves (`run_on_expert_rows`), so
+    the gather into the rows, the experts and the sum back per token run as one piece (one compiled region, whose
+    activation checkpoint can recompute the gather and the SwiGLU inside the graph)."""
 
-    alignment: int
-    dtype: torch.dtype
+    x: torch.Tensor  # (T, dim) tokens; token t's copies are slots t * top_k + j
+    order: torch.Tensor  # (C,) int64 slots, local-expert-major; the first sum(counts) are routed, the rest not
+    counts: torch.Tensor  # (E_local,) copies per local expert
+    top_k: int
+    weights: torch.Tensor | None  # (T, top_k) fp32 routing weights applied to the copies before the experts
+    out_weights: torch.Tensor | None  # (T, top_k) fp32 routing weights of the per-token sum after the experts
+    out_dtype: torch.dtype | None  # the per-token sums' dtype; None: the experts' output dtype
+
+
+def run_on_expert_rows(
+    tokens: ExpertTokens,
+    rows_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    alignment: int,
+    row_dtype: torch.dtype,
+) -> torch.Tensor:
+    """tokens -> (T, dim): the copies in padded expert-major rows of `row_dtype` (groups aligned to `alignment`),
+    rows_fn(rows, group_ends) on them, and per token the (weighted) sum of its copies' outputs."""
+    rows, plan = permute_to_experts(
+        tokens.x, tokens.order, tokens.counts, tokens.top_k, tokens.weights, alignment, row_dtype
+    )
+    out = rows_fn(rows, plan.group_ends)
+    return unpermute_tokens(out, plan, tokens.top_k, tokens.out_weights, tokens.out_dtype or out.dtype)
 
 
 @dataclass(frozen=True)
 class TokenPermutation:
-    """The two gathers around the experts, with the signatures of `kernels/permute.py`'s `permute_to_experts` and
-    `unpermute_tokens`: eager, or compiled regions shared by a model's MoE layers (`distributed/compile.py`)."""
+    """The two gathers of the all-to-all dispatcher's send buffer, with the signatures of `kernels/permute.py`'s
+    `permute_to_experts` and `unpermute_tokens`: eager, or compiled regions shared by a model's MoE layers
+    (`distributed/compile.py`)."""
 
     to_experts: Callable[..., tuple[torch.Tensor, PermutePlan]] = permute_to_experts
     from_experts: Callable[..., torch.Tensor] = unpermute_tokens
@@ -63,30 +87,28 @@ class DispatchState:
 
 
 class TokenDispatcher(ABC):
-    """Moves token copies from top-k routing to expert-major rows of this rank's experts, and back.
+    """Moves token copies from top-k routing to this rank's experts, and back.
 
-    dispatch(x (N, dim), topk_idx (N, k) global expert ids, topk_weights (N, k) fp32, layout) -> expert_input
-    (rows, dim) in the experts' `layout` (padded local-expert-major groups, `ExpertRows`), group_ends (local
-    experts,) int32, state;
-    combine(expert_output (rows, dim), state) -> (N, dim) in fp32 or x's dtype: per token, the routing-weighted sum
-    of its copies' outputs.
+    dispatch(x (N, dim), topk_idx (N, k) global expert ids, topk_weights (N, k) fp32) -> (the `ExpertTokens` of
+    this rank's experts, state);
+    combine(expert_output (T, dim) per token of the ExpertTokens, state) -> (N, dim) in fp32 or x's dtype: per
+    token, the routing-weighted sum of its copies' outputs.
     """
 
     backend: str = ""
     """Name of the `parallelism.expert_parallel_comm_backend` behind it ('local' when nothing is exchanged)."""
 
-    def __init__(self, num_experts: int, score_before_experts: bool, permutation: TokenPermutation):
+    def __init__(self, num_experts: int, score_before_experts: bool = False):
         self.num_experts = num_experts
         self.score_before_experts = score_before_experts
-        self.permutation = permutation
 
     def dispatch(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertRows
-    ) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[ExpertTokens, DispatchState | None]:
         prepared = self.dispatch_preprocess(x, topk_idx, topk_weights)
-        return self.dispatch_postprocess(self.token_dispatch(prepared), layout)
+        return self.dispatch_postprocess(self.token_dispatch(prepared))
 
-    def combine(self, expert_output: torch.Tensor, state: DispatchState) -> torch.Tensor:
+    def combine(self, expert_output: torch.Tensor, state: DispatchState | None) -> torch.Tensor:
         prepared = self.combine_preprocess(expert_output, state)
         return self.combine_postprocess(self.token_combine(prepared, state), state)
 
@@ -99,43 +121,31 @@ class TokenDispatcher(ABC):
         """Communication: send token copies to the ranks holding their experts."""
 
     @abstractmethod
-    def dispatch_postprocess(
-        self, dispatched: Any, layout: ExpertRows
-    ) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
-        """Local: received tokens into the experts' rows -> (expert_input, group_ends, state)."""
+    def dispatch_postprocess(self, dispatched: Any) -> tuple[ExpertTokens, DispatchState | None]:
+        """Local: what was received, as the experts' tokens -> (tokens, state)."""
 
     @abstractmethod
-    def combine_preprocess(self, expert_output: torch.Tensor, state: DispatchState) -> Any:
-        """Local: undo the expert ordering, reduce what can be reduced before sending back."""
+    def combine_preprocess(self, expert_output: torch.Tensor, state: DispatchState | None) -> Any:
+        """Local: the experts' output (T, dim) into the form the communication needs."""
 
     @abstractmethod
-    def token_combine(self, prepared: Any, state: DispatchState) -> Any:
+    def token_combine(self, prepared: Any, state: DispatchState | None) -> Any:
         """Communication: return the results to the tokens' source ranks."""
 
     @abstractmethod
-    def combine_postprocess(self, combined: Any, state: DispatchState) -> torch.Tensor:
+    def combine_postprocess(self, combined: Any, state: DispatchState | None) -> torch.Tensor:
         """Local: final layout (N, dim)."""
 
 
-@dataclass
-class LocalDispatchState(DispatchState):
-    plan: PermutePlan  # the local batch's (N, k) slots <-> the rows its copies occupy
-    topk_weights: torch.Tensor  # (N, k) fp32
-
-
 class LocalTokenDispatcher(TokenDispatcher):
-    """All experts on this rank: copy each token once per chosen expert into padded expert-major rows, and back.
+    """All experts on this rank: the local batch's tokens go to the experts as they are, with their expert-major
+    order; the experts' output is already the per-token sum.
 
     Subclasses that exchange the sorted copies with other ranks (all-to-all) override the communication stages
     and the local re-ordering around them.
     """
 
     backend = "local"
-
-    def __init__(
-        self, num_experts: int, score_before_experts: bool = False, permutation: TokenPermutation = EAGER_PERMUTATION
-    ):
-        super().__init__(num_experts, score_before_experts, permutation)
 
     def expert_order(self, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """topk_idx (N, k) -> the slots sorted by global expert (N * k,), tokens per global expert (E,)."""
@@ -152,24 +162,19 @@ class LocalTokenDispatcher(TokenDispatcher):
     def token_dispatch(self, prepared: Any) -> Any:
         return prepared
 
-    def dispatch_postprocess(
-        self, dispatched: Any, layout: ExpertRows
-    ) -> tuple[torch.Tensor, torch.Tensor, LocalDispatchState]:
+    def dispatch_postprocess(self, dispatched: Any) -> tuple[ExpertTokens, None]:
         x, topk_idx, topk_weights = dispatched
         order, counts = self.expert_order(topk_idx)
-        weights = topk_weights if self.score_before_experts else None
-        rows, plan = self.permutation.to_experts(
-            x, order, counts, topk_idx.shape[1], weights, layout.alignment, layout.dtype
-        )
-        return rows, plan.group_ends, LocalDispatchState(plan, topk_weights)
+        before = self.score_before_experts
+        weights, out_weights = (topk_weights, None) if before else (None, topk_weights)
+        return ExpertTokens(x, order, counts, topk_idx.shape[1], weights, out_weights, torch.float32), None
 
-    def combine_preprocess(self, expert_output: torch.Tensor, state: DispatchState) -> torch.Tensor:
+    def combine_preprocess(self, expert_output: torch.Tensor, state: None) -> torch.Tensor:
         return expert_output
 
-    def token_combine(self, prepared: torch.Tensor, state: DispatchState) -> torch.Tensor:
+    def token_combine(self, prepared: torch.Tensor, state: None) -> torch.Tensor:
         return prepared
 
-    def combine_postprocess(self, combined: torch.Tensor, state: LocalDispatchState) -> torch.Tensor:
-        """combined (rows, dim) as dispatch laid them out -> sum_k g_{t,k} FFN_k(x_t): (N, dim) fp32."""
-        weights = None if self.score_before_experts else state.topk_weights
-        return self.permutation.from_experts(combined, state.plan, state.topk_weights.shape[1], weights, torch.float32)
+    def combine_postprocess(self, combined: torch.Tensor, state: None) -> torch.Tensor:
+        """sum_k g_{t,k} FFN_k(x_t): (N, dim) fp32, as the experts returned it."""
+        return combined

@@ -1,6 +1,6 @@
 """ParallelStyles for an `MoE` layer's routed experts: each shards `moe.experts` and installs the layer's token
-dispatcher, built with the permutation (eager or compiled) it is given. The experts module never changes and no
-hooks rewrite its arguments.
+dispatcher (the all-to-all ones built with the send buffer's permutation, eager or compiled, they are given). The
+experts module never changes and no hooks rewrite its arguments.
 
 - `ExpertParallel` (ep mesh): weights Shard(0) (each rank owns E / ep experts); all-to-all token exchange.
 - `ExpertTensorParallel` ([ep, etp] mesh): EP across ranks plus TP inside each expert: w1/w3 [Shard(0), Shard(1)]
@@ -63,18 +63,16 @@ class ExpertTensorParallel(_ExpertStyle):
         return module
 
 
-class TensorParallel(_ExpertStyle):
+class TensorParallel(ParallelStyle):
     """On an `MoE`, ep == 1: every rank holds all experts' hidden shard; the experts' output is partial."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         distribute_experts(module.experts, device_mesh, {"w1": [Shard(1)], "w2": [Shard(2)], "w3": [Shard(1)]})
-        module.dispatcher = TensorParallelTokenDispatcher(
-            module.num_experts, module.score_before_experts, device_mesh, permutation=self.permutation
-        )
+        module.dispatcher = TensorParallelTokenDispatcher(module.num_experts, module.score_before_experts, device_mesh)
         return module
 
 
-class DeepEPExpertParallel(_ExpertStyle):
+class DeepEPExpertParallel(ParallelStyle):
     """On an `MoE` (parallelize makes it a `DeepEPMoE`): experts sharded on dim 0 over the 1-D EP mesh, tokens
     exchanged with DeepEP.
 
@@ -89,9 +87,8 @@ class DeepEPExpertParallel(_ExpertStyle):
         num_sms: int = 24,
         sync_free: bool = False,
         fp8: bool = False,
-        permutation: TokenPermutation = EAGER_PERMUTATION,
     ):
-        super().__init__(permutation)
+        super().__init__()
         self.num_sms = num_sms
         self.sync_free = sync_free
         self.fp8 = fp8
@@ -112,7 +109,6 @@ class DeepEPExpertParallel(_ExpertStyle):
             module.score_before_experts,
             sync_free=self.sync_free,
             fp8=self.fp8,
-            permutation=self.permutation,
         )
         return module
 

@@ -46,7 +46,7 @@ from torchtitan.distributed.utils import device_type, transformer_blocks
 from torchtitan.kernels.float8 import check_float8_supported
 from torchtitan.models.deepseek_v3.float8_linears import convert_to_float8_linears
 from torchtitan.models.moe.exchange import ExchangeBackend, ExchangeContext, get_backend
-from torchtitan.models.moe.experts import GroupedExperts, convert_to_float8_experts, run_experts_grouped_mm
+from torchtitan.models.moe.experts import GroupedExperts, convert_to_float8_experts, run_routed_experts
 from torchtitan.models.moe.overlap import MicroBatchOverlap
 from torchtitan.tools.dtypes import DTYPES
 
@@ -66,7 +66,7 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
     compiled = compile_config.enable and "model" in compile_config.components
     # Created once for this model: the compiled regions its MoE layers share (the dispatchers are built with them)
     # and, on CUDA, the streams of the shared-expert and micro-batch overlaps.
-    regions = MoERegions.build(compile_config.backend, run_experts_grouped_mm) if compiled else None
+    regions = MoERegions.build(compile_config.backend, run_routed_experts) if compiled else None
     permutation = regions.permutation if regions is not None else EAGER_PERMUTATION
     on_cuda = device_type() == "cuda"
 
@@ -252,11 +252,10 @@ def apply_moe_parallel(
     | tp > 1, etp == 1, ep  | local sequence shard  | replicated weights, own tokens | the backend's style (ep)    |
     | tp == 1, ep > 1       | plain tensor          | plain                          | the backend's style (ep)    |
     With a Replicate input the MoE output is a partial sum over tp, reduce-scattered to the sequence shard.
-    Every layer's dispatcher is built with `exchange.permutation`; under EP without ETP the exchange `backend` gives
+    The all-to-all dispatchers are built with `exchange.permutation`; under EP without ETP the exchange `backend` gives
     each layer its style and, maybe, a subclass (`models/moe/exchange.py`). Without TP or EP the layers keep a local
     dispatcher.
     """
-    permutation = exchange.permutation
     style = backend.style(exchange) if parallel_dims.ep_enabled and not parallel_dims.etp_enabled else None
     tp_mesh = parallel_dims.get_optional_mesh("tp")
     for block in transformer_blocks(model):
@@ -302,14 +301,14 @@ def apply_moe_parallel(
 
         # the experts' sharding and the token dispatcher that feeds them
         if parallel_dims.etp_enabled:
-            parallelize_module(moe, parallel_dims.get_mesh(["ep", "etp"]), ExpertTensorParallel(permutation))
+            parallelize_module(moe, parallel_dims.get_mesh(["ep", "etp"]), ExpertTensorParallel(exchange.permutation))
         elif style is not None:
             block.moe = moe = backend.layer(moe, exchange)
             parallelize_module(moe, parallel_dims.get_mesh("ep"), style)
         elif tp_mesh is not None:
-            parallelize_module(moe, tp_mesh, TensorParallel(permutation))
+            parallelize_module(moe, tp_mesh, TensorParallel())
         else:
-            moe.dispatcher = LocalTokenDispatcher(moe.num_experts, moe.score_before_experts, permutation)
+            moe.dispatcher = LocalTokenDispatcher(moe.num_experts, moe.score_before_experts)
 
 
 def apply_fsdp(

@@ -136,9 +136,7 @@ class DeepEPBackend(ExchangeBackend):
         num_sms = parallelism.deepep_num_sms
         if parallelism.expert_parallel_overlap and parallelism.deepep_overlap_num_sms is not None:
             num_sms = parallelism.deepep_overlap_num_sms  # the exchange shares the GPU with the other micro-batch
-        return DeepEPExpertParallel(
-            num_sms=num_sms, sync_free=parallelism.deepep_sync_free_dispatch, fp8=fp8, permutation=ctx.permutation
-        )
+        return DeepEPExpertParallel(num_sms=num_sms, sync_free=parallelism.deepep_sync_free_dispatch, fp8=fp8)
 
     def layer(self, moe: MoE, ctx: ExchangeContext) -> MoE:
         return DeepEPMoE.from_moe(moe, ctx.side_stream)

@@ -2,18 +2,26 @@
 
     out_t = W2_e (silu(W1_e x_t) * W3_e x_t)      for every row t of expert e's group
 
-The rows come padded: each expert's group starts at a multiple of `token_group_alignment` rows, which
-`torch._grouped_mm` needs (16 bytes along the token dimension in the weight-gradient GEMM: 8 rows for bf16, 16 for
-fp8), and padding rows are zero. The dispatchers produce that layout directly (`kernels/permute.py`), so no padding copy
-happens here.
+The experts take the token copies a dispatcher hands them (`ExpertTokens`) and do three things as one piece
+(`run_routed_experts`): gather the copies into padded expert-major rows (each expert's group starts at a multiple of
+`token_group_alignment` rows, which `torch._grouped_mm` needs: 16 bytes along the token dimension in the
+weight-gradient GEMM, 8 rows for bf16, 16 for fp8; padding rows are zero), run the grouped-GEMM SwiGLU, and sum
+the outputs back per token. Compiled, the three are one graph (`distributed/compile.py`), and per-op SAC
+(`recompute`) is a checkpoint inside that graph: the partitioner keeps the grouped GEMMs' outputs and recomputes
+the gathers and the SwiGLU in the compiled backward, with no eager checkpoint and no dispatch mode on the host.
 """
+
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
-from torchtitan.distributed.expert_parallel.dispatcher import ExpertRows
+from torchtitan.distributed.activation_checkpoint import per_op_sac_contexts
+from torchtitan.distributed.expert_parallel.dispatcher import ExpertTokens, run_on_expert_rows
 from torchtitan.kernels.cpu_grouped_mm import cpu_grouped_mm
 from torchtitan.kernels.float8 import Float8WeightCache, Float8Weights, float8_grouped_mm
 
@@ -51,15 +59,40 @@ def _bf16_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) ->
     return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
 
 
+def run_routed_experts(
+    tokens: ExpertTokens,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    alignment: int,
+    float8: bool = False,
+    float8_weights: tuple[Float8Weights, Float8Weights] | None = None,
+    recompute: bool = False,
+) -> torch.Tensor:
+    """tokens -> (T, dim): the copies into padded expert-major rows, the grouped-GEMM SwiGLU
+    (`run_experts_grouped_mm`), the per-token sum back. recompute: per-op SAC, the grouped GEMMs' outputs kept
+    and everything else recomputed in backward (the policy of `activation_checkpoint.py`)."""
+
+    def rows_fn(rows: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+        return run_experts_grouped_mm(rows, group_ends, w1, w2, w3, float8, float8_weights)
+
+    return _run(partial(run_on_expert_rows, tokens, rows_fn, alignment, torch.bfloat16), recompute)
+
+
+def _run(routed: Callable[[], torch.Tensor], recompute: bool) -> torch.Tensor:
+    if not recompute:
+        return routed()
+    return checkpoint(routed, use_reentrant=False, preserve_rng_state=False, context_fn=per_op_sac_contexts)
+
+
 class GroupedExperts(nn.Module):
     """w1 (E, hidden, dim), w2 (E, dim, hidden), w3 (E, hidden, dim).
 
-    forward(x (P, dim), group_ends (E_local,) int32) -> (P, dim): x is laid out as `row_layout` asks (each expert's
-    rows a group padded to `token_group_alignment`, padding rows zero, groups ending at the cumulative
-    `group_ends`); output rows past the last group end are undefined and must not be read.
+    forward(tokens: ExpertTokens) -> (T, dim): per token of `tokens.x`, the sum of its copies' outputs (weighted by
+    `tokens.out_weights` if given) in `tokens.out_dtype`.
 
-    `use_grouped_mm=True` computes and returns bf16 (what `torch._grouped_mm` supports, also under torch.compile);
-    `use_grouped_mm=False` is a per-expert loop in x.dtype (reference; syncs with the host).
+    `use_grouped_mm=True` computes in bf16 (what `torch._grouped_mm` supports, also under torch.compile);
+    `use_grouped_mm=False` is a per-expert loop in the tokens' dtype (reference; syncs with the host).
     Under expert parallelism the weights are DTensors sharded on dim 0; forward uses the local shard.
     """
 
@@ -73,8 +106,13 @@ class GroupedExperts(nn.Module):
     """With `float8`: the FP8 copies of (w1 and w3 stacked, w2), quantized once per optimizer step; None (under
     FSDP, which gathers the weights anew every forward): quantized at every use."""
 
-    run_grouped_mm = staticmethod(run_experts_grouped_mm)
-    """The grouped-GEMM computation; `apply_compile` sets the compiled region its model's layers share."""
+    recompute: bool = False
+    """Per-op SAC (`activation_checkpoint.py`, or a memory budget's `sac` level): keep the grouped GEMMs' outputs,
+    recompute the gathers into the rows and the SwiGLU in backward."""
+
+    run_routed = staticmethod(run_routed_experts)
+    """The gathers, grouped GEMMs and sum back; `MoE.compile_parts` sets the compiled region its model's layers
+    share."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
         super().__init__()
@@ -89,19 +127,17 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
-    def row_layout(self, token_dtype: torch.dtype) -> ExpertRows:
-        """The input layout forward expects, for tokens of `token_dtype`."""
-        return ExpertRows(self.token_group_alignment, torch.bfloat16 if self.use_grouped_mm else token_dtype)
-
-    def forward(self, x: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: ExpertTokens) -> torch.Tensor:
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
-        if self.use_grouped_mm:
-            float8_weights = None
-            if self.float8 and self.float8_weight_caches is not None:
-                w13_cache, w2_cache = self.float8_weight_caches
-                float8_weights = (w13_cache.get((w1, w3)), w2_cache.get((w2,)))
-            return self.run_grouped_mm(x, group_ends, w1, w2, w3, self.float8, float8_weights)
-        return _run_experts_for_loop(x, group_ends, w1, w2, w3)
+        alignment = self.token_group_alignment
+        if not self.use_grouped_mm:
+            rows_fn = partial(_run_experts_for_loop, w1=w1, w2=w2, w3=w3)
+            return _run(partial(run_on_expert_rows, tokens, rows_fn, alignment, tokens.x.dtype), self.recompute)
+        float8_weights = None
+        if self.float8 and self.float8_weight_caches is not None:
+            w13_cache, w2_cache = self.float8_weight_caches
+            float8_weights = (w13_cache.get((w1, w3)), w2_cache.get((w2,)))
+        return self.run_routed(tokens, w1, w2, w3, alignment, self.float8, float8_weights, self.recompute)
 
     def init_weights(self, init_std: float) -> None:
         nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)

@@ -1,10 +1,10 @@
 """DeepSeek-V3 MoE layer:  h_t' = u_t + sum_i FFN_i^(s)(u_t) + sum_i g_{i,t} FFN_i^(r)(u_t)   (arXiv:2412.19437).
 
-forward: route (fp32 scores, bias only for selection) -> shared experts -> the dispatcher's dispatch stages (token
-copies to the padded expert-major rows of this rank's experts) -> experts(rows, group_ends) -> its combine stages
-(weight, sum over top-k) -> + shared experts. (The residual u_t is added by the transformer block.) That sequence is
-written once, in `stages`, a generator that yields each communication stage: `forward` runs them inline, and the
-micro-batch overlap (`overlap.py`) interleaves two micro-batches' stages. `self.dispatcher` is a
+forward: route (fp32 scores, bias only for selection) -> shared experts -> the dispatcher's dispatch stages (the
+token copies of this rank's experts, `ExpertTokens`) -> experts (into their rows, grouped GEMMs, the weighted sum
+back per token) -> its combine stages -> + shared experts. (The residual u_t is added by the transformer block.)
+That sequence is written once, in `stages`, a generator that yields each communication stage: `forward` runs them
+inline, and the micro-batch overlap (`overlap.py`) interleaves two micro-batches' stages. `self.dispatcher` is a
 `LocalTokenDispatcher` until `parallelize` installs the one of its backend (all-to-all or DeepEP).
 """
 
@@ -57,9 +57,6 @@ class MoE(nn.Module):
         """Replaced by the expert-parallel ParallelStyles (`parallelize`); not a module, holds no parameters."""
         self.overlap: MicroBatchOverlap | None = None
         """Set by `parallelize` for `parallelism.expert_parallel_overlap`: run two micro-batches' stages interleaved."""
-        self.routed_experts_checkpoint: Callable[..., Any] | None = None
-        """Set by per-op SAC (`activation_checkpoint.py`): `checkpoint(fn, *args)` that runs `routed_experts` so that
-        its gathers and SwiGLU are recomputed in backward; None runs it as is."""
         # Aux-loss-free balancing state. expert_bias is always used for selection (it may come from a checkpoint);
         # load_balance_coeff=None only stops updating it. Both are updated outside the forward (load_balance.py).
         self.tokens_per_optimizer_step: int | None = None
@@ -86,20 +83,11 @@ class MoE(nn.Module):
         dispatcher = self.dispatcher
         prepared = dispatcher.dispatch_preprocess(tokens, selected_experts, top_scores)
         dispatched = yield dispatcher.token_dispatch, (prepared,)
-        if self.routed_experts_checkpoint is None:
-            to_combine, state = self.routed_experts(dispatched, x.dtype)
-        else:
-            to_combine, state = self.routed_experts_checkpoint(self.routed_experts, dispatched, x.dtype)
+        expert_tokens, state = dispatcher.dispatch_postprocess(dispatched)
+        to_combine = dispatcher.combine_preprocess(self.experts(expert_tokens), state)
         combined = yield dispatcher.token_combine, (to_combine, state)
         routed = dispatcher.combine_postprocess(combined, state)  # sum_k g_{t,k} FFN_k(x_t): (N, dim)
         return self.sum_experts(routed, self.finish_shared_experts(shared), x.dtype).view(bs, slen, dim)
-
-    def routed_experts(self, dispatched: Any, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
-        """This rank's part between dispatch and combine: the received token copies into the experts' rows, the
-        experts, and their outputs ready to send back -> (what combine sends, the dispatcher's state)."""
-        dispatcher = self.dispatcher
-        expert_input, group_ends, state = dispatcher.dispatch_postprocess(dispatched, self.experts.row_layout(dtype))
-        return dispatcher.combine_preprocess(self.experts(expert_input, group_ends), state), state
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (bs, slen, dim) -> top_scores (N, k) fp32, selected_experts (N, k).
@@ -136,15 +124,15 @@ class MoE(nn.Module):
         return shared
 
     def compile_parts(self, compiler: Compiler, regions: MoERegions) -> None:
-        """Compile what can be compiled of this layer (`distributed/compile.py`), in place; its dispatcher was built
-        with `regions.permutation` already. `route` calls the router's two methods, not router.forward: only the
-        selection (top-k, group masking, counting: many small ops on fixed shapes) is compiled; the scoring is one
-        linear layer plus a sigmoid."""
+        """Compile what can be compiled of this layer (`distributed/compile.py`), in place; an all-to-all dispatcher
+        was built with `regions.permutation` already. `route` calls the router's two methods, not router.forward:
+        only the selection (top-k, group masking, counting: many small ops on fixed shapes) is compiled; the scoring
+        is one linear layer plus a sigmoid."""
         self.router.select_experts = compiler.function(self.router.select_experts)
         if self.shared_experts is not None:
             compiler.module(self.shared_experts)
         self.sum_experts = compiler.function(self.sum_experts)
-        self.experts.run_grouped_mm = regions.grouped_mm
+        self.experts.run_routed = regions.routed_experts
 
     @staticmethod
     def sum_experts(routed: torch.Tensor, shared: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

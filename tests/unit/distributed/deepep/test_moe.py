@@ -122,9 +122,9 @@ def _no_handle_leaks(rank: int, world_size: int) -> None:
     handles: list[weakref.ref] = []
     original_postprocess = dispatcher.dispatch_postprocess
 
-    def tracking_postprocess(dispatched, layout):
+    def tracking_postprocess(dispatched):
         handles.append(weakref.ref(dispatched.handle[0]))
-        return original_postprocess(dispatched, layout)
+        return original_postprocess(dispatched)
 
     dispatcher.dispatch_postprocess = tracking_postprocess
 
@@ -177,10 +177,9 @@ def _sync_free_matches_synced(rank: int, world_size: int) -> None:
         torch.testing.assert_close(grad, grad_ref)
         for name, param_grad in grads.items():
             torch.testing.assert_close(param_grad, grads_ref[name], msg=name)
-    layout = moe.experts.row_layout(tokens.dtype)
-    _, _, state = moe.dispatcher.dispatch(tokens.view(-1, DIM), *reversed(moe.route(tokens)), layout)
-    slot_row = state.plan.slot_row  # the padding was there, and got no expert
-    assert slot_row.numel() == tokens.numel() // DIM * world_size * 3 > int((slot_row >= 0).sum())
+    expert_tokens, _ = moe.dispatcher.dispatch(tokens.view(-1, DIM), *reversed(moe.route(tokens)))
+    order = expert_tokens.order  # the padding was there, and got no expert
+    assert order.numel() == tokens.numel() // DIM * world_size * 3 > int(expert_tokens.counts.sum())
 
 
 def _module_checks(rank: int, world_size: int) -> None:

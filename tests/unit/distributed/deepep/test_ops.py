@@ -9,7 +9,7 @@ from tests.unit.distributed._spawn import run_distributed
 from tests.unit.models.moe._expert_rows import expert_of_padded_row
 from torchtitan.distributed.deepep import cpu_kernels, destroy_buffers, get_or_create_buffer
 from torchtitan.distributed.expert_parallel.deepep_dispatcher import DeepEPTokenDispatcher
-from torchtitan.distributed.expert_parallel.dispatcher import ExpertRows
+from torchtitan.distributed.expert_parallel.dispatcher import run_on_expert_rows
 from torchtitan.kernels.float8 import dequantize_blockwise, quantize_blockwise
 
 DIM, NUM_EXPERTS, TOP_K = 8, 8, 3
@@ -234,9 +234,14 @@ def _gradients_match_closed_form(rank: int, world_size: int) -> None:
     upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(rank))
 
     xd, wd = x.clone().requires_grad_(), topk_weights.clone().requires_grad_()
-    expert_input, group_ends, state = dispatcher.dispatch(xd, topk_idx, wd, ExpertRows(8, xd.dtype))
-    scale = 1.0 + rank * local_experts + expert_of_padded_row(group_ends, expert_input.shape[0]).unsqueeze(1)
-    out = dispatcher.combine(torch.tanh(expert_input) * scale, state)
+    tokens, state = dispatcher.dispatch(xd, topk_idx, wd)
+
+    def experts(rows, group_ends):
+        return (
+            torch.tanh(rows) * (1.0 + rank * local_experts + expert_of_padded_row(group_ends, rows.shape[0]))[:, None]
+        )
+
+    out = dispatcher.combine(run_on_expert_rows(tokens, experts, 8, xd.dtype), state)
     (out * upstream).sum().backward()
 
     xr, wr = x.clone().requires_grad_(), topk_weights.clone().requires_grad_()

@@ -2,6 +2,7 @@
 
 import torch
 
+from torchtitan.distributed.expert_parallel.dispatcher import ExpertTokens
 from torchtitan.kernels.float8 import Float8Weights
 from torchtitan.kernels.permute import PermutePlan, permute_tokens, plan_permutation, unpermute_tokens
 from torchtitan.models.moe.experts import GroupedExperts, run_experts_grouped_mm
@@ -19,9 +20,12 @@ def pad_rows(
 def run_on_rows(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """experts on x (T, dim) expert-major with `counts` rows per expert -> (T, dim) in x.dtype, zero past the
     routed rows."""
-    layout = experts.row_layout(x.dtype)
-    rows, plan = pad_rows(x, counts, layout.alignment, layout.dtype)
-    return unpermute_tokens(experts(rows, plan.group_ends), plan, 1, None, x.dtype)
+    return experts(expert_major_tokens(x, counts))
+
+
+def expert_major_tokens(x: torch.Tensor, counts: torch.Tensor) -> ExpertTokens:
+    """x (T, dim) already expert-major, `counts` rows per expert, as the experts' tokens (one copy each)."""
+    return ExpertTokens(x, torch.arange(x.shape[0], device=x.device), counts, 1, None, None, x.dtype)
 
 
 def run_fp8_experts_on_rows(

@@ -107,18 +107,51 @@ def test_rows_past_the_routed_tokens_may_hold_nan():
     assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in w_grads)
 
 
-def test_grouped_mm_compiles_fullgraph_forward_and_backward():
+@pytest.mark.parametrize("recompute", [False, True])
+def test_routed_experts_compile_fullgraph_forward_and_backward(recompute):
     counts = torch.tensor(COUNTS)
     x = torch.randn(sum(COUNTS), DIM)
     grad_out = torch.randn(sum(COUNTS), DIM)
     eager, compiled = make_experts(True), make_experts(True)
     ref_out, ref_x_grad, ref_w_grads = run(eager, x, counts, grad_out)
-    compiled.run_grouped_mm = torch.compile(compiled.run_grouped_mm, backend="aot_eager", fullgraph=True)
+    compiled.recompute = recompute
+    compiled.run_routed = torch.compile(compiled.run_routed, backend="aot_eager", fullgraph=True)
     out, x_grad, w_grads = run(compiled, x, counts, grad_out)
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(x_grad, ref_x_grad)
     for grad, ref in zip(w_grads, ref_w_grads, strict=True):
         torch.testing.assert_close(grad, ref)
+
+
+def _saved_for_backward(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> list[tuple[int, ...]]:
+    """Shapes of the tensors autograd saves (outside any eager checkpoint's own storage) in the experts' forward."""
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run_on_rows(experts, x.detach().requires_grad_(), counts)
+    return shapes
+
+
+def test_compiled_recompute_keeps_the_grouped_gemm_outputs_not_the_rows_or_the_swiglu():
+    """Per-op SAC inside the compiled region: of the per-row tensors, the graph saves only the gate and up GEMMs'
+    outputs (the down GEMM's is not needed: no routing weights after the experts here); the gather into the rows
+    and the SwiGLU are recomputed in backward. Without recompute it also keeps the rows and the SwiGLU output."""
+    counts = torch.tensor(COUNTS)
+    x = torch.randn(sum(COUNTS), DIM)
+    per_row = {}
+    for recompute in (True, False):
+        experts = make_experts(True)
+        experts.recompute = recompute
+        experts.run_routed = torch.compile(experts.run_routed, backend="inductor", fullgraph=True)
+        saved = _saved_for_backward(experts, x, counts)
+        num_rows = max(max(shape) for shape in saved if len(shape) == 2 and HIDDEN in shape)  # the padded rows
+        per_row[recompute] = sorted(shape for shape in saved if len(shape) == 2 and num_rows in shape)
+    assert per_row[True] == [(num_rows, HIDDEN)] * 2
+    assert len(per_row[False]) > 2
 
 
 def test_unaligned_dims_are_rejected_for_grouped_mm():
