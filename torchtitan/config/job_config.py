@@ -150,6 +150,12 @@ class Parallelism:
     all-gather is one more collective between the EP ranks, and the experts' own mesh often has one rank, where a
     gather is a copy); else every unit but the final norm and output head."""
 
+    fsdp_blocks_per_unit: int = 1
+    """FSDP2 units of this many consecutive transformer blocks (one all-gather and one reduce-scatter each). More
+    blocks per unit: fewer, larger collectives and less of FSDP's host time per block (its hooks, copy-in and
+    copy-out run once per unit), for one more unit's worth of gathered weights held ahead by the prefetch. The
+    routed experts, where FSDP shards them, stay one unit per block on their own mesh."""
+
     tensor_parallel_degree: int = 1
     """Tensor (and sequence) parallel degree."""
 

@@ -231,7 +231,8 @@ def validate(job_config: JobConfig) -> None:
 
 _POSITIVE_KEYS = (
     "training.seq_len training.steps training.local_batch_size training.gc_freq metrics.log_freq checkpoint.interval "
-    "profiling.profile_freq comm.init_timeout_seconds comm.train_timeout_seconds validation.freq validation.steps"
+    "profiling.profile_freq comm.init_timeout_seconds comm.train_timeout_seconds validation.freq validation.steps "
+    "parallelism.fsdp_blocks_per_unit"
 ).split()
 _DEGREE_KEYS = (
     "parallelism.data_parallel_replicate_degree parallelism.tensor_parallel_degree parallelism.context_parallel_degree "

@@ -145,6 +145,21 @@ def test_reshard_after_forward_policy_per_unit_keeps_results():
     run_distributed(_reshard_policies, 2)
 
 
+def _blocks_per_unit(rank: int, world_size: int) -> None:
+    reference = build_reference(tiny_args())  # 3 blocks: units [0, 1] and [2]
+    ref_loss, ref_grads = reference_loss_and_grads(reference)
+    for ep in (2, 1):
+        cfg = job_config(parallelism__expert_parallel_degree=ep, parallelism__fsdp_blocks_per_unit=2)
+        model = check_parallel_matches(reference, ref_loss, ref_grads, cfg, world_size)
+        states = [model.layers[name]._get_fsdp_state() for name in ("0", "1", "2")]
+        assert states[0] is states[1] and states[1] is not states[2], f"ep={ep}: blocks 0 and 1 are not one unit"
+        assert len(states[0]._fsdp_param_group.fsdp_params) > len(states[2]._fsdp_param_group.fsdp_params)
+
+
+def test_fsdp_units_of_two_blocks_keep_results():
+    run_distributed(_blocks_per_unit, 2)
+
+
 @pytest.mark.parametrize(
     "world_size, overrides, outside",
     [

@@ -123,6 +123,7 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
             cpu_offload=job_config.training.enable_cpu_offload,
             ep_degree=parallel_dims.ep,
             experts_outside=experts_outside,
+            blocks_per_unit=parallelism.fsdp_blocks_per_unit,
         )
     return model
 
@@ -322,8 +323,10 @@ def apply_fsdp(
     cpu_offload: bool = False,
     ep_degree: int = 1,
     experts_outside: bool = False,
+    blocks_per_unit: int = 1,
 ) -> None:
-    """FSDP2 (HSDP when dp_mesh is 2-D): embedding, each block, [norm, output], the root.
+    """FSDP2 (HSDP when dp_mesh is 2-D): embedding, the blocks in units of `blocks_per_unit` consecutive blocks (each
+    MTP module its own), [norm, output], the root.
 
     With EP (`experts_mesh` set), each MoE block's routed experts form their own unit on the expert-FSDP mesh (the
     dp ranks EP did not take); the router and shared experts stay in the block's unit. `experts_outside`
@@ -371,7 +374,10 @@ def apply_fsdp(
                 reshard_after_forward=reshard_after_forward,
                 shard_placement_fn=placement_fn,
             )
-        fully_shard(block, **config, reshard_after_forward=reshard_after_forward)
+    block_units = [blocks[i : i + blocks_per_unit] for i in range(0, len(blocks), blocks_per_unit)]
+    block_units += [[block] for block in transformer_blocks(model)[len(blocks) :]]  # the MTP modules
+    for unit in block_units:
+        fully_shard(unit if len(unit) > 1 else unit[0], **config, reshard_after_forward=reshard_after_forward)
     if model.norm is not None and model.output is not None:
         # the head runs last in forward and first in backward: keeping it unsharded saves an all-gather
         keep_unsharded = reshard_after_forward_policy != "always"
@@ -390,32 +396,33 @@ def apply_fsdp(
                 module.set_gradient_divide_factor(1.0)
 
     if experts_mesh is not None:
-        _set_explicit_prefetch(model, blocks)
+        _set_explicit_prefetch(model, [unit for unit in block_units if unit[0] in blocks])
 
 
-def _set_explicit_prefetch(model: nn.Module, blocks: list[nn.Module]) -> None:
+def _set_explicit_prefetch(model: nn.Module, block_units: list[list[nn.Module]]) -> None:
     """EP's dispatch copies split sizes to the host, which stalls the CPU thread that would issue FSDP's implicit
-    next-unit all-gather; name the next units (block and its experts unit) explicitly instead."""
+    next-unit all-gather; name the next units (a unit of blocks, by its first block, and its blocks' experts units)
+    explicitly instead. A unit's hooks run on its first block in forward and its last in backward."""
 
-    def units(block: nn.Module) -> list[nn.Module]:
-        inner = _inner(block)
-        experts_unit = inner.moe_enabled and isinstance(inner.moe.experts, FSDPModule)
-        return [block, inner.moe.experts] if experts_unit else [block]
+    def units(blocks: list[nn.Module]) -> list[nn.Module]:
+        experts = [_inner(b).moe.experts for b in blocks if _inner(b).moe_enabled]
+        return [blocks[0], *(e for e in experts if isinstance(e, FSDPModule))]
 
-    if not blocks:
+    if not block_units:
         return
+    first, last = block_units[0], block_units[-1]
     if model.tok_embeddings is not None:
-        model.tok_embeddings.set_modules_to_forward_prefetch(units(blocks[0]))
-    for block, next_block in zip(blocks, blocks[1:], strict=False):
-        block.set_modules_to_forward_prefetch(units(next_block))
+        model.tok_embeddings.set_modules_to_forward_prefetch(units(first))
+    for unit, next_unit in zip(block_units, block_units[1:], strict=False):
+        unit[0].set_modules_to_forward_prefetch(units(next_unit))
     if model.norm is not None and model.output is not None:
-        blocks[-1].set_modules_to_forward_prefetch([model.norm])
-        model.norm.set_modules_to_backward_prefetch(units(blocks[-1]))
-    reversed_blocks = blocks[::-1]
-    for block, prev_block in zip(reversed_blocks, reversed_blocks[1:], strict=False):
-        block.set_modules_to_backward_prefetch(units(prev_block))
+        last[0].set_modules_to_forward_prefetch([model.norm])
+        model.norm.set_modules_to_backward_prefetch(units(last))
+    reversed_units = block_units[::-1]
+    for unit, prev_unit in zip(reversed_units, reversed_units[1:], strict=False):
+        unit[0].set_modules_to_backward_prefetch(units(prev_unit))
     if model.tok_embeddings is not None:
-        blocks[0].set_modules_to_backward_prefetch([model.tok_embeddings])
+        first[0].set_modules_to_backward_prefetch([model.tok_embeddings])
 
 
 def _inner(block: nn.Module) -> nn.Module:
