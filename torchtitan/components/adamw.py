@@ -2,26 +2,19 @@
 CUDA, with the gradient-clipping coefficient folded into the update.
 
 The update is torch.optim.AdamW's: p *= 1 - lr * wd; m = beta1 m + (1 - beta1) g; v = beta2 v + (1 - beta2) g^2;
-p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps), with bias corrections bc = 1 - beta^step from each parameter's own
-step. With `step(grad_scale=c)` the update uses g = c * grad, so clipping needs no pass over the gradients of its
-own; the gradients in memory are left unscaled.
+p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps), bc = 1 - beta^step per parameter. `step(grad_scale=c)` uses
+g = c * grad and leaves the gradients in memory unscaled.
 
-State keys and layout are torch.optim.AdamW's (`step` a 0-dim fp32 CPU tensor, `exp_avg`, `exp_avg_sq` like the
-parameter, DTensors for DTensor parameters), and param groups carry all of AdamW's keys, so flattened DCP optimizer
-state dicts load across torch.optim.AdamW and this class both ways.
-
-CUDA parameters are stepped by the Triton kernel of `multi_tensor_kernels.py`; parameters on any other device by
-torch's foreach ops (the same update, the order of torch's foreach AdamW), which is also what CPU tests exercise.
-DTensor parameters (FSDP2, expert parallel) are updated through their local shards.
+State keys, layout and param-group keys are torch.optim.AdamW's, so flattened DCP optimizer state dicts load across
+the two classes both ways. CUDA parameters use the Triton kernel of `multi_tensor_kernels.py`; other devices torch's
+foreach ops (the same update). DTensor parameters are updated through their local shards.
 
 `master_low_bits` ({bf16 parameter: int16 low bits of its fp32 master}, `master_weights.py`): the update runs on the
-fp32 master the two hold (fp32 moments, the parameter's gradient) and writes it back split, the parameter becoming the
-new master rounded to nearest, in the same pass. The state is then made at construction: DCP's own state init sets
-zero gradients of the parameter's dtype, refused where `grad_dtype` is fp32.
+fp32 master and writes it back split in the same pass. Its state is made at construction (DCP's own state init sets
+zero gradients of the parameter's dtype, refused where `grad_dtype` is fp32).
 
-`moments_dtype=torch.bfloat16` (`optimizer.moments_dtype`, Megatron's `--exp-avg-dtype/--exp-avg-sq-dtype bf16`):
-both moments are stored in bf16, 4 bytes per parameter less; the update still runs in fp32 (each moment read into
-fp32, rounded to nearest when stored) on fp32 masters. Made at construction too, and kept bf16 by a load.
+`moments_dtype=torch.bfloat16`: both moments stored in bf16 (rounded to nearest), the update still in fp32; made at
+construction too, and kept bf16 by a load.
 """
 
 from collections import defaultdict

@@ -1,28 +1,18 @@
 """bf16 weights with fp32 masters held as the weight plus 16 low bits: mixed precision for a model FSDP does not wrap.
 
-Under autocast every fp32 weight is cast at each use, and again in activation checkpointing's recompute. The weights
-that compute in bf16 anyway are stored in bf16 instead, and the optimizer updates their fp32 masters and writes the
-new bf16 weights in the same pass (`MultiTensorAdamW(master_low_bits=...)`): one rounding per weight per step.
+Under autocast every fp32 weight is cast at each use (and again in recompute). Weights that compute in bf16 are
+stored in bf16 instead, and the optimizer updates their fp32 masters and writes the new bf16 weights in one pass
+(`MultiTensorAdamW(master_low_bits=...)`).
 
-A master is not a second copy. An fp32 number is its upper 16 bits (a bf16 number) and 16 lower bits, so the master
-is kept as the bf16 weight plus an int16 tensor of low bits (`split_fp32` / `join_fp32`): 4 bytes per weight, as an
-fp32 weight, where a bf16 weight beside an fp32 master took 6 (8.5 GiB less on 16B_bench4's one GPU). For the weight
-to be the master rounded to nearest rather than truncated, it is the upper half plus one where the low half is at
-least 0x8000: round to nearest with ties away from zero. (Ties to even cannot be undone from 32 bits: both
-neighbours of an even bf16 value tie onto it.) The split is exact: every fp32 value, NaN and inf included, joins
-back to itself bit for bit, so the update is the fp32 one, unrounded.
+An fp32 number is its upper 16 bits (a bf16 number) and 16 lower bits, so the master is the bf16 weight plus an
+int16 tensor of low bits (`split_fp32` / `join_fp32`): 4 bytes per weight instead of 6. The weight is rounded to
+nearest, ties away from zero (the upper half plus one where the low half is >= 0x8000; ties to even could not be
+undone). The split is exact: every fp32 value, NaN and inf included, joins back to itself bit for bit.
 
-A weight's bf16 gradient is the one autocast's cast backward would compute before upcasting it. With gradient
-accumulation the gradients are fp32 (`grad_dtype`), summed as for fp32 weights (a bf16 sum rounds at each
-micro-batch), 2 bytes per weight more.
-
-The model's state dict holds the masters (same keys, fp32), joined on the CPU (on the GPU they would need 4 bytes
-per weight when a checkpoint is saved next to the optimizer's state), and a loaded value is split into the weight and
-its low bits; checkpoints, exports and initial loads see fp32 values, interchangeable with an fp32 model's.
-
-Also for DTensor parameters (the routed experts under expert parallelism when no FSDP wraps them): each rank splits
-and joins its local shard (DTensor's own bit shifts are not exact), the parameter becomes a bf16 DTensor of the same
-layout, and its low bits are a plain tensor of the local shard's shape.
+Gradients are bf16, or fp32 (`grad_dtype`) with gradient accumulation so the sum does not round per micro-batch.
+The state dict holds the masters (same keys, fp32, joined on the CPU to spare GPU memory), so checkpoints see fp32
+values interchangeable with an fp32 model's. DTensor parameters (routed experts under EP without FSDP) are split
+and joined per local shard (DTensor's own bit shifts are not exact); their low bits are plain tensors.
 """
 
 from functools import partial

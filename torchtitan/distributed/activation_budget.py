@@ -6,22 +6,16 @@ Each MoE block can run at one of three levels, from least memory (slowest) to mo
     sac    per-op SAC on its routed experts (the default; `activation_checkpoint.py`)
     none   no recompute: it keeps every activation
 
-The run's first step (step 1, or the first after a resume) measures at the least memory it can while still seeing
-every level's cost: every MoE block recomputed whole but the last, which runs per-op SAC. (A first step at per-op SAC
-everywhere would not fit where the budget matters most: the whole 16B model at FSDP4 x EP4 on 80 GB cards.) Hooks
-read, on every rank, the peak reserved memory and per MoE block what it keeps from its forward to its backward (the
-device memory its forward leaves allocated) and the rows its routed experts computed. With the maxima over the ranks
-(every rank must choose the same levels: a `full` block exchanges tokens again in its recompute) the budget then
-picks the levels from the next step on (`plan_levels`): per-op SAC everywhere if the predicted peak fits, then the
-last blocks to `none` while it still fits; or, when per-op SAC does not fit, the first blocks to `full` until it
-does. The second step, at those levels, is measured once more and the levels planned again from it: the model of
-the peak misses the allocator's free blocks, where in the step the peak falls and what only the first step
-allocates, and a measurement at the plan itself is the nearest to it. The allocator's cache is released after each
-of the two choices: what it reserved is a high-water mark that would otherwise carry one step's peak into the next
-step's measurement.
-The last block's per-op SAC measurement stands for every block's, scaled up where a block computed more rows.
-What `none` adds to `sac` is what per-op SAC recomputes: the routed experts' input rows and their SwiGLU output, rows
-x (dim + hidden) values (measured at 0.71 GiB per block on 16B_bench4 at FSDP2 x EP2, where this estimate gives 0.69).
+The run's first step (or the first after a resume) runs every MoE block at `full` but the last, at `sac`: the least
+memory that still shows each level's cost (per-op SAC everywhere would not fit the 16B model at FSDP4 x EP4 on 80 GB
+cards). Hooks read the peak reserved memory and, per MoE block, what its forward leaves allocated and the rows its
+routed experts computed, maximized over ranks (every rank must choose the same levels: a `full` block exchanges
+tokens in its recompute). `plan_levels` then picks: `sac` everywhere if the predicted peak fits, then the last
+blocks to `none` while it fits; else the first blocks to `full` until it fits. The second step is measured once more
+and planned again, since the model misses the allocator's free blocks and first-step-only allocations. The
+allocator's cache is released after each choice so one step's high-water mark does not carry into the next.
+The last block's `sac` measurement stands for every block's, scaled by rows. What `none` adds to `sac` is the routed
+experts' input rows and SwiGLU output, rows x (dim + hidden) values.
 """
 
 from __future__ import annotations

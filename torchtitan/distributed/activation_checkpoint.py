@@ -1,30 +1,20 @@
 """Activation checkpointing per transformer block: none, full, every Nth block, or per-op selective (SAC).
 
-Per-op SAC saves the outputs of expensive or communicating ops and recomputes the rest (norms, activations,
-elementwise ops, index ops) in backward:
+Per-op SAC saves the outputs of expensive or communicating ops and recomputes the rest in backward:
 
-- matmuls (aten.mm, aten.bmm, aten._grouped_mm, aten._scaled_grouped_mm and its CPU emulation, aten.addmm) are all
-  saved. torchtitan saves every other mm to trade more recompute for memory; we save all of them (simpler, and the
-  MoE's activations are dominated by the expert GEMMs, which we do not want to run twice). The order of token copies
-  must not change on recompute, so the selection ops (topk, and the stable sort that orders token copies
-  expert-major) are saved too.
-- attention kernels (SDPA variants, flex attention).
-- collectives: all-to-all (functional and autograd variants), reduce-scatter and the context-parallel all-gather of
-  the attention latent (`torchtitan::cp_all_gather`), so recompute issues no communication, and device-to-host
-  copies (the all-to-all split sizes), so recompute adds no host sync. Full AC (and every-Nth-block AC) recomputes
-  whole blocks: it gathers the latent again in backward (576 values per token and layer for DeepSeek-V3).
-- aten.max (amax-like reductions that low-precision recipes reuse).
-- the exchange backend's ops (`ExchangeBackend.sac_save_ops`: DeepEP's dispatch and combine), passed in.
+- every matmul (mm, bmm, addmm, _grouped_mm, _scaled_grouped_mm and its CPU emulation; torchtitan saves every other
+  one, but the expert GEMMs dominate the MoE's activations), and topk and the stable sort, so the order of token
+  copies cannot change on recompute;
+- attention kernels (SDPA variants, flex attention);
+- collectives (all-to-all, reduce-scatter, `torchtitan::cp_all_gather`) and device-to-host copies, so recompute
+  neither communicates nor syncs; full AC gathers the CP latent again in backward;
+- aten.max (amax-like reductions that low-precision recipes reuse);
+- the exchange backend's ops (`ExchangeBackend.sac_save_ops`), passed in.
 
-In MoE blocks per-op SAC checkpoints only the routed experts (`GroupedExperts.recompute`: the gathers into the
-experts' rows, the grouped-GEMM SwiGLU, the sum back), not the block: their activations, one row per token copy,
-are most of an MoE block's memory, and the recompute runs the gathers and SwiGLU again but no GEMM. The rest of the
-block (attention, norm, router, shared experts, the exchange) keeps its activations: a few per token, and an eager
-checkpoint of the whole block replayed its Python in backward, 8.6 ms of host time per layer to launch 1.1 ms of
-device work, which left the GPU idle (16B_bench4, FSDP2 x EP2 on H100s; benchmarks/NOTES.md). The exchange lies
-outside the checkpoint, so recompute never communicates. Compiled, the routed experts' checkpoint is inside their
-compiled region and dense blocks are compiled together with theirs (dynamo traces the policy): the partitioner
-applies the policy op by op inside the graph, and the host runs no checkpoint machinery in forward or backward.
+In MoE blocks per-op SAC checkpoints only the routed experts (`GroupedExperts.recompute`), whose per-copy activations
+are most of the block's memory; the rest keeps its activations, since an eager checkpoint of the whole block replays
+its Python in backward and left the GPU idle. The exchange lies outside the checkpoint. Compiled, the policy is
+applied by the partitioner inside the graph, with no checkpoint machinery on the host.
 """
 
 from __future__ import annotations

@@ -1,26 +1,17 @@
 """torch.compile per transformer block (after activation checkpointing, before FSDP).
 
-Dense blocks compile whole with fullgraph=True. MoE blocks compile their parts instead, each itself (a block
-declares that it does by implementing `CompiledParts`; this module assigns nothing of the model), because
-two things in them cannot be traced into one graph:
-- the token exchange (`moe.dispatcher`) runs eager: under expert parallelism it exchanges variable-size token
-  buffers whose split sizes are copied to the host (data-dependent shapes around a collective), and the routed
-  experts module may be its own FSDP2 unit whose pre/post-forward hooks are graph breaks. What runs between the
-  exchanges is one compiled region: the routed experts' gather into their padded rows, grouped-GEMM SwiGLU and sum
-  back per token (`GroupedExperts.run_routed`, `models/moe/experts.py`), with per-op SAC's checkpoint inside the
-  graph. It is one `CompiledRegion` shared by every layer of the model (`MoERegions`, created once per model by
-  `parallelize`), with its token-row dims dynamic from the first call (see `CompiledRegion` for why). The
-  all-to-all dispatcher's send buffer (its two gathers: `MoERegions.permutation`) is compiled the same way; the sort
-  by expert and its reordering between ranks and local experts run eager.
-Also compiled inside an MoE block: attention with its norm and residual add (`attention_residual`, so that the norm
-and the add fuse instead of running as eager kernels in forward and backward), the router's expert selection, the
-shared experts, the FFN norm with its cast (`ffn_input`) and the sum of the routed and shared experts
-(`MoE.sum_experts`); all see a fixed number of tokens. (A bare `torch.nn` module compiled as its own root frame is on
-dynamo's skip list, hence the block method around the norm.)
-A dense block wrapped by activation checkpointing is compiled together with its checkpoint (dynamo traces the
-checkpoint and its SAC policy), and so is the routed experts' per-op SAC; a whole MoE block's checkpoint (full AC,
-or a memory budget's `full` level) stays eager around the compiled children.
-Modules are compiled in place (`nn.Module.compile`), so parameter names (FQNs) do not change.
+Dense blocks compile whole with fullgraph=True. MoE blocks compile their parts (a block declares them by implementing
+`CompiledParts`), because two things in them cannot be traced into one graph:
+- the token exchange (`moe.dispatcher`) runs eager: under EP its split sizes are copied to the host, and the routed
+  experts may be their own FSDP2 unit whose hooks are graph breaks. Between the exchanges, the routed experts
+  (`GroupedExperts.run_routed`, with per-op SAC's checkpoint inside) are one `CompiledRegion` shared by every layer
+  (`MoERegions`, created per model by `parallelize`), with dynamic token-row dims. The all-to-all dispatcher's send
+  buffer (`MoERegions.permutation`) is compiled the same way.
+Also compiled inside an MoE block, on a fixed number of tokens: attention with its norm and residual add
+(`attention_residual`, so they fuse), the router's selection, the shared experts, `ffn_input` and `MoE.sum_experts`.
+(A bare `torch.nn` module compiled as its own root frame is on dynamo's skip list, hence the block method.)
+A dense block's checkpoint is compiled with it; a whole MoE block's checkpoint (full AC, or the budget's `full`)
+stays eager around the compiled children. Modules are compiled in place, so parameter names do not change.
 """
 
 from __future__ import annotations

@@ -1,33 +1,25 @@
 """FP8 (e4m3) grouped GEMMs with rowwise scales, for the routed experts, forward and backward; the dense linears
 (`float8_linear`) are their one-group case. Also the 1x128 blockwise quantization of DeepEP's FP8 dispatch.
 
-Every GEMM quantizes its two operands along their reduction dimension (one fp32 scale per row or column that
-is not reduced), so each scale factors out of the dot products and the kernel applies it to the fp32 result:
+Every GEMM quantizes its two operands along their reduction dimension, so each scale factors out of the dot products
+and is applied to the fp32 result:
 
     forward     out[m]    = x[m] W_e^T              x: one scale per row,     W_e: one per output row (over K)
     grad input  dx[m]     = (dout[m] * s_e) Wq_e    dout * s_e: one per row,  Wq_e: the forward's FP8 W_e
     grad weight dW_e      = dout_e^T x_e            dout, x: one per column *within each expert's rows*
 
-The grad-input GEMM reduces over N, along which W_e's forward scales s_e (one per output row) vary: they multiply
-dout's columns before dout is quantized per row, so the forward's FP8 weights serve again, transposed (one FP8
-transpose instead of a second quantization of the bf16 weights, which moved 2.5x the bytes). Otherwise this is
-torchao's rowwise float8 MoE recipe (DeepSeek-V3 used finer 1x128 / 128x128 blocks). On CUDA the GEMMs are
-`torch._scaled_grouped_mm` (Hopper and newer) and the quantization runs in Triton kernels (float8_kernels.py);
-elsewhere the torch quantization below runs and the same quantized operands are multiplied in bf16 (exactly: FP8
-values are bf16 values) with the scales applied to the results, so CPU tests see the same rounding of the inputs.
-The weights stay bf16/fp32 parameters. Callers whose weights do not change between uses (no FSDP re-gathering them)
-pass their FP8 copies from a `Float8WeightCache`, quantized once per optimizer step in both layouts the GEMMs read;
-otherwise the weights are quantized at every use.
+W_e's scales s_e vary along the grad-input GEMM's reduction (N), so they multiply dout's columns before dout is
+quantized and the forward's FP8 weights serve again, transposed (cheaper than re-quantizing the bf16 weights).
+Otherwise this is torchao's rowwise float8 MoE recipe. On CUDA the GEMMs are `torch._scaled_grouped_mm` and the
+quantization runs in Triton (float8_kernels.py); elsewhere the same quantized operands are multiplied in bf16/fp32
+(exact: FP8 values are bf16 values), so CPU tests see the same rounding. Callers whose weights do not change between
+uses pass FP8 copies from a `Float8WeightCache`; otherwise weights are quantized at every use.
 
-Accumulation: the experts' three grouped GEMMs accumulate fast (Hopper's FP8 tensor-core sums, no promotion to fp32
-registers), as torchao's FP8 MoE recipe does: torch's precise grouped kernel for groups under 2,048 rows (the
-16B-like shapes) runs at half the bf16 GEMM's speed. Fast accumulation's error on sums of random sign (products
-with a zero-mean weight, per-token gradient contributions) is close to precise accumulation's; benchmarks/NOTES.md
-("FP8 accumulation") has the measurements. The dense linears (cuBLAS, not slower when precise) accumulate fast only
-in the forward, as torchao's Float8Linear does.
+Accumulation: the grouped GEMMs accumulate fast (no fp32 promotion), as torchao's recipe does: the precise kernel
+runs at half bf16's speed for groups under 2,048 rows, and on sums of random sign the error is close to precise
+accumulation's. The dense linears accumulate fast only in the forward, as torchao's Float8Linear does.
 
-Rows past the last group end (padding after the last expert) belong to no group: they are left out of every
-scale, and their outputs are unspecified, as with `torch._grouped_mm`.
+Rows past the last group end belong to no group: left out of every scale, their outputs unspecified.
 """
 
 from collections.abc import Sequence
@@ -195,7 +187,7 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 class _Float8GroupedMM(torch.autograd.Function):
     """x @ w^T, or x @ [w; w_stacked]^T when w_stacked is given; w_q, w_scale, w_q_t: their `Float8Weights` when
-    quantized already (fixed arguments: dynamo in torch 2.11 mis-traced a variable number of weights)."""
+    quantized already (fixed arguments: dynamo mis-traced a variable number of weights)."""
 
     @staticmethod
     def forward(
@@ -312,10 +304,8 @@ def _grad_weight_operands(
     """Both operands of the weight-gradient GEMM: `quantize_columns_per_group` of grad_out (M, N) and of x (M, K)
     -> (fp8 (N, M), scales (G, N), fp8 (K, M), scales (G, K)).
 
-    One op because it needs grad_out, so compile cannot move x's quantization into the forward. Separately, the
-    partitioner does (the FP8 copy is half the bytes of x) and saves x^T's transposed view, a column-major
-    (rows, C) tensor whose stride is the dynamic row count; on H200 the compiled backward then asserted the first
-    step's stride at the second step (5153e79). Saved activations stay row-major, with static strides."""
+    One op so compile cannot move x's quantization into the forward and save x^T's column-major view, whose stride
+    is the dynamic row count (the compiled backward asserted a stale stride). Saved activations stay row-major."""
     if grad_out.is_cuda:
         from torchtitan.kernels.float8_kernels import quantize_columns_per_group_cuda as quantize
     else:

@@ -1,25 +1,21 @@
 """Token permutation for the routed experts: one gather into padded expert-major rows, one gather back.
 
-Every dispatcher ends up with the token copies of this rank's experts as flat (token, k) slots of some (T, top_k)
-routing table, in an expert-major `order`: a local batch's own tokens, the rows an all-to-all received (top_k=1),
-or the tokens DeepEP delivered. `plan_permutation` turns that order into the layout the grouped GEMMs read:
+Every dispatcher ends up with this rank's token copies as flat (token, k) slots of some (T, top_k) routing table in
+an expert-major `order`. `plan_permutation` turns that order into the layout the grouped GEMMs read:
 
     padded_slot (P,)      the slot each padded expert-major row holds, -1 on padding rows
     slot_row    (T * k,)  the padded row of each slot, -1 for slots no local expert takes
     group_ends  (E,)      int32 cumulative padded group ends (`torch._grouped_mm`'s offs)
 
-Each expert's group is padded to a multiple of the GEMMs' alignment. The two maps are each other's inverse, so the
-permutation and its way back are both gathers, forward and backward:
+Each group is padded to the GEMMs' alignment. The two maps are inverses, so both directions are gathers:
 
     permute_tokens:   rows[r] = w[s] * x[s // k]           (s = padded_slot[r]; zero on padding rows)
         backward:     grad_x[t] = sum_j w[t, j] * grad_rows[slot_row[t, j]]          (a gather and a top-k sum)
     unpermute_tokens: out[t] = sum_j w[t, j] * rows[slot_row[t, j]]                  (fp32 sum, one cast)
         backward:     grad_rows[r] = w[s] * grad_out[s // k]                           (a gather)
 
-(w = 1 where no weights are applied.) No zero-filled staging buffer, no index_add: compiled, each direction is one
-kernel with the weighting, the top-k sum and the dtype casts folded in.
-Written as PyTorch ops rather than a hand-written kernel: inductor fuses each gather with its mask, weighting,
-reduction and cast into one Triton kernel, and the same code is the CPU path.
+(w = 1 where no weights are applied.) Plain PyTorch ops: inductor fuses each gather with its mask, weighting,
+reduction and cast into one kernel, and the same code is the CPU path.
 """
 
 from __future__ import annotations

@@ -12,22 +12,16 @@
            combined_topk_weights (T, K), or (T, 0) when topk_weights is None
     cached_dispatch(x (T, H), handle, group_name) -> (N, H)   dispatch replaying the saved layout
 
-N and M are data dependent: the fake kernels give them unbacked symbolic sizes so `torch.compile` traces
-through, and DeepEP's kernel waits on the host for them. With `sync_free=True` they are the worst case instead, N =
-T x EP ranks and M = N x K, so nothing waits on the host: the rows past the received tokens hold garbage (their
-recv_topk_idx is -1), and permuted_slots lists every slot, the sum(num_recv_tokens_per_expert) real copies first.
-Callers must ignore the rows past that sum (the routed experts give them zero output and zero gradient).
+N and M are data dependent (unbacked symbolic sizes in the fake kernels; DeepEP waits on the host for them). With
+`sync_free=True` they are the worst case, N = T x EP ranks and M = N x K: rows past sum(num_recv_tokens_per_expert)
+hold garbage (recv_topk_idx -1) and callers must ignore them; permuted_slots lists the real copies first.
 
-With `fp8=True` the tokens travel as FP8 (e4m3) with one fp32 scale per 128 channels (`quantize_blockwise`,
-DeepEP's native FP8 dispatch, half the bytes of bf16) and recv_x is their dequantization in x's dtype: the
-received rows equal `dequantize_blockwise(*quantize_blockwise(x))` of the sent ones. The backward stays bf16 (a
-combine), and so do combine and cached_dispatch. The experts' FP8 GEMMs scale per row, not per 128 channels, so
-they cannot take the received FP8 values as they are; the dequantization is one elementwise pass.
+With `fp8=True` the tokens travel as e4m3 with one fp32 scale per 128 channels (`quantize_blockwise`) and recv_x is
+their dequantization in x's dtype; the backward, combine and cached_dispatch stay bf16.
 
-Process groups cannot be op arguments, so ops take the EP group's name and find its buffer in the
-registry of `buffer.py`. Autograd: dispatch's backward is a combine (also reducing the gradient of the routing
-weights); combine's backward is a cached dispatch of the saved layout (no host sync). The handle lives only as
-long as autograd or the caller holds it: nothing is cached across calls.
+Ops take the EP group's name (process groups cannot be op arguments) and find its buffer in `buffer.py`'s registry.
+Dispatch's backward is a combine; combine's backward is a cached dispatch of the saved layout (no host sync). Nothing
+is cached across calls: the handle lives as long as autograd or the caller holds it.
 """
 
 from __future__ import annotations

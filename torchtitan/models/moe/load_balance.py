@@ -2,21 +2,18 @@
 
 Auxiliary-loss-free balancing: every MoE layer counts the tokens routed to each expert (`tokens_per_expert`);
 before each optimizer step the counts are summed over the data-parallel ranks and each expert's selection bias moves
-by a fixed step towards balance:  b_i += coeff * sign(mean_j c_j - c_i).
+towards balance:  b_i += coeff * sign(mean_j c_j - c_i).
 
-Counting happens in the BACKWARD of an identity autograd function on the routing scores. Activation checkpointing
-(full or selective, non-reentrant) re-runs the forward but runs each backward node exactly once; reentrant
-checkpointing runs the first forward under no_grad (no backward node) and backwards the recomputation once.
-So every trained token is counted exactly once, forward-only passes (eval, no_grad) count nothing, and
-gradient-accumulation micro-batches add up until the optimizer step.
+Counting happens in the BACKWARD of an identity autograd function on the routing scores: checkpointing re-runs the
+forward but each backward node runs once, so every trained token is counted once, forward-only passes count nothing,
+and gradient-accumulation micro-batches add up until the optimizer step.
 
 Complementary sequence-wise balance loss (optional, `seq_aux_loss_coeff` = alpha):
     L_Bal = alpha * sum_i f_i P_i,   f_i = E / (K T) * sum_t 1[expert i selected by token t],
     P_i = 1/T sum_t s'_{i,t},        s'_{i,t} = s_{i,t} / sum_j s_{j,t},        T = tokens of one sequence,
-averaged over the sequences of the batch. It is added to the gradient only (DeepSeek-V2's AddAuxiliaryLoss):
-the forward values are untouched and the trainer's loss code does not see it. Each micro-batch's L_Bal is
-weighted by its share of the optimizer step's tokens (`MoE.tokens_per_optimizer_step`, set by the trainer), so
-gradient accumulation and data parallelism never scale alpha.
+averaged over the batch's sequences. It is added to the gradient only (DeepSeek-V2's AddAuxiliaryLoss), weighted
+by the micro-batch's share of the step's tokens (`MoE.tokens_per_optimizer_step`), so accumulation and DP never
+scale alpha.
 """
 
 from collections.abc import Iterable

@@ -1,8 +1,7 @@
 """Two-micro-batch overlap of an MoE layer: one micro-batch's token exchange runs while the other computes.
 
-`MicroBatchOverlap` splits the layer's input in two (A, B) along the batch and runs both through `MoE.stages`, the
-one definition of the layer's sequence, interleaved so that every dispatch and combine (the communication stages of
-the layer's `TokenDispatcher`) runs on a communication stream next to compute of the other micro-batch:
+`MicroBatchOverlap` splits the layer's input in two (A, B) along the batch and runs both through `MoE.stages`,
+interleaved so that every dispatch and combine runs on a communication stream next to the other's compute:
 
     compute stream                                   communication stream
     route A, shared experts A
@@ -12,24 +11,15 @@ the layer's `TokenDispatcher`) runs on a communication stream next to compute of
     output A (after combine A)                       combine B
     output B (after combine B)
 
-The rule: a micro-batch's communication stage is issued once the other micro-batch has queued its next compute.
-So a dispatch that waits on the host for its receive counts (DeepEP's normal dispatch, the all-to-all split sizes)
-does so while the GPU has the other micro-batch's work queued, instead of leaving the compute stream idle.
-Backward needs no schedule of its own: autograd runs each backward op on the stream of its forward op and, going by
-creation order, reaches the interleaved ops in the mirrored order, so the backward of a dispatch or combine (a
-combine or a dispatch) again runs next to the other micro-batch's compute.
+A communication stage is issued once the other micro-batch has queued its next compute, so a dispatch that waits on
+the host for its receive counts does so while the GPU has work queued. Backward needs no schedule: autograd runs each
+backward op on its forward op's stream and reaches the interleaved ops in mirrored order.
 
-Stream safety: each communication stage waits for an event recorded on the compute stream right after its inputs
-were produced (not for everything queued since), and the compute stream waits for an event recorded after the
-stage. `record_stream` marks tensors that cross streams as in use by the other stream too, so the caching allocator
-cannot hand their memory out while the other stream still reads them. On CPU (gloo), while compiling, and without a
-communication stream the stages run inline in the same order, which is what the CPU parity tests check against the
-plain forward.
-
-Why this scheme and not Megatron's merged forward/backward of consecutive gradient-accumulation micro-batches: it
-needs no pipeline-like schedule in the trainer, works with one micro-batch per step, with FSDP2 and with every
-activation-checkpointing mode (the checkpointed block recomputes the same interleaved forward), and hides the
-backward's communication through autograd's ordering alone.
+Stream safety: each stage waits for an event recorded right after its inputs were produced, the compute stream waits
+for one recorded after the stage, and `record_stream` keeps cross-stream tensors from being reused early. On CPU,
+while compiling, or without a communication stream the stages run inline in the same order (what the CPU parity
+tests check). Unlike Megatron's merged forward/backward of consecutive micro-batches, this needs no trainer schedule
+and works with one micro-batch per step, FSDP2 and every activation-checkpointing mode.
 """
 
 from __future__ import annotations
