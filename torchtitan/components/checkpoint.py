@@ -1,12 +1,11 @@
 """Atomic, reshardable checkpoints with torch.distributed.checkpoint (DCP).
 
-A save is written into `step-N.tmp/` and published as a resumable `step-N/` (or an export, `exports/step-N/`) only
-once every rank wrote and checksummed its files (checkpoint_folder.py: the on-disk layout and its manifest). Before
-a resume every rank verifies the checksums of its share of the files. A checkpoint whose files do not match its
-manifest, that lacks `.metadata`, or that DCP fails to read raises `CheckpointError` naming the folder and the
-command that resumes from the previous one; nothing falls back silently.
+A save is written into `step-N.tmp/` and published as `step-N/` (or `exports/step-N/`) only once every rank wrote
+and checksummed its files (checkpoint_folder.py). Before a resume every rank verifies its share of the checksums. A
+checkpoint that fails its manifest, lacks `.metadata` or that DCP cannot read raises `CheckpointError` naming the
+folder and how to resume from the previous one; nothing falls back silently.
 
-What a full checkpoint holds (DCP keys):
+DCP keys of a full checkpoint:
     model             get_model_state_dict of every model part (DTensors: resharded on load by DCP)
     optimizer         OptimizersContainer's flattened optimizer state dict
     lr_scheduler      LRSchedulersContainer's state

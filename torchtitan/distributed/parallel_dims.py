@@ -1,8 +1,7 @@
 """Parallelism degrees, their validation, and the device meshes built from them.
 
-Rank layout (outermost to innermost): pp, dp_replicate, dp_shard, cp, tp. Every named mesh is an
-`_unflatten` of the one-dimensional world mesh, so meshes from different layouts share a root and
-FSDP2 can combine them with TP/EP DTensor meshes:
+Rank layout (outermost to innermost): pp, dp_replicate, dp_shard, cp, tp. Every named mesh is an `_unflatten` of
+the one-dimensional world mesh, so all meshes share a root and FSDP2 can combine them with TP/EP DTensor meshes:
 
     dense  (pp, dp_replicate, dp_shard, cp, tp)              attention, dense FFN, router, shared experts
     batch  (pp, dp, cp, tp)                                  dp = dp_replicate * dp_shard: data loading
@@ -10,9 +9,8 @@ FSDP2 can combine them with TP/EP DTensor meshes:
     sparse (pp, dp_replicate, dp_shard_mod_ep, ep)           routed experts, etp == 1: EP borrows dp_shard, cp, tp
     sparse (pp, dp_replicate, dp_shard_mod_ep, ep, etp)      routed experts, etp == tp: EP borrows dp_shard only
 
-Context parallel ranks (cp) hold parts of the same sequences: they load the same samples (batch mesh "dp"), while
-FSDP, EP and the loss's reduction treat them like data-parallel ranks ("dp_shard_cp", "dp_cp"). With cp == 1,
-"dp_cp" and "dp_shard_cp" are the "dp" / "dp_shard" meshes.
+CP ranks load the same samples (batch mesh "dp"), while FSDP, EP and the loss's reduction treat them like data-
+parallel ranks ("dp_shard_cp", "dp_cp"; with cp == 1 these are "dp_shard" / "dp").
 """
 
 from __future__ import annotations
@@ -171,10 +169,6 @@ class ParallelDims:
         return self.dp_replicate > 1
 
     @property
-    def dp_shard_enabled(self) -> bool:
-        return self.dp_shard > 1
-
-    @property
     def fsdp_enabled(self) -> bool:
         """FSDP2 wraps the model: dense weights shard over dp_shard x cp, experts over what EP leaves."""
         return self.dp_enabled or self.cp_enabled or self.ep_enabled
@@ -212,7 +206,3 @@ class ParallelDims:
     def dp_size(self) -> int:
         """Batch ranks (data loader shards)."""
         return self.dp_replicate * self.dp_shard
-
-    @property
-    def non_data_parallel_size(self) -> int:
-        return self.cp * self.tp * self.pp

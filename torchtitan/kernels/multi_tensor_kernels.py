@@ -1,17 +1,14 @@
 """Triton kernels over many tensors in one launch: the AdamW update and the sum of squares (CUDA only).
 
-torch's multi_tensor_apply launches at most 320 blocks per launch and splits its launches by tensor count, far from
-the memory bound on a few hundred large tensors. Here one launch covers every tensor of a list: program i looks up
-its (tensor, chunk) in the chunk table of `multi_tensor.py` and the tensor's address in an int64 table, cast to a
-pointer as in Triton's grouped-GEMM tutorial.
+torch's multi_tensor_apply launches at most 320 blocks and splits launches by tensor count, far from the memory
+bound on a few hundred large tensors. Here one launch covers a whole list: program i finds its (tensor, chunk) in
+`multi_tensor.py`'s chunk table and the tensor's address in an int64 table.
 
-Vectorized (16-byte) accesses need the compiler to know alignment: chunk starts are multiples of CHUNK by
-construction, addresses are declared 16-byte aligned when the host checked they all are (ALIGNED), and full chunks
-run an unmasked loop (a mask against a tensor's size, unknown at compile time, would force scalar accesses).
+Vectorized (16-byte) accesses need known alignment: chunk starts are multiples of CHUNK, addresses are declared
+aligned when the host checked (ALIGNED), and full chunks run unmasked.
 
-Arithmetic is fp32 with IEEE-rounded division and square root (`div_rn`, `sqrt_rn`, not Triton's approximate `/`
-and `sqrt`), in the order of torch's fused AdamW kernel. bf16 moments (`optimizer.moments_dtype`) are read into fp32
-and rounded to nearest when stored.
+Arithmetic is fp32 with IEEE-rounded division and square root (`div_rn`, `sqrt_rn`), in the order of torch's fused
+AdamW kernel; bf16 moments are read into fp32 and rounded to nearest when stored.
 """
 
 import torch

@@ -1,15 +1,12 @@
 """CPU reference kernels of `torch.ops.deepep.*` over torch.distributed (gloo all_to_all_single).
 
-They implement the DeepEP contract that the CUDA kernels are checked against:
-- dispatch sends each token once to every rank holding at least one of its top-k experts; received tokens are
-  ordered rank-major (source rank, then source token order); `recv_topk_idx` holds local expert ids or -1,
-  `recv_topk_weights` the matching weights (0 where masked).
-- combine sends each received token's output back and sums the contributions per source token (in fp32).
-- cached dispatch replays a dispatch's layout for new data (combine's backward).
-- fp8: tokens travel as FP8 with one scale per 128 channels and are dequantized on arrival (ops.py).
-- sync_free: outputs padded to the worst case (T x ranks received tokens), as DeepEP's `num_worst_tokens`; every
-  rank must send the same T (DeepEP would write past its buffer, this reference raises). The padding rows hold NaN
-  (DeepEP leaves them uninitialized) and recv_topk_idx -1, so a test sees any use of them.
+The DeepEP contract that the CUDA kernels are checked against:
+- dispatch sends each token once to every rank holding one of its top-k experts, received rank-major (source rank,
+  then source order); `recv_topk_idx` holds local expert ids or -1, `recv_topk_weights` the weights (0 if masked).
+- combine sends each received token's output back and sums per source token (in fp32); cached dispatch replays a
+  dispatch's layout (combine's backward); fp8 dequantizes on arrival (ops.py).
+- sync_free pads to T x ranks received tokens; every rank must send the same T (this reference raises). Padding
+  rows hold NaN and recv_topk_idx -1, so a test sees any use of them.
 
 Host syncs (`.tolist()`) are fine here: this is the reference, not the hot path.
 """

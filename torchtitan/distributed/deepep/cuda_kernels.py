@@ -1,19 +1,14 @@
 """CUDA kernels of `torch.ops.deepep.*`: DeepEP's high-throughput (normal) kernels through `deep_ep.Buffer`.
 
-Streams: every call captures an event on the current (compute) stream and hands it to DeepEP as
-`previous_event`, so DeepEP's communication stream waits for the producers of the inputs. Every tensor DeepEP
-reads (the bf16 cast, the FP8 values and scales) must be queued before that capture: DeepEP's stream waits for
-nothing later, and would read them before they are written. The kernels run with
-`async_finish=True` on that stream, and before returning we make the compute stream wait on DeepEP's event
-(`current_stream_wait`). Outputs are allocated on the compute stream (`allocate_on_comm_stream=False`) and
-DeepEP records them on its stream, so the caching allocator cannot reuse them early. A custom op cannot return
-an event, so the wait happens inside the op; overlap comes from work queued on other streams (see `DeepEPMoE`).
+Streams: every call hands DeepEP an event captured on the compute stream (`previous_event`), so every tensor DeepEP
+reads (the bf16 cast, FP8 values and scales) must be queued before that capture. The kernels run with
+`async_finish=True`, and the compute stream waits on DeepEP's event before returning (a custom op cannot return an
+event; overlap comes from work on other streams, see `DeepEPMoE`). Outputs are allocated on the compute stream and
+recorded on DeepEP's, so the allocator cannot reuse them early.
 
-Tokens travel in bf16 (`WIRE_DTYPE`): DeepEP's combine kernel is bf16-only; other dtypes are cast on the way in
-and back on the way out. A dispatch with `fp8` sends FP8 values with one scale per 128 channels instead. The
-non-cached dispatch syncs with the host inside DeepEP (it needs the received counts to allocate) unless `sync_free`,
-where DeepEP allocates for the worst case (`num_worst_tokens`, intranode only) and the per-expert counts are taken
-on the device; combine and the cached dispatch never sync.
+Tokens travel in bf16 (`WIRE_DTYPE`; DeepEP's combine is bf16-only), or with `fp8` as FP8 with one scale per 128
+channels. The non-cached dispatch syncs with the host for the received counts unless `sync_free` (worst-case
+allocation, `num_worst_tokens`, intranode only); combine and the cached dispatch never sync.
 """
 
 from __future__ import annotations

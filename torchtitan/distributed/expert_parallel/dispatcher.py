@@ -3,16 +3,13 @@
     dispatch:  dispatch_preprocess -> token_dispatch -> dispatch_postprocess
     combine:   combine_preprocess  -> token_combine  -> combine_postprocess
 
-`token_dispatch` / `token_combine` are the communication stages; the others are local compute. Every stage takes
-and returns explicit values, and what combine needs from dispatch travels in the `DispatchState` that dispatch
-returns (no module state, no FIFO), so a scheduler can run one micro-batch's communication on another stream
-while another micro-batch computes (`models/moe/overlap.py`).
+`token_dispatch` / `token_combine` communicate; the others compute locally. What combine needs from dispatch travels
+in the `DispatchState` that dispatch returns (no module state), so a scheduler can overlap micro-batches
+(`models/moe/overlap.py`).
 
-`LocalTokenDispatcher` (no expert parallelism) is the MoE's default; `parallelize` installs the one its backend
-needs through the expert-parallel ParallelStyles (`styles.py`): all-to-all (`all_to_all.py`) or DeepEP
-(`deepep_dispatcher.py`). A dispatcher is built with everything that shapes it and never changed afterwards. Every
-backend hands its experts `ExpertTokens`: tokens and the expert-major order of their copies. The experts gather the
-copies into their padded rows and sum their outputs back per token themselves (`run_on_expert_rows`).
+`LocalTokenDispatcher` (no EP) is the default; `parallelize` installs all-to-all (`all_to_all.py`) or DeepEP
+(`deepep_dispatcher.py`) through the ParallelStyles of `styles.py`. A dispatcher is never changed after it is built.
+Every backend hands its experts `ExpertTokens` (tokens and the expert-major order of their copies).
 """
 
 from __future__ import annotations

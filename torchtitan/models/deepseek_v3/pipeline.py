@@ -1,20 +1,16 @@
 """Pipeline parallelism: split DeepSeek-V3 into stages, parallelize each stage, build the schedule.
 
-Stages get contiguous layers; the embedding and the norm+output head each count as `input_weight` /
-`output_weight` layers when balancing (torchtitan's convention: weight 1 each). Each stage is a deep copy of the
-whole model with the other layers deleted and the missing top-level modules set to None (the model's forward
-skips None modules), so parameter names stay those of the full model (checkpoints are stage-independent).
+Stages get contiguous layers; the embedding and the norm+output head count as one layer each when balancing
+(torchtitan's convention). Each stage is a deep copy of the whole model with the other layers deleted and missing
+top-level modules set to None, so parameter names stay the full model's (checkpoints are stage-independent).
 
-Multi-token prediction: the MTP modules run on the last stage, after the output head they share. The embedding
-they also share stays on the first stage, which embeds the MTP input tokens and sends them down the pipeline with
-the hidden states (model.forward's `mtp_embeddings`); their gradient flows back the same way. That costs one more
-(bs, seqlen, dim) activation per module in each stage-to-stage send, and keeps one copy of the embedding: no tied
-weights to keep in sync across ranks, to count once in the gradient norm or to save once.
+The MTP modules run on the last stage, after the output head they share. The first stage embeds their input tokens
+and sends them down with the hidden states (forward's `mtp_embeddings`): one more (bs, seqlen, dim) activation per
+module per send, but a single copy of the embedding (no tied weights to sync, count or save once).
 
-Loss scaling: the schedule calls `loss_fn(output, labels)` once per micro-batch and backpropagates each
-micro-batch loss separately, so gradients are the SUM over micro-batches (`scale_grads=False`). The trainer's
-loss_fn divides the token-sum cross-entropy by the global number of valid tokens of the whole step, so the sum
-over micro-batches (and over dp ranks) equals the non-PP loss and gradient exactly.
+The schedule backpropagates each micro-batch's loss separately, so gradients are the SUM over micro-batches
+(`scale_grads=False`); the trainer's loss_fn divides by the step's global count of valid tokens, so the sum equals
+the non-PP loss and gradient exactly.
 """
 
 from __future__ import annotations
