@@ -192,6 +192,9 @@ class Trainer:
             job_config, num_flops_per_token=self.flops_per_token, device=self.device, is_logging_rank=self.rank == 0
         )
 
+    def _dp_group(self) -> dist.ProcessGroup | None:
+        return self.parallel_dims.get_mesh("dp").get_group() if self.parallel_dims.dp_enabled else None
+
     def _dp_rank_and_degree(self) -> tuple[int, int]:
         if not self.parallel_dims.dp_enabled:
             return 0, 1
@@ -217,13 +220,9 @@ class Trainer:
         logits) and PP (the schedule's loss) keep the plain head."""
         if not job_config.training.fused_output_loss:
             return False
+        dims = self.parallel_dims
         plain_because = [
-            reason
-            for reason, applies in (
-                ("tensor parallelism", self.parallel_dims.tp_enabled),
-                ("pipeline parallelism", self.parallel_dims.pp_enabled),
-            )
-            if applies
+            f"{name} parallelism" for name, on in (("tensor", dims.tp_enabled), ("pipeline", dims.pp_enabled)) if on
         ]
         if plain_because:
             logger.info(f"training.fused_output_loss: the plain output head runs ({', '.join(plain_because)})")
@@ -288,8 +287,7 @@ class Trainer:
         self.optimizers.zero_grad()
         microbatches = self._next_microbatches(data_iterator)
         # whole sequences (every context-parallel rank holds them): valid tokens are counted over the dp ranks only
-        dp_group = self.parallel_dims.get_mesh("dp").get_group() if self.parallel_dims.dp_enabled else None
-        self.loss_fn.global_valid_tokens = count_valid_tokens((labels for _, labels in microbatches), dp_group)
+        self.loss_fn.global_valid_tokens = count_valid_tokens((labels for _, labels in microbatches), self._dp_group())
         # per micro-batch, the targets of each MTP module; their valid counts over the step, per module
         mtp_labels = [
             [mtp_targets(tokens, labels, k, self.tokenizer.bos_id) for k in range(self.model_args.mtp_layers)]
@@ -298,7 +296,7 @@ class Trainer:
         if self.model_args.mtp_layers:
             self.step_loss.start_step(
                 [
-                    count_valid_tokens((targets[k] for targets in mtp_labels), dp_group)
+                    count_valid_tokens((targets[k] for targets in mtp_labels), self._dp_group())
                     for k in range(self.model_args.mtp_layers)
                 ]
             )
@@ -335,8 +333,7 @@ class Trainer:
             loss = self.forward_backward(tokens, labels, mtp_labels, backward=False)
             token_sum += self.step_loss.main_total.to(self.device) if mtp_layers else loss
             all_labels.append(labels)
-        dp_group = self.parallel_dims.get_mesh("dp").get_group() if self.parallel_dims.dp_enabled else None
-        return self._reduce_loss_for_logging(token_sum) / count_valid_tokens(all_labels, dp_group)
+        return self._reduce_loss_for_logging(token_sum) / count_valid_tokens(all_labels, self._dp_group())
 
     def _clip_gradients(self) -> tuple[torch.Tensor, dict]:
         """The total grad norm, and the optimizers' step kwargs: optimizers that fold clipping into their update get
@@ -427,10 +424,8 @@ def _global_rank() -> int:
 
 
 def batch_to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host batch on `device`. To a GPU through pinned memory, without blocking: a copy from pageable memory waits
-    for every kernel queued before it, so each step began with the GPU's queue empty and the GPU idle while the
-    host launched the step's first kernels (the pinned block is not reused before its copy ran: torch's host
-    allocator records the copy)."""
+    """A host batch on `device`; to a GPU through pinned memory without blocking (a copy from pageable memory waits
+    for every queued kernel, leaving the GPU idle while the host launches the step's first kernels)."""
     if device.type != "cuda":
         return batch.to(device)
     return batch.pin_memory().to(device, non_blocking=True)

@@ -122,15 +122,7 @@ class CheckpointManager:
         self.enable = config.enable
         self.folder = os.path.join(job_config.job.dump_folder, config.folder)
         self.interval = config.interval
-        self.keep_latest_k = config.keep_latest_k
-        if config.async_mode not in ("disabled", "async"):
-            raise ValueError(f"checkpoint.async_mode={config.async_mode!r}; use 'disabled' or 'async'")
-        if self.enable and self.interval <= 0:
-            raise ValueError(f"checkpoint.interval={self.interval} must be > 0")
-        if self.keep_latest_k < 0:
-            raise ValueError(f"checkpoint.keep_latest_k={self.keep_latest_k} must be >= 0 (0 keeps all)")
-        if config.export_dtype not in DTYPES:
-            raise ValueError(f"checkpoint.export_dtype={config.export_dtype!r}; use one of {list(DTYPES)}")
+        self.keep_latest_k = config.keep_latest_k  # the values were checked where they entered (config.manager)
         self.export_dtype = DTYPES[config.export_dtype]
 
         self.rank = dist.get_rank() if dist.is_initialized() else 0

@@ -23,8 +23,7 @@ class Model:
     """Model family; only `deepseek_v3` is implemented."""
 
     flavor: str = "debugmodel"
-    """Model size preset: debugmodel, 16B, 236B, 671B; variants debugmodel_flex, debugmodel_tiny (the CPU tests' model),
-    16B_bench4, 671B_bench8 (see torchtitan/models/deepseek_v3/args.py)."""
+    """Model size preset: debugmodel, 16B, 236B, 671B, and variants (torchtitan/models/deepseek_v3/args.py)."""
 
     tokenizer_path: str = "torchtitan/assets/tokenizer/tokenizer.json"
     """Path to a `tokenizers` JSON file; the shipped one matches debugmodel's vocab of 2048."""
@@ -33,13 +32,12 @@ class Model:
     """Optional Hugging Face config.json; when set, model args are read from it instead of `flavor`."""
 
     attn_mask_type: Literal["flavor", "causal", "block_causal"] = "flavor"
-    """Attention mask: `causal`, or `block_causal` (packed documents attend only within themselves; a new document
-    starts at every BOS token; flex attention). `flavor` keeps the flavor's own (causal, but debugmodel_flex)."""
+    """`causal`, or `block_causal` (packed documents, split at every BOS token, attend only within themselves; flex
+    attention). `flavor` keeps the flavor's own."""
 
     mtp_layers: int | None = None
-    """Multi-token prediction modules (DeepSeek-V3 trains with 1); 0 turns MTP off. None keeps the flavor's (0) or
-    the HF config's `num_nextn_predict_layers`. Not with tensor parallelism; with pipeline parallelism the modules
-    run on the last stage."""
+    """Multi-token prediction modules (DeepSeek-V3 trains with 1); 0: off. None keeps the flavor's (0) or the HF
+    config's `num_nextn_predict_layers`. Not with tensor parallelism."""
 
     mtp_loss_weight: float = 0.1
     """lambda: loss = main loss + lambda x the mean MTP loss over the modules (DeepSeek-V3: 0.3, later 0.1)."""
@@ -66,15 +64,13 @@ class Optimizer:
     """Decoupled weight decay."""
 
     implementation: Literal["triton", "fused", "foreach", "for-loop"] = "triton"
-    """Kernel choice. `triton` (AdamW only; Adam uses `fused`): torchtitan's MultiTensorAdamW, one Triton launch per
-    parameter group and dtype on CUDA with gradient clipping folded into the update (torch foreach ops on other
-    devices, e.g. CPU); needs triton for CUDA parameters. `fused`, `foreach`, `for-loop`: torch.optim's kernels, with
-    clipping as a separate pass; `fused` falls back to `foreach` where the device has no fused kernel."""
+    """`triton` (AdamW only; Adam uses `fused`): MultiTensorAdamW, one Triton launch per parameter group and dtype on
+    CUDA with gradient clipping folded in (foreach ops elsewhere). `fused`, `foreach`, `for-loop`: torch.optim's
+    kernels with a separate clipping pass; `fused` falls back to `foreach` where the device has no fused kernel."""
 
     moments_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of Adam's two moments. `bfloat16` (AdamW with implementation `triton`; Megatron's precision-aware
-    optimizer's `--exp-avg-dtype/--exp-avg-sq-dtype bf16`) stores them in 2 bytes each instead of 4, 4 bytes per
-    parameter less; the update still runs in fp32 on fp32 master weights."""
+    """Dtype of Adam's two moments. `bfloat16` (AdamW with implementation `triton`) saves 4 bytes per parameter; the
+    update still runs in fp32 on fp32 master weights."""
 
 
 @dataclass
@@ -125,9 +121,8 @@ class Training:
     """FSDP gradient reduce dtype."""
 
     fused_output_loss: bool = True
-    """Compute the output head and the cross-entropy together in chunks of rows, the gradient included, so the
-    (tokens, vocab) logits and their gradient never exist whole; same FLOPs, MTP modules' heads too. Jobs with tensor
-    or pipeline parallelism use the plain head (logits, then the loss) whatever this says."""
+    """Compute the output head and the cross-entropy (and its gradient) together in chunks of rows, so the (tokens,
+    vocab) logits never exist whole. Jobs with tensor or pipeline parallelism use the plain head."""
 
     gc_freq: int = 50
     """Run Python garbage collection every N steps (automatic GC is disabled during training)."""
@@ -146,15 +141,12 @@ class Parallelism:
 
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """After each unit's forward, free its gathered weights (`always`) and all-gather them again in backward, or keep
-    them (`never`: memory for fewer collectives and copies). `default`: never with PP or EP (with EP each backward
-    all-gather is one more collective between the EP ranks, and the experts' own mesh often has one rank, where a
-    gather is a copy); else every unit but the final norm and output head."""
+    them (`never`: memory for fewer collectives). `default`: never with PP or EP (with EP a backward all-gather is
+    one more collective between the EP ranks); else every unit but the final norm and output head."""
 
     fsdp_blocks_per_unit: int = 1
-    """FSDP2 units of this many consecutive transformer blocks (one all-gather and one reduce-scatter each). More
-    blocks per unit: fewer, larger collectives and less of FSDP's host time per block (its hooks, copy-in and
-    copy-out run once per unit), for one more unit's worth of gathered weights held ahead by the prefetch. The
-    routed experts, where FSDP shards them, stay one unit per block on their own mesh."""
+    """FSDP2 units of this many consecutive transformer blocks: fewer, larger collectives and less FSDP host time per
+    block, for one more unit of gathered weights held by the prefetch. Routed experts stay one unit per block."""
 
     tensor_parallel_degree: int = 1
     """Tensor (and sequence) parallel degree."""
@@ -163,9 +155,8 @@ class Parallelism:
     """With TP, compute cross-entropy on vocab-sharded logits."""
 
     context_parallel_degree: int = 1
-    """Context parallel degree: every sequence is split over this many ranks (2N chunks, rank r holds chunks r and
-    2N-1-r), and each attention layer all-gathers MLA's latent (kv_lora_rank + qk_rope_head_dim values per token)
-    over them. training.seq_len must be divisible by 2N; not with tensor or pipeline parallelism."""
+    """Context parallel degree N: every sequence is split in 2N chunks (rank r holds chunks r and 2N-1-r) and each
+    attention layer all-gathers MLA's latent over them. seq_len must divide by 2N; not with TP or PP."""
 
     pipeline_parallel_degree: int = 1
     """Pipeline stages."""
@@ -193,19 +184,16 @@ class Parallelism:
     """SMs DeepEP's communication kernels may use (even number)."""
 
     deepep_sync_free_dispatch: bool = False
-    """DeepEP dispatch without a host wait: receive buffers sized for the worst case (every token of every EP rank,
-    DeepEP's `num_worst_tokens`) instead of waiting for the received counts, so the host can queue work ahead.
-    Costs memory: the routed experts' rows grow from ~top_k x the local tokens to EP x top_k x them (the padding rows
-    are skipped by the grouped GEMMs). Needs the deepep backend within one node."""
+    """DeepEP dispatch without a host wait: receive buffers sized for the worst case (DeepEP's `num_worst_tokens`),
+    so the host can queue work ahead; the routed experts' rows grow EP-fold. Needs the deepep backend within one
+    node."""
 
     expert_parallel_overlap: bool = False
-    """Split each rank's batch into two micro-batches and overlap one's expert-parallel dispatch/combine with the
-    other's compute, in forward and backward (needs expert_parallel_degree > 1 and an even local_batch_size; not
-    with pipeline or tensor parallelism)."""
+    """Split each rank's batch in two and overlap one half's EP dispatch/combine with the other's compute, forward
+    and backward (needs expert_parallel_degree > 1 and an even local_batch_size; not with PP or TP)."""
 
     deepep_overlap_num_sms: int | None = None
-    """SMs DeepEP's kernels may use while expert_parallel_overlap is on (even number), where they share the GPU
-    with the other micro-batch's compute; None keeps deepep_num_sms. Needs the deepep backend and the overlap."""
+    """SMs DeepEP's kernels may use while expert_parallel_overlap is on (even number); None keeps deepep_num_sms."""
 
 
 @dataclass
@@ -256,16 +244,13 @@ class ActivationCheckpoint:
     """`op` = per-op SAC with a save list; an integer N = checkpoint every Nth block fully."""
 
     num_blocks: int = -1
-    """Checkpoint only the first N blocks of each model part (its transformer blocks, then its MTP modules; Megatron's
-    --recompute-method block --recompute-num-layers N): the others keep every activation, trading memory for the
-    recompute. -1: every block `mode` selects."""
+    """Checkpoint only the first N blocks of each model part (its transformer blocks, then its MTP modules); the
+    others keep every activation. -1: every block `mode` selects."""
 
     memory_budget_gib: float = 0.0
-    """With per-op SAC on a GPU: the peak reserved memory per GPU to stay within. The run's first step measures
-    (every MoE block recomputed whole but the last, at per-op SAC: the least memory that still shows each level's
-    cost); from the next step the trainer runs each MoE block with per-op SAC, without checkpointing (faster, more
-    memory) or fully recomputed (slower, less), the fastest choice predicted to fit, corrects it once from the second
-    step's measurement, and logs both. 0: off. 72 fits the whole 16B at FSDP4 x EP4 on 80 GB cards."""
+    """With per-op SAC on a GPU: the peak reserved memory per GPU to stay within. The first two steps measure, then
+    each MoE block runs with per-op SAC, no checkpointing or full recompute, the fastest choice predicted to fit
+    (distributed/activation_budget.py). 0: off."""
 
 
 @dataclass
@@ -307,8 +292,8 @@ class Metrics:
 @dataclass
 class Validation:
     enable: bool = False
-    """Every `freq` steps and at the last step, a forward pass (no gradients, expert load statistics untouched)
-    over `steps` batches; logs validation/loss and validation/perplexity, token-weighted over all ranks."""
+    """Every `freq` steps and at the last step, a forward pass over `steps` batches (no gradients, expert load
+    untouched); logs validation/loss and validation/perplexity."""
 
     dataset_path: str | None = None
     """A validation corpus (file or folder, as training.dataset_path); None: every 20th document of the training
@@ -367,20 +352,16 @@ class Profiling:
 class Quantize:
     float8_experts: bool = False
     """Run the routed experts' grouped GEMMs in FP8 (e4m3, rowwise scales), forward and backward. Needs FP8 tensor
-    cores (compute capability 8.9+, e.g. H100/H200; CPU emulates them) and dim / moe_inter_dim multiples of 16.
-    The router, the shared experts, attention and the output head stay in bf16 (see float8_linears). Gains grow with
-    the expert size (benchmarks/NOTES.md)."""
+    cores (compute capability 8.9+; CPU emulates them) and dim / moe_inter_dim multiples of 16."""
 
     float8_linears: bool = False
-    """Run the dense linears in FP8 with the experts' recipe: the attention projections, the dense layers' FFN and
-    the shared experts. The router gate, the output head and the MTP projection stay bf16. Needs FP8 tensor cores,
-    training.seq_len a multiple of 16 and tensor_parallel_degree 1. Only large linears gain (671B's); on the 16B
-    model they are slower than bf16 (benchmarks/NOTES.md)."""
+    """Run the attention projections, dense FFNs and shared experts in FP8 with the experts' recipe (router, output
+    head and MTP projection stay bf16). Needs FP8 tensor cores, seq_len a multiple of 16 and no TP. Only large
+    linears (671B's) gain."""
 
     float8_dispatch: bool = False
-    """DeepEP's dispatch sends the tokens as FP8 (e4m3) with one scale per 128 channels (DeepSeek-V3's recipe, half
-    the bytes of bf16), dequantized on arrival; the combine and the backward stay bf16. Needs the deepep backend with
-    expert_parallel_degree > 1 and a model dim that is a multiple of 128."""
+    """DeepEP's dispatch sends the tokens as FP8 with one scale per 128 channels, dequantized on arrival; combine and
+    backward stay bf16. Needs the deepep backend, expert_parallel_degree > 1 and a model dim multiple of 128."""
 
 
 @dataclass
