@@ -12,6 +12,7 @@ in the same order), so they see the routing, the received token counts and any `
 """
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -22,19 +23,20 @@ __all__ = ["compute_alone", "exchange_alone"]
 
 def compute_alone(moe: torch.nn.Module, x: torch.Tensor) -> Callable[[], None]:
     """fwd+bwd of the layer's compute without its exchange: the router and the shared experts on this rank's tokens
-    x (bs, slen, dim), the routed experts on the rows this rank receives, backward from fixed random gradients."""
+    x (bs, slen, dim), the routed experts on the tokens this rank receives, backward from fixed random gradients."""
     experts_args: list[tuple] = []
     hook = moe.experts.register_forward_pre_hook(lambda module, args: experts_args.append(args))
     with torch.no_grad():
         moe(x)
     hook.remove()
-    expert_input, group_ends = experts_args[0]
-    expert_input = expert_input.detach().requires_grad_()  # the experts' input gradient is part of their backward
+    (tokens,) = experts_args[0]
+    # the experts' input gradient is part of their backward
+    tokens = replace(tokens, x=tokens.x.detach().requires_grad_())
 
     def forward() -> list[torch.Tensor]:
         top_scores, _ = moe.route(x)
         shared = moe.finish_shared_experts(moe.start_shared_experts(x.view(-1, x.shape[-1])))
-        routed = moe.experts(expert_input, group_ends)
+        routed = moe.experts(tokens)
         return [out for out in (top_scores, shared, routed) if out is not None]
 
     return _forward_backward(moe, x, forward)
