@@ -151,11 +151,9 @@ def split_documents(token_stream: torch.Tensor, bos_id: int, held_out: bool, eve
     return token_stream[in_split], int(document[in_split].unique().numel())
 
 
-# Tokenized corpora are cached, keyed by (files with their size and mtime, tokenizer fingerprint, format): in
-# this process (several loaders over one corpus: tests, evaluation) and on disk, so every rank of every later run
-# loads the token stream instead of tokenizing the corpus again (seconds per process even for the shipped corpus).
-_TOKENIZED_CORPORA: dict[tuple, tuple[torch.Tensor, int]] = {}
-_MAX_CACHED_CORPORA = 4
+# Tokenized corpora are cached on disk, keyed by (files with their size and mtime, tokenizer fingerprint, format),
+# so every rank of every later run loads the token stream instead of tokenizing the corpus again (seconds per process
+# even for the shipped corpus).
 _CACHE_FORMAT = 1  # bump when the token stream a corpus maps to changes (BOS/EOS rules, document reading)
 
 
@@ -163,9 +161,6 @@ def tokenize_corpus(files: list[Path], tokenizer: Tokenizer) -> tuple[torch.Tens
     """(token stream: BOS + doc + EOS for every document, concatenated, int64; number of documents)."""
     file_stats = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
     key = (file_stats, tokenizer.fingerprint, _CACHE_FORMAT)
-    if key in _TOKENIZED_CORPORA:
-        _TOKENIZED_CORPORA[key] = _TOKENIZED_CORPORA.pop(key)  # most recently used goes last
-        return _TOKENIZED_CORPORA[key]
     cache_file = disk_cache_dir() / "tokenized" / f"{hashlib.sha256(repr(key).encode()).hexdigest()[:32]}.pt"
     cached = _load_tokenized(cache_file)
     if cached is None:
@@ -175,9 +170,6 @@ def tokenize_corpus(files: list[Path], tokenizer: Tokenizer) -> tuple[torch.Tens
         token_lists = tokenizer.encode_batch(documents, add_bos=True, add_eos=True)
         cached = (torch.cat([torch.tensor(ids, dtype=torch.int64) for ids in token_lists]), len(documents))
         _save_tokenized(cache_file, *cached)
-    if len(_TOKENIZED_CORPORA) >= _MAX_CACHED_CORPORA:
-        _TOKENIZED_CORPORA.pop(next(iter(_TOKENIZED_CORPORA)))  # least recently used
-    _TOKENIZED_CORPORA[key] = cached
     return cached
 
 

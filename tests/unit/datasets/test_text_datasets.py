@@ -7,7 +7,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from torchtitan.datasets import text_datasets
 from torchtitan.datasets.corpus import (
     DatasetError,
     check_corpus,
@@ -38,11 +37,10 @@ def test_token_stream_is_bos_doc_eos_per_document(tokenizer, jsonl_corpus, docum
 
 def test_tokenized_corpus_is_cached_on_disk_for_later_processes(tokenizer, jsonl_corpus, monkeypatch, tmp_path, caplog):
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
-    monkeypatch.setattr(text_datasets, "_TOKENIZED_CORPORA", {})  # a fresh process
     stream, num_documents = tokenize_corpus([jsonl_corpus], tokenizer)
     [cache_file] = (tmp_path / "cache" / "tokenized").iterdir()
 
-    monkeypatch.setattr(text_datasets, "_TOKENIZED_CORPORA", {})  # the next process loads it, tokenizes nothing
+    # the next call loads it and tokenizes nothing
     monkeypatch.setattr(tokenizer, "encode_batch", lambda *args, **kwargs: pytest.fail("tokenized again"))
     cached, cached_documents = tokenize_corpus([jsonl_corpus], tokenizer)
     assert torch.equal(cached, stream) and cached_documents == num_documents
@@ -51,7 +49,6 @@ def test_tokenized_corpus_is_cached_on_disk_for_later_processes(tokenizer, jsonl
     cache_file.write_bytes(b"not a torch file")
     monkeypatch.undo()
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
-    monkeypatch.setattr(text_datasets, "_TOKENIZED_CORPORA", {})
     with caplog.at_level("WARNING"):
         rebuilt, _ = tokenize_corpus([jsonl_corpus], tokenizer)
     assert torch.equal(rebuilt, stream) and "unreadable tokenized-corpus cache" in caplog.text
@@ -62,7 +59,6 @@ def test_tokenized_corpus_is_cached_on_disk_for_later_processes(tokenizer, jsonl
     raw[raw.find(stream.numpy().tobytes()) + 8 * (len(stream) // 2)] ^= 0x10
     cache_file.write_bytes(bytes(raw))
     assert not torch.equal(torch.load(cache_file, weights_only=True)["tokens"], stream)
-    monkeypatch.setattr(text_datasets, "_TOKENIZED_CORPORA", {})
     caplog.clear()
     with caplog.at_level("WARNING"):
         rebuilt, _ = tokenize_corpus([jsonl_corpus], tokenizer)
@@ -71,7 +67,6 @@ def test_tokenized_corpus_is_cached_on_disk_for_later_processes(tokenizer, jsonl
 
     # An edited corpus (new size or mtime) is tokenized again.
     jsonl_corpus.write_text(json.dumps({"text": "one new document"}) + "\n")
-    monkeypatch.setattr(text_datasets, "_TOKENIZED_CORPORA", {})
     edited, edited_documents = tokenize_corpus([jsonl_corpus], tokenizer)
     assert edited_documents == 1 and edited.tolist() == tokenizer.encode("one new document", add_bos=True, add_eos=True)
 
