@@ -344,10 +344,7 @@ class Trainer:
         if self.optimizers.folds_grad_scale:
             grad_norm, clip_coef = dist_utils.grad_norm_and_clip_coef(params, max_norm, pp_mesh=pp_mesh)
             return grad_norm, {"grad_scale": clip_coef}
-        grad_norm = dist_utils.clip_grad_norm_(
-            params, max_norm, pp_mesh=pp_mesh, ep_enabled=self.parallel_dims.ep_enabled
-        )
-        return grad_norm, {}
+        return dist_utils.clip_grad_norm_(params, max_norm, pp_mesh=pp_mesh), {}
 
     def _reduce_loss_for_logging(self, loss: torch.Tensor) -> torch.Tensor:
         """Each rank holds its share of the global mean: sum shares over DP x CP, then share the last PP stage's

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
 import os
 from collections.abc import Iterable
 from datetime import timedelta
@@ -39,10 +38,8 @@ def device_type() -> str:
 def autocast_dtype(parallel_dims: Any, param_dtype: str) -> torch.dtype | None:
     """The dtype a forward autocasts to for `training.mixed_precision_param` (None: no autocast).
 
-    FSDP2 (applied with data, context or expert parallelism) computes in the parameter dtype it casts to. A run
-    without it, one device, would compute in fp32 whatever the config says: autocast gives it bf16 compute, as
-    torchtitan does (and the trainer stores the weights that compute in bf16 in bf16: `components/master_weights.py`).
-    With TP or PP and no FSDP, compute stays fp32 and a warning says so."""
+    FSDP2 computes in the parameter dtype it casts to; a one-device run gets bf16 compute from autocast instead, as
+    torchtitan does. With TP or PP and no FSDP, compute stays fp32 and a warning says so."""
     if param_dtype == "float32" or parallel_dims.fsdp_enabled:
         return None
     if parallel_dims.tp_enabled or parallel_dims.pp_enabled:
@@ -60,22 +57,18 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [*model.layers.values(), *getattr(model, "mtp", {}).values()]
 
 
-def init_distributed(comm_config: Any, device_type: str) -> int:
-    """Initialize the default process group from torchrun's environment; returns the world size.
-
-    NCCL for CUDA tensors (plus gloo for CPU tensors, which CPU offload and host-side metadata need), gloo on CPU.
-    The timeout is `comm.init_timeout_seconds` until `set_pg_timeouts` switches to the training timeout.
-    """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+def init_distributed(comm_config: Any, device_type: str) -> None:
+    """Initialize the default process group from torchrun's environment: NCCL for CUDA tensors plus gloo for CPU
+    ones (CPU offload, host-side metadata), gloo on CPU. The timeout is `comm.init_timeout_seconds` until
+    `set_pg_timeouts` switches to the training timeout."""
     if dist.is_initialized():
-        return dist.get_world_size()
+        return
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=comm_config.init_timeout_seconds))
-    return world_size
 
 
 def set_pg_timeouts(timeout_seconds: int, world_mesh: DeviceMesh) -> None:
@@ -97,13 +90,10 @@ def set_pg_timeouts(timeout_seconds: int, world_mesh: DeviceMesh) -> None:
 def destroy_process_groups() -> None:
     """Destroy every process group and free it now, while the interpreter is fully alive.
 
-    destroy_process_group() only unregisters the groups: a DeviceMesh keeps its groups in `_pg_registry` (torch
-    2.13; absent in older versions) and torch's DTensor caches keep the meshes, so the groups would be freed during
-    interpreter finalization. A gloo worker thread still releasing the tensors of the last collective then takes the
-    GIL while the interpreter is finalizing, and the process aborts with "terminate called without an active
-    exception" (pytorch/pytorch#190489) after a finished run. Dropping every mesh's references runs the groups'
-    destructors here (they release the GIL and join their threads). Callers drop their own references to the model,
-    optimizer and DeepEP buffers first (`deepep.destroy_buffers`): they hold groups too.
+    destroy_process_group() only unregisters the groups; meshes (kept by DTensor's caches) hold them in
+    `_pg_registry`, so they would be freed during interpreter finalization, where a gloo thread taking the GIL
+    aborts the process (pytorch/pytorch#190489). Remove once torch frees them itself. Callers drop their own
+    references (model, optimizer, DeepEP buffers) first.
     """
     if not dist.is_initialized():
         return
@@ -139,42 +129,30 @@ def set_determinism(world_mesh: DeviceMesh | None, device: torch.device, seed: i
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor],
-    max_norm: float,
-    pp_mesh: DeviceMesh | None = None,
-    ep_enabled: bool = False,
-    norm_type: float = 2.0,
+    parameters: Iterable[torch.Tensor], max_norm: float, pp_mesh: DeviceMesh | None = None
 ) -> torch.Tensor:
-    """Clip gradients to a total norm over all parameters of all meshes (and all pipeline stages).
+    """Clip gradients to the total 2-norm over all parameters of all meshes (and all pipeline stages).
 
     DTensor gradients on different meshes (dense params on (dp, tp), experts on (dp_shard_mod_ep, ep)) cannot be
-    stacked, so the norm is computed per (mesh, placements) group, made a plain tensor with full_tensor(), and the
-    groups are combined: total = (sum_g norm_g^p)^(1/p) (max for p=inf). With PP each rank holds one stage's
-    parameters, so the p-th powers (or maxima) are all-reduced over the pp mesh. `ep_enabled` needs no special path:
-    grouping by mesh covers expert parameters. Returns the total norm (before clipping) as a 0-dim tensor.
+    stacked, so each (mesh, placements) group's norm is made a plain tensor with full_tensor() and the groups are
+    combined: total = (sum_g norm_g^2)^(1/2), the squares summed over the pp mesh. Returns the total norm (before
+    clipping) as a 0-dim tensor.
     """
-    del ep_enabled  # grouping by mesh handles expert parameters; kept for the trainer's call signature
-    norm_type = float(norm_type)
     groups = _params_by_grad_mesh(parameters)
     group_norms = []
     for group in groups.values():
-        norm = torch.nn.utils.get_total_norm([param.grad for param in group], norm_type)
+        norm = torch.nn.utils.get_total_norm([param.grad for param in group], 2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         group_norms.append(norm.float())
     if not group_norms:
         total = torch.zeros((), dtype=torch.float32)
-    elif math.isinf(norm_type):
-        total = torch.stack([n.to(group_norms[0].device) for n in group_norms]).max()
     else:
-        total = torch.stack([n.to(group_norms[0].device) for n in group_norms]).pow(norm_type).sum()
-
+        total = torch.stack([n.to(group_norms[0].device) for n in group_norms]).pow(2.0).sum()
     if pp_mesh is not None and pp_mesh.size() > 1:
         total = total.to(pp_mesh.device_type)
-        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-        dist.all_reduce(total, op=op, group=pp_mesh.get_group())
-    if not math.isinf(norm_type):
-        total = total.pow(1.0 / norm_type)
+        dist.all_reduce(total, group=pp_mesh.get_group())
+    total = total.pow(1.0 / 2.0)
 
     # torch's clipping, one mesh at a time (a foreach op takes DTensors of one mesh): a multi-tensor kernel per
     # device and dtype instead of a mul_ per gradient
@@ -190,12 +168,10 @@ def grad_norm_and_clip_coef(
     """The total gradient 2-norm over all meshes and pipeline stages, as `clip_grad_norm_` computes it, and torch's
     clip coefficient min(1, max_norm / (norm + 1e-6)): two 0-dim fp32 tensors that stay on the device (no host sync).
 
-    The gradients are NOT clipped (gradients holding partial sums are reduced to their parameter's layout, in
-    place): hand the coefficient to an optimizer that folds it into its update
-    (`OptimizersContainer.step(grad_scale=coef)`). Each (mesh, placements) group's local sum of squares is one
-    multi-tensor launch (`sum_of_squares`), summed over the mesh dims where the gradient is sharded (its shards
-    there are disjoint parts of the tensor) and not over replicated dims; the pipeline stages' sums are summed over
-    `pp_mesh`.
+    The gradients are NOT clipped (partial sums are reduced to their parameter's layout, in place): an optimizer
+    folds the coefficient into its update (`OptimizersContainer.step(grad_scale=coef)`). Each (mesh, placements)
+    group's local sum of squares is one `sum_of_squares` launch, summed over the mesh dims where the gradient is
+    sharded, then over `pp_mesh`.
     """
     parameters = list(parameters)
     for param in parameters:
