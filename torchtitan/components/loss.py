@@ -1,9 +1,8 @@
 """Cross entropy as a token SUM, so the trainer can normalise by the whole step's valid-token count.
 
-Per-micro-batch means weight micro-batches equally whatever their number of valid tokens; summing and then
-dividing once by the global count of valid tokens (all micro-batches, all DP ranks) gives exactly the full-batch
-mean for any gradient-accumulation and DP split. Gradients must then be SUMMED over DP ranks (FSDP/DDP average by
-default: set the gradient divide factor to 1, or multiply the loss by the DP degree).
+Dividing once by the global count of valid tokens (all micro-batches, all DP ranks) gives exactly the full-batch
+mean for any accumulation and DP split (per-micro-batch means would weight micro-batches equally). Gradients must
+then be SUMMED over DP ranks (FSDP's gradient divide factor 1).
 """
 
 import math
@@ -27,7 +26,6 @@ __all__ = [
     "cross_entropy_sum",
     "mtp_loss",
     "mtp_targets",
-    "rescale_loss",
 ]
 
 IGNORE_INDEX = -100
@@ -36,10 +34,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of per-token cross entropy over tokens whose label is not IGNORE_INDEX, in fp32.
-
-    logits: (bs, seqlen, vocab), any float dtype; labels: (bs, seqlen) int. Returns a 0-dim fp32 tensor.
-    """
+    """Sum of per-token cross entropy over labels that are not IGNORE_INDEX, in fp32: logits (bs, seqlen, vocab),
+    labels (bs, seqlen) -> a 0-dim fp32 tensor."""
     return F.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
     )
@@ -54,11 +50,8 @@ def build_loss_fn(job_config: JobConfig) -> LossFn:
 
 
 class RescaledLoss:
-    """loss_fn(logits, labels) / global_valid_tokens: a micro-batch's share of the step's token mean.
-
-    Pipeline schedules take a fixed loss callable at construction; set `global_valid_tokens` on this object
-    every step (before the schedule runs) instead of rebuilding the schedule.
-    """
+    """loss_fn(logits, labels) / global_valid_tokens: a micro-batch's share of the step's token mean. Pipeline
+    schedules take a fixed loss callable, so `global_valid_tokens` is set on it every step."""
 
     def __init__(self, loss_fn: LossFn, global_valid_tokens: torch.Tensor | float | None = None) -> None:
         self.loss_fn = loss_fn
@@ -74,10 +67,6 @@ class RescaledLoss:
         return token_sum / self.global_valid_tokens
 
 
-def rescale_loss(loss_fn: LossFn, global_valid_tokens: torch.Tensor | float) -> RescaledLoss:
-    return RescaledLoss(loss_fn, global_valid_tokens)
-
-
 def count_valid_tokens(label_batches: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Valid (non-ignored) labels over all micro-batches, summed over `group` (the DP ranks) when given: a 0-dim
     fp32 tensor on the labels' device (exact up to 2**24 tokens per step, divides without a cast)."""
@@ -90,9 +79,8 @@ def count_valid_tokens(label_batches: Iterable[torch.Tensor], group: dist.Proces
 def mtp_targets(tokens: torch.Tensor, labels: torch.Tensor, module: int, bos_id: int) -> torch.Tensor:
     """Targets of multi-token prediction module `module` (0-based): at position i, token i + module + 2.
 
-    tokens, labels (bs, seqlen): the inputs and the next tokens (labels[:, i] = token i + 1). A target past the
-    sequence, or in another packed document than position i (a document starts at every BOS token), is
-    IGNORE_INDEX: MTP never predicts across a document boundary. Returns (bs, seqlen) int64.
+    tokens, labels (bs, seqlen): the inputs and the next tokens. A target past the sequence or in another packed
+    document (one starts at every BOS token) is IGNORE_INDEX. Returns (bs, seqlen) int64.
     """
     offset = module + 1  # the target is labels[:, i + offset]
     stream = torch.cat([tokens[:, :1], labels], dim=1)  # tokens 0..seqlen
@@ -116,13 +104,11 @@ def mtp_loss(token_sums: Sequence[torch.Tensor], valid_tokens: Sequence[torch.Te
 
 
 class LossWithMTP:
-    """One micro-batch's share of DeepSeek-V3's L_main + lambda x L_MTP, as one callable for the trainer and for
-    pipeline schedules (which call loss_fn(output, target) per micro-batch and keep only the sum).
+    """One micro-batch's share of DeepSeek-V3's L_main + lambda x L_MTP, for the trainer and pipeline schedules.
 
     output: the model's (logits, MTP logits of each module); target: (bs, 1 + modules, seqlen), the labels followed by
-    each module's `mtp_targets`. `from_token_sums` takes the fused output head's loss sums instead. Call `start_step`
-    each step; the detached parts accumulate in `main_total` / `mtp_total` for logging (they stay zero on ranks that
-    never compute the loss).
+    each module's `mtp_targets`; `from_token_sums` takes the fused head's loss sums instead. Call `start_step` each
+    step; the detached parts accumulate in `main_total` / `mtp_total` for logging.
     """
 
     def __init__(self, main_loss: RescaledLoss, weight: float) -> None:
@@ -162,9 +148,8 @@ def check_finite_loss(loss: torch.Tensor | float, step: int, rank: int) -> None:
 
 @torch.no_grad()
 def check_finite_weights(model_parts: Iterable[torch.nn.Module], step: int) -> None:
-    """Raise FloatingPointError on every rank if any rank holds a weight with inf or NaN values: before a checkpoint,
-    so that an update that diverged with a finite loss and gradient (a huge lr) is never saved. One multi-tensor max
-    per rank and one all-reduce; a step that saves waits for its update anyway."""
+    """Raise FloatingPointError on every rank if any rank holds an inf or NaN weight: before a checkpoint, so that an
+    update that diverged with a finite loss and gradient (a huge lr) is never saved."""
     name = nonfinite_weight(model_parts)
     if name is not None:
         raise FloatingPointError(
@@ -196,9 +181,8 @@ def nonfinite_weight(model_parts: Iterable[torch.nn.Module]) -> str | None:
 
 
 def check_grad_norm(grad_norm: torch.Tensor | float, step: int) -> None:
-    """Raise FloatingPointError for a non-finite or zero total gradient norm; the trainer checks it before the
-    step's checkpoint, so none holds the update it made. Zero means diverged weights: activations so large that an
-    RMSNorm's mean square overflows fp32 make it output exactly zero, so the logits are constant and no parameter
+    """Raise FloatingPointError for a non-finite or zero total gradient norm (checked before the step's checkpoint).
+    Zero means diverged weights: an RMSNorm whose mean square overflows fp32 outputs exactly zero, so no parameter
     gets a gradient."""
     value = float(grad_norm)
     if value > 0 and math.isfinite(value):

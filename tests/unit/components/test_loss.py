@@ -4,13 +4,13 @@ import torch.nn.functional as F
 
 from torchtitan.components.loss import (
     IGNORE_INDEX,
+    RescaledLoss,
     build_loss_fn,
     check_finite_loss,
     check_finite_weights,
     check_grad_norm,
     count_valid_tokens,
     cross_entropy_sum,
-    rescale_loss,
 )
 from torchtitan.config.job_config import JobConfig
 
@@ -49,7 +49,7 @@ def test_gradient_accumulation_with_uneven_valid_tokens_equals_full_batch_mean()
 
     leaf = logits.float().clone().requires_grad_()
     micro = [(leaf[i : i + 1], labels[i : i + 1]) for i in range(4)]  # 1 sequence per micro-batch
-    loss_fn = rescale_loss(cross_entropy_sum, count_valid_tokens(lbl for _, lbl in micro))
+    loss_fn = RescaledLoss(cross_entropy_sum, count_valid_tokens(lbl for _, lbl in micro))
     total = torch.zeros(())
     for micro_logits, micro_labels in micro:
         loss = loss_fn(micro_logits, micro_labels)
@@ -65,7 +65,7 @@ def test_data_parallel_split_summed_over_ranks_equals_full_batch_mean():
     # Two "DP ranks" with 2 micro-batches each; the global count is the all-reduced sum of local counts.
     ranks = [[(0, 1), (1, 2)], [(2, 3), (3, 4)]]
     global_tokens = sum(count_valid_tokens(labels[a:b] for a, b in rank) for rank in ranks)
-    loss_fn = rescale_loss(cross_entropy_sum, global_tokens)
+    loss_fn = RescaledLoss(cross_entropy_sum, global_tokens)
     summed_loss, summed_grad = torch.zeros(()), torch.zeros_like(full_grad)
     for rank in ranks:
         leaf = logits.float().clone().requires_grad_()
@@ -79,8 +79,6 @@ def test_data_parallel_split_summed_over_ranks_equals_full_batch_mean():
 
 
 def test_rescaled_loss_without_token_count_raises():
-    from torchtitan.components.loss import RescaledLoss
-
     with pytest.raises(RuntimeError, match="global_valid_tokens"):
         RescaledLoss(cross_entropy_sum)(*batch())
 
