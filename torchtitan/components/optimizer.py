@@ -1,14 +1,10 @@
 """One optimizer per model part (pipeline stage), behind a container the trainer steps once: torch.optim's, or for
-AdamW `MultiTensorAdamW` (adamw.py: one Triton launch per parameter bucket, gradient clipping folded in).
-
-Weight decay applies to every parameter, norms, biases and embeddings included: that is torchtitan's
-behaviour, kept so results stay comparable with it.
+AdamW `MultiTensorAdamW` (adamw.py). Weight decay applies to every parameter (norms, embeddings too), as torchtitan.
 
 The container's state dict is the *flattened* optimizer state dict of `torch.distributed.checkpoint.state_dict`:
-keys are parameter FQNs (`state.layers.0.wq.weight.exp_avg`, `param_groups.layers.0.wq.weight.lr`), values are
-DTensors where the parameters are sharded. Pipeline stages therefore never collide (index-based keys would), and DCP
-can reshard the state into another FSDP/TP/EP/PP layout.
-torch.optim.AdamW and MultiTensorAdamW save the same keys, so a checkpoint of one loads into the other.
+keys are parameter FQNs (`state.layers.0.wq.weight.exp_avg`), values DTensors where the parameters are sharded, so
+pipeline stages never collide and DCP can reshard into another layout. torch.optim.AdamW and MultiTensorAdamW save
+the same keys.
 """
 
 import logging
@@ -33,16 +29,14 @@ __all__ = ["OptimizersContainer", "build_optimizers", "updates_master_weights"]
 StepHook = Callable[["OptimizersContainer", tuple, dict], None]
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-_IMPLEMENTATIONS = ("triton", "fused", "foreach", "for-loop")
 
 
 class OptimizersContainer:
     """Steps, zeroes, saves and loads the optimizers of all model parts as one.
 
-    `register_step_pre_hook` hooks run once per `step()`, before any optimizer steps, with this container as
-    the optimizer argument. They are not forwarded to the per-part optimizers on purpose: a hook written for
-    the whole model (the MoE expert-bias update walks all model parts) would otherwise run once per part, and
-    it would also run inside DCP's optimizer-state initialisation (a zero-lr `optimizer.step()` on load).
+    `register_step_pre_hook` hooks run once per `step()`, before any optimizer steps, with this container as the
+    optimizer argument; not forwarded to the per-part optimizers, where a whole-model hook would run once per part and
+    inside DCP's optimizer-state initialisation.
     """
 
     def __init__(self, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
@@ -118,11 +112,7 @@ def build_optimizers(
     config = job_config.optimizer
     if master_low_bits and not updates_master_weights(config):
         raise ValueError(f"fp32 master weights need optimizer AdamW with implementation 'triton', got {config}")
-    optimizer_classes = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
-    if config.name not in optimizer_classes:
-        raise ValueError(f"optimizer.name={config.name!r} is not supported; use one of {list(optimizer_classes)}")
-    if config.implementation not in _IMPLEMENTATIONS:
-        raise ValueError(f"optimizer.implementation={config.implementation!r}; use one of {list(_IMPLEMENTATIONS)}")
+    optimizer_classes = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}  # config.manager checked the name
 
     params_per_part = [[p for p in part.parameters() if p.requires_grad] for part in model_parts]
     kwargs = dict(lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, weight_decay=config.weight_decay)

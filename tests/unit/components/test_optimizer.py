@@ -128,11 +128,6 @@ def test_state_dict_is_flat_by_fqn_and_round_trips():
             torch.testing.assert_close(old.state[p_old]["step"], new.state[p_new]["step"])
 
 
-def test_unknown_optimizer_name_is_rejected():
-    with pytest.raises(ValueError, match="optimizer.name"):
-        build_optimizers(two_stages(), config(name="SGD"))
-
-
 def test_triton_is_the_default_and_builds_multi_tensor_adamw_that_folds_clipping():
     assert JobConfig().optimizer.implementation == "triton"
     parts = two_stages()

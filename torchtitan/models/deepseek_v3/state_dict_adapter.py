@@ -1,15 +1,12 @@
 """Convert between our state dict and the on-disk Hugging Face DeepSeek-V2/V3 format (one tensor per expert).
 
-Our routed experts are stacked 3D tensors (moe.experts.w1/w2/w3 of shapes (E, hidden, dim), (E, dim, hidden),
-(E, hidden, dim)); HF stores mlp.experts.{j}.gate_proj / down_proj / up_proj, each an nn.Linear weight of the same
-per-expert layout, so converting is stacking / unstacking along dim 0. RoPE dims need no permutation: HF
-DeepSeek checkpoints keep DeepSeek's interleaved rope layout (transformers' `rope_interleave=True`, and
-DeepseekV2's complex rope), which is the layout our `apply_rotary_emb` uses.
+Our routed experts are stacked (E, out, in) tensors moe.experts.w1/w2/w3; HF stores mlp.experts.{j}.gate_proj /
+down_proj / up_proj with the same per-expert layout, so converting is stacking / unstacking along dim 0. RoPE needs
+no permutation: HF DeepSeek checkpoints keep DeepSeek's interleaved layout, which `apply_rotary_emb` uses.
 
-Router semantics (ours <-> HF config): score_func sigmoid <-> DeepseekV3 (sigmoid is hard-wired there);
-softmax <-> DeepseekV2. route_norm <-> norm_topk_prob, route_scale <-> routed_scaling_factor,
-num_expert_groups / num_limited_groups <-> n_group / topk_group, moe.expert_bias <->
-mlp.gate.e_score_correction_bias (V3 only; added to the scores for expert selection only).
+Router (ours <-> HF config): score_func sigmoid <-> DeepseekV3, softmax <-> DeepseekV2; route_norm <-> norm_topk_prob,
+route_scale <-> routed_scaling_factor, num_expert_groups / num_limited_groups <-> n_group / topk_group,
+moe.expert_bias <-> mlp.gate.e_score_correction_bias (V3 only).
 """
 
 import logging
@@ -104,10 +101,9 @@ class DeepSeekV3StateDictAdapter:
     def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """HF state dict -> our full state dict (loadable with strict=True).
 
-        Layers n_layers .. n_layers + mtp_layers - 1 become the MTP modules (their copies of the embedding and head
-        are dropped: ours are shared); later layers are skipped (DeepSeek-V3's MTP layer 61 when mtp_layers is 0).
-        An MTP module the checkpoint has no tensor of is left out (the model keeps its own init). A checkpoint without
-        e_score_correction_bias (DeepSeek-V2) gets a zero expert_bias.
+        Layers n_layers .. n_layers + mtp_layers - 1 become the MTP modules (without their copies of the embedding and
+        head); later layers are skipped. An MTP module with no tensor in the checkpoint is left out (keeps its init); a
+        checkpoint without e_score_correction_bias (DeepSeek-V2) gets a zero expert_bias.
         """
         n_layers, num_experts = self.model_args.n_layers, self.model_args.moe_args.num_experts
         n_blocks = n_layers + self.model_args.mtp_layers
@@ -148,11 +144,10 @@ class DeepSeekV3StateDictAdapter:
 def mtp_layers_for_checkpoint(
     args: DeepSeekV3ModelArgs, keys: Collection[str], path: str, *, in_hf: bool, requested: bool, flag: str
 ) -> int:
-    """The MTP depth to build for starting from the checkpoint at `path`, whose tensors are `keys` (HF names if
-    `in_hf`, else our model's), when args.mtp_layers (the HF config's, or the user's `flag` when `requested`) asks
-    for MTP. transformers' DeepseekV3Config defaults num_nextn_predict_layers to 1 while its model has no MTP module,
-    so its save_pretrained writes no MTP tensors: a checkpoint holding none loads without MTP (0, with a warning) or,
-    when `requested`, with freshly initialized modules. One holding only part of the MTP layers raises ValueError.
+    """The MTP depth to build for starting from the checkpoint at `path` (tensor names `keys`, HF's if `in_hf`) when
+    args.mtp_layers (the HF config's, or the user's `flag` when `requested`) asks for MTP. transformers' save_pretrained
+    writes no MTP tensors though its config defaults num_nextn_predict_layers to 1: a checkpoint holding none loads
+    without MTP (0, with a warning) or, when `requested`, with fresh modules. A partial set raises ValueError.
     """
     if args.mtp_layers == 0:
         return 0
