@@ -1,14 +1,10 @@
 """`python -m torchtitan.launch [torchrun flags] -m torchtitan.train ...`: torchrun that ends in one line.
 
-torchrun reports a failed worker with its own Python traceback and a failure table, after whatever the worker
-printed. The trainer already prints a user error (bad data, a corrupt checkpoint, a non-finite loss, out of memory)
-as one `error:` line, and a bug as its traceback; this launcher adds a line naming the rank and exit code only where
-that error line is not on the terminal (a bug, a signal, a rank whose output is hidden), and turns Ctrl-C into one
-line and exit code 130. run_train.sh uses it in place of `python -m torch.distributed.run`.
-A worker hands its error line to the launcher too (`report_error`, through torchrun's per-worker error file): when
-`--local-ranks-filter` hides that rank's output, the launcher's line carries it. torchrun's own log lines (its
-OMP_NUM_THREADS banner, the signals it sends, its error-file notes) say nothing the one line does not, so they are
-off unless `LOGLEVEL` (torchrun's variable) is set, e.g. LOGLEVEL=INFO.
+The trainer prints a user error as one `error:` line and a bug as its traceback; this launcher drops torchrun's
+traceback and failure table and adds a line naming the rank and exit code only where that error line is not on the
+terminal (a bug, a signal, a rank whose output `--local-ranks-filter` hides: `report_error` hands the line over
+through torchrun's error file), and turns Ctrl-C into one line and exit code 130. torchrun's own log lines are off
+unless `LOGLEVEL` is set. run_train.sh uses it in place of `python -m torch.distributed.run`.
 """
 
 from __future__ import annotations

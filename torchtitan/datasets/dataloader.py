@@ -22,14 +22,10 @@ logger = logging.getLogger(__name__)
 class ParallelAwareDataloader(StatefulDataLoader):
     """StatefulDataLoader whose state is keyed by dp rank and stamped with the data's identity.
 
-    `state_dict()` is `{"dp_world_size": W, "dp_rank_<r>": pickled {"identity", "loader"}}`: the per-rank key
-    keeps ranks' states apart when a distributed checkpoint merges them (DCP deduplicates equal keys), and
-    the identity (hash of the token stream, tokenizer fingerprint, seq_len, local batch size, dp world size) makes
-    a resume with different data fail loudly instead of silently training on other samples.
-
-    A state saved with another data-parallel degree (any saved rank's entry will do) is resharded: the sample
-    stream is global, so after S optimizer steps every layout has consumed the same S x global_batch samples,
-    and each of this run's ranks continues at its share of them.
+    `state_dict()` is `{"dp_world_size": W, "dp_rank_<r>": pickled {"identity", "loader"}}`: the per-rank key keeps
+    ranks apart when DCP merges equal keys, and the identity (token stream hash, tokenizer, seq_len, batch size, dp
+    world size) makes a resume with different data fail loudly. A state saved with another dp degree is resharded: the
+    sample stream is global, so every layout has consumed the same samples after S steps.
     """
 
     def __init__(
@@ -120,10 +116,7 @@ def build_dataloader(
     split: str = "train",
     num_workers: int = 0,
 ) -> ParallelAwareDataloader:
-    """Loader yielding `({"input": (L, seq_len) int64}, labels (L, seq_len) int64)` forever.
-
-    L and seq_len are the training's or, for the validation split, the validation's. Every dp degree sees the same
-    global batches (see text_datasets).
-    """
+    """Loader yielding `({"input": (L, seq_len) int64}, labels (L, seq_len) int64)` forever, with the training's or
+    the validation split's L and seq_len. Every dp degree sees the same global batches (see text_datasets)."""
     dataset, identity = build_text_dataset(job_config, tokenizer, dp_rank, dp_world_size, split)
     return ParallelAwareDataloader(dataset, identity, dp_rank, dp_world_size, dataset.local_batch_size, num_workers)

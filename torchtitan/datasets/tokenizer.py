@@ -16,12 +16,9 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class Tokenizer:
-    """A `tokenizers.Tokenizer` whose BOS/EOS are the special tokens `<|begin_of_text|>` / `<|end_of_text|>`.
-
-    The JSON file carries no post-processor; BOS/EOS are added only when `encode` is asked to, so the
-    same file serves packing (BOS + text + EOS per document) and plain prompts. As with any `tokenizers`
-    added token, the literal string "<|end_of_text|>" inside a text encodes to `eos_id`.
-    """
+    """A `tokenizers.Tokenizer` whose BOS/EOS are the special tokens `<|begin_of_text|>` / `<|end_of_text|>`, added only
+    when `encode` is asked to (the JSON file has no post-processor). The literal "<|end_of_text|>" in a text encodes to
+    `eos_id`."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)

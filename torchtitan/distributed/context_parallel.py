@@ -1,13 +1,10 @@
 """Context parallelism: every sequence is split over the CP ranks; attention gathers MLA's latent, not K and V.
 
-Split (load-balanced for causal attention, "zigzag"): a sequence of S tokens is cut into 2N chunks over N ranks and
-rank r holds chunks r and 2N-1-r, so every rank's queries see the same number of causal keys. Everything but
-attention is token-local and runs on the rank's S / N tokens.
-
-What crosses ranks: MLA derives every token's keys and values from a latent of kv_lora_rank + qk_rope_head_dim
-values (c_kv after kv_norm, k_pe after RoPE: 576 for DeepSeek-V3), through wkv_b. Each attention layer all-gathers
-that latent (`gather_sequence`; its backward reduce-scatters the gradient) and runs wkv_b on the whole sequence:
-576 values per token move instead of n_heads x (qk_head_dim + v_head_dim) (5,120 for the 16B shape).
+Split ("zigzag", load-balanced for causal attention): S tokens are cut into 2N chunks over N ranks and rank r holds
+chunks r and 2N-1-r. Everything but attention is token-local and runs on the rank's S / N tokens. Each attention
+layer all-gathers MLA's latent (c_kv after kv_norm, k_pe after RoPE: 576 values per token for DeepSeek-V3;
+`gather_sequence`, whose backward reduce-scatters) and runs wkv_b on the whole sequence, instead of moving
+n_heads x (qk_head_dim + v_head_dim) values of K and V (5,120 for the 16B shape).
 """
 
 from __future__ import annotations

@@ -25,11 +25,8 @@ def sum_grad_over(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 
 class NoParallel(ParallelStyle):
-    """Weights replicated over the mesh, input replicated: the module computes the same thing on every rank.
-
-    The input is wrapped as a Replicate DTensor (its backward all-reduces a partial input gradient) and the output
-    is returned as a local tensor.
-    """
+    """Weights and input replicated over the mesh: the input is wrapped as a Replicate DTensor (its backward all-reduces
+    a partial input gradient) and the output returned as a local tensor."""
 
     def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         x = inputs[0]
@@ -53,24 +50,18 @@ class NoParallel(ParallelStyle):
 
 
 class ReplicateOverTokenShards(NoParallel):
-    """Weights replicated over the mesh, input = this rank's own tokens (sequence shard along dim 0).
-
-    Used for the router gate and shared experts when EP borrows the tp ranks and the MoE layer runs on the local
-    sequence shard: the weight gradient becomes a Partial DTensor (a sum over ranks), which FSDP / the optimizer
-    reduce. Dim 0 is a stand-in for "the token dims": any token order gives the same weight gradient.
-    """
+    """Weights replicated over the mesh, input = this rank's token shard (dim 0 standing for the token dims), for the
+    router gate and shared experts when EP borrows the tp ranks: the weight gradient becomes a Partial DTensor, which
+    FSDP / the optimizer reduce."""
 
     def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         return (DTensor.from_local(inputs[0], mesh, (Shard(0),), run_check=False), *inputs[1:])
 
 
 class SyncGradColumns(NoParallel):
-    """`NoParallel` whose output columns [start:] feed every TP head: their gradient arrives as a partial sum over
-    the tp ranks (each rank holds some heads) and is all-reduced in backward. Columns before `start` feed a
-    ColwiseParallel layer whose input hook already all-reduces their gradient.
-
-    MLA's `wkv_a` output is [c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)]; k_pe is broadcast to all heads.
-    """
+    """`NoParallel` whose output columns [start:] feed every TP head, so their partial gradient is all-reduced in
+    backward; columns before `start` feed a ColwiseParallel layer whose input hook already does. MLA's `wkv_a` output is
+    [c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)], with k_pe broadcast to all heads."""
 
     def __init__(self, start: int) -> None:
         super().__init__()

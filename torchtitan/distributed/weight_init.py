@@ -1,10 +1,8 @@
 """Layout-independent weight init for devices where DTensor has no RNG tracker (CPU / gloo).
 
-On CUDA, DTensor's offset-based RNG gives every shard its own slice of one random stream. On CPU it has none, so
-`init_weights` on a sharded model would draw the *same* values on every rank: every FSDP shard a copy of the
-first. Here the unsharded model is initialized once per rank with the job's seed and each rank copies its own slice
-into its (DTensor) parameters, which also makes any parallel layout start from exactly the single-process weights.
-Only for models that fit in host memory unsharded: CPU runs are for development and tests.
+There, `init_weights` on a sharded model would draw the same values on every rank. Instead the unsharded model is
+initialized once per rank with the job's seed and each rank copies its slice into its DTensor parameters, so any
+layout starts from the single-process weights. Only for models that fit in host memory (CPU development and tests).
 """
 
 import torch
@@ -23,11 +21,8 @@ def canonical_fqn(name: str) -> str:
 
 @torch.no_grad()
 def copy_from_unsharded_init(model_parts: list[nn.Module], unsharded_model: nn.Module, seed: int) -> None:
-    """Initialize `unsharded_model` (meta, unparallelized) on CPU and copy it into the parallelized `model_parts`.
-
-    The init draws from its own RNG stream seeded with `seed`, so the result does not depend on what the
-    parallel layout did with the global RNG before.
-    """
+    """Initialize `unsharded_model` (meta, unparallelized) on CPU from its own RNG stream seeded with `seed`, and copy
+    it into the parallelized `model_parts`."""
     unsharded_model.to_empty(device="cpu")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

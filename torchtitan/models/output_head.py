@@ -1,12 +1,10 @@
 """The output head, optionally fused with the cross-entropy: logits and their gradient in row chunks.
 
-The plain head returns (tokens, vocab) logits; the loss upcasts them and its backward materialises a gradient of
-the same size. On 16B_bench4 (16,384 tokens per GPU, vocab 102,400) the logits and their gradient are 6.25 GiB at
-the start of backward, the job's allocated peak. Called with labels, `OutputHead` instead walks the rows in chunks:
-each chunk's logits give its share of the loss sum and, at once, the gradient of the logits, which is folded into
-the gradients of the hidden states and the weight before the next chunk. Backward then only scales the two stored
-gradients by the incoming one. Same GEMMs and FLOPs as the plain head, no recompute; at most one chunk of logits
-exists at a time. The weight gradient is accumulated in fp32 over chunks (the plain head rounds it once in bf16).
+The plain head's (tokens, vocab) logits and their gradient were the allocated peak of a 16B step (6.25 GiB).
+Called with labels, `OutputHead` walks the rows in chunks: each chunk's logits give its share of the loss sum and
+the gradient of the logits, folded into the gradients of the hidden states and the weight before the next chunk;
+backward only scales them by the incoming gradient. Same GEMMs, no recompute, one chunk of logits at a time. The
+weight gradient accumulates in fp32 over chunks (the plain head rounds it once in bf16).
 """
 
 from __future__ import annotations

@@ -36,12 +36,9 @@ class DeviceMark:
 
 
 class HostScalars:
-    """Values of one step (loss, grad norm, ...: tensors of any shape, flattened one after the other), copied to
-    pinned host memory in stream order.
-
-    `.item()` right after a step makes the host wait until the device has run the whole step, so the device then
-    idles while the host loads the next batch and launches its first kernels. Reading these values one step later,
-    once the next step's work is queued behind them, costs no device time (`components/step_log.py`).
+    """Values of one step (tensors of any shape, flattened one after the other), copied to pinned host memory in stream
+    order. Read one step later, once the next step's work is queued behind them, they cost no device time, where
+    `.item()` would make the device idle while the host prepares the next step (`components/step_log.py`).
     """
 
     def __init__(self, scalars: list[torch.Tensor]):

@@ -1,14 +1,12 @@
 """`[profiling]`: torch.profiler traces and CUDA memory snapshots of chosen training steps.
 
-Every `profile_freq` steps of this run (counted from its first step, also after a resume) the profiler records one
-step after three warm-up steps and writes, per rank, under `<dump_folder>/<save_traces_folder>/iteration_<step>/`
-(<step> is the training step):
-    rank<R>_trace.json         Chrome/Perfetto trace (with input shapes)
+Every `profile_freq` steps of this run the profiler records one step after three warm-up steps and writes, per rank,
+under `<dump_folder>/<save_traces_folder>/iteration_<step>/`:
+    rank<R>_trace.json         Chrome/Perfetto trace (with input shapes; scripts/bench/trace_breakdown.py reads it)
     rank<R>_summary.json       per recorded step: the kernels launched inside it by device time, the host's waits
-(`scripts/bench/trace_breakdown.py <trace>` groups a step's kernels by class, with TFLOP/s or GB/s and idle time.)
-With `enable_memory_snapshot` (CUDA only) the allocator history is recorded from the start and dumped at the
-same steps to `<dump_folder>/memory_snapshot/iteration_<step>/rank<R>_memory_snapshot.pickle`
-(open it at pytorch.org/memory_viz, or summarise it with scripts/bench/memory_breakdown.py).
+With `enable_memory_snapshot` (CUDA only) the allocator history is recorded from the start and dumped at the same
+steps to `<dump_folder>/memory_snapshot/iteration_<step>/rank<R>_memory_snapshot.pickle` (pytorch.org/memory_viz,
+scripts/bench/memory_breakdown.py).
 """
 
 from __future__ import annotations
@@ -60,9 +58,8 @@ class StepProfiler:
             logger.info(f"profiling step {self.freq} and every {self.freq} steps after it into {self.trace_dir}")
         self._exit_stack = contextlib.ExitStack()
         if self._snapshot:
-            # torch 2.11 loses an exception while recording stacks inside a checkpointed compiled region when the
-            # checkpoint stops its recompute early (pytorch/pytorch#179536: "apply ... returned NULL without
-            # setting an exception"); recompute the whole region instead while recording.
+            # Recording stacks inside a checkpoint that stops its recompute early loses an exception
+            # (pytorch/pytorch#179536); until that is fixed, recompute whole regions while recording.
             self._exit_stack.enter_context(torch.utils.checkpoint.set_checkpoint_early_stop(False))
             # Python stacks only (C++ unwinding slows every allocation); enough entries for a few compiled steps.
             torch.cuda.memory._record_memory_history(stacks="python", max_entries=_SNAPSHOT_ENTRIES)
