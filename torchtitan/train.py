@@ -49,9 +49,9 @@ from torchtitan.distributed.compile import graphs_compiled
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.weight_init import copy_from_unsharded_init
 from torchtitan.launch import report_error
-from torchtitan.models.deepseek_v3.parallelize import expert_bias_reduce_group, experts_outside_fsdp
 from torchtitan.models.moe import ExpertBiasHook, GroupedExperts, MoE
 from torchtitan.models.moe.exchange import get_backend
+from torchtitan.models.moe.parallelize import expert_bias_reduce_group, experts_outside_fsdp
 from torchtitan.models.output_head import chunk_loss_and_grad
 from torchtitan.models.spec import get_model_spec
 from torchtitan.preflight import check_batch_sizes, check_job

@@ -14,7 +14,7 @@ from tests.unit.distributed._model_parity import (
 from tests.unit.distributed._spawn import run_distributed
 from torchtitan.config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models.deepseek_v3.parallelize import experts_outside_fsdp
+from torchtitan.models.moe.parallelize import experts_outside_fsdp
 
 CASES = {
     "fsdp4": dict(parallelism__data_parallel_shard_degree=4),
@@ -100,8 +100,8 @@ def test_deepep_overlap_sms_reach_the_dispatchers_and_keep_results():
 
 def test_fp32_params_say_once_that_grouped_mm_experts_stay_bf16_as_information(caplog):
     from torchtitan.models.deepseek_v3 import DeepSeekV3Model
-    from torchtitan.models.deepseek_v3.parallelize import _say_experts_stay_bf16
     from torchtitan.models.moe.experts import GroupedExperts
+    from torchtitan.models.moe.parallelize import say_experts_stay_bf16
 
     with torch.device("meta"):
         model = DeepSeekV3Model(tiny_args())
@@ -109,8 +109,8 @@ def test_fp32_params_say_once_that_grouped_mm_experts_stay_bf16_as_information(c
         if isinstance(module, GroupedExperts):
             module.use_grouped_mm = True  # as on a GPU
     with caplog.at_level("INFO"):
-        _say_experts_stay_bf16(model, "float32")
-        _say_experts_stay_bf16(model, "bfloat16")
+        say_experts_stay_bf16(model, "float32")
+        say_experts_stay_bf16(model, "bfloat16")
     records = [r for r in caplog.records if "mixed_precision_param" in r.getMessage()]
     assert len(records) == 1 and "float32" in records[0].getMessage() and "grouped GEMMs" in records[0].getMessage()
     assert records[0].levelname == "INFO"  # how the model runs (the debug config's fp32 on a CPU), not a mistake
