@@ -1,16 +1,11 @@
-"""`DeepEPMoE`: the MoE layer of DeepEP expert parallelism, made by `parallelize` from a built `MoE` together with
-its DeepEP dispatcher. Same parameters, routing and stages as `MoE`; only where the shared experts run differs.
+"""`DeepEPMoE`: the MoE layer of DeepEP expert parallelism, made by `parallelize` from a built `MoE` and its DeepEP
+dispatcher. Same parameters, routing and stages as `MoE`; only where the shared experts run differs.
 
 While DeepEP's kernels hold their SMs for the exchange, the shared experts run on a side stream, launched before the
-dispatch, so they overlap the dispatch, the routed experts and the combine. Ordering: the side stream waits for the
-current stream before starting (the tokens are ready), the current stream waits for the side stream before the sum;
-`record_stream` keeps the tokens (allocated on the current stream, read on the side stream) and the shared output
-(allocated on the side stream, read on the current stream) alive until both streams are done with them. Autograd
-runs each backward op on its forward op's stream and syncs between them. On CPU, without a side stream and while
-torch.compile traces, the shared experts run inline on the current stream instead.
-
-All layers of a model share one side stream: the caching allocator keeps a memory pool per stream, and a pool per
-layer would each hold its layer's shared-expert activations until backward.
+dispatch. The side stream waits for the current stream before starting, the current stream for the side stream
+before the sum, and `record_stream` keeps the cross-stream tensors alive; autograd syncs the backward the same way.
+On CPU, without a side stream and while compiling, the shared experts run inline. All layers share one side stream:
+the allocator keeps a pool per stream, and a pool per layer would hold its activations until backward.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
-"""Token-exchange backends of expert parallelism: one object per backend, in one registry, looked up by
+"""Token-exchange backends of expert parallelism, in one registry looked up by
 `parallelism.expert_parallel_comm_backend` (`get_backend`).
 
-A backend checks before the model is built that it can run here (`check`: optional packages, degrees), builds the
-ParallelStyle that shards an MoE layer's routed experts over the EP mesh and installs its token dispatcher
-(`style`), may give the layer a subclass (`layer`: DeepEP runs the shared experts on a side stream while its kernels
-hold their SMs), names the ops per-op SAC must save so that a recompute never sends tokens again (`sac_save_ops`),
-and frees what it holds after a finished run (`release`). A new backend is a module with an `ExchangeBackend`
-subclass that calls `register_backend` when imported (tests/unit/models/moe/test_exchange.py registers a toy one).
-Tensor parallelism inside the experts (ETP) keeps its own all-to-all style.
+A backend checks that it can run here (`check`), builds the ParallelStyle that shards an MoE layer's routed experts
+over the EP mesh and installs its dispatcher (`style`), may give the layer a subclass (`layer`), names the ops
+per-op SAC must save so a recompute never sends tokens again (`sac_save_ops`), and frees what it holds after a run
+(`release`). A new backend is an `ExchangeBackend` subclass that calls `register_backend` when imported. Tensor
+parallelism inside the experts (ETP) keeps its own all-to-all style.
 """
 
 from __future__ import annotations

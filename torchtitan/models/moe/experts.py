@@ -2,13 +2,11 @@
 
     out_t = W2_e (silu(W1_e x_t) * W3_e x_t)      for every row t of expert e's group
 
-The experts take the token copies a dispatcher hands them (`ExpertTokens`) and do three things as one piece
-(`run_routed_experts`): gather the copies into padded expert-major rows (each expert's group starts at a multiple of
-`token_group_alignment` rows, which `torch._grouped_mm` needs: 16 bytes along the token dimension in the
-weight-gradient GEMM, 8 rows for bf16, 16 for fp8; padding rows are zero), run the grouped-GEMM SwiGLU, and sum
-the outputs back per token. Compiled, the three are one graph (`distributed/compile.py`), and per-op SAC
-(`recompute`) is a checkpoint inside that graph: the partitioner keeps the grouped GEMMs' outputs and recomputes
-the gathers and the SwiGLU in the compiled backward, with no eager checkpoint and no dispatch mode on the host.
+`run_routed_experts` gathers the copies a dispatcher hands them (`ExpertTokens`) into padded expert-major rows (each
+group starts at a multiple of `token_group_alignment` rows, as `torch._grouped_mm` needs: 8 rows for bf16, 16 for
+fp8; padding rows are zero), runs the grouped-GEMM SwiGLU and sums the outputs back per token. Compiled, the three
+are one graph, and per-op SAC (`recompute`) is a checkpoint inside it: the grouped GEMMs' outputs are kept and the
+gathers and SwiGLU recomputed in the compiled backward.
 """
 
 from collections.abc import Callable
@@ -89,11 +87,9 @@ class GroupedExperts(nn.Module):
     """w1 (E, hidden, dim), w2 (E, dim, hidden), w3 (E, hidden, dim).
 
     forward(tokens: ExpertTokens) -> (T, dim): per token of `tokens.x`, the sum of its copies' outputs (weighted by
-    `tokens.out_weights` if given) in `tokens.out_dtype`.
-
-    `use_grouped_mm=True` computes in bf16 (what `torch._grouped_mm` supports, also under torch.compile);
-    `use_grouped_mm=False` is a per-expert loop in the tokens' dtype (reference; syncs with the host).
-    Under expert parallelism the weights are DTensors sharded on dim 0; forward uses the local shard.
+    `tokens.out_weights` if given) in `tokens.out_dtype`. `use_grouped_mm=True` computes in bf16 (what
+    `torch._grouped_mm` supports); False is a per-expert loop in the tokens' dtype (reference; syncs with the host).
+    Under EP the weights are DTensors sharded on dim 0; forward uses the local shard.
     """
 
     token_group_alignment: int = 8

@@ -30,13 +30,10 @@ def update_expert_bias(
 ) -> torch.Tensor | None:
     """b += coeff * sign(mean(c) - c); b -= mean(b); c = 0, for every MoE layer with a load_balance_coeff.
 
-    `reduce_group` spans the ranks that see different tokens of the same layers (data parallel x context
-    parallel); None means no reduction. All layers' counts go through ONE all-reduce.
-
-    Returns, with expert parallelism (`ep_degree` > 1), each layer's expert-parallel load imbalance on the device:
-    the token copies routed to the busiest EP rank's experts over the mean per EP rank (1.0 = balanced; that rank
-    sets the pace of the layer's experts and every rank waits for it at the combine), from the step's counts
-    summed over `reduce_group`. None without EP or without counting layers.
+    `reduce_group` spans the ranks that see different tokens of the same layers (dp x cp; None: no reduction); all
+    layers' counts go through one all-reduce. Returns, with EP (`ep_degree` > 1), each layer's load imbalance on the
+    device: the token copies routed to the busiest EP rank over the mean per rank (1.0 = balanced). None without EP or
+    without counting layers.
     """
     layers = [m for m in moe_modules if m.load_balance_coeff is not None]
     if not layers:

@@ -1,11 +1,9 @@
 """DeepSeek-V3 MoE layer:  h_t' = u_t + sum_i FFN_i^(s)(u_t) + sum_i g_{i,t} FFN_i^(r)(u_t)   (arXiv:2412.19437).
 
-forward: route (fp32 scores, bias only for selection) -> shared experts -> the dispatcher's dispatch stages (the
-token copies of this rank's experts, `ExpertTokens`) -> experts (into their rows, grouped GEMMs, the weighted sum
-back per token) -> its combine stages -> + shared experts. (The residual u_t is added by the transformer block.)
-That sequence is written once, in `stages`, a generator that yields each communication stage: `forward` runs them
-inline, and the micro-batch overlap (`overlap.py`) interleaves two micro-batches' stages. `self.dispatcher` is a
-`LocalTokenDispatcher` until `parallelize` installs the one of its backend (all-to-all or DeepEP).
+forward: route (fp32 scores, bias only for selection) -> shared experts -> dispatch (`ExpertTokens`) -> experts ->
+combine -> + shared experts (the block adds the residual u_t). That sequence is written once, in `stages`, a
+generator yielding each communication stage: `forward` runs them inline, and `overlap.py` interleaves two
+micro-batches' stages. `self.dispatcher` is a `LocalTokenDispatcher` until `parallelize` installs its backend's.
 """
 
 from collections.abc import Callable, Generator
@@ -90,11 +88,8 @@ class MoE(nn.Module):
         return self.sum_experts(routed, self.finish_shared_experts(shared), x.dtype).view(bs, slen, dim)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: (bs, slen, dim) -> top_scores (N, k) fp32, selected_experts (N, k).
-
-        Also hooks the training-only side effects into the backward of top_scores: token counting for the
-        bias update and the sequence-wise aux loss. Both need a backward, so eval/no_grad passes skip them.
-        """
+        """x: (bs, slen, dim) -> top_scores (N, k) fp32, selected_experts (N, k). Token counting for the bias update and
+        the sequence-wise aux loss hook into the backward of top_scores, so eval/no_grad passes skip them."""
         bs, slen, dim = x.shape
         scores = self.router.compute_scores(x.reshape(-1, dim))  # (N, E) fp32
         top_scores, selected_experts, num_tokens_per_expert = self.router.select_experts(
@@ -124,10 +119,9 @@ class MoE(nn.Module):
         return shared
 
     def compile_parts(self, compiler: Compiler, regions: MoERegions) -> None:
-        """Compile what can be compiled of this layer (`distributed/compile.py`), in place; an all-to-all dispatcher
-        was built with `regions.permutation` already. `route` calls the router's two methods, not router.forward:
-        only the selection (top-k, group masking, counting: many small ops on fixed shapes) is compiled; the scoring
-        is one linear layer plus a sigmoid."""
+        """Compile this layer's parts in place (`distributed/compile.py`; an all-to-all dispatcher was built with
+        `regions.permutation`). Of the router only the selection (top-k, group masking, counting: many small ops) is
+        compiled; the scoring is one linear layer plus a sigmoid."""
         self.router.select_experts = compiler.function(self.router.select_experts)
         if self.shared_experts is not None:
             compiler.module(self.shared_experts)
@@ -163,11 +157,8 @@ def run_inline(stages: Stages) -> torch.Tensor:
 
 
 class ExpertBiasHook:
-    """A `register_step_pre_hook` hook (optimizer, args, kwargs) that runs `update_expert_bias` and keeps the step's
-    expert-parallel load imbalance per MoE layer (`ep_load_imbalance`, on the device; None without EP).
-
-    Register it once per training step (on the optimizers container, not on each optimizer of it).
-    """
+    """A step pre-hook (optimizer, args, kwargs) of the optimizers container (not of each optimizer) that runs
+    `update_expert_bias` and keeps the step's EP load imbalance per MoE layer (`ep_load_imbalance`; None without EP)."""
 
     def __init__(self, model_parts: list[nn.Module], reduce_group: dist.ProcessGroup | None, ep_degree: int = 1):
         self.moe_modules = [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]

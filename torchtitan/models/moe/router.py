@@ -37,10 +37,8 @@ class TokenChoiceTopKRouter(nn.Module):
     def forward(
         self, x: torch.Tensor, expert_bias: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: (N, dim), expert_bias: (E,) fp32 or None.
-
-        Returns top_scores (N, k) fp32, selected_experts (N, k) int64, num_tokens_per_expert (E,) int64.
-        """
+        """x: (N, dim), expert_bias: (E,) fp32 or None -> top_scores (N, k) fp32, selected_experts (N, k) int64,
+        num_tokens_per_expert (E,) int64."""
         return self.select_experts(self.compute_scores(x), expert_bias)
 
     def compute_scores(self, x: torch.Tensor) -> torch.Tensor:
