@@ -1,13 +1,9 @@
 """One communication buffer per expert-parallel group, created at parallelize time.
 
-`torch.ops.deepep.*` cannot take a `ProcessGroup`, so ops receive the EP group's `group_name` and look the
-buffer up here. The registry holds buffers (long-lived, one per group), never dispatch handles: handles are
-tensors returned by `deepep::dispatch` and owned by autograd / the dispatch state.
-
-On CUDA an `EPBuffer` wraps a `deep_ep.Buffer` sized from DeepEP's config hints; on CPU it only carries the
-group (the gloo reference kernels need nothing else). Buffers are created or grown only by
-`get_or_create_buffer`, which `DeepEPExpertParallel._apply` calls: never inside forward, so never inside a
-checkpointed region.
+Ops cannot take a `ProcessGroup`, so they receive the EP group's `group_name` and look the buffer up here. The
+registry holds buffers only, never dispatch handles (those are tensors owned by autograd / the dispatch state). On
+CUDA an `EPBuffer` wraps a `deep_ep.Buffer` sized from DeepEP's config hints; on CPU it only carries the group.
+Buffers are created or grown only by `get_or_create_buffer` (from `DeepEPExpertParallel._apply`), never in forward.
 """
 
 from __future__ import annotations
@@ -103,12 +99,9 @@ def get_or_create_buffer(
     device_type: str = "cuda",
     num_sms: int = 24,
 ) -> EPBuffer:
-    """Return the group's buffer, creating it (or growing it for a larger `hidden_dim` / new `num_sms`).
-
-    Collective over `group` on CUDA (DeepEP exchanges IPC handles), so every rank of the group must call it with
-    the same arguments. `num_sms` is positive and even (the config checks `parallelism.deepep_num_sms`). Call it
-    at parallelize time only; growing destroys the old `deep_ep.Buffer`.
-    """
+    """Return the group's buffer, creating it (or growing it for a larger `hidden_dim` / new `num_sms`, which destroys
+    the old `deep_ep.Buffer`). Collective over `group` on CUDA (DeepEP exchanges IPC handles): every rank calls it with
+    the same arguments, at parallelize time only. `num_sms` is positive and even (checked by the config)."""
     group_name = group.group_name
     current = _BUFFERS.get(group_name)
     if current is not None:

@@ -36,10 +36,9 @@ __all__ = [
 
 @dataclass
 class ExpertTokens:
-    """The token copies this rank's experts take, as a dispatcher hands them over: tokens plus an expert-major order
-    of their (token, k) slots. The experts lay the copies out in their rows themselves (`run_on_expert_rows`), so
-    the gather into the rows, the experts and the sum back per token run as one piece (one compiled region, whose
-    activation checkpoint can recompute the gather and the SwiGLU inside the graph)."""
+    """The token copies this rank's experts take: tokens plus an expert-major order of their (token, k) slots. The
+    experts lay the copies out in their rows themselves (`run_on_expert_rows`), so the gather, the experts and the sum
+    back run as one compiled region."""
 
     x: torch.Tensor  # (T, dim) tokens; token t's copies are slots t * top_k + j
     order: torch.Tensor  # (C,) int64 slots, local-expert-major; the first sum(counts) are routed, the rest not
@@ -135,12 +134,9 @@ class TokenDispatcher(ABC):
 
 
 class LocalTokenDispatcher(TokenDispatcher):
-    """All experts on this rank: the local batch's tokens go to the experts as they are, with their expert-major
-    order; the experts' output is already the per-token sum.
-
-    Subclasses that exchange the sorted copies with other ranks (all-to-all) override the communication stages
-    and the local re-ordering around them.
-    """
+    """All experts on this rank: the local tokens go to the experts as they are, with their expert-major order; the
+    experts' output is already the per-token sum. Exchanging subclasses override the communication stages and the
+    local re-ordering around them."""
 
     backend = "local"
 

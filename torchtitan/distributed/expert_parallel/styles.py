@@ -1,14 +1,12 @@
 """ParallelStyles for an `MoE` layer's routed experts: each shards `moe.experts` and installs the layer's token
-dispatcher (the all-to-all ones built with the send buffer's permutation, eager or compiled, they are given). The
-experts module never changes and no hooks rewrite its arguments.
+dispatcher; the experts module never changes and no hooks rewrite its arguments.
 
 - `ExpertParallel` (ep mesh): weights Shard(0) (each rank owns E / ep experts); all-to-all token exchange.
-- `ExpertTensorParallel` ([ep, etp] mesh): EP across ranks plus TP inside each expert: w1/w3 [Shard(0), Shard(1)]
-  (column-wise), w2 [Shard(0), Shard(2)] (row-wise). Tokens are identical on the etp ranks, so the expert output
-  is a partial sum over etp, reduced by the MoE module's output layout (reduce-scatter to the sequence shard).
+- `ExpertTensorParallel` ([ep, etp] mesh): EP plus TP inside each expert: w1/w3 [Shard(0), Shard(1)], w2
+  [Shard(0), Shard(2)]. The expert output is a partial sum over etp, reduced by the MoE module's output layout.
 - `TensorParallel` (tp mesh, ep == 1): TP inside experts, no token exchange.
-- `DeepEPExpertParallel` (1-D ep mesh): weights Shard(0); DeepEP's dispatch and combine. It creates the group's
-  communication buffer here, at parallelize time, never in forward.
+- `DeepEPExpertParallel` (1-D ep mesh): weights Shard(0); DeepEP's dispatch and combine; creates the group's buffer
+  at parallelize time.
 """
 
 from __future__ import annotations
@@ -73,13 +71,9 @@ class TensorParallel(ParallelStyle):
 
 
 class DeepEPExpertParallel(ParallelStyle):
-    """On an `MoE` (parallelize makes it a `DeepEPMoE`): experts sharded on dim 0 over the 1-D EP mesh, tokens
-    exchanged with DeepEP.
-
-    num_sms: SMs DeepEP's kernels may use (`parallelism.deepep_num_sms`, even).
-    sync_free: dispatch with worst-case receive sizes, no host wait (`parallelism.deepep_sync_free_dispatch`).
-    fp8: dispatch tokens as FP8 with one scale per 128 channels (`quantize.float8_dispatch`).
-    """
+    """On an `MoE` (parallelize makes it a `DeepEPMoE`): experts sharded on dim 0 over the 1-D EP mesh, tokens exchanged
+    with DeepEP. num_sms, sync_free, fp8: `parallelism.deepep_num_sms`, `parallelism.deepep_sync_free_dispatch`,
+    `quantize.float8_dispatch`."""
 
     def __init__(
         self,
