@@ -92,10 +92,8 @@ class ActivationBudget:
     """Measures the run's first step (hooks on the MoE blocks, at `measuring_levels`), sets the MoE blocks' levels
     after it and corrects them once after the next step (`after_step`).
 
-    `blocks`: (its `SwitchableCheckpointWrapper`, MoE block) per MoE block in forward order (`budget_blocks`:
-    `apply_ac` wraps every MoE block in one, switched off, when a budget is set). `memory_allocated`,
-    `max_memory_reserved` and `release_cached` are the device allocator's (injectable for tests). The hooks run
-    after FSDP's, so a block's gathered weights count before its forward, not in what it keeps.
+    `blocks`: (its `SwitchableCheckpointWrapper`, MoE block) per MoE block in forward order (`budget_blocks`). The
+    allocator functions are injectable for tests. The hooks run after FSDP's, so gathered weights do not count as kept.
     """
 
     def __init__(
@@ -229,4 +227,4 @@ def set_level(wrapper: nn.Module, block: nn.Module, level: str) -> None:
     if level not in LEVELS:
         raise ValueError(f"activation checkpoint level {level!r}: use one of {LEVELS}")
     wrapper.enabled = level == "full"
-    block.moe.experts.recompute = level == "sac"
+    block.recompute_part(level == "sac")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -32,7 +32,24 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torchtitan.distributed.compile import CompiledRegion, recompile_guard_contexts
 from torchtitan.distributed.utils import transformer_blocks
 
-__all__ = ["SwitchableCheckpointWrapper", "apply_ac", "budget_blocks", "op_sac_save_list", "per_op_sac_contexts"]
+__all__ = [
+    "PartialRecompute",
+    "SwitchableCheckpointWrapper",
+    "apply_ac",
+    "budget_blocks",
+    "op_sac_save_list",
+    "per_op_sac_contexts",
+]
+
+
+@runtime_checkable
+class PartialRecompute(Protocol):
+    """A block that per-op SAC checkpoints in part, not whole (an MoE block: its routed experts, module docstring).
+    `recompute_part(on)` switches that part's recompute and returns True; a block without such a part returns False
+    and is checkpointed whole. A block with a part also compiles its parts itself (`compile.CompiledParts`), so a
+    whole-block checkpoint of it runs compiled regions eagerly and gets the recompile guard."""
+
+    def recompute_part(self, on: bool) -> bool: ...
 
 
 def op_sac_save_list() -> set[Any]:
@@ -81,13 +98,10 @@ def apply_ac(
 ) -> None:
     """Wrap the blocks of `model.layers` (and `model.mtp`) in non-reentrant checkpoint wrappers per `ac_config`.
 
-    mode "none": nothing. "full": every block. "selective" with selective_ac_option "op": per-op SAC on every dense
-    block and on the routed experts of every MoE block (module docstring); with an integer N: full checkpointing of
-    every Nth block (blocks 0, N, 2N, ... by position in this model part). `num_blocks` (>= 0) keeps only the
-    selected blocks at positions below it. The whole-block checkpoints of MoE blocks also get the recompile guard of
-    `compile.recompile_guard_contexts` over `compiled_regions` (the model's `MoERegions` run inside an eager
-    checkpoint there; dense blocks are compiled together with theirs). `exchange_ops`: the exchange backend's ops,
-    which per-op SAC saves too.
+    "full": every block. "selective", option "op": per-op SAC on every dense block and on every MoE block's routed
+    experts; option N: every Nth block by position, fully. `num_blocks` (>= 0) keeps only blocks below it. Whole-block
+    checkpoints of MoE blocks get `compile.recompile_guard_contexts` over `compiled_regions`. `exchange_ops`: the
+    exchange backend's ops, which per-op SAC saves too.
     """
     mode, option = ac_config.mode, str(ac_config.selective_ac_option)
     num_blocks = ac_config.num_blocks
@@ -155,11 +169,10 @@ def _wrap_blocks(
     for position, (container, prefix, name, block) in enumerate(blocks):
         if not selected(position):
             continue
-        is_moe = getattr(block, "moe_enabled", False)
-        guard_name = f"{prefix}.{name}" if is_moe and compiled_regions else None
+        has_part = isinstance(block, PartialRecompute) and block.recompute_part(sac_save_ops is not None)
+        guard_name = f"{prefix}.{name}" if has_part and compiled_regions else None
         guarded = compiled_regions if guard_name is not None else ()  # dynamo traces a dense block's partial
-        if is_moe and sac_save_ops is not None:
-            block.moe.experts.recompute = True
+        if has_part and sac_save_ops is not None:
             if switchable:  # a memory budget may recompute the whole block instead (activation_budget.py)
                 whole = partial(_checkpoint_contexts, None, guard_name, guarded) if guard_name is not None else None
                 wrapper = SwitchableCheckpointWrapper(block, whole)

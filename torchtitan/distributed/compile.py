@@ -81,18 +81,14 @@ class CompiledParts(Protocol):
 class CompiledRegion:
     """A function compiled once for all MoE layers, whose token-row dims are dynamic from its first call.
 
-    Why: with the router's own routing every layer and step sees another number of token rows. Left to automatic
-    dynamic shapes, dynamo compiles a static graph at the first size and a second, dynamic graph at the next one.
-    An activation-checkpoint recompute of an earlier layer then runs the newer graph while its forward ran the
-    older one; the two save different tensors, and backward fails with a CheckpointError. Marking the row dims
-    dynamic before every call, and compiling them size-oblivious (0 or 1 rows do not specialize a new graph),
-    gives one graph for every row count.
+    Every layer and step sees another number of token rows. With automatic dynamic shapes dynamo compiles a static
+    graph at the first size and a dynamic one at the next; a checkpoint recompute of an earlier layer then runs the
+    newer graph, which saves other tensors, and backward fails. Marking the row dims dynamic before every call
+    (size-oblivious) gives one graph for every row count.
 
     `token_dims` maps a positional argument's index to its row dim, or for a dataclass argument to {field: row dim}
-    (None arguments and fields are skipped). `num_graphs` counts the graphs this region compiled,
-    `graphs_in_checkpoints` those it compiled inside a whole MoE block's checkpoint (the activation-checkpoint guard
-    reads it: a region may also run outside the checkpoint, and a graph compiled there for other dtypes is never one
-    the checkpoint's calls use).
+    (None arguments and fields are skipped). `num_graphs` counts the graphs compiled, `graphs_in_checkpoints` those
+    compiled inside a whole MoE block's checkpoint (what the activation-checkpoint guard reads).
     """
 
     def __init__(self, fn: Callable, backend: str, token_dims: dict[int, int | dict[str, int]]):
@@ -161,12 +157,9 @@ class RecompiledDuringCheckpointError(RuntimeError):
 def recompile_guard_contexts(
     block_name: str, regions: tuple[CompiledRegion, ...]
 ) -> tuple[contextlib.AbstractContextManager, ...]:
-    """(forward, recompute) contexts for `torch.utils.checkpoint`'s `context_fn` of an MoE block.
-
-    The recompute must run the graphs its forward ran. If a `CompiledRegion` compiled a graph after the block's
-    forward (or while recomputing it), dynamo may pick that graph for the recompute, whose saved tensors need not
-    match the forward's: this raises one error naming the block, the region and dynamo's recompile reason instead
-    of a metadata mismatch deep in autograd.
+    """(forward, recompute) contexts for `torch.utils.checkpoint`'s `context_fn` of an MoE block: if a `CompiledRegion`
+    compiled a graph after the block's forward, the recompute may run it and save other tensors; this raises one error
+    naming the block, the region and dynamo's reason instead of a metadata mismatch deep in autograd.
     """
     forward_graphs: dict[str, int] = {}
 

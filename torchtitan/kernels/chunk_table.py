@@ -1,10 +1,8 @@
 """What lets one kernel launch walk a list of tensors: the chunk table and the per-step address table.
 
-A launch over tensors t_0..t_{n-1} runs one program per chunk of `CHUNK` elements; the chunk table tells a program
-which tensor and which chunk of it it owns (a tensor of 0 elements owns none). The table depends only on the
-tensors' sizes, so it is built once per size list and cached. The tensors' addresses change between steps (every
-backward makes new gradients), so they go into an address table built on the host and copied to the device each
-step: one host-to-device copy, no device synchronization.
+One program per chunk of `CHUNK` elements; the chunk table (cached per size list) tells a program which tensor and
+chunk it owns. Addresses change every step (new gradients), so they go into a table built on the host and copied to
+the device each step: one host-to-device copy, no synchronization.
 """
 
 import functools
@@ -50,11 +48,8 @@ def chunk_table(numels: tuple[int, ...], device: torch.device) -> ChunkTable:
 def to_device_tables(
     addresses: list[int], scalars: torch.Tensor, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 `addresses` and fp32 `scalars` (1-D, on the host) -> both on `device`, in one host-to-device copy.
-
-    The scalars ride in the tail of the int64 buffer, two per word. The host buffer is pinned, so the copy is
-    asynchronous; torch's pinned-memory allocator keeps it alive until the copy has run.
-    """
+    """int64 `addresses` and fp32 `scalars` (1-D, on the host) -> both on `device` in one asynchronous copy from pinned
+    memory (the scalars ride in the tail of the int64 buffer, two per word)."""
     num_addresses, num_scalars = len(addresses), scalars.numel()
     host = torch.empty(num_addresses + (num_scalars + 1) // 2, dtype=torch.int64, pin_memory=True)
     host[:num_addresses] = torch.tensor(addresses, dtype=torch.int64)

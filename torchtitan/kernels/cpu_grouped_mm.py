@@ -1,9 +1,7 @@
-"""`torch._grouped_mm` for bf16 tensors on CPU, computed in fp32.
+"""`torch._grouped_mm` for bf16 tensors on CPU, computed in fp32 and rounded to bf16 once (as the GPU accumulates).
 
-CPUs without bf16 matrix instructions run bf16 GEMMs ~30x slower than fp32 ones, and the routed experts' grouped
-GEMMs are most of a CPU step of the debug models. This op multiplies the bf16 values in fp32 and rounds the result to
-bf16 once, as the GPU kernel accumulates. It is a custom op with its own backward because `torch._grouped_mm` only
-traces (torch.compile's fake tensors) with bf16 operands; per-op SAC saves its output like `aten._grouped_mm`'s.
+bf16 GEMMs run ~30x slower than fp32 on CPUs without bf16 matrix instructions. A custom op with its own backward,
+because `torch._grouped_mm` only traces with bf16 operands; per-op SAC saves its output like `aten._grouped_mm`'s.
 """
 
 import torch

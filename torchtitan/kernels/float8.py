@@ -87,9 +87,8 @@ def quantize_rowwise_group_scaled(
 
 def quantize_columns_per_group(t: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """t (M, C) -> (fp8 t^T (C, M) contiguous, scales (G, C)): one scale per column within each group of rows, the
-    transposed layout the weight-gradient GEMM reads. offsets: the G cumulative group ends, multiples of
-    `ROWS_PER_BLOCK` like M (the FP8 kernel's 16-byte alignment), so each block of 16 rows is in one group and the
-    per-group maximum is a maximum over per-block maxima. Rows past the last end are zeroed and left out."""
+    layout the weight-gradient GEMM reads. offsets: the G cumulative group ends, multiples of `ROWS_PER_BLOCK` like M,
+    so the per-group maximum is a maximum over per-block maxima. Rows past the last end are zeroed and left out."""
     num_rows, num_cols = t.shape
     num_groups = offsets.shape[0]
     group_of_row = _group_of_row(offsets, num_rows)  # (M,), G for rows past the last end
@@ -131,13 +130,11 @@ def quantize_weights(weights: Sequence[torch.Tensor]) -> Float8Weights:
 
 
 class Float8WeightCache:
-    """The FP8 copies of some weights, quantized again only when a weight changed: its version counter moved (an
-    in-place update: the optimizer, a checkpoint load, init; `MultiTensorAdamW`'s kernel bumps it too) or it
-    holds other storage. One quantization per optimizer step instead of one per use (forward, the activation-
-    checkpoint recompute, each micro-batch), and the grad-input layout is kept instead of transposed per backward.
+    """The FP8 copies of some weights, quantized again only when a weight changed (its version counter moved, which
+    `MultiTensorAdamW` also bumps, or it holds other storage): once per optimizer step instead of once per use.
 
-    Only for weights that stay in place between steps: under FSDP each forward gathers them anew (the gathered
-    storage is reused without a version change), so FSDP-wrapped modules quantize at every use instead."""
+    Only for weights that stay in place between steps: FSDP gathers them anew into reused storage without a version
+    change, so FSDP-wrapped modules quantize at every use instead."""
 
     def __init__(self) -> None:
         self._key: tuple[tuple[int, int], ...] | None = None
@@ -161,10 +158,9 @@ def float8_grouped_mm(
 ) -> torch.Tensor:
     """x (M, K) @ w[g] (E, N, K) transposed for the rows of each group g -> (M, N) bf16, in FP8 both ways.
 
-    w may be a pair of weights (E, N_i, K) that share x, the experts' gate and up projections: one GEMM against
-    them stacked along N -> (M, N_1 + N_2), with x quantized once each way (forward rows, weight-gradient columns).
-    offsets: (E,) int32 cumulative group ends, as for `torch._grouped_mm`; with M, multiples of 16 (`ROWS_PER_BLOCK`).
-    w_float8: w already quantized (`quantize_weights`, e.g. from a `Float8WeightCache`); else quantized here.
+    w may be a pair (E, N_i, K) sharing x (the experts' gate and up projections): one GEMM against them stacked along N,
+    x quantized once each way. offsets: (E,) int32 cumulative group ends (`torch._grouped_mm`'s); with M, multiples of
+    16. w_float8: w already quantized (`quantize_weights`, e.g. from a `Float8WeightCache`); else quantized here.
     """
     w, w_stacked = (w, None) if isinstance(w, torch.Tensor) else w
     return _Float8GroupedMM.apply(x, offsets, w, w_stacked, *(w_float8 or (None, None, None)))
@@ -368,9 +364,8 @@ def _scaled_mm_one_group(
 def _emulated_scaled_grouped_mm(
     a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, offsets: torch.Tensor
 ) -> torch.Tensor:
-    """`torch._scaled_grouped_mm` on any device: FP8 values are exact in bf16 (and fp32), so the GEMM sums exact
-    products in fp32; the scales factor out of each dot product and multiply its result (the kernel does the same
-    before its one rounding to bf16). On CPU the GEMM runs in fp32 (bf16 GEMMs are ~30x slower there)."""
+    """`torch._scaled_grouped_mm` on any device: FP8 values are exact in bf16, so the GEMM sums exact products in fp32
+    and the scales multiply each result, as the kernel does before its one rounding to bf16 (fp32 GEMM on CPU)."""
     dtype = torch.float32 if a.device.type == "cpu" else torch.bfloat16
     product = torch._grouped_mm(a.to(dtype), b.to(dtype), offs=offsets).float()
     if b.dim() == 3:

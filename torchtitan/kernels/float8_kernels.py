@@ -1,13 +1,10 @@
 """Triton kernels for the FP8 experts' quantization: one pass over each operand (CUDA only).
 
-Left to inductor, the amax + scale + cast of `float8.py` compiles into reductions that run at a fraction of the
-memory bandwidth and cost more than the FP8 GEMMs save (benchmarks/NOTES.md). These kernels read each operand once
-(rowwise: a whole row in registers) or, per-group columns, twice (in one kernel for several groups, the second read
-mostly from L2; over row x column tiles for one group), and write the layout the GEMM reads. They compute exactly
-what the torch versions in `float8.py` compute (same formulas, same fp32 arithmetic with IEEE-rounded division, not
-Triton's approximate `/`), which remain the CPU path and the reference of tests/gpu/test_float8.py.
-
-`float8.py` wraps them in custom ops with fake kernels, opaque to torch.compile.
+Left to inductor, the amax + scale + cast of `float8.py` compiles into reductions slower than the FP8 GEMMs save.
+These kernels read each operand once (rowwise) or, per-group columns, twice (the second read mostly from L2), and
+write the layout the GEMM reads. They compute exactly what `float8.py`'s torch versions compute (same fp32
+arithmetic, IEEE-rounded division), which remain the CPU path and the tests' reference. `float8.py` wraps them in
+custom ops with fake kernels, opaque to torch.compile.
 """
 
 import torch

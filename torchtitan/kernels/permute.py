@@ -45,12 +45,10 @@ class PermutePlan:
 def plan_permutation(
     order: torch.Tensor, num_slots: int, tokens_per_expert: torch.Tensor, alignment: int | None
 ) -> PermutePlan:
-    """order (C,) int64: slots in expert-major order; its first sum(tokens_per_expert) entries are routed, the rest
-    (if any: DeepEP's sync-free worst-case sizes) belong to no expert. tokens_per_expert (E,).
-
-    alignment: pad each group to a multiple of it, at least one multiple (no GEMM group is empty, whose weight
-    gradient would rely on the kernel writing zeros); P = C rounded up + E * alignment, a static bound.
-    None: no padding, P = C (a send buffer ordered by expert)."""
+    """order (C,) int64: slots in expert-major order; its first sum(tokens_per_expert) entries are routed, the rest (if
+    any: DeepEP's sync-free worst-case sizes) belong to no expert. tokens_per_expert (E,). alignment: pad each group to
+    a multiple of it, at least one (an empty GEMM group's weight gradient would rely on the kernel writing zeros);
+    P = C rounded up + E * alignment, a static bound. None: no padding, P = C (a send buffer ordered by expert)."""
     num_rows = order.shape[0]
     counts = tokens_per_expert.to(torch.int64)
     ends = counts.cumsum(0)
@@ -129,9 +127,8 @@ def _slot_weight_grad(rows: torch.Tensor, slot_row: torch.Tensor, tokens: torch.
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t in `dtype`, with no `.to` at all when it already is: under torch.compile on torch 2.11, an autograd.Function
-    whose forward returns a no-op `.to()` (an alias of an intermediate) gets zero gradients. Needed while torch 2.11
-    is supported; torch 2.13 does not need it."""
+    """t in `dtype`, with no `.to` when it already is: under torch.compile on torch 2.11, an autograd.Function whose
+    forward returns a no-op `.to()` gets zero gradients. Remove once torch 2.11 is no longer supported."""
     return t if t.dtype == dtype else t.to(dtype)
 
 
@@ -182,12 +179,8 @@ class _UnpermuteTokens(torch.autograd.Function):
 
 
 def expert_major_order(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Positions of the flattened `expert_ids` (-1: no expert) sorted by expert, stably (so within one expert the
-    original order is kept); the -1 entries come last. Returns (expert_ids.numel(),) int64.
-
-    The one ordering every backend uses: token copies of a local batch, copies received from other ranks
-    (all-to-all), and DeepEP's received (token, local expert) slots.
-    """
+    """Positions of the flattened `expert_ids` (-1: no expert) sorted stably by expert, the -1 entries last; returns
+    (expert_ids.numel(),) int64. The one ordering every backend uses."""
     flat = expert_ids.reshape(-1)
     keys = torch.where(flat >= 0, flat, num_experts)
     return torch.argsort(keys, stable=True)
