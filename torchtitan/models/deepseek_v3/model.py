@@ -202,6 +202,14 @@ class TransformerBlock(nn.Module):
         self.moe.compile_parts(compiler, regions)
         return True
 
+    def recompute_part(self, on: bool) -> bool:
+        """Per-op SAC's unit in an MoE block is its routed experts (`activation_checkpoint.PartialRecompute`); a
+        dense block is checkpointed whole (False)."""
+        if not self.moe_enabled:
+            return False
+        self.moe.experts.recompute = on
+        return True
+
     def attention_residual(
         self, x: torch.Tensor, freqs_cis: torch.Tensor, attention_mask: AttentionMask
     ) -> torch.Tensor:
