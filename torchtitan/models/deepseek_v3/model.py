@@ -149,11 +149,8 @@ class DeepSeekV3Model(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
-        """Initialize all parameters in place (works on DTensor parameters) and recompute freqs_cis.
-
-        buffer_device: where freqs_cis lives (e.g. "cuda" after building on the meta device); default: where
-        the buffer already is, or CPU when that is the meta device.
-        """
+        """Initialize all parameters in place (DTensors too) and recompute freqs_cis on `buffer_device` (default:
+        where the buffer is, or CPU when that is the meta device)."""
         if buffer_device is None:
             buffer_device = self.freqs_cis.device if self.freqs_cis.device.type != "meta" else "cpu"
         self.freqs_cis = precompute_freqs_cis(self.args, device=buffer_device)
@@ -218,10 +215,8 @@ class TransformerBlock(nn.Module):
         return x + self.attention(self.attention_norm(x), freqs_cis, attention_mask)
 
     def ffn_input(self, h: torch.Tensor) -> torch.Tensor:
-        """ffn_norm(h), under autocast cast once to its dtype. Else each consumer casts it (an MoE has three: the
-        router, the shared experts, the routed experts' permutation) and backward sums their gradients in fp32, as
-        many more passes over a (tokens, dim) tensor. A method of its own so that an MoE block compiles the norm and
-        the cast into one kernel (`distributed/compile.py`)."""
+        """ffn_norm(h), under autocast cast once to its dtype (else each of an MoE's three consumers casts it and
+        backward sums their gradients in fp32). A method so an MoE block compiles the norm and cast as one kernel."""
         normed = self.ffn_norm(h)
         device = h.device.type
         if torch.is_autocast_enabled(device):

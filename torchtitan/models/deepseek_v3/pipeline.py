@@ -41,12 +41,9 @@ __all__ = ["TrainingStage", "module_names_per_stage", "pipeline_deepseekv3"]
 
 
 class TrainingStage(PipelineStage):
-    """A PipelineStage whose shape inference leaves no trace in training state.
-
-    torch >= 2.13 infers the shapes sent between stages by running every stage once, forward and backward (from
-    loss_fn on the last stage), on placeholder inputs before the first micro-batch. That run would count its
-    tokens into the MoE layers' expert-bias balancing and its loss into the logged MTP loss; the stage's buffers and
-    the loss's running totals are put back as they were.
+    """A PipelineStage whose shape inference leaves no trace in training state: torch >= 2.13 runs every stage once on
+    placeholder inputs, which would count tokens into the expert-bias balancing and loss into the logged MTP loss; the
+    stage's buffers and the loss's running totals are put back as they were.
     """
 
     def _forward_metadata_inference(self, *args, **kwargs):
@@ -80,11 +77,8 @@ def pipeline_deepseekv3(
     model_args: Any,
     loss_fn: Callable,
 ) -> tuple[Any, list[nn.Module], bool, bool]:
-    """Returns (schedule, model_parts of this rank, has_first_stage, has_last_stage).
-
-    `model` may be on the meta device (initialize each part afterwards) or already initialized (its weights are
-    copied into the stages).
-    """
+    """Returns (schedule, model_parts of this rank, has_first_stage, has_last_stage). `model` may be on the meta device
+    (initialize each part afterwards) or initialized (its weights are copied into the stages)."""
     parallelism = job_config.parallelism
     pp_mesh = parallel_dims.get_mesh("pp")
     schedule_class = get_schedule_class(parallelism.pipeline_parallel_schedule)

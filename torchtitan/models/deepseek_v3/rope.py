@@ -27,8 +27,7 @@ def softmax_scale(args: DeepSeekV3ModelArgs) -> float:
 
 def precompute_freqs_cis(args: DeepSeekV3ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
     """exp(i * pos * freq) for every position and rotary pair as its (cos, sin): fp32 (max_seq_len,
-    qk_rope_head_dim // 2, 2). Real, not complex64: inductor generates no code for complex tensors (each compiled
-    attention warned and fell back to eager for them); the values are torch.polar's."""
+    qk_rope_head_dim // 2, 2), real because inductor generates no code for complex tensors."""
     dim, base = args.qk_rope_head_dim, args.rope_theta
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))  # (dim // 2,)
 
@@ -45,13 +44,9 @@ def precompute_freqs_cis(args: DeepSeekV3ModelArgs, device: torch.device | str |
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of x's last dim.
-
-    x: (bs, seqlen, n_heads, rope_dim); freqs_cis: (seqlen, rope_dim // 2, 2), each pair's (cos, sin). Computed
-    in fp32, returned in x's dtype. Written as real arithmetic on (cos, sin), which inductor fuses into one kernel
-    with its neighbours; a complex multiply is an eager fallback there, with copies into and out of complex layout
-    around it. The same products as the complex multiply (bit for bit on CPU; a compiled GPU kernel may fuse them
-    into FMAs).
+    """Rotate interleaved pairs of x's last dim: x (bs, seqlen, n_heads, rope_dim), freqs_cis (seqlen, rope_dim // 2, 2)
+    each pair's (cos, sin). Computed in fp32, returned in x's dtype. Real arithmetic (the complex multiply's products)
+    so inductor fuses it with its neighbours; a complex multiply is an eager fallback there.
     """
     bs, seqlen, n_heads, rope_dim = x.shape
     cos, sin = freqs_cis.view(1, seqlen, 1, rope_dim // 2, 2).unbind(-1)
