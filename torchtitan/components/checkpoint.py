@@ -281,11 +281,9 @@ class CheckpointManager:
 
     @torch.no_grad()
     def load(self, step: int = -1) -> bool:
-        """Resume from `step-<step>` (-1: the latest complete full checkpoint). True if training state resumed.
-
-        With no checkpoint of its own, the run initializes from `checkpoint.initial_load_path` if set
-        (returns True only when that loads the full training state, i.e. initial_load_model_only=False).
-        """
+        """Resume from `step-<step>` (-1: the latest complete full checkpoint), else initialize from
+        `checkpoint.initial_load_path` if set. True if training state resumed (from an initial checkpoint only when
+        initial_load_model_only=False)."""
         if self.enable:
             path = self._rank0_decides(lambda: self._checkpoint_to_resume(step))
             if path is not None:

@@ -148,9 +148,8 @@ class MetricsProcessor:
                 self.jsonl_file = open(os.path.join(dump_folder, "metrics.jsonl"), "a")  # noqa: SIM115
 
     def drop_records_after(self, step: int) -> None:
-        """Remove the records past `step`, where this run starts (a resume point, 0 for a fresh run), from
-        metrics.jsonl and TensorBoard: an earlier run's steps after it (and a line a killed run left half written)
-        are about to be logged again. TensorBoard drops them itself when a writer starts with `purge_step`."""
+        """Remove the records past `step` (where this run starts; 0 for a fresh run) from metrics.jsonl and TensorBoard
+        (`purge_step`): an earlier run's later steps, and a half-written line, are about to be logged again."""
         if self.tb_writer is not None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -184,12 +183,10 @@ class MetricsProcessor:
     ) -> dict[str, Any]:
         """Log one step's metrics for the window of steps since the previous call; returns the jsonl record.
 
-        seconds, steps: the time the window's steps took and how many they were (`StepLog` counts and times them
-        on the device; validation passes and checkpoint saves between steps are not in them).
-        graphs_compiled: graphs torch.compile compiled in the window (0 after warm-up; more means recompiles).
-        mtp_loss: the multi-token prediction modules' mean loss, with MTP (`loss` is then the main model's).
-        ep_load_imbalance: with expert parallelism, per MoE layer the token copies of the busiest EP rank over the
-        mean per EP rank, in the logged step (`update_expert_bias`).
+        seconds, steps: the device time of the window's steps and their number (`StepLog`; validation and saves between
+        steps excluded). graphs_compiled: graphs compiled in the window (more than 0 after warm-up means recompiles).
+        mtp_loss: the MTP modules' mean loss (`loss` is then the main model's). ep_load_imbalance: per MoE layer, the
+        busiest EP rank's token copies over the mean (`update_expert_bias`).
         """
         window_seconds, window_steps = max(seconds, 1e-9), steps
         if self._logged_before:  # every window but the first (init, compile) counts for the ETA

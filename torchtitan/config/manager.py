@@ -1,8 +1,7 @@
 """Build a `JobConfig` from defaults, a TOML file and CLI flags (CLI > TOML > defaults), and print `--help`.
 
-Hand-rolled rather than argparse because we want: one error per bad key that names it and suggests the
-closest valid key, the same type rules for TOML values and CLI strings, and help text taken from the field
-docstrings in `job_config.py`, so adding a field there is the only step needed to expose it.
+Hand-rolled rather than argparse for one error per bad key naming the closest valid key, the same type rules for TOML
+and CLI values, and help text from `job_config.py`'s field docstrings (adding a field there exposes it).
 """
 
 import ast
@@ -45,11 +44,8 @@ class ConfigManager:
         self.config = JobConfig()
 
     def parse_args(self, argv: list[str] | None = None) -> JobConfig:
-        """Defaults, then `--job.config_file` TOML, then CLI flags; then `validate`.
-
-        Raises ConfigError for unknown keys, wrong types and invalid values; prints help and raises
-        HelpRequested (exit code 0) for `-h` / `--help`.
-        """
+        """Defaults, then `--job.config_file` TOML, then CLI flags; then `validate`. Raises ConfigError for bad keys,
+        types and values; for `-h` / `--help` prints help and raises HelpRequested (exit code 0)."""
         argv = sys.argv[1:] if argv is None else list(argv)
         if any(arg in _HELP_FLAGS for arg in argv):
             text = help_for(argv)
@@ -73,11 +69,8 @@ def _resolve(overrides: dict[str, Any]) -> JobConfig:
 
 
 def format_help(job: JobConfig | None = None, source: str = "") -> str:
-    """Every field as `--section.field  (type, default: X)  doc`, grouped by section.
-
-    With `job` (the config a command line resolves to), fields whose value differs from the default also show
-    it: `(type, default: X, this job: Y)`, so `--help` after a TOML file and flags says what that job will use.
-    """
+    """Every field as `--section.field  (type, default: X)  doc`, grouped by section; with `job` (what a command
+    line resolves to), fields that differ from the default also show `this job: Y`."""
     lines = [
         "usage: python -m torchtitan.train [--job.config_file PATH] [--section.field VALUE ...]",
         "",
@@ -102,10 +95,8 @@ def format_help(job: JobConfig | None = None, source: str = "") -> str:
 
 
 def help_for(argv: list[str]) -> str:
-    """`format_help` for a command line: the values its TOML file and flags resolve to (before validation).
-
-    A command line that does not parse still gets the plain help, with the error on top.
-    """
+    """`format_help` for a command line, with the values its TOML file and flags resolve to (before validation); one
+    that does not parse gets the plain help with the error on top."""
     args = [arg for arg in argv if arg not in _HELP_FLAGS]
     if not args:
         return format_help()
@@ -120,11 +111,8 @@ def help_for(argv: list[str]) -> str:
 
 
 def validate(job_config: JobConfig) -> None:
-    """Reject values that are wrong for any world size, naming the key and the fix.
-
-    Checks that need the world size or the model (degrees multiplying out, experts per EP rank) live in
-    preflight; this runs first so those never see a nonsensical value.
-    """
+    """Reject values that are wrong for any world size, naming the key and the fix. Checks that need the world size
+    or the model live in preflight, which runs after this."""
     for key in _POSITIVE_KEYS:
         value = _value(job_config, key)
         _require(value > 0, f"{key} must be a positive integer, got {value}; pass --{key} N with N >= 1")
