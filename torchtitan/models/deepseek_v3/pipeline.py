@@ -140,18 +140,14 @@ def stages_per_rank(parallelism: Any, pp_degree: int, num_layers: int) -> int:
     return per_rank
 
 
-def module_names_per_stage(
-    num_stages: int, num_layers: int, input_weight: int = 1, output_weight: int = 1, mtp_layers: int = 0
-) -> list[list[str]]:
-    """Top-level module names of each stage, balancing layer counts with the embedding / head weighted as layers.
-
-    MTP modules go on the last stage, each weighted as two layers (its block, and another pass through the head).
+def module_names_per_stage(num_stages: int, num_layers: int, mtp_layers: int = 0) -> list[list[str]]:
+    """Top-level module names of each stage, balancing layer counts with the embedding and the head weighted as one
+    layer each. MTP modules go on the last stage, each weighted as two layers (its block, another head pass).
 
     >>> module_names_per_stage(2, 4)
     [['tok_embeddings', 'layers.0', 'layers.1'], ['layers.2', 'layers.3', 'norm', 'output']]
     """
-    output_weight += 2 * mtp_layers
-    effective = num_layers + input_weight + output_weight
+    effective = num_layers + 1 + 1 + 2 * mtp_layers
     if num_stages > effective or num_stages < 1:
         raise ValueError(f"{num_stages} pipeline stages for {num_layers} layers: every stage needs a layer.")
     base, extra = divmod(effective, num_stages)
@@ -161,9 +157,8 @@ def module_names_per_stage(
         stage_names = []
         if stage == 0:
             stage_names.append("tok_embeddings")
-            budget -= input_weight
+            budget -= 1
         if stage == num_stages - 1:
-            budget -= output_weight
             budget = num_layers - next_layer  # the last stage takes whatever is left
         for _ in range(max(budget, 0)):
             if next_layer < num_layers:
