@@ -1,7 +1,5 @@
-"""The whole job configuration: nested dataclasses whose field docstrings are the `--help` text.
-
-Every field has a default; a TOML file overrides defaults and CLI flags override the TOML
-(`torchtitan.config.manager.ConfigManager`). The line under each field is its help text.
+"""The whole job configuration: nested dataclasses whose field docstrings are the `--help` text. Every field has a
+default; a TOML file overrides defaults and CLI flags override the TOML (`torchtitan.config.manager`).
 """
 
 from dataclasses import dataclass, field
@@ -95,8 +93,7 @@ class Training:
     """Dataset name; `tinycorpus` is the small English corpus shipped in torchtitan/assets."""
 
     dataset_path: str | None = None
-    """Local corpus (jsonl / txt / parquet file, a folder of them, or a saved HF dataset folder);
-    overrides `dataset`."""
+    """Local corpus (jsonl / txt / parquet file, a folder of them, or a saved HF dataset); overrides `dataset`."""
 
     local_batch_size: int = 8
     """Sequences per data-parallel rank per micro-step."""
@@ -114,8 +111,7 @@ class Training:
     """Optimizer steps to train."""
 
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
-    """Compute dtype: FSDP's parameter dtype with data or expert parallelism; autocast on a single device; with
-    tensor or pipeline parallelism alone, compute stays float32 (a warning says so)."""
+    """Compute dtype: FSDP's parameter dtype, or autocast on one device; float32 with TP or PP alone (warned)."""
 
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """FSDP gradient reduce dtype."""
@@ -177,8 +173,7 @@ class Parallelism:
     """Tensor parallel degree inside experts: 1, or equal to tensor_parallel_degree."""
 
     expert_parallel_comm_backend: str = "standard"
-    """Token dispatch/combine, a registered exchange backend (`models/moe/exchange.py`): `standard` all-to-all, or
-    `deepep` (needs the optional deep_ep package on CUDA)."""
+    """Token exchange backend (`models/moe/exchange.py`): `standard` all-to-all, or `deepep` (deep_ep, CUDA)."""
 
     deepep_num_sms: int = 24
     """SMs DeepEP's communication kernels may use (even number)."""
@@ -296,8 +291,7 @@ class Validation:
     untouched); logs validation/loss and validation/perplexity."""
 
     dataset_path: str | None = None
-    """A validation corpus (file or folder, as training.dataset_path); None: every 20th document of the training
-    corpus, which training then skips."""
+    """A validation corpus (as training.dataset_path); None: every 20th training document, which training skips."""
 
     local_batch_size: int | None = None
     """Sequences per data-parallel rank per validation batch; None = training.local_batch_size."""
@@ -342,7 +336,7 @@ class Profiling:
     """Trace folder, relative to job.dump_folder."""
 
     profile_freq: int = 10
-    """Record one step every N steps (N >= 4: the profiler warms up for the 3 steps before it)."""
+    """Record one step every N steps (N >= 4: the profiler warms up for 3 steps)."""
 
     enable_memory_snapshot: bool = False
     """Record the CUDA allocator history and dump a snapshot every profile_freq steps (GPU only)."""

@@ -185,11 +185,9 @@ deepseekv3_flavors: dict[str, DeepSeekV3ModelArgs] = {
     ),
 }
 
-# Variants of the presets above (dataclasses.replace: the same shape with the named fields changed).
-# debugmodel with document-masked (block-causal) attention for packed sequences.
+# Variants of the presets above: debugmodel with block-causal attention for packed sequences, and debugmodel shrunk
+# for the CPU test suite (~1.6M parameters, ~0.1 s a step), still splitting into 4 PP stages, EP=4, TP=2.
 deepseekv3_flavors["debugmodel_flex"] = replace(deepseekv3_flavors["debugmodel"], attn_mask_type="block_causal")
-# debugmodel shrunk for the CPU test suite (~1.6M parameters, a step ~0.1 s on one core instead of ~2 s): the same
-# structure (MLA, 1 dense + 3 MoE layers, 8 experts top-3 with 2 shared), still splitting into 4 PP stages, EP=4, TP=2.
 deepseekv3_flavors["debugmodel_tiny"] = replace(
     deepseekv3_flavors["debugmodel"],
     dim=128,
@@ -202,15 +200,11 @@ deepseekv3_flavors["debugmodel_tiny"] = replace(
     qk_rope_head_dim=16,
     v_head_dim=32,
 )
-# The benchmarks' shapes (scripts/bench/), apart from the models users train; `--model.flavor` takes them too.
+# The benchmarks' shapes (scripts/bench/; `--model.flavor` takes them too), trained from scratch (no YaRN): the 16B
+# layer shape in 8 layers (~4.6B params) for 2-4 GPUs and in 3 (~1.7B) for the GPU acceptance's save and resume, and
+# 671B's routing and expert sizes in 1 dense + 2 MoE layers (~25B params) for 8 GPUs.
 benchmark_flavors = {
-    # the 16B layer shape cut to 8 layers (1 dense + 7 MoE), ~4.6B total / ~1.1B active params: FSDP x EP over 2-4
-    # GPUs. Trained from scratch, so no YaRN (max_seq_len 4096).
     "16B_bench4": replace(deepseekv3_flavors["16B"], n_layers=8, max_seq_len=4096),
-    # the GPU acceptance (gpu_acceptance.py): 16B cut to 3 layers (~1.7B params), the same kernels as 16B_bench4 with a
-    # training state that saves and resumes within the acceptance's time and disk
     "16B_accept": replace(deepseekv3_flavors["16B"], n_layers=3, max_seq_len=4096),
-    # DeepSeek-V3's real routing and expert sizes (671B cut to 1 dense + 2 MoE layers): ~25B total / ~3.6B active
-    # params, FSDP x EP over 8 GPUs
     "671B_bench8": replace(deepseekv3_flavors["671B"], n_layers=3, n_dense_layers=1, max_seq_len=4096),
 }
