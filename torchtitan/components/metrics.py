@@ -4,10 +4,8 @@ Every `metrics.log_freq` steps the logging rank logs (the leading fields are a f
 
     step: 10  loss: 7.1234  grad_norm: 1.2345  memory: 1.23GiB(4.56%)  tps: 1,234  tflops: 1.23  mfu: 1.23%
 
-followed by a progress part `  [step 10/100  lr 8.0e-04  eta 0:01:23]` (when total_steps / lr are given).
-
-On CPU `memory: n/a` and `mfu: n/a`. tps is tokens per second per device over the window since the last log;
-tflops = flops_per_token x tps / 1e12 (achieved, per device); mfu = tflops / the device's dense bf16 peak.
+and a progress part `  [step 10/100  lr 8.0e-04  eta 0:01:23]`. tps: tokens per second per device since the last
+log; tflops = flops_per_token x tps / 1e12; mfu = tflops / the device's dense bf16 peak (memory and mfu n/a on CPU).
 """
 
 import json

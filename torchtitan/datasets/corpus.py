@@ -1,19 +1,14 @@
 """Local text corpora: which files a job reads and their documents, without torch (preflight checks them fast).
 
-Document sources (`resolve_corpus_files`, `read_documents`):
-- `training.dataset = "tinycorpus"` with no `dataset_path`: the shipped corpus (Jane Austen, one chapter per
-  document; see torchtitan/assets/README.md).
-- `training.dataset_path` = one file, a folder of files, or a saved Hugging Face dataset folder:
-  - `.jsonl` / `.jsonl.gz`: one JSON object per line, the document is its "text" field;
-  - `.txt` / `.txt.gz`: the whole file is one document (books and pages keep their blank lines);
-  - `.parquet`: column "text", one document per row (read with pyarrow);
-  - `.arrow`: Arrow IPC (stream or file format), column "text";
-  - a folder holding `state.json` / `dataset_info.json` (`datasets.Dataset.save_to_disk`): its `.arrow`
-    files in the order `state.json` lists them (the `datasets` package is not needed); a folder holding
-    `dataset_dict.json` (`DatasetDict.save_to_disk`): its `train` split;
-  - any other folder: every file above found under it, recursively, in sorted path order (suffixes in any case,
-    e.g. `.JSONL`); the trainer logs which files it reads and which it skips (`describe_corpus`).
-  Empty documents are skipped; a corpus whose documents are all empty or whitespace is an error.
+Document sources (`resolve_corpus_files`, `read_documents`): `training.dataset = "tinycorpus"` without a
+`dataset_path` is the shipped corpus (Jane Austen, one chapter per document); `training.dataset_path` is
+- a file: `.jsonl[.gz]` (one JSON object per line, its "text" field), `.txt[.gz]` (the whole file one document),
+  `.parquet` or `.arrow` (Arrow IPC stream or file; column "text", one document per row);
+- a saved Hugging Face dataset folder (`state.json` / `dataset_info.json`: its `.arrow` files in `state.json`'s
+  order, no `datasets` package needed; `dataset_dict.json`: its `train` split);
+- any other folder: every such file under it, recursively, in sorted path order (suffixes in any case); the trainer
+  logs the files it reads and skips (`describe_corpus`).
+Empty documents are skipped; a corpus whose documents are all empty or whitespace is an error.
 """
 
 import gzip

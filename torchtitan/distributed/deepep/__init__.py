@@ -1,7 +1,5 @@
-"""DeepEP's op layer: `torch.ops.deepep.*` custom ops (CUDA via deep_ep, CPU gloo reference), their kernels and
-the per-EP-group communication buffers. Nothing here knows about models or dispatchers.
-
-Importing this package registers the ops; it never imports `deep_ep` (creating a CUDA buffer does).
+"""DeepEP's op layer: `torch.ops.deepep.*` custom ops (CUDA via deep_ep, CPU gloo reference), their kernels and the
+per-EP-group buffers; nothing here knows models or dispatchers. Importing it registers the ops, never `deep_ep`.
 """
 
 from torchtitan.distributed.deepep import ops  # noqa: F401  (registers torch.ops.deepep.*)

@@ -1,6 +1,4 @@
-"""Expert parallelism: the token dispatchers (local, all-to-all, DeepEP) and the ParallelStyles that install them.
-
-`dispatcher.py` the stage interface and the local dispatcher, `all_to_all.py` and `deepep_dispatcher.py` the
-exchanging ones, `styles.py` the ParallelStyles that shard the routed experts and build a layer's dispatcher.
-DeepEP's op layer (custom ops, kernels, buffers) is `distributed/deepep/`.
+"""Expert parallelism: the token dispatchers (`dispatcher.py`: the stage interface and the local one; `all_to_all.py`,
+`deepep_dispatcher.py`) and the ParallelStyles that install them (`styles.py`). DeepEP's op layer is
+`distributed/deepep/`.
 """

@@ -35,10 +35,8 @@ __all__ = ["MicroBatchOverlap"]
 
 
 class MicroBatchOverlap:
-    """Runs an MoE layer on two halves of its batch with their stages interleaved (module docstring).
-
-    comm_stream: the communication stream, one per model (`parallelize` creates it); None runs inline (CPU).
-    """
+    """Runs an MoE layer on two halves of its batch with their stages interleaved (module docstring). comm_stream: one
+    per model (`parallelize` creates it); None runs inline (CPU)."""
 
     def __init__(self, comm_stream: torch.cuda.Stream | None):
         self.comm_stream = comm_stream
