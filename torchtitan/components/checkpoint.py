@@ -97,12 +97,9 @@ class StateDictAdapter(Protocol):
 class CheckpointManager:
     """Saves every `checkpoint.interval` steps (and the last step) and resumes from the latest complete one.
 
-    Args:
-        model_parts: the model, or its pipeline stages on this rank.
-        dataloader, train_state: objects with state_dict()/load_state_dict(); either may be None.
-        dp_rank: this rank's data-parallel rank, which keys the dataloader state. Required when
-            torch.distributed runs with more than one rank and a dataloader is given.
-        state_dict_adapter: the model's HF interop (`StateDictAdapter`), for HF import and export.
+    model_parts: the model, or this rank's pipeline stages. dataloader, train_state: stateful objects or None. dp_rank:
+    this rank's data-parallel rank, which keys the dataloader state (required on several ranks with a dataloader).
+    state_dict_adapter: the model's HF interop, for HF import and export.
     """
 
     def __init__(

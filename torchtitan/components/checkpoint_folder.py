@@ -4,10 +4,9 @@
     step-50.tmp/        a save in progress (or interrupted); never loaded
     exports/step-60/    a model-only or HF export: weights only, never resumed from, never counted by retention
 
-Only `publish` makes a checkpoint visible: manifest written and fsynced, then `step-N.tmp` renamed into place.
-Checksums: every rank writes `checksums.rank<r>.json` for the DCP files it wrote (crc32, streamed) right after
-writing them, so no single rank reads the whole checkpoint; `publish` merges them into the manifest. On resume each
-rank verifies its share of the files (`corrupt_files`).
+Only `publish` makes a checkpoint visible: manifest written and fsynced, then `step-N.tmp` renamed into place. Every
+rank checksums the DCP files it wrote (`checksums.rank<r>.json`), which `publish` merges into the manifest; on resume
+each rank verifies its share (`corrupt_files`).
 """
 
 import json

@@ -90,14 +90,10 @@ class DeviceMemoryMonitor:
 class MetricsProcessor:
     """Turns each logged step into the console line, TensorBoard scalars and one metrics.jsonl record.
 
-    Args:
-        num_flops_per_token: training FLOPs per token (forward + backward) of the whole model.
-        device: this rank's device; CUDA enables memory and MFU.
-        is_logging_rank: the one rank that prints and writes (rank 0; with PP a last-stage rank, which holds the
-            loss). Other ranks only keep their windows in step.
-        tokens_per_step: tokens one device processes per optimizer step. Default from the config:
-            global batch x seq_len / world size (TP and PP ranks share their DP rank's tokens).
-        world_size: default `torch.distributed` world size, else 1.
+    num_flops_per_token: training FLOPs per token of the whole model. is_logging_rank: the one rank that prints and
+    writes (rank 0; with PP a last-stage rank); the others only keep their windows in step. tokens_per_step: tokens one
+    device processes per optimizer step; default global batch x seq_len / world size (`world_size`: default
+    torch.distributed's, else 1).
     """
 
     def __init__(
