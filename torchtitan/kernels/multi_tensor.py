@@ -1,7 +1,6 @@
-"""The multi-tensor sum of squares (gradient clipping), and the loader of the Triton multi-tensor kernels.
-
-CUDA tensors use the Triton kernels of `multi_tensor_kernels.py` (built on `chunk_table.py`), imported on first use
-so that importing this module never needs triton; other devices use torch ops.
+"""The multi-tensor sum of squares (gradient clipping), and the loader of the Triton multi-tensor kernels: CUDA
+tensors use `multi_tensor_kernels.py`, imported on first use (importing this module never needs triton); other
+devices use torch ops.
 """
 
 from types import ModuleType

@@ -1,7 +1,5 @@
-"""What the dispatch handle (the layout `deepep::dispatch` returns and `deepep::combine` consumes) holds.
-
-The handle is a flat `list[Tensor]` whose layout depends on the kernel: the CPU gloo reference, DeepEP intranode
-(NVLink) or DeepEP internode (RDMA + NVLink). Fake kernels need the shapes to trace through `torch.compile`;
+"""What the dispatch handle (returned by `deepep::dispatch`, consumed by `deepep::combine`) holds: a flat
+`list[Tensor]` laid out per kernel (CPU gloo reference, DeepEP intranode or internode). Fake kernels need its shapes;
 combine and the cached dispatch need two sizes from it (source tokens, received tokens).
 """
 

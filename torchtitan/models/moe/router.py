@@ -4,11 +4,9 @@
     select     TopK(s_{i,t} + b_i, K_r)        b: load-balance bias, used ONLY to choose experts
     g_{i,t}  = s_{i,t} / sum_{j in TopK} s_{j,t}   (route_norm)  *  route_scale
 
-Group-limited routing (`num_expert_groups` G, `num_limited_groups` M): the experts are split into G equal groups,
-each token keeps only its M best groups, and the top-k is taken inside them. A group's score is the sum of its
-top-2 (biased) affinities for sigmoid scores (DeepSeek-V3), the max for softmax scores (DeepSeek-V2).
-
-Everything is tensor ops with static shapes (no `.item()`, no data-dependent Python branches): compile friendly.
+Group-limited routing (`num_expert_groups` G, `num_limited_groups` M): each token keeps only its M best of G equal
+expert groups and takes the top-k inside them; a group scores the sum of its top-2 (biased) affinities for sigmoid
+scores (DeepSeek-V3), the max for softmax (DeepSeek-V2). Static-shape tensor ops only: compile friendly.
 """
 
 import torch
