@@ -139,8 +139,6 @@ class ParallelDims:
 
     def get_optional_mesh(self, names: str | list[str] | tuple[str, ...]) -> DeviceMesh | None:
         """Like `get_mesh`, but None when the mesh is missing or has a single rank."""
-        if self._world_mesh is None:
-            raise RuntimeError("ParallelDims.build_mesh(device_type) must run before get_optional_mesh().")
         try:
             mesh = self.get_mesh(names)
         except KeyError:
