@@ -18,11 +18,10 @@ from torchtitan.datasets.corpus import CACHE_DIR_ENV, check_corpus, disk_cache_d
 
 logger = logging.getLogger(__name__)
 
-# When --parallelism.expert_parallel_overlap has nothing to gain (check_ep_overlap warns; benchmarks/NOTES.md,
-# "Expert-parallel overlap"): each micro-batch costs the same launches and host work for half the tokens.
+# Below these, --parallelism.expert_parallel_overlap has nothing to gain (check_ep_overlap warns): each micro-batch
+# costs the same launches for half the tokens, and an EP group within one 8-GPU host exchanges over NVLink, too
+# briefly to hide while DeepEP's kernels hold their SMs.
 OVERLAP_MIN_MICRO_BATCH_TOKENS = 16384
-# An EP group of fewer than 8 ranks fits in one 8-GPU host: its exchange runs over NVLink and is short, and DeepEP's
-# kernels hold their SMs while waiting for the other rank, so the overlap cost more than there was to hide.
 OVERLAP_MIN_EP_DEGREE = 8
 
 
@@ -320,9 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.disable(logging.WARNING)
     try:
         job_config, _ = check_job(rest, args.world_size)
-        # Only here, before launch: on the ranks, global rank 0 already holds the lock while the others check. Not
-        # with several hosts: their launchers check at the same moment, and one would find the other's check holding
-        # the lock (global rank 0 still takes it for the run).
+        # Only before launch (on the ranks, rank 0 already holds the lock), and not with several hosts, whose
+        # launchers check at the same moment and would find each other's check holding the lock.
         if args.nnodes == 1:
             check_dump_folder_free(job_config.job.dump_folder)
     except (ConfigError, ValueError, FileNotFoundError, ImportError, DumpFolderBusyError) as err:

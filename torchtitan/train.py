@@ -94,8 +94,7 @@ class Trainer:
             self.parallel_dims.world_mesh, self.device, job_config.debug.seed, job_config.debug.deterministic
         )
 
-        # Data: every DP rank reads its own slice of the same global batch stream; the context-parallel ranks of one DP
-        # rank read the same samples and keep their parts of each sequence (forward_backward).
+        # Every DP rank reads its slice of one global batch stream; its CP ranks read the same samples.
         dp_rank, dp_degree = self._dp_rank_and_degree()
         self.tokenizer = build_tokenizer(job_config)
         self.dataloader = build_dataloader(job_config, self.tokenizer, dp_rank, dp_degree)
@@ -396,8 +395,7 @@ class Trainer:
                 validates = job_config.validation.enable and (step % job_config.validation.freq == 0 or step == steps)
                 saves = self.checkpointer.saves_at(step, last_step=step == steps)
                 if self.activation_budget is not None and not self.activation_budget.calibrated:
-                    # from the memory of this run's first two steps (from step 1, or the first after a resume), read
-                    # before the flush's metrics reset the peaks: each MoE block's level
+                    # each MoE block's level, from this run's first two steps (read before the flush resets the peaks)
                     self.activation_budget.after_step(self.device)
                 if step in (1, steps) or validates or saves:
                     step_log.flush()  # this step checked before its checkpoint: a diverged update is never saved
@@ -465,8 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = Trainer(job_config, model_args)
         trainer.train()
-        # what the exchange holds (DeepEP's destroy() is collective on CUDA), before the process groups go; skipped
-        # after an error: a rank that died would leave the others waiting in it
+        # What the exchange holds (DeepEP's destroy() is collective) goes before the process groups; not after an
+        # error, where a dead rank would leave the others waiting in it.
         get_backend(job_config.parallelism.expert_parallel_comm_backend).release()
     except (DatasetError, CheckpointError, FloatingPointError, DumpFolderBusyError) as err:
         # The user's data, folder or hyperparameters: one line with the fix, no traceback.
