@@ -340,6 +340,14 @@ class CheckpointManager:
                 f"no resumable checkpoint step-{step} in {self.folder} (resumable steps: {sorted(complete)}){hint}; "
                 f"set --checkpoint.load_step to one of them, or -1 for the latest"
             )
+        later = [f"step-{s}" for s in sorted(complete) if s > step]
+        if later:  # this run's saves would overwrite them, and keep_latest_k would purge its own saves first
+            raise CheckpointError(
+                f"--checkpoint.load_step {step}: {self.folder} also holds later checkpoints ({', '.join(later)}) that "
+                f"this run would overwrite or purge; move them out of that folder first, or continue from step-{step} "
+                f"in another folder: --job.dump_folder NEW --checkpoint.initial_load_path {complete[step]} "
+                "--checkpoint.initial_load_model_only=false"
+            )
         validate_checkpoint(complete[step])
         return complete[step]
 
@@ -356,11 +364,11 @@ class CheckpointManager:
             return
         older = sorted(s for s in complete_checkpoints(self.folder) if s < manifest["step"])
         fix = (
-            f"resume from the previous checkpoint with --checkpoint.load_step {older[-1]}"
+            f"delete {path}, then resume from the previous checkpoint (--checkpoint.load_step {older[-1]}, or -1)"
             if older
-            else "no older checkpoint is left: delete it to start over"
+            else f"no older checkpoint is left: delete {path} to start over"
         )
-        raise corrupt_checkpoint_error(path, bad, f"{fix} (and delete {path})")
+        raise corrupt_checkpoint_error(path, bad, fix)
 
     def _load_initial(self, path: str) -> bool:
         begin = time.monotonic()

@@ -125,7 +125,7 @@ def validate_checkpoint(path: str, fix: str | None = None) -> dict[str, Any]:
     """Return the manifest of complete checkpoint `path`; raise CheckpointError if files do not match it."""
     reason = manifest_problem(path)
     if reason is not None:
-        fix = fix or f"Delete {path} to resume from the previous checkpoint, or pick another: --checkpoint.load_step"
+        fix = fix or f"Delete {path} (or move it out of the folder) to resume from the previous checkpoint"
         raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: {reason}. {fix}")
     with open(os.path.join(path, MANIFEST_NAME)) as f:
         return json.load(f)

@@ -1,6 +1,7 @@
 import json
 import os
 import random
+import shutil
 
 import pytest
 import torch
@@ -169,16 +170,22 @@ def test_disabled_manager_does_nothing(tmp_path):
     assert not folder(tmp_path).exists() and run.manager.load() is False
 
 
-def test_load_step_picks_an_older_checkpoint_and_missing_step_names_the_fix(tmp_path):
+def test_load_step_picks_an_older_checkpoint_only_when_nothing_later_would_be_overwritten(tmp_path):
     run = Run(make_config(tmp_path))
     run.train(2)
     step2 = run.params()
     run.train(2)
+    with pytest.raises(CheckpointError, match=r"no resumable checkpoint step-3 .*resumable steps: \[2, 4\]"):
+        Run(make_config(tmp_path)).manager.load(step=3)
+    # Resuming step 2 beside step 4 would save a new step 4 over it (and keep_latest_k would purge the new saves
+    # first): refused, naming both fixes, and nothing is touched.
+    with pytest.raises(CheckpointError, match=r"later checkpoints \(step-4\).*move them out.*initial_load_path"):
+        Run(make_config(tmp_path)).manager.load(step=2)
+    assert listing(tmp_path) == ["step-2", "step-4"]
+    shutil.move(folder(tmp_path) / "step-4", tmp_path / "step-4-kept")
     resumed = Run(make_config(tmp_path))
     assert resumed.manager.load(step=2) is True
     assert_same_params(resumed.params(), step2) and resumed.train_state.step == 2
-    with pytest.raises(CheckpointError, match=r"no resumable checkpoint step-3 .*resumable steps: \[2, 4\]"):
-        Run(make_config(tmp_path)).manager.load(step=3)
 
 
 def test_keep_latest_k_purges_only_older_complete_checkpoints(tmp_path):
@@ -285,10 +292,11 @@ def test_corrupt_checkpoint_raises_naming_folder_and_fix(tmp_path, how, reason):
     with pytest.raises(CheckpointError, match=reason) as err:
         Run(make_config(tmp_path)).manager.load()
     assert str(step4) in str(err.value)
-    assert "delete" in str(err.value).lower() and "--checkpoint.load_step" in str(err.value)
-    # The fix works: the previous checkpoint still loads.
+    assert f"delete {step4}" in str(err.value).lower()
+    # The fix works: without it the previous checkpoint loads.
+    shutil.rmtree(step4)
     resumed = Run(make_config(tmp_path))
-    assert resumed.manager.load(step=2) is True and resumed.train_state.step == 2
+    assert resumed.manager.load() is True and resumed.train_state.step == 2
 
 
 def test_same_size_corruption_of_a_data_file_is_caught_by_its_checksum(tmp_path):
