@@ -84,8 +84,13 @@ def _where_it_stopped(argv: list[str]) -> str:
         checkpoints = complete_checkpoints(folder) if job.checkpoint.enable and os.path.isdir(folder) else {}
     except Exception:  # a summary line must never turn an interrupt into a traceback
         return ""
-    if not checkpoints:
+    if not checkpoints and not job.checkpoint.enable:
         return f" after step {last_step}; no checkpoint was saved (enable --checkpoint.enable to be able to resume)"
+    if not checkpoints:
+        return (
+            f" after step {last_step}, before its first checkpoint (every {job.checkpoint.interval} steps): rerunning "
+            "the same command starts over"
+        )
     latest = max(checkpoints)
     return (
         f" after step {last_step}; the latest complete checkpoint is {checkpoints[latest]}: run the same "

@@ -178,3 +178,13 @@ def test_the_launcher_knows_which_ranks_output_is_shown():
     assert _output_shown(0, run) and not _output_shown(1, run)
     assert _output_shown(1, ["--local-ranks-filter=0,1", "-m", "torchtitan.train"])
     assert _output_shown(1, ["--nproc-per-node", "2", "-m", "torchtitan.train", "--local-ranks-filter", "0"])
+
+
+def test_the_interrupt_line_says_what_a_rerun_does(tmp_path):
+    from torchtitan.launch import _where_it_stopped
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 3}\n')
+    run = ["-m", "torchtitan.train", "--job.dump_folder", str(tmp_path)]
+    assert "enable --checkpoint.enable" in _where_it_stopped(run)
+    enabled = _where_it_stopped([*run, "--checkpoint.enable", "--checkpoint.interval", "5"])
+    assert "before its first checkpoint (every 5 steps)" in enabled and "enable --checkpoint" not in enabled

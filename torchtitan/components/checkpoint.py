@@ -235,7 +235,11 @@ class CheckpointManager:
         except (OSError, dcp.CheckpointException) as err:
             raise self._save_error(step, tmp_path, err) from err
 
-    def _save_error(self, step: int, tmp_path: str, err: BaseException) -> CheckpointError:
+    def _save_error(self, step: int, tmp_path: str, err: BaseException) -> BaseException:
+        """The one-line error of a failed save; an interrupt (Ctrl-C) that landed inside DCP's save stays one."""
+        failures = err.failures.values() if isinstance(err, dcp.CheckpointException) else ()
+        if any(isinstance(failure[0], KeyboardInterrupt) for failure in failures):
+            return KeyboardInterrupt()
         return CheckpointError(
             f"saving checkpoint step {step} into {tmp_path} failed ({dcp_error_text(err)}); the previous checkpoint "
             f"is untouched. Make {self.folder} writable with free space, or save elsewhere: --job.dump_folder"

@@ -531,3 +531,11 @@ def test_a_checkpoint_with_nan_weights_is_reported_as_corrupt_by_name(tmp_path, 
         CheckpointError, match=rf"{path} holds inf or NaN weights \(on this rank: .*\): the checkpoint is corrupt"
     ):
         manager.load()
+
+
+def test_ctrl_c_inside_a_save_stays_an_interrupt_and_other_failures_name_the_folder(tmp_path):
+    manager = Run(make_config(tmp_path)).manager
+    interrupted = dcp.CheckpointException("save failed", {0: (KeyboardInterrupt(), None)})
+    assert isinstance(manager._save_error(4, str(tmp_path / "step-4.tmp"), interrupted), KeyboardInterrupt)
+    disk = manager._save_error(4, str(tmp_path / "step-4.tmp"), OSError("No space left on device"))
+    assert isinstance(disk, CheckpointError) and "writable with free space" in str(disk)
