@@ -76,6 +76,11 @@ def resolve_corpus_files(dataset: str, dataset_path: str | None, section: str = 
         return _saved_hf_dataset_dict_files(path, dataset_path)
     if (path / "state.json").is_file() or (path / "dataset_info.json").is_file():
         return _saved_hf_dataset_files(path, dataset_path)
+    broken = sorted(str(p) for p in path.rglob("*") if p.is_symlink() and not p.exists() and _has_document_suffix(p))
+    if broken:
+        raise DatasetError(
+            f"--{section}.dataset_path={dataset_path!r} holds links to nothing: {', '.join(broken)}; fix or remove them"
+        )
     files = sorted(p for p in path.rglob("*") if p.is_file() and _has_document_suffix(p))
     if not files:
         raise DatasetError(

@@ -209,6 +209,13 @@ def test_folder_suffixes_in_any_case_and_the_log_line_names_read_and_skipped_fil
     assert describe_corpus(files[:1], str(files[0])) == "corpus: 1 file (A.TXT)"
 
 
+def test_a_corpus_file_that_links_to_nothing_is_an_error_not_skipped(tmp_path, documents):
+    (tmp_path / "a.jsonl").symlink_to(tmp_path / "gone.jsonl")
+    (tmp_path / "b.txt").write_text(documents[0])
+    with pytest.raises(DatasetError, match=r"links to nothing: .*a\.jsonl; fix or remove them"):
+        resolve_corpus_files("tinycorpus", str(tmp_path))
+
+
 def test_empty_documents_are_skipped(tmp_path, tokenizer):
     (tmp_path / "d.jsonl").write_text('{"text": ""}\n{"text": "Emma"}\n')
     stream, num_documents = tokenize_corpus([tmp_path / "d.jsonl"], tokenizer)
