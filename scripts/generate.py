@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -47,7 +46,10 @@ from torchtitan.models.deepseek_v3 import (  # noqa: E402
     all_flavors,
 )
 from torchtitan.models.deepseek_v3.rope import precompute_freqs_cis  # noqa: E402
-from torchtitan.models.deepseek_v3.state_dict_adapter import model_args_from_hf_config  # noqa: E402
+from torchtitan.models.deepseek_v3.state_dict_adapter import (  # noqa: E402
+    model_args_from_hf_config,
+    read_hf_config,
+)
 
 SHIPPED_TOKENIZER = "torchtitan/assets/tokenizer/tokenizer.json"
 
@@ -209,6 +211,7 @@ def load_tokenizer(path: str | None, checkpoint: str, hf_config: dict | None) ->
 
 def _hf_config(checkpoint: str, hf_config_path: str | None, flavor: str | None) -> dict | None:
     """The HF config.json giving the model shape: --hf-config, else an HF folder's own; None for --flavor."""
+    given = hf_config_path
     if not os.path.isdir(checkpoint):
         raise ValueError(f"{checkpoint} is not a folder: pass a DCP checkpoint or a Hugging Face folder")
     if hf_config_path is None and flavor is None:
@@ -221,8 +224,14 @@ def _hf_config(checkpoint: str, hf_config_path: str | None, flavor: str | None) 
                              "pass a checkpoint folder")  # fmt: skip
     if hf_config_path is None:
         return None
-    with open(hf_config_path) as f:
-        return json.load(f)
+    config = read_hf_config(hf_config_path, "--hf-config" if hf_config_path == given else "config.json")
+    try:
+        model_args_from_hf_config(config)  # the shape it gives, checked here, where the file is known
+    except KeyError as err:
+        raise ValueError(f"{hf_config_path} has no {err.args[0]!r}: not a DeepSeek-V2/V3 config.json") from None
+    except ValueError as err:
+        raise ValueError(f"{hf_config_path}: {err}; fix the file") from None
+    return config
 
 
 def _is_dcp(path: str) -> bool:

@@ -2,6 +2,7 @@
 checkpoint or cache folder that is a file, an unknown pipeline schedule, a tokenizer it cannot use."""
 
 import importlib.util
+import json
 
 import pytest
 
@@ -111,7 +112,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_names_both_sizes():
 
 @pytest.mark.parametrize(
     "text, message",
-    [("{bad", r"bad.json: not valid JSON \(Expecting"), ('{"model_type": "deepseek_v3"}', "has no 'n_routed_experts'")],
+    [("{bad", r"bad.json: not valid JSON \(Expecting"), ('{"model_type": "deepseek_v3"}', "has no 'vocab_size'")],
     ids=["malformed", "not-deepseek"],
 )
 def test_an_hf_config_that_is_not_a_deepseek_config_json_is_one_error(tmp_path, text, message):
@@ -153,3 +154,23 @@ def test_the_lock_check_before_launch_is_for_one_host_only(tmp_path, capsys):
         assert main([*args, "--nnodes", "2"]) == 0
     finally:
         held.close()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"hidden_size": "abc"}, r"hidden_size='abc' must be a positive whole number"),
+        ({"num_hidden_layers": -2}, r"num_hidden_layers=-2 must be a positive whole number"),
+        ({"num_experts_per_tok": 20}, r"num_experts_per_tok=20 must be at most n_routed_experts=\d+"),
+    ],
+    ids=["string-size", "negative-layers", "top-k-above-experts"],
+)
+def test_an_hf_config_with_impossible_sizes_is_one_error_naming_the_file(tmp_path, change, message):
+    from torchtitan.models.deepseek_v3 import all_flavors
+    from torchtitan.models.deepseek_v3.state_dict_adapter import hf_config_from_model_args
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**hf_config_from_model_args(all_flavors()["debugmodel"]), **change}))
+    args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path / "dump"), "--model.hf_config_path", str(path)]
+    with pytest.raises(ValueError, match=rf"--model.hf_config_path {path}: {message}; fix the file"):
+        check_job(args, world_size=1)

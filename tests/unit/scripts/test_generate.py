@@ -1,6 +1,7 @@
 """scripts/generate.py samples from a checkpoint (a Hugging Face folder, or our DCP conversion of it): its greedy
 output is transformers' greedy output for the same weights, and sampling draws from the top-k only."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,19 @@ def test_bad_sampling_options_are_one_error_line(args, message, tmp_path, capsys
     assert generate.main([str(hf_folder), "--prompt", "x", *args]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("error: ") and message in line, line
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [("{bad", ": not valid JSON ("), ('{"hidden_size": "abc"}', "hidden_size='abc' must be a positive whole number")],
+    ids=["malformed", "string-size"],
+)
+def test_a_bad_config_json_is_one_error_line_naming_it(text, message, tmp_path, capsys):
+    hf_folder, _ = _checkpoint(tmp_path, "default", "dcp")
+    config = json.loads((hf_folder / "config.json").read_text()) if text.startswith('{"') else None
+    path = hf_folder / "config.json"
+    path.write_text(json.dumps({**config, **json.loads(text)}) if config is not None else text)
+    capsys.readouterr()
+    assert generate.main([str(hf_folder), "--prompt", "x", "--device", "cpu"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: ") and str(path) in line and message in line, line

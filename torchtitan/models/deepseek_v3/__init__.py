@@ -1,13 +1,16 @@
 """DeepSeek-V3 model: args and flavors, the model, and Hugging Face interop."""
 
 import copy
-import json
 import logging
 import os
 
 from .args import DeepSeekV3ModelArgs, benchmark_flavors, deepseekv3_flavors
 from .model import DeepSeekV3Model
-from .state_dict_adapter import DeepSeekV3StateDictAdapter, model_args_from_hf_config, mtp_layers_for_checkpoint
+from .state_dict_adapter import (
+    DeepSeekV3StateDictAdapter,
+    model_args_from_hf_config_file,
+    mtp_layers_for_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -27,20 +30,7 @@ def get_model_args(job_config) -> DeepSeekV3ModelArgs:
     job's overrides. With an initial checkpoint that holds no MTP tensors, MTP is off unless model.mtp_layers asks for
     it (mtp_layers_for_checkpoint)."""
     if job_config.model.hf_config_path:
-        path = job_config.model.hf_config_path
-        try:
-            with open(path) as f:
-                config = json.load(f)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"--model.hf_config_path {path}: not valid JSON ({err}); fix the file") from None
-        except FileNotFoundError:
-            raise FileNotFoundError(f"--model.hf_config_path {path} does not exist; give a config.json") from None
-        try:
-            args = model_args_from_hf_config(config)
-        except KeyError as err:
-            raise ValueError(
-                f"--model.hf_config_path {path} has no {err.args[0]!r}: not a DeepSeek-V2/V3 config.json"
-            ) from None
+        args = model_args_from_hf_config_file(job_config.model.hf_config_path, "--model.hf_config_path")
     else:
         flavor = job_config.model.flavor
         if flavor not in all_flavors():

@@ -9,6 +9,7 @@ route_scale <-> routed_scaling_factor, num_expert_groups / num_limited_groups <-
 moe.expert_bias <-> mlp.gate.e_score_correction_bias (V3 only).
 """
 
+import json
 import logging
 import re
 from collections.abc import Collection
@@ -191,6 +192,31 @@ def mtp_layers_for_checkpoint(
     return 0
 
 
+def read_hf_config(path: str, flag: str) -> dict[str, Any]:
+    """The config.json at `path` (given by `flag`); a missing or malformed file is one error naming both."""
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{flag} {path}: not valid JSON ({err}); fix the file") from None
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{flag} {path} does not exist; give a config.json") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{flag} {path}: not a JSON object; give a Hugging Face config.json")
+    return config
+
+
+def model_args_from_hf_config_file(path: str, flag: str) -> DeepSeekV3ModelArgs:
+    """`model_args_from_hf_config` of the config.json at `path`, every problem one error naming `flag` and the file."""
+    config = read_hf_config(path, flag)
+    try:
+        return model_args_from_hf_config(config)
+    except KeyError as err:
+        raise ValueError(f"{flag} {path} has no {err.args[0]!r}: not a DeepSeek-V2/V3 config.json") from None
+    except ValueError as err:
+        raise ValueError(f"{flag} {path}: {err}; fix the file") from None
+
+
 def model_args_from_hf_config(config: dict[str, Any]) -> DeepSeekV3ModelArgs:
     """Model args from a HF DeepSeek-V2/V3 config.json dict."""
     model_type = config.get("model_type", "deepseek_v3")
@@ -201,6 +227,7 @@ def model_args_from_hf_config(config: dict[str, Any]) -> DeepSeekV3ModelArgs:
     if config.get("moe_layer_freq", 1) != 1:
         raise ValueError("moe_layer_freq != 1 is not supported: every layer after the dense ones must be MoE")
 
+    _check_shape(config)
     n_group = config.get("n_group") or 1
     if model_type == "deepseek_v2" and config.get("topk_method", "greedy") == "greedy":
         n_group = 1
@@ -262,6 +289,27 @@ def model_args_from_hf_config(config: dict[str, Any]) -> DeepSeekV3ModelArgs:
         mtp_layers=config.get("num_nextn_predict_layers") or 0,
         **yarn,
     )
+
+
+_SHAPE_KEYS = (
+    "vocab_size hidden_size intermediate_size moe_intermediate_size num_hidden_layers num_attention_heads "
+    "n_routed_experts num_experts_per_tok kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim"
+).split()
+
+
+def _check_shape(config: dict[str, Any]) -> None:
+    """The sizes a model is built from: positive whole numbers, and top-k among the routed experts."""
+    for key in _SHAPE_KEYS:
+        value = config[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{key}={value!r} must be a positive whole number")
+    for key in ("n_shared_experts", "first_k_dense_replace"):
+        value = config.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{key}={value!r} must be a whole number >= 0")
+    top_k, experts = config["num_experts_per_tok"], config["n_routed_experts"]
+    if top_k > experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must be at most n_routed_experts={experts}")
 
 
 def hf_config_from_model_args(args: DeepSeekV3ModelArgs) -> dict[str, Any]:
