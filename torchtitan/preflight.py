@@ -53,6 +53,12 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, Any]:
     check_profiling(job_config)
     check_memory_budget(job_config)
     check_pipeline_schedule(job_config, parallel_dims)
+    check_compile_backend(job_config)
+    if job_config.training.enable_cpu_offload and not parallel_dims.fsdp_enabled:
+        raise ConfigError(
+            "training.enable_cpu_offload offloads FSDP's shards, and this job runs without FSDP (one rank, no "
+            "data, context or expert parallelism): drop the flag"
+        )
     if parallel_dims.pp_enabled:
         spec.check_pipeline(job_config, parallel_dims, model_args)
     check_validation(job_config, model_args, parallel_dims)
@@ -275,15 +281,25 @@ def check_cache_folder() -> None:
 
 
 def check_pipeline_schedule(job_config: JobConfig, parallel_dims) -> None:
-    if not parallel_dims.pp_enabled:
-        return
+    name = job_config.parallelism.pipeline_parallel_schedule
+    if not parallel_dims.pp_enabled and name == type(job_config.parallelism)().pipeline_parallel_schedule:
+        return  # the default, unused: no pipelining import
     from torch.distributed.pipelining.schedules import get_schedule_class
 
-    name = job_config.parallelism.pipeline_parallel_schedule
     try:
         get_schedule_class(name)
     except ValueError as err:
         raise ConfigError(f"parallelism.pipeline_parallel_schedule={name!r}: {err}; pass one of them") from None
+
+
+def check_compile_backend(job_config: JobConfig) -> None:
+    if not job_config.compile.enable:
+        return
+    import torch._dynamo
+
+    backend, known = job_config.compile.backend, torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise ConfigError(f"compile.backend={backend!r} is not a torch.compile backend; pass one of {known}")
 
 
 def check_memory_budget(job_config: JobConfig) -> None:

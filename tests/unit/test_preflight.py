@@ -174,3 +174,19 @@ def test_an_hf_config_with_impossible_sizes_is_one_error_naming_the_file(tmp_pat
     args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path / "dump"), "--model.hf_config_path", str(path)]
     with pytest.raises(ValueError, match=rf"--model.hf_config_path {path}: {message}; fix the file"):
         check_job(args, world_size=1)
+
+
+@pytest.mark.parametrize(
+    "args, world_size, message",
+    [
+        (["--compile.enable", "--compile.backend", "foo"], 1, r"compile.backend='foo' is not a torch.compile backend"),
+        (["--parallelism.pipeline_parallel_schedule", "Foo"], 1, r"pipeline_parallel_schedule='Foo'"),
+        (["--training.enable_cpu_offload"], 1, r"enable_cpu_offload offloads FSDP's shards.*drop the flag"),
+    ],
+    ids=["compile-backend", "schedule-without-pp", "cpu-offload-without-fsdp"],
+)
+def test_settings_that_would_fail_late_or_do_nothing_are_one_error(tmp_path, args, world_size, message):
+    with pytest.raises(ConfigError, match=message):
+        check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path), *args], world_size=world_size)
+    if "--training.enable_cpu_offload" in args:  # with FSDP it is accepted
+        check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path), *args], world_size=2)
