@@ -78,11 +78,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def sample_text(opts: argparse.Namespace) -> str:
     """The text the checkpoint continues opts.prompt with."""
-    if opts.max_new_tokens < 1 or not opts.temperature >= 0 or (opts.top_k is not None and opts.top_k < 1):
-        raise ValueError("--max-new-tokens and --top-k must be >= 1, --temperature >= 0 (0: greedy)")
-    if not math.isfinite(opts.temperature):
+    if opts.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {opts.max_new_tokens}: pass 1 or more")
+    if opts.top_k is not None and opts.top_k < 1:
+        raise ValueError(f"--top-k {opts.top_k}: pass 1 or more (or leave it out to sample among all tokens)")
+    if not (math.isfinite(opts.temperature) and opts.temperature >= 0):
         raise ValueError(f"--temperature {opts.temperature}: use a finite temperature >= 0 (0: greedy)")
-    device = torch.device(opts.device)
+    try:
+        device = torch.device(opts.device)
+    except RuntimeError as err:
+        raise ValueError(f"--device {opts.device}: {err}; pass cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: this machine has no usable GPU; pass --device cpu")
     hf_config = _hf_config(opts.checkpoint, opts.hf_config, opts.flavor)
@@ -179,7 +184,12 @@ def load_model(path: str, args: DeepSeekV3ModelArgs, device: torch.device) -> De
                 dcp.load({"model": state} if prefix else state, checkpoint_id=path, no_dist=True)
             except (Exception, dcp.CheckpointException) as err:  # DCP's own exception is a BaseException
                 text = dcp_error_text(err)
-                raise CheckpointError(f"cannot read {path} ({text}); sample from another checkpoint") from None
+                fix = (
+                    "pass the --flavor or --hf-config it was trained with"
+                    if "mismatch" in text.lower()
+                    else ("sample from another checkpoint")
+                )
+                raise CheckpointError(f"cannot read {path} ({text}); {fix}") from None
     else:
         loaded = DeepSeekV3StateDictAdapter(args).from_hf(load_hf_safetensors(path))
         _check_holds(path, [name for name in state if name not in loaded])

@@ -411,11 +411,8 @@ class CheckpointManager:
             )
         try:
             hf_state = load_hf_safetensors(path)
-        except Exception as err:  # safetensors raises its own error type for a file that is not safetensors
-            raise CheckpointError(
-                f"cannot read the Hugging Face folder {path} ({err}); check its .safetensors files (a truncated "
-                "download?) or point --checkpoint.initial_load_path at another"
-            ) from None
+        except (ValueError, OSError) as err:  # each names the file it could not read
+            raise CheckpointError(f"checkpoint.initial_load_path {path}: {err}; or point it elsewhere") from None
         state = self.state_dict_adapter.from_hf(hf_state)
         fresh = self._absent_optional_modules(state)
         for part in self.model_parts:

@@ -15,7 +15,11 @@ def load_hf_safetensors(folder: str) -> dict[str, torch.Tensor]:
     """All tensors of a HF folder: the shards named by its index json, or every *.safetensors file without one."""
     state_dict: dict[str, torch.Tensor] = {}
     for name in _shard_files(folder):
-        state_dict.update(load_file(os.path.join(folder, name)))
+        path = os.path.join(folder, name)
+        try:
+            state_dict.update(load_file(path))
+        except Exception as err:  # safetensors raises its own error type for a file that is not safetensors
+            raise ValueError(f"cannot read {path} ({err}): a truncated download? fetch or convert it again") from None
     return state_dict
 
 

@@ -449,8 +449,8 @@ class _IdentityAdapter:
 @pytest.mark.parametrize(
     "layout, message",
     [
-        ({"model.safetensors": "garbage"}, r"cannot read the Hugging Face folder .*hf \(Error while deserializing"),
-        ({}, r"cannot read the Hugging Face folder .*hf \(no .safetensors files"),
+        ({"model.safetensors": "garbage"}, r"initial_load_path .*hf: cannot read .*hf/model.safetensors \(Error while"),
+        ({}, r"initial_load_path .*hf: no .safetensors files in .*hf; or point it elsewhere"),
         ({".metadata": "x"}, r"hf is a DCP checkpoint, not a Hugging Face folder; drop --checkpoint.initial_load_in"),
     ],
     ids=["garbage-shard", "no-shards", "dcp-folder"],

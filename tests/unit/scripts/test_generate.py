@@ -71,8 +71,12 @@ def test_sampling_draws_from_the_top_k_and_temperature_zero_is_greedy():
         (["--max-new-tokens", "5000"], "exceed the model's max_seq_len (4096); shorten the prompt or --max-new-tokens"),
         (["--dcp"], "is a DCP checkpoint, which does not record the model shape: pass --flavor or --hf-config"),
         (["--dcp", "--flavor", "debugmodel_tiny"], "tensors of this model, e.g. ['layers.0.attention.wq.weight'"),
+        (["--device", "tpu"], "--device tpu: "),
+        (["--top-k", "0"], "--top-k 0: pass 1 or more"),
+        (["--max-new-tokens", "-3"], "--max-new-tokens -3: pass 1 or more"),
+        (["--temperature", "nan"], "--temperature nan: use a finite temperature >= 0"),
     ],
-    ids=["too-long", "dcp-without-shape", "wrong-shape"],
+    ids=["too-long", "dcp-without-shape", "wrong-shape", "unknown-device", "top-k-0", "negative-length", "nan-temp"],
 )  # fmt: skip
 def test_bad_input_is_one_error_line(args, message, tmp_path, capsys):
     hf_folder, dcp_folder = _checkpoint(tmp_path, "default", "dcp")
@@ -120,7 +124,6 @@ def test_a_damaged_checkpoint_is_one_error_line(how, message, tmp_path, capsys):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--temperature", "nan"], "--temperature >= 0"),
         (["--temperature", "inf"], "--temperature inf: use a finite temperature"),
         (["--tokenizer", "missing.json"], "--tokenizer missing.json: no such file"),
         pytest.param(
@@ -129,7 +132,7 @@ def test_a_damaged_checkpoint_is_one_error_line(how, message, tmp_path, capsys):
             marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there"),
         ),
     ],
-    ids=["temperature-nan", "temperature-inf", "missing-tokenizer", "cuda-without-gpu"],
+    ids=["temperature-inf", "missing-tokenizer", "cuda-without-gpu"],
 )
 def test_bad_sampling_options_are_one_error_line(args, message, tmp_path, capsys):
     hf_folder, _ = _checkpoint(tmp_path, "default", "hf")
