@@ -136,7 +136,13 @@ class MetricsProcessor:
                 import wandb  # preflight checked that it is installed
 
                 project, name = job_config.metrics.wandb_project, job_config.metrics.wandb_run_name
-                self.wandb_run = wandb.init(project=project, name=name, dir=dump_folder, config=asdict(job_config))
+                try:
+                    self.wandb_run = wandb.init(project=project, name=name, dir=dump_folder, config=asdict(job_config))
+                except wandb.errors.UsageError as err:  # e.g. no API key and no WANDB_MODE
+                    raise ValueError(
+                        f"--metrics.enable_wandb: wandb refused to start ({err}); run `wandb login`, or set "
+                        "WANDB_MODE=offline to log locally"
+                    ) from None
             if job_config.metrics.enable_jsonl:
                 os.makedirs(dump_folder, exist_ok=True)
                 self.jsonl_file = open(os.path.join(dump_folder, "metrics.jsonl"), "a")  # noqa: SIM115

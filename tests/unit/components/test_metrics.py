@@ -193,6 +193,19 @@ def test_wandb_offline_run_gets_the_tensorboard_scalars(tmp_path, monkeypatch):
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # the run, ready for `wandb sync`
 
 
+def test_wandb_that_refuses_to_start_is_one_error_naming_the_fix(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb; it is in the dev extra)")
+
+    def refuse(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    config = job_config(tmp_path, tensorboard=False)
+    config.metrics.enable_wandb = True
+    with pytest.raises(ValueError, match=r"--metrics.enable_wandb: wandb refused to start .*WANDB_MODE=offline"):
+        MetricsProcessor(config, num_flops_per_token=1.0, device="cpu", is_logging_rank=True)
+
+
 @pytest.mark.parametrize(
     ("name", "flops"),
     [
