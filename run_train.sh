@@ -53,6 +53,13 @@ fi
 LOG_RANK=${LOG_RANK:-0}
 FILTER=()
 if [[ "$LOG_RANK" != "all" ]]; then
+  IFS=, read -ra shown <<< "$LOG_RANK"
+  for rank in "${shown[@]}"; do
+    if [[ ! "$rank" =~ ^[0-9]+$ ]] || (( rank >= NGPU )); then
+      echo "error: LOG_RANK=$LOG_RANK names local rank '$rank', but there are $NGPU per node (0-$((NGPU - 1))); set LOG_RANK=0, a list like 0,1, or all" >&2
+      exit 2
+    fi
+  done
   FILTER=(--local-ranks-filter "$LOG_RANK" --role rank --tee 3)
 fi
 

@@ -80,6 +80,7 @@ def _run_launcher(args: list[str], env_extra: dict[str, str] | None = None) -> s
         ([], {"NGPU": "0"}, "NGPU=0 is not a positive whole number"),
         ([], {"NGPU": "abc"}, "NGPU=abc is not a positive whole number"),
         (["--checkpoint.load_step", "5"], {}, "add --checkpoint.enable or drop --checkpoint.load_step"),
+        ([], {"NGPU": "2", "LOG_RANK": "5"}, "LOG_RANK=5 names local rank '5', but there are 2 per node"),
     ],
     ids=[
         "missing-config",
@@ -91,6 +92,7 @@ def _run_launcher(args: list[str], env_extra: dict[str, str] | None = None) -> s
         "ngpu-zero",
         "ngpu-not-a-number",
         "load-step-without-checkpointing",
+        "log-rank-out-of-range",
     ],
 )
 def test_bad_input_fails_fast_with_one_line(args, env, expected):
