@@ -190,8 +190,8 @@ def check_grad_norm(grad_norm: torch.Tensor | float, step: int) -> None:
     if value == 0:
         raise FloatingPointError(
             f"gradient norm 0 at step {step}: the weights pass no gradient (they diverged: too high an lr); step "
-            f"{step} is not saved. A checkpoint of step {step - 1} holds these weights: resume from "
-            f"an older one (--checkpoint.load_step) or start over, with a lower --optimizer.lr"
+            f"{step} is not saved. A checkpoint of step {step - 1}, if one was saved, holds these weights too: resume "
+            f"from an older one (--checkpoint.load_step) or start over, with a lower --optimizer.lr"
         )
     raise FloatingPointError(
         f"non-finite gradient norm at step {step}: {value}; step {step} is not saved. Lower the lr "
