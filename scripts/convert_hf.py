@@ -15,11 +15,13 @@ and crc32, as a resume checks). Bad input ends with one `error:` line naming the
 """
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -139,7 +141,8 @@ def hf_to_dcp(
     if extra := sorted(set(state_dict) - set(expected)):
         raise ValueError(f"{src} holds {len(extra)} tensors the model shape given lacks, e.g. {extra[:3]}: {fix}")
     _check_finite(state_dict, src)
-    dcp.save({"model": _cast(state_dict, dtype)}, checkpoint_id=dst, no_dist=True)
+    with _single_process_dcp():
+        dcp.save({"model": _cast(state_dict, dtype)}, checkpoint_id=dst, no_dist=True)
 
 
 def load_model_from_dcp(src: str, args: DeepSeekV3ModelArgs) -> dict[str, torch.Tensor]:
@@ -168,10 +171,19 @@ def load_model_from_dcp(src: str, args: DeepSeekV3ModelArgs) -> dict[str, torch.
     if extra := sorted(set(found) - set(state_dict)):
         raise ValueError(f"{src} holds {len(extra)} model tensors this shape lacks, e.g. {extra[:3]}: {fix}")
     try:
-        dcp.load({"model": state_dict} if prefix else state_dict, checkpoint_id=src, no_dist=True)
+        with _single_process_dcp():
+            dcp.load({"model": state_dict} if prefix else state_dict, checkpoint_id=src, no_dist=True)
     except (Exception, dcp.CheckpointException) as err:  # DCP's own exception is a BaseException
         raise CheckpointError(f"reading {src} failed ({dcp_error_text(err)}): convert an intact checkpoint") from err
     return state_dict
+
+
+@contextlib.contextmanager
+def _single_process_dcp():
+    """DCP warns that torch.distributed is not initialized and it assumes one process: yes, on purpose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def _check_finite(state_dict: dict[str, torch.Tensor], src: str) -> None:
