@@ -37,7 +37,7 @@ def run_settings(config_file: str, train_args: list[str], ngpu: int) -> dict:
     """The settings a run resolves to (TOML < CLI), as explicit result fields."""
     from torchtitan.config import ConfigManager
     from torchtitan.distributed.parallel_dims import ParallelDims
-    from torchtitan.models.deepseek_v3 import get_model_args
+    from torchtitan.models.spec import get_model_spec
 
     job = ConfigManager().parse_args(["--job.config_file", config_file, *train_args])
     par = job.parallelism
@@ -48,7 +48,7 @@ def run_settings(config_file: str, train_args: list[str], ngpu: int) -> dict:
         "ep_backend": par.expert_parallel_comm_backend,
         "ep_overlap": par.expert_parallel_overlap,
         "deepep_sync_free_dispatch": par.deepep_sync_free_dispatch,
-        "mtp_layers": get_model_args(job).mtp_layers,
+        "mtp_layers": get_model_spec(job.model.name).model_args(job).mtp_layers,
         "float8_experts": job.quantize.float8_experts,
         "float8_linears": job.quantize.float8_linears,
         "float8_dispatch": job.quantize.float8_dispatch,
