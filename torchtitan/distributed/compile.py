@@ -25,10 +25,9 @@ import torch
 import torch.fx.experimental._config as fx_config
 from torch import nn
 from torch._dynamo.utils import counters, get_compilation_metrics
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from torchtitan.distributed.expert_parallel.dispatcher import TokenPermutation
-from torchtitan.distributed.utils import transformer_blocks
+from torchtitan.distributed.utils import transformer_blocks, unwrapped_block
 from torchtitan.kernels.permute import permute_to_experts, unpermute_tokens
 
 __all__ = [
@@ -50,7 +49,7 @@ def apply_compile(model: nn.Module, backend: str, regions: MoERegions) -> None:
     torch._dynamo.config.capture_scalar_outputs = True
     compiler = Compiler(backend)
     for block in transformer_blocks(model):
-        inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
+        inner = unwrapped_block(block)
         if not (isinstance(inner, CompiledParts) and inner.compile_parts(compiler, regions)):
             compiler.module(block)  # whole, with its checkpoint wrapper: dynamo traces the checkpoint too
 

@@ -57,6 +57,11 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [*model.layers.values(), *getattr(model, "mtp", {}).values()]
 
 
+def unwrapped_block(block: torch.nn.Module) -> torch.nn.Module:
+    """The transformer block behind an activation-checkpoint wrapper (the block itself when it has none)."""
+    return getattr(block, "_checkpoint_wrapped_module", block)
+
+
 def init_distributed(comm_config: Any, device_type: str) -> None:
     """Initialize the default process group from torchrun's environment: NCCL for CUDA tensors plus gloo for CPU
     ones (CPU offload, host-side metadata), gloo on CPU. The timeout is `comm.init_timeout_seconds` until

@@ -32,7 +32,7 @@ from torchtitan.distributed.expert_parallel.styles import ExpertTensorParallel, 
 from torchtitan.distributed.fsdp_gradients import ComputePoolReduceScatter
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import NoParallel, ReplicateOverTokenShards
-from torchtitan.distributed.utils import transformer_blocks
+from torchtitan.distributed.utils import transformer_blocks, unwrapped_block
 from torchtitan.models.moe.exchange import ExchangeBackend, ExchangeContext
 from torchtitan.models.moe.experts import GroupedExperts
 
@@ -185,7 +185,9 @@ def apply_fsdp(
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     config: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp_policy}
     if experts_outside:
-        moe_blocks = [_inner(block) for block in transformer_blocks(model) if _inner(block).moe_enabled]
+        moe_blocks = [
+            unwrapped_block(block) for block in transformer_blocks(model) if unwrapped_block(block).moe_enabled
+        ]
         config["ignored_params"] = {param for block in moe_blocks for param in block.moe.experts.parameters()}
     if cpu_offload:
         config["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
@@ -210,8 +212,8 @@ def apply_fsdp(
     blocks = list(model.layers.values())
     one_rank_units = []  # units whose mesh has one rank: nothing to reduce
     for block in transformer_blocks(model):  # MTP modules: units like blocks, outside the explicit prefetch
-        if experts_mesh is not None and not experts_outside and _inner(block).moe_enabled:
-            experts = _inner(block).moe.experts
+        if experts_mesh is not None and not experts_outside and unwrapped_block(block).moe_enabled:
+            experts = unwrapped_block(block).moe.experts
             if experts_mesh.size() == 1:
                 one_rank_units.append(experts)
             # EP already split dim 0 (experts); when the FSDP ranks outnumber the local experts, shard dim 1 instead
@@ -255,7 +257,7 @@ def _set_explicit_prefetch(model: nn.Module, block_units: list[list[nn.Module]])
     explicitly instead. A unit's hooks run on its first block in forward and its last in backward."""
 
     def units(blocks: list[nn.Module]) -> list[nn.Module]:
-        experts = [_inner(b).moe.experts for b in blocks if _inner(b).moe_enabled]
+        experts = [unwrapped_block(b).moe.experts for b in blocks if unwrapped_block(b).moe_enabled]
         return [blocks[0], *(e for e in experts if isinstance(e, FSDPModule))]
 
     if not block_units:
@@ -273,8 +275,3 @@ def _set_explicit_prefetch(model: nn.Module, block_units: list[list[nn.Module]])
         unit[0].set_modules_to_backward_prefetch(units(prev_unit))
     if model.tok_embeddings is not None:
         first[0].set_modules_to_backward_prefetch([model.tok_embeddings])
-
-
-def _inner(block: nn.Module) -> nn.Module:
-    """The transformer block behind an activation-checkpoint wrapper."""
-    return getattr(block, "_checkpoint_wrapped_module", block)
