@@ -47,7 +47,7 @@ from torchtitan.models.deepseek_v3 import (  # noqa: E402
 from torchtitan.models.deepseek_v3.model import MTPBlock  # noqa: E402
 from torchtitan.models.deepseek_v3.state_dict_adapter import (  # noqa: E402
     hf_config_from_model_args,
-    model_args_from_hf_config_file,
+    load_hf_config,
     mtp_layers_for_checkpoint,
 )
 from torchtitan.tools.dtypes import DTYPES  # noqa: E402
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     if opts.flavor is not None:
         args = copy.deepcopy(all_flavors()[opts.flavor])
     elif config_path is not None:
-        args = model_args_from_hf_config_file(config_path, "--hf-config" if opts.hf_config else "config.json")
+        _, args = load_hf_config(config_path, "--hf-config" if opts.hf_config else "config.json")
     else:
         parser.error("to-hf needs --flavor or --hf-config to know the model shape")
     if opts.mtp_layers is not None:

@@ -46,10 +46,7 @@ from torchtitan.models.deepseek_v3 import (  # noqa: E402
     all_flavors,
 )
 from torchtitan.models.deepseek_v3.rope import precompute_freqs_cis  # noqa: E402
-from torchtitan.models.deepseek_v3.state_dict_adapter import (  # noqa: E402
-    model_args_from_hf_config,
-    read_hf_config,
-)
+from torchtitan.models.deepseek_v3.state_dict_adapter import load_hf_config  # noqa: E402
 
 SHIPPED_TOKENIZER = "torchtitan/assets/tokenizer/tokenizer.json"
 
@@ -90,8 +87,8 @@ def sample_text(opts: argparse.Namespace) -> str:
         raise ValueError(f"--device {opts.device}: {err}; pass cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: this machine has no usable GPU; pass --device cpu")
-    hf_config = _hf_config(opts.checkpoint, opts.hf_config, opts.flavor)
-    args = model_args(hf_config, opts.flavor)
+    hf_config, args = _model_shape(opts.checkpoint, opts.hf_config, opts.flavor)
+    args = inference_args(args)
     tokenizer, bos_id, eos_id = load_tokenizer(opts.tokenizer, opts.checkpoint, hf_config)
     if tokenizer.get_vocab_size() > args.vocab_size:
         raise ValueError(
@@ -158,10 +155,9 @@ def sample(
     return torch.multinomial(probs, 1, generator=generator)[0]
 
 
-def model_args(hf_config: dict | None, flavor: str | None) -> DeepSeekV3ModelArgs:
+def inference_args(args: DeepSeekV3ModelArgs) -> DeepSeekV3ModelArgs:
     """The model shape, for inference: causal attention, no MTP modules (sampling uses the main head), and the routed
     experts' per-expert loop in the compute dtype (the grouped GEMMs compute in bf16 whatever the dtype)."""
-    args = model_args_from_hf_config(hf_config) if hf_config is not None else copy.deepcopy(all_flavors()[flavor])
     moe_args = dataclasses.replace(args.moe_args, use_grouped_mm=False)
     return dataclasses.replace(args, attn_mask_type="causal", mtp_layers=0, moe_args=moe_args)
 
@@ -219,8 +215,11 @@ def load_tokenizer(path: str | None, checkpoint: str, hf_config: dict | None) ->
     return tokenizer, special[0], special[1]
 
 
-def _hf_config(checkpoint: str, hf_config_path: str | None, flavor: str | None) -> dict | None:
-    """The HF config.json giving the model shape: --hf-config, else an HF folder's own; None for --flavor."""
+def _model_shape(
+    checkpoint: str, hf_config_path: str | None, flavor: str | None
+) -> tuple[dict | None, DeepSeekV3ModelArgs]:
+    """(the HF config.json giving the model shape, its args): --hf-config, else an HF folder's own; for --flavor
+    (None, the flavor's args)."""
     given = hf_config_path
     if not os.path.isdir(checkpoint):
         raise ValueError(f"{checkpoint} is not a folder: pass a DCP checkpoint or a Hugging Face folder")
@@ -233,15 +232,8 @@ def _hf_config(checkpoint: str, hf_config_path: str | None, flavor: str | None) 
             raise ValueError(f"{checkpoint} holds neither a DCP checkpoint (.metadata) nor a Hugging Face config.json; "
                              "pass a checkpoint folder")  # fmt: skip
     if hf_config_path is None:
-        return None
-    config = read_hf_config(hf_config_path, "--hf-config" if hf_config_path == given else "config.json")
-    try:
-        model_args_from_hf_config(config)  # the shape it gives, checked here, where the file is known
-    except KeyError as err:
-        raise ValueError(f"{hf_config_path} has no {err.args[0]!r}: not a DeepSeek-V2/V3 config.json") from None
-    except ValueError as err:
-        raise ValueError(f"{hf_config_path}: {err}; fix the file") from None
-    return config
+        return None, copy.deepcopy(all_flavors()[flavor])
+    return load_hf_config(hf_config_path, "--hf-config" if hf_config_path == given else "config.json")
 
 
 def _is_dcp(path: str) -> bool:

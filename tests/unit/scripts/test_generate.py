@@ -38,8 +38,8 @@ def _transformers_greedy(hf_folder, prompt: list[int], max_new_tokens: int) -> l
 @pytest.mark.parametrize("case, way", [("default", "hf"), ("default", "dcp"), ("yarn", "hf")])
 def test_greedy_output_equals_transformers_greedy_output(case, way, tmp_path):
     hf_folder, checkpoint = _checkpoint(tmp_path, case, way)
-    config = generate._hf_config(str(checkpoint), str(hf_folder / "config.json"), None)
-    model = generate.load_model(str(checkpoint), generate.model_args(config, None), torch.device("cpu"))
+    config, args = generate._model_shape(str(checkpoint), str(hf_folder / "config.json"), None)
+    model = generate.load_model(str(checkpoint), generate.inference_args(args), torch.device("cpu"))
     ours = generate.generate(model, PROMPT, 24, eos_id=config["eos_token_id"])
     assert ours == _transformers_greedy(hf_folder, PROMPT, 24)
     assert len(set(ours)) > 3  # a real continuation, not one token repeated

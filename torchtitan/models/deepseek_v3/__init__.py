@@ -8,7 +8,7 @@ from .args import DeepSeekV3ModelArgs, benchmark_flavors, deepseekv3_flavors
 from .model import DeepSeekV3Model
 from .state_dict_adapter import (
     DeepSeekV3StateDictAdapter,
-    model_args_from_hf_config_file,
+    load_hf_config,
     mtp_layers_for_checkpoint,
 )
 
@@ -30,7 +30,7 @@ def get_model_args(job_config) -> DeepSeekV3ModelArgs:
     job's overrides. With an initial checkpoint that holds no MTP tensors, MTP is off unless model.mtp_layers asks for
     it (mtp_layers_for_checkpoint)."""
     if job_config.model.hf_config_path:
-        args = model_args_from_hf_config_file(job_config.model.hf_config_path, "--model.hf_config_path")
+        _, args = load_hf_config(job_config.model.hf_config_path, "--model.hf_config_path")
     else:
         flavor = job_config.model.flavor
         if flavor not in all_flavors():

@@ -192,8 +192,9 @@ def mtp_layers_for_checkpoint(
     return 0
 
 
-def read_hf_config(path: str, flag: str) -> dict[str, Any]:
-    """The config.json at `path` (given by `flag`); a missing or malformed file is one error naming both."""
+def load_hf_config(path: str, flag: str) -> tuple[dict[str, Any], DeepSeekV3ModelArgs]:
+    """The config.json at `path` (given by `flag`) and the model args it gives; a missing or malformed file, or one
+    that is not a DeepSeek-V2/V3 config with possible sizes, is one error naming both."""
     try:
         with open(path) as f:
             config = json.load(f)
@@ -203,14 +204,8 @@ def read_hf_config(path: str, flag: str) -> dict[str, Any]:
         raise FileNotFoundError(f"{flag} {path} does not exist; give a config.json") from None
     if not isinstance(config, dict):
         raise ValueError(f"{flag} {path}: not a JSON object; give a Hugging Face config.json")
-    return config
-
-
-def model_args_from_hf_config_file(path: str, flag: str) -> DeepSeekV3ModelArgs:
-    """`model_args_from_hf_config` of the config.json at `path`, every problem one error naming `flag` and the file."""
-    config = read_hf_config(path, flag)
     try:
-        return model_args_from_hf_config(config)
+        return config, model_args_from_hf_config(config)
     except KeyError as err:
         raise ValueError(f"{flag} {path} has no {err.args[0]!r}: not a DeepSeek-V2/V3 config.json") from None
     except ValueError as err:
