@@ -180,9 +180,14 @@ class _UnpermuteTokens(torch.autograd.Function):
 
 def expert_major_order(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Positions of the flattened `expert_ids` (-1: no expert) sorted stably by expert, the -1 entries last; returns
-    (expert_ids.numel(),) int64. The one ordering every backend uses."""
-    flat = expert_ids.reshape(-1)
-    keys = torch.where(flat >= 0, flat, num_experts)
+    (expert_ids.numel(),) int64. The one ordering every backend uses.
+
+    The keys are sorted as int16 (num_experts < 32767): a radix sort then makes 2 passes instead of int64's 8, which
+    cuts the host's launches right after DeepEP's dispatch, where the GPU waits for them. The mask to 15 bits sends
+    -1 (0xFFFF) to 32767, after every expert."""
+    if num_experts >= 2**15 - 1:
+        raise ValueError(f"expert_major_order sorts int16 keys: num_experts={num_experts} must be below 32767")
+    keys = expert_ids.reshape(-1).to(torch.int16).bitwise_and(2**15 - 1)
     return torch.argsort(keys, stable=True)
 
 
