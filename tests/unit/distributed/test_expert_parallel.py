@@ -1,5 +1,6 @@
 """Expert parallelism over gloo ranks computes exactly what one process computes on all the tokens."""
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -66,3 +67,11 @@ def test_expert_major_order_keeps_source_order_within_an_expert_and_puts_unroute
     assert expert_major_order(torch.tensor([0, 0, 2, 0, 1, 1, 1]), 3).tolist() == [0, 1, 3, 4, 5, 6, 2]
     # DeepEP slots (2 received tokens x top-2): -1 = expert on another rank, sorted after every local expert
     assert expert_major_order(torch.tensor([[1, -1], [0, 1]]), 2).tolist() == [2, 0, 3, 1]
+    # int16 keys: the same stable order as sorting the ids themselves, up to the largest expert count allowed
+    for num_experts in (64, 32766):
+        ids = torch.randint(-1, num_experts, (4000, 6), generator=torch.Generator().manual_seed(num_experts))
+        flat = ids.reshape(-1)
+        expected = torch.argsort(torch.where(flat >= 0, flat, num_experts), stable=True)
+        assert torch.equal(expert_major_order(ids, num_experts), expected)
+    with pytest.raises(ValueError, match="below 32767"):
+        expert_major_order(torch.zeros(4, dtype=torch.int64), 2**15 - 1)
