@@ -49,11 +49,21 @@ COSTS = [BlockCost(full=1, sac=5, none=9)] * 3
     ],
 )
 def test_plan_is_the_fastest_that_fits(budget, levels, peak):
-    assert plan_levels(budget, 100, ["sac"] * 3, COSTS) == (levels, peak)
+    assert plan_levels(budget, 100, ["sac"] * 3, COSTS, margin=1.0) == (levels, peak)
     # the same model measured as the trainer's first step runs it (the first two blocks recomputed whole, the last at
     # per-op SAC) holds 5 units less at its peak (1 + 1 + 9 in the second block's recompute, against 5 + 5 + 5), so
     # it reserves 95 where per-op SAC everywhere reserved 100: it must lead to the same plan
-    assert plan_levels(budget, 95, ["full", "full", "sac"], COSTS) == (levels, peak)
+    assert plan_levels(budget, 95, ["full", "full", "sac"], COSTS, margin=1.0) == (levels, peak)
+
+
+def test_a_plan_counts_what_it_adds_with_a_margin_and_what_it_frees_as_estimated():
+    # +4 for the last block without checkpointing counts 5 under the default margin (1.25): 104 no longer fits it
+    assert plan_levels(104, 100, ["sac"] * 3, COSTS) == (["sac", "sac", "sac"], 100)
+    assert plan_levels(105, 100, ["sac"] * 3, COSTS) == (["sac", "sac", "none"], 105)
+    # freeing memory is not inflated: the first block recomputed whole frees 4 (96), as without a margin
+    assert plan_levels(96, 100, ["sac"] * 3, COSTS) == (["full", "sac", "sac"], 96)
+    # from the first step's measurement (95 at full, full, sac) per-op SAC everywhere adds 5, counted 6.25
+    assert plan_levels(100, 95, ["full", "full", "sac"], COSTS) == (["full", "sac", "sac"], 95 + 1.25 * 1)
 
 
 def _levels_train_alike(rank: int, world_size: int) -> None:
