@@ -3,6 +3,7 @@
 python scripts/bench/report.py        # needs matplotlib for the plot
 """
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -191,6 +192,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     e2e, moe, bw = load("e2e_"), load("moe_layer_"), load("deepep_bandwidth_")
     acceptance = load("acceptance_")
     gemm = load("grouped_gemm_")
