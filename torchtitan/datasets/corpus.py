@@ -72,10 +72,13 @@ def resolve_corpus_files(dataset: str, dataset_path: str | None, section: str = 
                 f"expected one of {', '.join(DOCUMENT_SUFFIXES)}, a folder of them, or a saved HF dataset"
             )
         return [path]
+    if not path.is_dir():
+        raise DatasetError(f"--{section}.dataset_path={dataset_path!r} is neither a file nor a folder")
+    flag = f"--{section}.dataset_path={dataset_path!r}"
     if (path / "dataset_dict.json").is_file():
-        return _saved_hf_dataset_dict_files(path, dataset_path)
+        return _saved_hf_dataset_dict_files(path, flag)
     if (path / "state.json").is_file() or (path / "dataset_info.json").is_file():
-        return _saved_hf_dataset_files(path, dataset_path)
+        return _saved_hf_dataset_files(path, flag)
     broken = sorted(str(p) for p in path.rglob("*") if p.is_symlink() and not p.exists() and _has_document_suffix(p))
     if broken:
         raise DatasetError(
@@ -151,29 +154,32 @@ def _read_jsonl(path: Path, limit: int | None) -> list[str]:
     return documents
 
 
-def _saved_hf_dataset_files(folder: Path, dataset_path: str) -> list[Path]:
+def _saved_hf_dataset_files(folder: Path, flag: str) -> list[Path]:
     state_file = folder / "state.json"
     if state_file.is_file():
-        state = _read_json(state_file)
-        files = [folder / entry["filename"] for entry in state.get("_data_files", [])]
+        entries = _read_json(state_file).get("_data_files", [])
+        if not isinstance(entries, list) or not all(isinstance(e, dict) and "filename" in e for e in entries):
+            raise DatasetError(
+                f"{state_file}: '_data_files' is not a list of {{\"filename\": ...}} entries; save the dataset again"
+            )
+        files = [folder / entry["filename"] for entry in entries]
     else:
         files = sorted(folder.glob("*.arrow"))
     if not files:
-        raise ValueError(f"--training.dataset_path={dataset_path!r}: saved HF dataset folder has no .arrow files")
+        raise DatasetError(f"{flag}: saved HF dataset folder has no .arrow files")
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
-        raise FileNotFoundError(f"--training.dataset_path={dataset_path!r}: state.json lists missing {missing}")
+        raise FileNotFoundError(f"{flag}: state.json lists missing {missing}")
     return files
 
 
-def _saved_hf_dataset_dict_files(folder: Path, dataset_path: str) -> list[Path]:
+def _saved_hf_dataset_dict_files(folder: Path, flag: str) -> list[Path]:
     splits = _read_json(folder / "dataset_dict.json").get("splits", [])
     if "train" not in splits:
-        raise ValueError(
-            f"--training.dataset_path={dataset_path!r} is a saved DatasetDict without a 'train' split "
-            f"(splits: {splits}); point --training.dataset_path at one split's folder"
+        raise DatasetError(
+            f"{flag} is a saved DatasetDict without a 'train' split (splits: {splits}); point it at one split's folder"
         )
-    return _saved_hf_dataset_files(folder / "train", dataset_path)
+    return _saved_hf_dataset_files(folder / "train", flag)
 
 
 def _read_arrow(path: Path) -> "pa.Table":
@@ -238,8 +244,11 @@ def disk_cache_dir() -> Path:
 
 
 def _read_json(path: Path) -> dict:
-    """A JSON file of a saved dataset; a malformed one is a DatasetError naming it."""
+    """A JSON object file of a saved dataset; a malformed one is a DatasetError naming it."""
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise DatasetError(f"{path}: not valid JSON ({err}); fix the file or save the dataset again") from None
+    if not isinstance(value, dict):
+        raise DatasetError(f"{path}: expected a JSON object, found {type(value).__name__}; save the dataset again")
+    return value

@@ -108,11 +108,18 @@ def build_text_dataset(
     source = validation if split == "validation" and not held_out else training
     name = "training" if source is training else "validation"
     files = resolve_corpus_files(training.dataset, source.dataset_path, name)
-    logger.info(f"{name} {describe_corpus(files, source.dataset_path)}")
+    if split == "train" or not held_out:  # a held-out split reads the training corpus, already described
+        logger.info(f"{name} {describe_corpus(files, source.dataset_path)}")
     token_stream, num_documents = tokenize_corpus(files, tokenizer)
     if held_out:
         token_stream, num_documents = split_documents(token_stream, tokenizer.bos_id, split == "validation")
     seq_len, batch_size = training.seq_len, training.local_batch_size
+    step_tokens = (seq_len + 1) * batch_size * dp_world_size
+    if split == "train" and token_stream.numel() < step_tokens:
+        logger.warning(
+            f"the training corpus holds {token_stream.numel()} tokens, fewer than one step reads ({step_tokens}): "
+            "every step repeats it; give a larger --training.dataset_path"
+        )
     if split == "validation":
         seq_len, batch_size = validation.seq_len or seq_len, validation.local_batch_size or batch_size
         held = token_stream.numel() // ((seq_len + 1) * batch_size * dp_world_size)  # batches without repeating

@@ -90,6 +90,17 @@ def test_samples_are_shifted_windows_of_the_stream_spanning_documents(tokenizer,
     assert flat == stream[: len(flat)]
 
 
+def test_a_corpus_smaller_than_one_step_is_a_warning_naming_the_flag(tmp_path, tokenizer, make_job_config, caplog):
+    (tmp_path / "tiny.txt").write_text("hi")
+    with caplog.at_level("WARNING"):
+        build_text_dataset(make_job_config(tmp_path / "tiny.txt", seq_len=16), tokenizer, 0, 1)
+    assert "fewer than one step reads (34)" in caplog.text and "--training.dataset_path" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        build_text_dataset(make_job_config(seq_len=16), tokenizer, 0, 1)  # the shipped corpus: no warning
+    assert "fewer than one step" not in caplog.text
+
+
 def test_stream_repeats_over_epochs_and_state_tracks_epoch(tokenizer, jsonl_corpus, make_job_config):
     seq_len = 7
     dataset, _ = build_text_dataset(make_job_config(jsonl_corpus, seq_len=seq_len), tokenizer, 0, 1)
@@ -302,6 +313,11 @@ def test_unsupported_dataset_path_names_the_config_key(tmp_path, name):
         resolve_corpus_files("tinycorpus", str(path))
 
 
+def test_a_dataset_path_that_is_neither_file_nor_folder_says_so():
+    with pytest.raises(DatasetError, match="neither a file nor a folder"):
+        resolve_corpus_files("tinycorpus", "/dev/null", "validation")
+
+
 def test_unknown_dataset_name_without_path_is_an_error():
     with pytest.raises(ValueError, match="--training.dataset"):
         resolve_corpus_files("c4", None)
@@ -314,11 +330,16 @@ def test_unknown_dataset_name_without_path_is_an_error():
         ({"dataset_dict.json": "{bad"}, r"dataset_dict.json: not valid JSON"),
         ({"a.parquet": "garbage"}, r"a.parquet: not a readable parquet file \(Parquet "),
         ({"b.arrow": "garbage"}, r"b.arrow: not a readable arrow file"),
+        ({"state.json": '{"_data_files": [{}]}'}, r"state.json: '_data_files' is not a list of"),
+        ({"state.json": "[]"}, r"state.json: expected a JSON object, found list"),
+        ({"dataset_dict.json": "[1, 2]"}, r"dataset_dict.json: expected a JSON object, found list"),
+        ({"state.json": b"\xe9t\xe9"}, r"state.json: not valid JSON \('utf-8' codec"),
     ],
-    ids=["state-json", "dataset-dict-json", "parquet", "arrow"],
-)
+    ids=["state-json", "dataset-dict-json", "parquet", "arrow", "entry-without-filename", "state-list",
+         "dict-list", "not-utf8"],
+)  # fmt: skip
 def test_unreadable_dataset_files_are_one_error_naming_the_file(tmp_path, layout, message):
     for name, text in layout.items():
-        (tmp_path / name).write_text(text)
+        (tmp_path / name).write_bytes(text) if isinstance(text, bytes) else (tmp_path / name).write_text(text)
     with pytest.raises(DatasetError, match=message):
         check_corpus("tinycorpus", str(tmp_path))
