@@ -83,7 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     elif config_path is not None:
         _, args = load_hf_config(config_path, "--hf-config" if opts.hf_config else "config.json")
     else:
-        parser.error("to-hf needs --flavor or --hf-config to know the model shape")
+        raise ValueError("to-hf needs --flavor or --hf-config to know the model shape")
+    if opts.mtp_layers is not None and opts.mtp_layers < 0:
+        raise ValueError(f"--mtp-layers {opts.mtp_layers}: pass 0 or more")
     if opts.mtp_layers is not None:
         args.mtp_layers = opts.mtp_layers
     elif opts.direction == "to-hf" and os.path.isfile(os.path.join(opts.src, ".metadata")):

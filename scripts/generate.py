@@ -81,6 +81,10 @@ def sample_text(opts: argparse.Namespace) -> str:
         raise ValueError(f"--top-k {opts.top_k}: pass 1 or more (or leave it out to sample among all tokens)")
     if not (math.isfinite(opts.temperature) and opts.temperature >= 0):
         raise ValueError(f"--temperature {opts.temperature}: use a finite temperature >= 0 (0: greedy)")
+    if opts.top_k is not None and opts.temperature == 0:
+        raise ValueError(f"--top-k {opts.top_k} samples, but --temperature 0 is greedy: pass --temperature > 0 too")
+    if not 0 <= opts.seed < 2**64:
+        raise ValueError(f"--seed {opts.seed}: pass a whole number from 0 to 2**64 - 1")
     try:
         device = torch.device(opts.device)
     except RuntimeError as err:

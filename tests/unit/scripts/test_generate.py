@@ -126,13 +126,15 @@ def test_a_damaged_checkpoint_is_one_error_line(how, message, tmp_path, capsys):
     [
         (["--temperature", "inf"], "--temperature inf: use a finite temperature"),
         (["--tokenizer", "missing.json"], "--tokenizer missing.json: no such file"),
+        (["--top-k", "5"], "--top-k 5 samples, but --temperature 0 is greedy"),
+        (["--temperature", "1", "--seed", str(10**23)], f"--seed {10**23}: pass a whole number from 0"),
         pytest.param(
             ["--device", "cuda"],
             "--device cuda: this machine has no usable GPU",
             marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there"),
         ),
     ],
-    ids=["temperature-inf", "missing-tokenizer", "cuda-without-gpu"],
+    ids=["temperature-inf", "missing-tokenizer", "top-k-greedy", "seed-overflow", "cuda-without-gpu"],
 )
 def test_bad_sampling_options_are_one_error_line(args, message, tmp_path, capsys):
     hf_folder, _ = _checkpoint(tmp_path, "default", "hf")

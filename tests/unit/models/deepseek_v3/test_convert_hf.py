@@ -129,8 +129,13 @@ def test_to_hf_refuses_a_shape_its_tensors_do_not_have(tmp_path, shape, expected
     [
         (["from-hf", "{tmp}/nonexistent", "{tmp}/out"], "error: {tmp}/nonexistent is not a folder: give a HF folder"),
         (["to-hf", "{tmp}", "{tmp}/out", "--flavor", "debugmodel_tiny"], "error: {tmp} is not a DCP checkpoint (no "),
+        (["to-hf", "{tmp}", "{tmp}/out"], "error: to-hf needs --flavor or --hf-config"),
+        (
+            ["to-hf", "{tmp}", "{tmp}/out", "--flavor", "debugmodel_tiny", "--mtp-layers", "-1"],
+            "error: --mtp-layers -1: pass 0 or more",
+        ),
     ],
-    ids=["from-hf-missing-folder", "to-hf-without-metadata"],
+    ids=["from-hf-missing-folder", "to-hf-without-metadata", "to-hf-without-shape", "negative-mtp-layers"],
 )
 def test_bad_input_is_one_error_line_without_traceback(tmp_path, monkeypatch, argv, expected):
     """Run as a script: exit code 1 and one `error:` line (SystemExit's message, which Python prints to stderr)."""
