@@ -142,7 +142,9 @@ class Trainer:
         init_device = "cpu" if job_config.training.enable_cpu_offload else self.device
         for part in self.model_parts:
             part.to_empty(device=init_device)
-            with torch.no_grad():
+            with torch.no_grad(), warnings.catch_warnings():
+                # on CPU the copy below replaces what DTensor's random ops draw here, and they warn on a CPU mesh
+                warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
                 part.init_weights(buffer_device=self.device)
             part.train()
         if unsharded_model is not None:

@@ -14,6 +14,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from torchtitan.distributed.utils import reduce_scatter_tensor
+
 __all__ = ["ContextParallel"]
 
 
@@ -58,7 +60,7 @@ def all_gather(x: torch.Tensor, group_name: str, degree: int) -> torch.Tensor:
 @torch.library.custom_op("torchtitan::cp_reduce_scatter", mutates_args=())
 def reduce_scatter(x: torch.Tensor, group_name: str, degree: int) -> torch.Tensor:
     out = x.new_empty((x.shape[0] // degree, *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=_resolve_process_group(group_name))
+    reduce_scatter_tensor(out, x.contiguous(), group=_resolve_process_group(group_name))
     return out
 
 

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
+from torchtitan.distributed.utils import reduce_scatter_tensor
+
 __all__ = ["ComputePoolReduceScatter"]
 
 
@@ -41,4 +43,4 @@ class ComputePoolReduceScatter(ReduceScatter):
         op: dist.ReduceOp,
         async_op: bool = False,
     ) -> dist.Work | None:
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        return reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)

@@ -18,12 +18,17 @@ from torchtitan.kernels.multi_tensor import sum_of_squares
 
 logger = logging.getLogger(__name__)
 
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+"""torch.distributed's reduce-scatter of one tensor: `reduce_scatter_single` from torch 2.13 on, which deprecates the
+old name (a FutureWarning on every call); the GPU image's torch 2.11 has only `reduce_scatter_tensor`."""
+
 __all__ = [
     "autocast_dtype",
     "clip_grad_norm_",
     "grad_norm_and_clip_coef",
     "device_type",
     "init_distributed",
+    "reduce_scatter_tensor",
     "set_determinism",
     "set_pg_timeouts",
     "transformer_blocks",
