@@ -147,7 +147,7 @@ def validate(job_config: JobConfig) -> None:
             f"parallelism; change --{key} or --parallelism.tensor_parallel_degree",
         )
         _require(
-            seq_len % (2 * cp) == 0,
+            cp == 1 or seq_len % (2 * cp) == 0,
             f"{key} ({seq_len}) must be divisible by 2 x context_parallel_degree ({2 * cp}): each rank holds two "
             f"chunks of every sequence; change --{key} or --parallelism.context_parallel_degree",
         )
@@ -196,6 +196,11 @@ def validate(job_config: JobConfig) -> None:
         f"compile.components may only contain 'model' and 'loss', got {unknown}; "
         "pass e.g. --compile.components model,loss",
     )
+    _require(
+        job_config.compile.components or not job_config.compile.enable,
+        "compile.components is empty, so --compile.enable would compile nothing; pass --compile.components with "
+        "model and/or loss (e.g. model,loss)",
+    )
     ac = job_config.activation_checkpoint
     _require(
         ac.num_blocks == -1 or ac.mode != "none",
@@ -211,7 +216,7 @@ def validate(job_config: JobConfig) -> None:
     )
     option = job_config.activation_checkpoint.selective_ac_option
     _require(
-        option == "op" or (option.isdigit() and int(option) > 0),
+        option == "op" or (option.isascii() and option.isdigit() and int(option) > 0),
         f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, got {option!r}; "
         "pass --activation_checkpoint.selective_ac_option op (or e.g. 2)",
     )
@@ -227,6 +232,8 @@ _DEGREE_KEYS = (
     "parallelism.pipeline_parallel_degree parallelism.pipeline_parallel_microbatch_size "
     "parallelism.expert_parallel_degree parallelism.expert_tensor_parallel_degree"
 ).split()
+_MAX_SEED = 2**63 - 1  # torch.manual_seed takes a 64-bit seed
+_MAX_TIMEOUT = 2**31 - 1  # a C int of seconds; far below timedelta's limit
 # (key, whether its value is valid, what a valid value is)
 _RANGES = (
     ("validation.local_batch_size", lambda v: v is None or v > 0, "none or a positive integer"),
@@ -247,6 +254,9 @@ _RANGES = (
     ("checkpoint.load_step", lambda v: v == -1 or v >= 1, "-1 (the latest checkpoint) or a step >= 1"),
     ("activation_checkpoint.num_blocks", lambda v: v >= -1, "-1 (every block) or a number of blocks >= 0"),
     ("activation_checkpoint.memory_budget_gib", lambda v: math.isfinite(v) and v >= 0, "a number of GiB >= 0 (0: off)"),
+    ("debug.seed", lambda v: v is None or 0 <= v <= _MAX_SEED, f"none or in [0, 2**63 - 1 = {_MAX_SEED}]"),
+    ("comm.init_timeout_seconds", lambda v: v <= _MAX_TIMEOUT, f"at most {_MAX_TIMEOUT} seconds (about 68 years)"),
+    ("comm.train_timeout_seconds", lambda v: v <= _MAX_TIMEOUT, f"at most {_MAX_TIMEOUT} seconds (about 68 years)"),
 )
 
 
@@ -423,14 +433,22 @@ def _load_toml(path: str) -> dict[str, Any]:
             data = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path!r} (from --job.config_file)") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path!r} is a folder; give a .toml file (--job.config_file)") from None
     except OSError as err:
         raise ConfigError(f"cannot read config file {path!r}: {err.strerror}") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config file {path!r} is not valid TOML: {err}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path!r} is not UTF-8 text; save it as UTF-8 TOML") from None
 
     sections = {spec.section for spec in _fields().values()}
     values = {}
     for section, table in data.items():
+        if isinstance(table, list) and section in sections:
+            raise ConfigError(
+                f"[[{section}]] in {path} is an array of tables; write [{section}] (one section, single brackets)"
+            )
         if not isinstance(table, dict):
             raise ConfigError(f"top-level key {section!r} in {path} is not inside a [section]; {_suggestion(section)}")
         if section not in sections:
@@ -438,6 +456,11 @@ def _load_toml(path: str) -> dict[str, Any]:
             hint = f"did you mean [{match}]?" if match else f"valid sections: {', '.join(sorted(sections))}"
             raise ConfigError(f"unknown config section [{section}] in {path}; {hint}")
         for name, value in table.items():
+            if f"{section}.{name}" == "job.config_file":
+                raise ConfigError(
+                    f"job.config_file cannot be set inside a config file ({path}); drop it there and pass the file "
+                    "with --job.config_file (CONFIG_FILE for run_train.sh)"
+                )
             spec = _lookup(f"{section}.{name}", f"in {path}")
             values[spec.key] = _from_toml(spec, value, path)
     return values

@@ -203,6 +203,18 @@ def test_toml_key_outside_a_section(tmp_path):
         parse("--job.config_file", path)
 
 
+def test_toml_array_of_tables_says_to_use_single_brackets(tmp_path):
+    path = write_toml(tmp_path, "[[validation]]\nenable = true\n")
+    with pytest.raises(ConfigError, match=r"\[\[validation\]\] in .* is an array of tables; write \[validation\]"):
+        parse("--job.config_file", path)
+
+
+def test_config_file_inside_a_config_file_is_an_error(tmp_path):
+    path = write_toml(tmp_path, '[job]\nconfig_file = "other.toml"\n')
+    with pytest.raises(ConfigError, match="job.config_file cannot be set inside a config file"):
+        parse("--job.config_file", path)
+
+
 # --- types and choices ----------------------------------------------------------------------------
 
 
@@ -268,6 +280,15 @@ def test_missing_config_file_names_the_path(tmp_path):
     missing = str(tmp_path / "nope.toml")
     with pytest.raises(ConfigError, match="nope.toml"):
         parse("--job.config_file", missing)
+
+
+def test_a_config_file_that_is_a_folder_or_not_utf8_says_so(tmp_path):
+    with pytest.raises(ConfigError, match=r"config file .* is a folder; give a .toml file"):
+        parse("--job.config_file", str(tmp_path))
+    path = tmp_path / "latin1.toml"
+    path.write_bytes("[job]\ndescription = 'caf\u00e9'\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"config file .*latin1.toml' is not UTF-8 text"):
+        parse("--job.config_file", str(path))
 
 
 def test_invalid_toml_names_the_path(tmp_path):
@@ -338,6 +359,12 @@ def test_uncaught_help_exits_process_with_zero():
         (["--compile.components=model,los"], r"compile.components may only contain .*\['los'\]"),
         (["--activation_checkpoint.selective_ac_option=every"], "selective_ac_option must be 'op'"),
         (["--activation_checkpoint.selective_ac_option=0"], "selective_ac_option must be 'op'"),
+        (["--activation_checkpoint.selective_ac_option=\u00b2"], "selective_ac_option must be 'op'"),  # '²'.isdigit()
+        (["--compile.enable", "--compile.components", ","], "compile.components is empty, so --compile.enable would"),
+        (["--debug.seed", "99999999999999999999999"], r"debug.seed must be none or in \[0, 2\*\*63 - 1"),
+        (["--debug.seed", "-1"], r"debug.seed must be none or in \[0, 2\*\*63 - 1"),
+        (["--comm.init_timeout_seconds", "99999999999999999"], "init_timeout_seconds must be at most 2147483647"),
+        (["--comm.train_timeout_seconds", "2147483648"], "train_timeout_seconds must be at most 2147483647"),
         (["--parallelism.deepep_num_sms=23"], "deepep_num_sms must be a positive even"),
         (["--parallelism.deepep_num_sms=0"], "deepep_num_sms must be a positive even"),
         (["--parallelism.deepep_sync_free_dispatch"], "deepep_sync_free_dispatch needs .*deepep"),
@@ -386,6 +413,11 @@ def test_validation_rejects_bad_values(flags, message):
         ["--parallelism.tensor_parallel_degree=2", "--parallelism.expert_tensor_parallel_degree=2"],
         ["--lr_scheduler.decay_ratio=0", "--lr_scheduler.warmup_steps=0"],
         ["--compile.components=loss"],
+        ["--compile.components", ","],  # compile off: nothing to compile either way
+        ["--debug.seed", str(2**63 - 1)],
+        ["--comm.init_timeout_seconds", str(2**31 - 1)],
+        ["--training.seq_len", "127"],  # only context parallelism needs an even length
+        ["--parallelism.context_parallel_degree=2", "--training.seq_len=36"],
         [
             "--parallelism.expert_parallel_comm_backend=deepep",
             "--parallelism.expert_parallel_degree=2",
