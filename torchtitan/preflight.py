@@ -34,6 +34,7 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, Any]:
     check_dump_folder(job_config.job.dump_folder)
     check_checkpoint_folder(job_config)
     check_cache_folder()
+    check_output_paths(job_config)
     check_corpus(job_config.training.dataset, job_config.training.dataset_path)
     if job_config.validation.enable and job_config.validation.dataset_path:
         check_corpus("", job_config.validation.dataset_path, "validation")
@@ -47,7 +48,7 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, Any]:
     check_parallel_dims(parallel_dims, model_args)
     check_batch_sizes(job_config, parallel_dims.dp_size)
     check_ep_overlap(job_config, parallel_dims)
-    check_mtp(model_args, parallel_dims)
+    check_mtp(job_config, model_args, parallel_dims)
     check_float8_linears(job_config, parallel_dims)
     check_float8_dispatch(job_config, model_args)
     check_profiling(job_config)
@@ -62,12 +63,32 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, Any]:
     if parallel_dims.pp_enabled:
         spec.check_pipeline(job_config, parallel_dims, model_args)
     check_validation(job_config, model_args, parallel_dims)
-    if job_config.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("--metrics.enable_wandb needs the wandb package: pip install wandb (or drop the flag)")
+    if job_config.metrics.enable_wandb:
+        check_wandb(job_config)
     from torchtitan.models.moe.exchange import get_backend
 
     get_backend(job_config.parallelism.expert_parallel_comm_backend).check(parallel_dims)
     return job_config, model_args
+
+
+WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # wandb.Settings.mode (wandb 0.31)
+WANDB_PROJECT_FORBIDDEN = "/\\#?%:"  # wandb.init refuses a project name with any of these
+
+
+def check_wandb(job_config: JobConfig) -> None:
+    """W&B is installed, and its mode and project name are ones wandb.init takes (it raises a long traceback)."""
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError("--metrics.enable_wandb needs the wandb package: pip install wandb (or drop the flag)")
+    mode = os.environ.get("WANDB_MODE")
+    if mode is not None and mode not in WANDB_MODES:
+        raise ConfigError(f"WANDB_MODE={mode!r} is not a W&B mode; set WANDB_MODE to one of {', '.join(WANDB_MODES)}")
+    project = job_config.metrics.wandb_project
+    found = sorted({c for c in project if c in WANDB_PROJECT_FORBIDDEN})
+    if found:
+        raise ConfigError(
+            f"--metrics.wandb_project {project!r} contains {' '.join(found)}; W&B project names cannot contain any of "
+            f"{' '.join(WANDB_PROJECT_FORBIDDEN)}: pass another name"
+        )
 
 
 def check_tokenizer(job_config: JobConfig, model_args) -> None:
@@ -185,9 +206,21 @@ def overlap_cannot_pay(job_config: JobConfig, parallel_dims) -> list[str]:
     return reasons
 
 
-def check_mtp(model_args, parallel_dims) -> None:
+def check_mtp(job_config: JobConfig, model_args, parallel_dims) -> None:
     """Multi-token prediction runs after the main model's head on full-vocabulary logits: not implemented with
-    tensor parallelism (vocab-sharded logits, sequence-sharded hidden states) yet."""
+    tensor parallelism (vocab-sharded logits, sequence-sharded hidden states) yet. Module k predicts the token k + 2
+    ahead, so the sequences must be longer than the number of modules."""
+    for key in ("training.seq_len", "validation.seq_len"):
+        section, _, name = key.partition(".")
+        seq_len = getattr(getattr(job_config, section), name) or job_config.training.seq_len
+        if key == "validation.seq_len" and not job_config.validation.enable:
+            continue
+        if model_args.mtp_layers >= seq_len:
+            raise ConfigError(
+                f"{key} ({seq_len}) must be larger than the number of multi-token prediction modules "
+                f"({model_args.mtp_layers}, --model.mtp_layers): module k predicts the token k + 2 ahead; raise "
+                f"--{key} or lower --model.mtp_layers"
+            )
     if model_args.mtp_layers and parallel_dims.tp_enabled:
         raise ConfigError(
             f"multi-token prediction ({model_args.mtp_layers} module(s)) is not supported with "
@@ -269,6 +302,25 @@ def check_checkpoint_folder(job_config: JobConfig) -> None:
         )
 
 
+def check_output_paths(job_config: JobConfig) -> None:
+    """The files and folders a run writes under the dump folder must not exist as the other kind."""
+    dump_folder, metrics, profiling = job_config.job.dump_folder, job_config.metrics, job_config.profiling
+    for on, name, flag in (
+        (metrics.enable_tensorboard, metrics.save_tb_folder, "--metrics.save_tb_folder"),
+        (profiling.enable_profiling, profiling.save_traces_folder, "--profiling.save_traces_folder"),
+        (profiling.enable_memory_snapshot, "memory_snapshot", "--job.dump_folder"),
+    ):
+        folder = os.path.join(dump_folder, name)
+        if on and os.path.exists(folder) and not os.path.isdir(folder):
+            raise ConfigError(f"{folder!r} is a file, not a folder; move it away or pass another {flag}")
+    jsonl = os.path.join(dump_folder, "metrics.jsonl")
+    if metrics.enable_jsonl and os.path.isdir(jsonl):
+        raise ConfigError(
+            f"{jsonl!r} is a folder, not a file (metrics.jsonl); move it away, pass another --job.dump_folder, or "
+            "--metrics.no-enable_jsonl"
+        )
+
+
 def check_cache_folder() -> None:
     """Tokenized corpora are cached under $TORCHTITAN_CACHE_DIR (default ~/.cache/torchtitan). A cache that cannot be
     written only costs the tokenization of every run (the trainer warns); a path that is a file is a mistake."""
@@ -321,6 +373,13 @@ def check_profiling(job_config: JobConfig) -> None:
         raise ConfigError(
             f"profiling.profile_freq={profiling.profile_freq}: use >= {MIN_PROFILE_FREQ} (the profiler warms up for "
             f"{MIN_PROFILE_FREQ - 1} steps before the step it records)"
+        )
+    steps, freq = job_config.training.steps, profiling.profile_freq
+    if (profiling.enable_profiling or profiling.enable_memory_snapshot) and freq > steps:
+        lower = f" or --profiling.profile_freq {steps}" if steps >= MIN_PROFILE_FREQ else ""
+        logger.warning(
+            f"profiling.profile_freq={freq} records step {freq}, but training.steps is {steps}: no step will be "
+            f"profiled; pass --training.steps {freq}{lower}"
         )
     if profiling.enable_memory_snapshot and not torch.cuda.is_available():
         raise ConfigError("profiling.enable_memory_snapshot records the CUDA allocator; no GPU here: drop the flag")

@@ -137,6 +137,8 @@ def test_paths_that_are_not_what_they_should_be_are_one_error_each(tmp_path):
         check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path / "file")], world_size=1)
     with pytest.raises(FileNotFoundError, match="hf_config_path .*missing.json does not exist"):
         check_job([*args, "--model.hf_config_path", str(tmp_path / "missing.json")], world_size=1)
+    with pytest.raises(ValueError, match="hf_config_path .* is a folder; give its config.json"):
+        check_job([*args, "--model.hf_config_path", str(tmp_path)], world_size=1)
 
 
 def test_the_lock_check_before_launch_is_for_one_host_only(tmp_path, capsys):
@@ -190,3 +192,57 @@ def test_settings_that_would_fail_late_or_do_nothing_are_one_error(tmp_path, arg
         check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path), *args], world_size=world_size)
     if "--training.enable_cpu_offload" in args:  # with FSDP it is accepted
         check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path), *args], world_size=2)
+
+
+@pytest.mark.parametrize(
+    "path, kind, args, message",
+    [
+        ("metrics.jsonl", "folder", [], r"metrics.jsonl' is a folder, not a file .*--metrics.no-enable_jsonl"),
+        ("tb", "file", ["--metrics.enable_tensorboard"], r"tb' is a file, not a folder; .*--metrics.save_tb_folder"),
+        ("profile_traces", "file", ["--profiling.enable_profiling"],
+         r"profile_traces' is a file, not a folder; .*--profiling.save_traces_folder"),
+        ("memory_snapshot", "file", ["--profiling.enable_memory_snapshot"],
+         r"memory_snapshot' is a file, not a folder; .*--job.dump_folder"),
+    ],
+    ids=["jsonl-folder", "tensorboard-file", "traces-file", "snapshot-file"],
+)  # fmt: skip
+def test_an_output_path_of_the_wrong_kind_is_one_error(tmp_path, path, kind, args, message):
+    # they were an IsADirectoryError / FileExistsError traceback, and a segfault for the profiler's traces
+    (tmp_path / path).mkdir() if kind == "folder" else (tmp_path / path).write_text("in the way")
+    with pytest.raises(ConfigError, match=message):
+        check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path), *args], world_size=1)
+
+
+def test_more_mtp_modules_than_tokens_is_one_error(tmp_path):
+    args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--model.mtp_layers", "3"]
+    with pytest.raises(ConfigError, match=r"training.seq_len \(2\) must be larger than .* \(3, --model.mtp_layers\)"):
+        check_job([*args, "--training.seq_len", "2"], world_size=1)
+    check_job([*args, "--training.seq_len", "4"], world_size=1)
+
+
+def test_wandb_mode_and_project_name_are_checked(tmp_path, monkeypatch):
+    args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--metrics.enable_wandb"]
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "wandb" else find_spec(name, *a)
+    )
+    monkeypatch.setenv("WANDB_MODE", "bogus")
+    with pytest.raises(ConfigError, match="WANDB_MODE='bogus' is not a W&B mode; set WANDB_MODE to one of online, off"):
+        check_job(args, world_size=1)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    with pytest.raises(ConfigError, match=r"--metrics.wandb_project 'a/b:c' contains / :; W&B project names cannot"):
+        check_job([*args, "--metrics.wandb_project", "a/b:c"], world_size=1)
+    check_job(args, world_size=1)
+
+
+def test_profiling_past_the_last_step_warns_in_one_line(tmp_path, caplog):
+    args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--profiling.enable_profiling", "--training.steps", "1"]
+    check_job(args, world_size=1)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "profile_freq" in r.getMessage()]
+    assert warnings == [
+        "profiling.profile_freq=10 records step 10, but training.steps is 1: no step will be profiled; pass "
+        "--training.steps 10"
+    ]
+    caplog.clear()
+    check_job([*args[:-1], "10"], world_size=1)
+    assert not [r for r in caplog.records if "profile_freq" in r.getMessage()]

@@ -202,6 +202,8 @@ def load_hf_config(path: str, flag: str) -> tuple[dict[str, Any], DeepSeekV3Mode
         raise ValueError(f"{flag} {path}: not valid JSON ({err}); fix the file") from None
     except FileNotFoundError:
         raise FileNotFoundError(f"{flag} {path} does not exist; give a config.json") from None
+    except IsADirectoryError:
+        raise ValueError(f"{flag} {path} is a folder; give its config.json") from None
     if not isinstance(config, dict):
         raise ValueError(f"{flag} {path}: not a JSON object; give a Hugging Face config.json")
     try:
