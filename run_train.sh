@@ -18,6 +18,10 @@ for arg in "$@"; do
   fi
 done
 
+if [[ -d "$CONFIG_FILE" ]]; then
+  echo "error: CONFIG_FILE '$CONFIG_FILE' is a folder; pick a .toml file, e.g. from ./train_configs/" >&2
+  exit 2
+fi
 if [[ ! -f "$CONFIG_FILE" ]]; then
   echo "error: CONFIG_FILE '$CONFIG_FILE' does not exist; pick one from ./train_configs/" >&2
   exit 2
@@ -38,7 +42,10 @@ done
 "$PYTHON" -m torchtitan.preflight --world-size $((NGPU * NNODES)) --nnodes "$NNODES" --job.config_file "$CONFIG_FILE" "$@"
 
 if [[ "$NNODES" -gt 1 ]]; then
-  : "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port of the rendezvous host (same on every node)}"
+  if [[ -z "${RDZV_ENDPOINT:-}" ]]; then
+    echo "error: NNODES=$NNODES needs RDZV_ENDPOINT: set RDZV_ENDPOINT=host:port of the rendezvous host (same on every node)" >&2
+    exit 2
+  fi
   RDZV=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-torchtitan}")
 else
   RDZV=(--standalone)

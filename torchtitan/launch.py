@@ -20,11 +20,14 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 INTERRUPTED_EXIT_CODE = 130
+SIGKILL = 9
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _quiet_torchrun()
+    if not _torchrun_flags_parse(argv):
+        return 2
     try:
         run.main(argv)
     except ChildFailedError as err:
@@ -33,7 +36,13 @@ def main(argv: list[str] | None = None) -> int:
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         reported = os.path.isfile(failure.error_file) and isinstance(failure.message, str) and failure.message
         if not reported:  # a traceback (a bug) or a signal: say which rank
-            print(f"training failed: rank {rank} {how} (its output is above)", file=sys.stderr)
+            hint = (
+                "; SIGKILL is often the host running out of memory: lower --training.seq_len or "
+                "--training.local_batch_size"
+                if code == -SIGKILL
+                else ""
+            )
+            print(f"training failed: rank {rank} {how} (its output is above){hint}", file=sys.stderr)
         elif not _output_shown(failure.local_rank, argv):
             print(f"training failed: rank {rank} {how}: {failure.message}", file=sys.stderr)
         # else its one error line is on the terminal already: nothing to add
@@ -43,6 +52,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interrupted: training stopped{where}", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
     return 0
+
+
+def _torchrun_flags_parse(argv: list[str]) -> bool:
+    """Parse the torchrun flags first: a bad one (from run_train.sh's TORCHRUN_ARGS) is one line, not torchrun's
+    usage text."""
+
+    def error(message: str) -> None:
+        raise ValueError(message)
+
+    parser = run.get_args_parser()
+    parser.error = error
+    try:
+        parser.parse_args(argv)
+    except ValueError as err:
+        print(
+            f"error: torchrun flags: {err}; check TORCHRUN_ARGS (torchrun --help lists the flags)",
+            file=sys.stderr,
+        )
+        return False
+    return True
 
 
 def _quiet_torchrun() -> None:

@@ -188,3 +188,29 @@ def test_the_interrupt_line_says_what_a_rerun_does(tmp_path):
     assert "enable --checkpoint.enable" in _where_it_stopped(run)
     enabled = _where_it_stopped([*run, "--checkpoint.enable", "--checkpoint.interval", "5"])
     assert "before its first checkpoint (every 5 steps)" in enabled and "enable --checkpoint" not in enabled
+
+
+def test_a_rank_killed_by_sigkill_points_at_host_memory(tmp_path, monkeypatch, capsys):
+    # `--training.seq_len 8192` on a small host: the kernel's OOM killer ends rank 0 and leaves no output above
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from torchtitan import launch
+
+    def killed(exitcode: int):
+        def main(argv):
+            failure = ProcessFailure(local_rank=0, pid=1, exitcode=exitcode, error_file=str(tmp_path / "none"))
+            raise ChildFailedError("torchtitan.train", {0: failure})
+
+        return main
+
+    argv = ["--nproc-per-node", "1", "--standalone", "-m", "torchtitan.train"]
+    monkeypatch.setattr(torchrun, "main", killed(-signal.SIGKILL))
+    assert launch.main(argv) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "training failed: rank 0 was killed by signal 9 (its output is above); SIGKILL is often the host running out "
+        "of memory: lower --training.seq_len or --training.local_batch_size"
+    ]
+    monkeypatch.setattr(torchrun, "main", killed(-signal.SIGSEGV))
+    launch.main(argv)
+    assert "memory" not in capsys.readouterr().err

@@ -87,6 +87,13 @@ def _run_launcher(args: list[str], env_extra: dict[str, str] | None = None) -> s
         ([], {"NGPU": "abc"}, "NGPU=abc is not a positive whole number"),
         (["--checkpoint.load_step", "5"], {}, "add --checkpoint.enable or drop --checkpoint.load_step"),
         ([], {"NGPU": "2", "LOG_RANK": "5"}, "LOG_RANK=5 names local rank '5', but there are 2 per node"),
+        ([], {"CONFIG_FILE": "./train_configs"}, "error: CONFIG_FILE './train_configs' is a folder; pick a .toml"),
+        ([], {"NNODES": "2"}, "error: NNODES=2 needs RDZV_ENDPOINT: set RDZV_ENDPOINT=host:port"),
+        (
+            ["--training.steps", "1"],
+            {"TORCHRUN_ARGS": "--bogus-flag 3"},
+            "error: torchrun flags: unrecognized arguments: --bogus-flag; check TORCHRUN_ARGS",
+        ),
     ],
     ids=[
         "missing-config",
@@ -99,11 +106,14 @@ def _run_launcher(args: list[str], env_extra: dict[str, str] | None = None) -> s
         "ngpu-not-a-number",
         "load-step-without-checkpointing",
         "log-rank-out-of-range",
+        "config-is-a-folder",
+        "nnodes-without-rdzv-endpoint",
+        "bad-torchrun-args",
     ],
 )
 def test_bad_input_fails_fast_with_one_line(args, env, expected):
     proc = _run_launcher(args, env)
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     error_lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(error_lines) == 1, proc.stderr
     assert expected in error_lines[0], error_lines[0]
