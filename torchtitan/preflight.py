@@ -210,11 +210,10 @@ def check_mtp(job_config: JobConfig, model_args, parallel_dims) -> None:
     """Multi-token prediction runs after the main model's head on full-vocabulary logits: not implemented with
     tensor parallelism (vocab-sharded logits, sequence-sharded hidden states) yet. Module k predicts the token k + 2
     ahead, so the sequences must be longer than the number of modules."""
-    for key in ("training.seq_len", "validation.seq_len"):
-        section, _, name = key.partition(".")
-        seq_len = getattr(getattr(job_config, section), name) or job_config.training.seq_len
-        if key == "validation.seq_len" and not job_config.validation.enable:
-            continue
+    seq_lens = {"training.seq_len": job_config.training.seq_len}
+    if job_config.validation.enable:
+        seq_lens["validation.seq_len"] = job_config.validation.seq_len or job_config.training.seq_len
+    for key, seq_len in seq_lens.items():
         if model_args.mtp_layers >= seq_len:
             raise ConfigError(
                 f"{key} ({seq_len}) must be larger than the number of multi-token prediction modules "
@@ -305,18 +304,20 @@ def check_checkpoint_folder(job_config: JobConfig) -> None:
 def check_output_paths(job_config: JobConfig) -> None:
     """The files and folders a run writes under the dump folder must not exist as the other kind."""
     dump_folder, metrics, profiling = job_config.job.dump_folder, job_config.metrics, job_config.profiling
-    for on, name, flag in (
-        (metrics.enable_tensorboard, metrics.save_tb_folder, "--metrics.save_tb_folder"),
-        (profiling.enable_profiling, profiling.save_traces_folder, "--profiling.save_traces_folder"),
-        (profiling.enable_memory_snapshot, "memory_snapshot", "--job.dump_folder"),
+    for on, what, name, flag in (
+        (metrics.enable_tensorboard, "TensorBoard", metrics.save_tb_folder, "--metrics.save_tb_folder"),
+        (profiling.enable_profiling, "profiler trace", profiling.save_traces_folder, "--profiling.save_traces_folder"),
+        (profiling.enable_memory_snapshot, "memory snapshot", "memory_snapshot", "--job.dump_folder"),
     ):
         folder = os.path.join(dump_folder, name)
         if on and os.path.exists(folder) and not os.path.isdir(folder):
-            raise ConfigError(f"{folder!r} is a file, not a folder; move it away or pass another {flag}")
+            raise ConfigError(
+                f"the {what} folder {folder!r} is a file, not a folder; move it away or pass another {flag}"
+            )
     jsonl = os.path.join(dump_folder, "metrics.jsonl")
     if metrics.enable_jsonl and os.path.isdir(jsonl):
         raise ConfigError(
-            f"{jsonl!r} is a folder, not a file (metrics.jsonl); move it away, pass another --job.dump_folder, or "
+            f"the metrics file {jsonl!r} is a folder, not a file; move it away, pass another --job.dump_folder, or "
             "--metrics.no-enable_jsonl"
         )
 

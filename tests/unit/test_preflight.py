@@ -197,12 +197,13 @@ def test_settings_that_would_fail_late_or_do_nothing_are_one_error(tmp_path, arg
 @pytest.mark.parametrize(
     "path, kind, args, message",
     [
-        ("metrics.jsonl", "folder", [], r"metrics.jsonl' is a folder, not a file .*--metrics.no-enable_jsonl"),
-        ("tb", "file", ["--metrics.enable_tensorboard"], r"tb' is a file, not a folder; .*--metrics.save_tb_folder"),
+        ("metrics.jsonl", "folder", [], r"the metrics file .*jsonl' is a folder, not a file; .*no-enable_jsonl"),
+        ("tb", "file", ["--metrics.enable_tensorboard"],
+         r"the TensorBoard folder .*tb' is a file, not a folder; .*--metrics.save_tb_folder"),
         ("profile_traces", "file", ["--profiling.enable_profiling"],
-         r"profile_traces' is a file, not a folder; .*--profiling.save_traces_folder"),
+         r"the profiler trace folder .*profile_traces' is a file, not a folder; .*--profiling.save_traces_folder"),
         ("memory_snapshot", "file", ["--profiling.enable_memory_snapshot"],
-         r"memory_snapshot' is a file, not a folder; .*--job.dump_folder"),
+         r"the memory snapshot folder .*memory_snapshot' is a file, not a folder; .*--job.dump_folder"),
     ],
     ids=["jsonl-folder", "tensorboard-file", "traces-file", "snapshot-file"],
 )  # fmt: skip
