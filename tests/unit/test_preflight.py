@@ -3,6 +3,7 @@ checkpoint or cache folder that is a file, an unknown pipeline schedule, a token
 
 import importlib.util
 import json
+import logging
 
 import pytest
 
@@ -237,6 +238,7 @@ def test_wandb_mode_and_project_name_are_checked(tmp_path, monkeypatch):
 
 
 def test_profiling_past_the_last_step_warns_in_one_line(tmp_path, caplog):
+    logging.disable(logging.NOTSET)  # preflight.main, run by a test above, turns warnings off for its process
     args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--profiling.enable_profiling", "--training.steps", "1"]
     check_job(args, world_size=1)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "profile_freq" in r.getMessage()]
