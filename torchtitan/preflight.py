@@ -12,6 +12,7 @@ import sys
 import tempfile
 from typing import Any
 
+from torchtitan.components.checkpoint_folder import complete_checkpoints, is_step_name
 from torchtitan.components.run_lock import DumpFolderBusyError, check_dump_folder_free
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.datasets.corpus import CACHE_DIR_ENV, check_corpus, disk_cache_dir
@@ -282,23 +283,50 @@ def check_dump_folder(dump_folder: str) -> None:
 
 
 def check_checkpoint_folder(job_config: JobConfig) -> None:
-    """The checkpoint folder must be a folder (or not exist yet) when checkpointing is on; an initial checkpoint must
-    be a folder that exists."""
-    initial = job_config.checkpoint.initial_load_path
+    """The checkpoint folder must be a folder (or not exist yet) when checkpointing is on, without files where its
+    saves go, and hold no earlier run's checkpoints when it is off (the run would start over beside them and cut
+    their metrics.jsonl); an initial checkpoint must be a folder that exists; flags that need checkpointing or a
+    DCP checkpoint must have them."""
+    checkpoint = job_config.checkpoint
+    initial = checkpoint.initial_load_path
     if initial and not os.path.isdir(initial):
         raise ConfigError(
             f"--checkpoint.initial_load_path {initial!r} is not a folder"
             + (" (it does not exist)" if not os.path.exists(initial) else "")
             + ": give a checkpoint's step-N folder, an export, or a Hugging Face folder"
         )
-    if not job_config.checkpoint.enable:
+    if initial and checkpoint.initial_load_in_hf and not checkpoint.initial_load_model_only:
+        raise ConfigError(
+            "--checkpoint.initial_load_in_hf: a Hugging Face folder holds model weights only, no optimizer or "
+            "training state; drop --checkpoint.initial_load_model_only=false"
+        )
+    folder = os.path.join(job_config.job.dump_folder, checkpoint.folder)
+    if not checkpoint.enable:
+        for flag in ("last_save_in_hf", "last_save_model_only"):
+            if getattr(checkpoint, flag):
+                raise ConfigError(
+                    f"--checkpoint.{flag} shapes the final checkpoint, but checkpointing is off and nothing would be "
+                    "saved; add --checkpoint.enable"
+                )
+        earlier = complete_checkpoints(folder) if os.path.isdir(folder) else {}
+        if earlier:
+            raise ConfigError(
+                f"the dump folder {job_config.job.dump_folder!r} holds checkpoints of an earlier run (up to step "
+                f"{max(earlier)}, in {folder}) but checkpointing is off: add --checkpoint.enable to resume it, or "
+                "choose another --job.dump_folder"
+            )
         return
-    folder = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ConfigError(
             f"the checkpoint folder {folder!r} is a file, not a folder; move it away or pass another "
             "--checkpoint.folder"
         )
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+        if is_step_name(name) and not os.path.isdir(os.path.join(folder, name)):
+            raise ConfigError(
+                f"{os.path.join(folder, name)!r} is not a folder, and a checkpoint would be saved there; move it "
+                "out of the checkpoint folder"
+            )
 
 
 def check_output_paths(job_config: JobConfig) -> None:

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from torchtitan.config import ConfigError
-from torchtitan.preflight import check_job
+from torchtitan.preflight import check_job, main
 
 DEBUG_TOML = ["--job.config_file", "train_configs/deepseek_v3_debugmodel.toml"]
 VALIDATION = ["--validation.enable"]
@@ -44,6 +44,53 @@ def test_a_checkpoint_folder_that_is_a_file_is_one_error(tmp_path):
     with pytest.raises(ConfigError, match="the checkpoint folder .*ck' is a file, not a folder"):
         check_job(args, world_size=1)
     check_job(args[:-3], world_size=1)  # checkpointing off: the file is nobody's business
+
+
+def fake_checkpoint(folder, step):
+    """A complete-looking step-N (its manifest is all preflight looks at)."""
+    (folder / f"step-{step}").mkdir(parents=True)
+    (folder / f"step-{step}" / "complete.json").write_text(json.dumps({"step": step, "format": "full", "files": {}}))
+
+
+def test_checkpoints_of_an_earlier_run_with_checkpointing_off_is_one_line(tmp_path, capsys):
+    """Without --checkpoint.enable the run would start at step 1 beside them and cut their metrics.jsonl."""
+    fake_checkpoint(tmp_path / "checkpoint", 2)
+    fake_checkpoint(tmp_path / "checkpoint", 4)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n' * 4)
+    args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--training.steps", "2"]
+    assert main(["--world-size", "1", *args]) == 2
+    assert capsys.readouterr().err == (
+        f"error: the dump folder '{tmp_path}' holds checkpoints of an earlier run (up to step 4, in "
+        f"{tmp_path / 'checkpoint'}) but checkpointing is off: add --checkpoint.enable to resume it, or choose another "
+        "--job.dump_folder\n"
+    )
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n' * 4
+    check_job([*args, "--checkpoint.enable"], world_size=1)
+    check_job([*args, "--checkpoint.folder", "elsewhere"], world_size=1)  # checkpoint.folder is where they are found
+
+
+@pytest.mark.parametrize("flag", ["--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only"])
+def test_a_final_save_format_without_checkpointing_is_one_error(tmp_path, flag):
+    """Otherwise the run ends with exit 0 and nothing saved."""
+    with pytest.raises(ConfigError, match=rf"^{flag} shapes the final checkpoint, .*; add --checkpoint.enable$"):
+        check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path), flag], world_size=1)
+
+
+def test_a_full_initial_state_from_an_hf_folder_is_one_error(tmp_path):
+    """An HF folder holds weights only: asking for its optimizer state would silently load the model only."""
+    args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path / "run"), "--checkpoint.initial_load_path", str(tmp_path),
+            "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_model_only=false"]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"holds model weights only, .*; drop --checkpoint.initial_load_model_only"):
+        check_job(args, world_size=1)
+
+
+@pytest.mark.parametrize("name", ["step-2", "step-4.tmp"])
+def test_a_file_where_a_checkpoint_would_be_saved_is_one_error(tmp_path, name):
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / name).write_text("stray")
+    args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--checkpoint.interval", "2"]
+    with pytest.raises(ConfigError, match=rf"checkpoint/{name}' is not a folder, .*; move it out of the checkpoint"):
+        check_job(args, world_size=1)
 
 
 def test_a_cache_folder_that_is_a_file_is_one_error(tmp_path, monkeypatch):

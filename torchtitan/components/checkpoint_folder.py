@@ -18,8 +18,6 @@ import time
 import zlib
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
-
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "complete.json"
@@ -185,6 +183,8 @@ def corrupt_checkpoint_error(path: str, bad: list[str], fix: str) -> CheckpointE
 def dcp_error_text(err: BaseException) -> str:
     """One line for a DCP failure: a CheckpointException (a BaseException whose text is every failed rank's
     traceback) gives its first rank's error."""
+    import torch.distributed.checkpoint as dcp  # here, so preflight can look at folders before torch is imported
+
     if isinstance(err, dcp.CheckpointException) and err.failures:
         err = next(iter(err.failures.values()))[0]
     return " ".join(f"{type(err).__name__}: {err}".split())
@@ -202,6 +202,8 @@ def validate_foreign_dcp(path: str) -> None:
 
 
 def checkpoint_keys(path: str) -> set[str]:
+    import torch.distributed.checkpoint as dcp
+
     try:
         return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     except Exception as err:
@@ -215,6 +217,11 @@ def model_key_prefix(keys) -> str:
     """How a DCP checkpoint names the model's tensors: "model." under the trainer's {"model": ...} state (full
     checkpoints, scripts/convert_hf.py's output), "" at top level (a model-only export)."""
     return "model." if any(key.startswith("model.") for key in keys) else ""
+
+
+def is_step_name(name: str) -> bool:
+    """Whether `name` is where a save goes: `step-N` or its `step-N.tmp`."""
+    return _STEP_DIR.match(name.removesuffix(TMP_SUFFIX)) is not None
 
 
 def complete_checkpoints(folder: str) -> dict[int, str]:
