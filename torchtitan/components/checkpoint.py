@@ -41,10 +41,12 @@ from torchtitan.components.checkpoint_folder import (
     MANIFEST_NAME,
     TMP_SUFFIX,
     CheckpointError,
+    ResumeMismatchError,
     checkpoint_keys,
     complete_checkpoints,
     corrupt_checkpoint_error,
     corrupt_files,
+    dcp_error_cause,
     dcp_error_text,
     exports,
     model_key_prefix,
@@ -121,6 +123,7 @@ class CheckpointManager:
         self.interval = config.interval
         self.keep_latest_k = config.keep_latest_k  # the values were checked where they entered (config.manager)
         self.export_dtype = DTYPES[config.export_dtype]
+        self.flavor = job_config.model.flavor
 
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -290,7 +293,8 @@ class CheckpointManager:
             if path is not None:
                 begin = time.monotonic()
                 self._verify_checksums(path)
-                self._dcp_load(self._states_present_in(path), path)
+                keys = checkpoint_keys(path, self._damage_fix(path))
+                self._dcp_load(self._states_present_in(path, keys), path)
                 self._check_finite_weights(path)
                 logger.info(f"resumed from {path} in {time.monotonic() - begin:.2f}s")
                 return True
@@ -320,9 +324,7 @@ class CheckpointManager:
             )
         if step == -1:
             if complete:
-                latest = max(complete)
-                validate_checkpoint(complete[latest])
-                return complete[latest]
+                return self._validated(complete, max(complete))
             found = exports(self.folder)
             if found and not self.config.initial_load_path:
                 raise CheckpointError(
@@ -352,8 +354,35 @@ class CheckpointManager:
                 f"in another folder: --job.dump_folder NEW --checkpoint.initial_load_path {complete[step]} "
                 "--checkpoint.initial_load_model_only=false"
             )
-        validate_checkpoint(complete[step])
-        return complete[step]
+        return self._validated(complete, step)
+
+    def _validated(self, complete: dict[int, str], step: int) -> str:
+        """The path of `step-<step>` once its files match its manifest and the manifest's step matches the name (a
+        renamed folder would resume at another step than the one it holds)."""
+        path = complete[step]
+        manifest = validate_checkpoint(path, fix=f"Nothing was loaded; {self._damage_fix(path)}")
+        if manifest.get("step") != step:
+            raise CheckpointError(
+                f"checkpoint {path} holds step {manifest.get('step')} (its {MANIFEST_NAME} says so) but its folder "
+                f"is named step-{step}; rename it back to step-{manifest.get('step')}"
+            )
+        return path
+
+    def _damage_fix(self, path: str) -> str:
+        """What to do about damaged checkpoint `path` of this run's folder: resume from an older one if there is
+        one; else nothing earlier exists to resume from, and deleting it starts over."""
+        complete = complete_checkpoints(self.folder)
+        step = next((s for s, p in complete.items() if p == path), None)
+        older = sorted(s for s in complete if step is not None and s < step)
+        if older:
+            return (
+                f"delete {path} (or move it out of the folder), then resume from the previous checkpoint "
+                f"(--checkpoint.load_step {older[-1]}, or -1)"
+            )
+        return (
+            f"it is the only checkpoint in {self.folder}, there is no previous one: restore the damaged file if you "
+            f"have a copy; deleting {path} starts the run over from step 1"
+        )
 
     def _verify_checksums(self, path: str) -> None:
         """Every rank checks the crc32 of its share of the files; any mismatch stops all ranks with the fix."""
@@ -366,13 +395,7 @@ class CheckpointManager:
             bad = sorted(name for names in gathered for name in names)
         if not bad:
             return
-        older = sorted(s for s in complete_checkpoints(self.folder) if s < manifest["step"])
-        fix = (
-            f"delete {path}, then resume from the previous checkpoint (--checkpoint.load_step {older[-1]}, or -1)"
-            if older
-            else f"no older checkpoint is left: delete {path} to start over"
-        )
-        raise corrupt_checkpoint_error(path, bad, fix)
+        raise corrupt_checkpoint_error(path, bad, self._damage_fix(path))
 
     def _load_initial(self, path: str) -> bool:
         begin = time.monotonic()
@@ -381,16 +404,21 @@ class CheckpointManager:
             logger.info(f"initialized model from HF checkpoint {path} in {time.monotonic() - begin:.2f}s")
             return False
         self._rank0_decides(lambda: validate_foreign_dcp(path))
+        keys = checkpoint_keys(path, "pass an intact one as --checkpoint.initial_load_path")
         if self.config.initial_load_model_only:
-            keys = checkpoint_keys(path)
             prefix = model_key_prefix(keys)
             fresh = self._absent_optional_modules(key.removeprefix(prefix) for key in keys if key.startswith(prefix))
             state = {name: value for name, value in self.model.state_dict().items() if not name.startswith(fresh)}
-            self._dcp_load({"model": state} if prefix else state, path)
+            self._dcp_load({"model": state} if prefix else state, path, initial=True)
             self.model.load_state_dict(state)
             logger.info(f"initialized model from {path} in {time.monotonic() - begin:.2f}s")
             return False
-        self._dcp_load(self._states_present_in(path), path)
+        if not any(key.startswith("optimizer.") for key in keys):
+            raise CheckpointError(
+                f"checkpoint.initial_load_path {path} holds model weights only (no optimizer or training state); "
+                "drop --checkpoint.initial_load_model_only=false to start from its weights"
+            )
+        self._dcp_load(self._states_present_in(path, keys), path, initial=True)
         logger.info(f"loaded the full training state from {path} in {time.monotonic() - begin:.2f}s")
         return True
 
@@ -416,12 +444,21 @@ class CheckpointManager:
         state = self.state_dict_adapter.from_hf(hf_state)
         fresh = self._absent_optional_modules(state)
         for part in self.model_parts:
-            missing = [key for key in sorted(set(get_model_state_dict(part)) - set(state)) if not key.startswith(fresh)]
+            ours = get_model_state_dict(part)
+            missing = [key for key in sorted(set(ours) - set(state)) if not key.startswith(fresh)]
             if missing:
                 raise CheckpointError(
                     f"HF checkpoint {path} lacks {len(missing)} model tensors, e.g. {missing[:3]}; check that "
                     f"it matches --model.flavor / --model.hf_config_path"
                 )
+            # otherwise set_model_state_dict raises one line per tensor (a wrong flavor: nearly all of them)
+            for key in sorted(set(ours) & set(state)):
+                if tuple(ours[key].shape) != tuple(state[key].shape):
+                    raise CheckpointError(
+                        f"HF checkpoint {path} holds another model than --model.flavor {self.flavor} builds: {key} is "
+                        f"{list(state[key].shape)} there, {list(ours[key].shape)} here; pass the matching "
+                        "--model.flavor or --model.hf_config_path"
+                    )
             set_model_state_dict(part, state, options=StateDictOptions(full_state_dict=True, strict=False))
 
     def _states(self) -> dict[str, Any]:
@@ -433,10 +470,10 @@ class CheckpointManager:
         states[f"rng.rank_{self.rank}"] = PickledState(RngState())
         return states
 
-    def _states_present_in(self, path: str) -> dict[str, Any]:
-        """All states, minus per-rank ones this checkpoint has no entry for (another DP degree / world size). A
-        dataloader entry missing for this DP rank is read from DP rank 0's, whose position the dataloader reshards."""
-        keys = checkpoint_keys(path)
+    def _states_present_in(self, path: str, keys: set[str]) -> dict[str, Any]:
+        """All states, minus per-rank ones checkpoint `path` (its DCP `keys`) has no entry for (another DP degree /
+        world size). A dataloader entry missing for this DP rank is read from DP rank 0's, whose position the
+        dataloader reshards."""
         states = self._states()
         own_key = f"dataloader.dp_rank_{self.dp_rank}"
         if own_key in states and not any(key.startswith(own_key + ".") for key in keys):
@@ -447,15 +484,26 @@ class CheckpointManager:
                 del states[name]
         return states
 
-    def _dcp_load(self, states: dict[str, Any], path: str) -> None:
+    def _dcp_load(self, states: dict[str, Any], path: str, initial: bool = False) -> None:
+        """Load `states` from `path`. Its files passed their checksums (a resume) or are someone's source weights (an
+        initial checkpoint): a failure here is a setting of this run, never advice to delete the folder."""
         try:
             dcp.load(states, checkpoint_id=path, process_group=self.pg)
         except (Exception, dcp.CheckpointException) as err:  # DCP's own exception is a BaseException
-            raise CheckpointError(
-                f"loading checkpoint {path} failed ({dcp_error_text(err)}). If --model.flavor or another model flag "
-                f"changed since it was saved, resume with the values it was saved with (or start a new run in another "
-                f"--job.dump_folder); if it is damaged, delete {path} or pick another: --checkpoint.load_step"
-            ) from err
+            cause = dcp_error_cause(err)
+            if isinstance(cause, ResumeMismatchError):  # names the settings that changed
+                raise CheckpointError(f"cannot resume from {path}: {cause}") from err
+            if initial:
+                fix = (
+                    f"it holds another model than --model.flavor {self.flavor} builds: pass the --model.flavor (or "
+                    "--model.hf_config_path) it was saved with, or another --checkpoint.initial_load_path"
+                )
+            else:
+                fix = (
+                    f"if --model.flavor ({self.flavor} now) or another model flag changed since it was saved, resume "
+                    "with the values it was saved with, or start a new run in another --job.dump_folder"
+                )
+            raise CheckpointError(f"loading checkpoint {path} failed ({dcp_error_text(err)}); {fix}") from err
         # DCP calls load_state_dict in sorted key order, so the optimizer's saved lr lands after the schedule's
         # and a train state's RNG (one rank's copy) after this rank's own: re-apply the two that must win.
         if states.get("lr_scheduler") is not None:

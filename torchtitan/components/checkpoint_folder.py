@@ -36,6 +36,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or unreadable; the message names the folder and the fix."""
 
 
+class ResumeMismatchError(ValueError):
+    """A saved state that this run refuses because its settings differ (the data stream, the layout): the
+    checkpoint is healthy, so the fix is the settings, never deleting it. The message names them."""
+
+
 def write_rank_checksums(tmp_path: str, rank: int) -> None:
     """Each rank, once its DCP files are written: crc32 of its own files (`__<rank>_*`; rank 0 also `.metadata`)."""
     names = [name for name in os.listdir(tmp_path) if name.startswith(f"__{rank}_")]
@@ -180,13 +185,19 @@ def corrupt_checkpoint_error(path: str, bad: list[str], fix: str) -> CheckpointE
     )
 
 
-def dcp_error_text(err: BaseException) -> str:
-    """One line for a DCP failure: a CheckpointException (a BaseException whose text is every failed rank's
+def dcp_error_cause(err: BaseException) -> BaseException:
+    """The error behind a DCP failure: a CheckpointException (a BaseException whose text is every failed rank's
     traceback) gives its first rank's error."""
     import torch.distributed.checkpoint as dcp  # here, so preflight can look at folders before torch is imported
 
     if isinstance(err, dcp.CheckpointException) and err.failures:
-        err = next(iter(err.failures.values()))[0]
+        return next(iter(err.failures.values()))[0]
+    return err
+
+
+def dcp_error_text(err: BaseException) -> str:
+    """One line for a DCP failure (its first rank's error)."""
+    err = dcp_error_cause(err)
     return " ".join(f"{type(err).__name__}: {err}".split())
 
 
@@ -201,16 +212,15 @@ def validate_foreign_dcp(path: str) -> None:
         )
 
 
-def checkpoint_keys(path: str) -> set[str]:
+def checkpoint_keys(path: str, fix: str = "use an intact checkpoint") -> set[str]:
+    """The DCP keys of checkpoint `path`; an unreadable `.metadata` raises with `fix` (the caller knows whether
+    the folder is this run's own checkpoint or someone's source weights)."""
     import torch.distributed.checkpoint as dcp
 
     try:
         return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     except Exception as err:
-        raise CheckpointError(
-            f"cannot read {path}/.metadata ({dcp_error_text(err)}); delete {path} or pick another: "
-            "--checkpoint.load_step"
-        ) from err
+        raise CheckpointError(f"cannot read {path}/.metadata ({dcp_error_text(err)}); {fix}") from err
 
 
 def model_key_prefix(keys) -> str:

@@ -6,6 +6,7 @@ from typing import Any
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from torchtitan.components.checkpoint_folder import ResumeMismatchError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.datasets.text_datasets import PackedTextDataset, build_text_dataset
 from torchtitan.datasets.tokenizer import Tokenizer
@@ -14,6 +15,20 @@ from torchtitan.datasets.tokenizer import Tokenizer
 INFORMATIONAL_IDENTITY_KEYS = ("dataset",)
 # Entries that may change when a checkpoint is resumed with another data-parallel layout (see _reshard).
 LAYOUT_IDENTITY_KEYS = ("dp_world_size", "local_batch_size")
+# The settings that change each identity entry, named in the error of a resume that does not match.
+_TOKENS = (
+    "the training tokens (--validation.enable without --validation.dataset_path holds every 20th document out of "
+    "training; --training.dataset, --training.dataset_path)"
+)
+CHANGED_SETTING = {
+    "tokens_sha256": _TOKENS,
+    "num_documents": _TOKENS,
+    "num_tokens": _TOKENS,
+    "tokenizer": "the tokenizer (--model.tokenizer_path)",
+    "seq_len": "--training.seq_len",
+    "local_batch_size": "--training.local_batch_size",
+    "dp_world_size": "the data-parallel degree",
+}
 
 
 logger = logging.getLogger(__name__)
@@ -64,9 +79,10 @@ class ParallelAwareDataloader(StatefulDataLoader):
         }
         if mismatched:
             details = ", ".join(f"{name}: saved {saved!r}, now {now!r}" for name, (saved, now) in mismatched.items())
-            raise ValueError(
-                f"dataloader state does not match this run ({details}); resume with the same dataset, "
-                "tokenizer, --training.seq_len, --training.local_batch_size and data-parallel degree"
+            changed = " or ".join(dict.fromkeys(CHANGED_SETTING.get(name, name) for name in mismatched))
+            raise ResumeMismatchError(
+                f"dataloader state does not match this run ({details}): {changed} changed since the checkpoint was "
+                "saved; resume with the settings it was saved with, or start a new run in another --job.dump_folder"
             )
         loader_state = rank_state["loader"]
         if not same_layout:

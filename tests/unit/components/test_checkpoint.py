@@ -9,18 +9,18 @@ import torch.distributed.checkpoint as dcp
 
 from tests.unit.distributed._spawn import run_distributed
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager
-from torchtitan.components.checkpoint_folder import MANIFEST_NAME
+from torchtitan.components.checkpoint_folder import MANIFEST_NAME, ResumeMismatchError
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config.job_config import JobConfig
 
 
 class TinyModel(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, dim=8):
         super().__init__()
-        self.tok_embeddings = torch.nn.Embedding(16, 8)
-        self.norm = torch.nn.LayerNorm(8)
-        self.output = torch.nn.Linear(8, 16)
+        self.tok_embeddings = torch.nn.Embedding(16, dim)
+        self.norm = torch.nn.LayerNorm(dim)
+        self.output = torch.nn.Linear(dim, 16)
         self.register_buffer("expert_bias", torch.zeros(4))
 
     def forward(self, tokens):
@@ -311,6 +311,54 @@ def test_same_size_corruption_of_a_data_file_is_caught_by_its_checksum(tmp_path)
     assert (folder(tmp_path) / "step-4").exists()  # nothing is deleted or skipped behind the user's back
 
 
+def test_damage_to_the_only_checkpoint_says_there_is_no_previous_one(tmp_path):
+    # e.g. a 2-GPU checkpoint whose second rank's shard never arrived: deleting it does not resume anything
+    Run(make_config(tmp_path)).train(2)
+    step2 = folder(tmp_path) / "step-2"
+    next(p for p in step2.iterdir() if p.suffix == ".distcp").unlink()
+    with pytest.raises(CheckpointError, match=r"distcp is missing\. Nothing was loaded; it is the only checkpoint"):
+        Run(make_config(tmp_path)).manager.load()
+    with pytest.raises(CheckpointError) as err:
+        Run(make_config(tmp_path)).manager.load()
+    message = str(err.value)
+    assert "there is no previous one" in message and "--checkpoint.load_step" not in message
+    assert f"deleting {step2} starts the run over from step 1" in message and "\n" not in message
+
+
+def test_a_renamed_checkpoint_folder_is_refused_naming_both_steps(tmp_path):
+    Run(make_config(tmp_path)).train(4)
+    os.rename(folder(tmp_path) / "step-4", folder(tmp_path) / "step-40")
+    with pytest.raises(CheckpointError, match=r"step-40 holds step 4 .* named step-40; rename it back to step-4$"):
+        Run(make_config(tmp_path)).manager.load()
+
+
+def test_a_resume_with_changed_data_settings_names_them_and_never_suggests_deleting(tmp_path):
+    Run(make_config(tmp_path)).train(2)
+    resumed = Run(make_config(tmp_path))
+
+    class ChangedData(FakeDataloader):  # what the real dataloader raises with --validation.enable added
+        def load_state_dict(self, state):
+            raise ResumeMismatchError("dataloader state does not match this run (tokens_sha256: ...): ...")
+
+    resumed.manager.dataloader = ChangedData()
+    with pytest.raises(CheckpointError, match=r"cannot resume from .*step-2: dataloader state does not match") as err:
+        resumed.manager.load()
+    assert "delete" not in str(err.value).lower() and "load_step" not in str(err.value)
+
+
+@pytest.mark.parametrize("how", ["resume", "initial_load_path"])
+def test_another_model_shape_names_the_flavor_and_never_suggests_deleting(tmp_path, how):
+    Run(make_config(tmp_path)).train(2)
+    if how == "resume":
+        config = make_config(tmp_path)
+    else:
+        config = make_config(tmp_path / "other", initial_load_path=str(folder(tmp_path) / "step-2"))
+    with pytest.raises(CheckpointError, match=r"Size mismatch.*--model.flavor.*debugmodel") as err:
+        Run(config, model=TinyModel(dim=12)).manager.load()
+    assert "delete" not in str(err.value).lower() and "load_step" not in str(err.value)
+    assert "\n" not in str(err.value)
+
+
 def test_deleted_manifest_is_skipped_with_a_warning_naming_it(tmp_path, caplog):
     run = Run(make_config(tmp_path))
     run.train(4)
@@ -393,6 +441,18 @@ def test_export_never_pushes_the_resumable_checkpoint_out_and_resume_continues(t
     assert sorted(os.listdir(folder(tmp_path) / "exports")) == ["step-10", "step-14"]
 
 
+def test_a_model_only_export_as_a_full_initial_state_is_one_error(tmp_path):
+    Run(make_config(tmp_path, last_save_model_only=True, interval=100)).train(10)
+    export = folder(tmp_path) / "exports" / "step-10"
+    config = make_config(tmp_path / "other", initial_load_path=str(export), initial_load_model_only=False)
+    with pytest.raises(CheckpointError) as err:
+        Run(config).manager.load()
+    assert str(err.value) == (
+        f"checkpoint.initial_load_path {export} holds model weights only (no optimizer or training state); drop "
+        "--checkpoint.initial_load_model_only=false to start from its weights"
+    )
+
+
 def test_exports_without_a_resumable_checkpoint_stop_with_the_fix(tmp_path):
     config = make_config(tmp_path, last_save_model_only=True, interval=100)
     Run(config).train(10)  # only the last step is saved, as an export
@@ -463,6 +523,22 @@ def test_an_unreadable_hf_initial_load_is_one_error_naming_the_folder(tmp_path, 
     config = make_config(tmp_path / "run", initial_load_path=str(hf), initial_load_in_hf=True)
     with pytest.raises(CheckpointError, match=message):
         Run(config, state_dict_adapter=_IdentityAdapter()).manager.load()
+
+
+def test_an_hf_checkpoint_of_another_shape_is_one_line_naming_a_tensor(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    fake_io = types.ModuleType("torchtitan.components.hf_safetensors")
+    fake_io.load_hf_safetensors = lambda path: TinyModel(dim=12).state_dict()
+    monkeypatch.setitem(sys.modules, "torchtitan.components.hf_safetensors", fake_io)
+    config = make_config(tmp_path, initial_load_path=str(tmp_path), initial_load_in_hf=True)
+    with pytest.raises(CheckpointError) as err:
+        Run(config, state_dict_adapter=_IdentityAdapter()).manager.load()
+    assert str(err.value) == (
+        f"HF checkpoint {tmp_path} holds another model than --model.flavor debugmodel builds: norm.bias is [12] "
+        "there, [8] here; pass the matching --model.flavor or --model.hf_config_path"
+    )
 
 
 def test_hf_export_without_adapter_fails_at_construction(tmp_path):

@@ -4,6 +4,7 @@ import pickle
 import pytest
 import torch
 
+from torchtitan.components.checkpoint_folder import ResumeMismatchError
 from torchtitan.datasets.dataloader import build_dataloader
 
 
@@ -103,6 +104,17 @@ def test_loading_state_from_a_different_dataset_is_an_error(tokenizer, make_job_
     loader = build_dataloader(make_job_config(jsonl_corpus), tokenizer, 0, 1)
     with pytest.raises(ValueError, match="dataset"):
         loader.load_state_dict(state)
+
+
+def test_resuming_with_validation_held_out_names_the_setting_not_damage(tokenizer, make_job_config):
+    """--validation.enable without a validation corpus holds documents out of training: the token stream changes."""
+    state = build_dataloader(make_job_config(), tokenizer, 0, 1).state_dict()
+    job_config = make_job_config()
+    job_config.validation.enable = True
+    loader = build_dataloader(job_config, tokenizer, 0, 1)
+    with pytest.raises(ResumeMismatchError, match=r"tokens_sha256: saved .*--validation.enable without") as err:
+        loader.load_state_dict(state)
+    assert "\n" not in str(err.value) and "delete" not in str(err.value)
 
 
 def test_state_loads_when_the_same_corpus_moved_folder(tokenizer, make_job_config, jsonl_corpus, tmp_path):

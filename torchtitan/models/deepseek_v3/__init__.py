@@ -89,6 +89,6 @@ def _initial_checkpoint_keys(checkpoint) -> set[str] | None:
         return None
     from torchtitan.components.checkpoint_folder import checkpoint_keys, model_key_prefix
 
-    keys = checkpoint_keys(path)
+    keys = checkpoint_keys(path, "pass an intact one as --checkpoint.initial_load_path")
     prefix = model_key_prefix(keys)
     return {key.removeprefix(prefix) for key in keys if key.startswith(prefix)}
