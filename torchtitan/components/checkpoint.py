@@ -41,7 +41,6 @@ from torchtitan.components.checkpoint_folder import (
     MANIFEST_NAME,
     TMP_SUFFIX,
     CheckpointError,
-    ResumeMismatchError,
     checkpoint_keys,
     complete_checkpoints,
     corrupt_checkpoint_error,
@@ -59,6 +58,7 @@ from torchtitan.components.checkpoint_folder import (
 )
 from torchtitan.components.loss import nonfinite_weight
 from torchtitan.config.job_config import JobConfig
+from torchtitan.config.manager import ResumeMismatchError
 from torchtitan.tools.dtypes import DTYPES
 
 logger = logging.getLogger(__name__)

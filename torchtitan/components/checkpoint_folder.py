@@ -36,11 +36,6 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or unreadable; the message names the folder and the fix."""
 
 
-class ResumeMismatchError(ValueError):
-    """A saved state that this run refuses because its settings differ (the data stream, the layout): the
-    checkpoint is healthy, so the fix is the settings, never deleting it. The message names them."""
-
-
 def write_rank_checksums(tmp_path: str, rank: int) -> None:
     """Each rank, once its DCP files are written: crc32 of its own files (`__<rank>_*`; rank 0 also `.metadata`)."""
     names = [name for name in os.listdir(tmp_path) if name.startswith(f"__{rank}_")]

@@ -29,6 +29,11 @@ class ConfigError(ValueError):
     """A bad config value or key; the message names the key and the fix. `main` prints it and exits 2."""
 
 
+class ResumeMismatchError(ValueError):
+    """A saved state that this run refuses because its settings differ (the data stream, the layout): the
+    checkpoint is healthy, so the fix is the settings, never deleting it. The message names them."""
+
+
 class HelpRequested(SystemExit):
     """Raised by `parse_args` after printing `--help`; a SystemExit(0) so an uncaught one exits cleanly."""
 

@@ -6,8 +6,8 @@ from typing import Any
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from torchtitan.components.checkpoint_folder import ResumeMismatchError
 from torchtitan.config.job_config import JobConfig
+from torchtitan.config.manager import ResumeMismatchError
 from torchtitan.datasets.text_datasets import PackedTextDataset, build_text_dataset
 from torchtitan.datasets.tokenizer import Tokenizer
 

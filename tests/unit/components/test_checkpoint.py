@@ -9,10 +9,11 @@ import torch.distributed.checkpoint as dcp
 
 from tests.unit.distributed._spawn import run_distributed
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager
-from torchtitan.components.checkpoint_folder import MANIFEST_NAME, ResumeMismatchError
+from torchtitan.components.checkpoint_folder import MANIFEST_NAME
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config.job_config import JobConfig
+from torchtitan.config.manager import ResumeMismatchError
 
 
 class TinyModel(torch.nn.Module):

@@ -4,7 +4,7 @@ import pickle
 import pytest
 import torch
 
-from torchtitan.components.checkpoint_folder import ResumeMismatchError
+from torchtitan.config.manager import ResumeMismatchError
 from torchtitan.datasets.dataloader import build_dataloader
 
 
