@@ -205,6 +205,9 @@ def test_a_rank_killed_by_sigkill_points_at_host_memory(tmp_path, monkeypatch, c
         return main
 
     argv = ["--nproc-per-node", "1", "--standalone", "-m", "torchtitan.train"]
+    # launch.main quiets torchrun through LOGLEVEL and logger levels, process-wide: set here, it leaves them alone
+    # (the later launcher subprocesses of this pytest process would inherit LOGLEVEL and skip their quieting)
+    monkeypatch.setenv("LOGLEVEL", "CRITICAL")
     monkeypatch.setattr(torchrun, "main", killed(-signal.SIGKILL))
     assert launch.main(argv) == 1
     assert capsys.readouterr().err.splitlines() == [
