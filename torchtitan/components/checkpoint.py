@@ -244,8 +244,9 @@ class CheckpointManager:
         if any(isinstance(failure[0], KeyboardInterrupt) for failure in failures):
             return KeyboardInterrupt()
         return CheckpointError(
-            f"saving checkpoint step {step} into {tmp_path} failed ({dcp_error_text(err)}); the previous checkpoint "
-            f"is untouched. Make {self.folder} writable with free space, or save elsewhere: --job.dump_folder"
+            f"saving checkpoint step {step} into {tmp_path} failed ({dcp_error_text(err)}{_free_space(self.folder)}); "
+            f"the previous checkpoint is untouched. Make {self.folder} writable with free space, or save elsewhere: "
+            "--job.dump_folder"
         )
 
     def _publish(self, step: int, tmp_path: str, fmt: str) -> None:
@@ -601,3 +602,11 @@ class RngState:
 
 def _is_pipeline_stage(model_part: nn.Module) -> bool:
     return any(hasattr(model_part, name) and getattr(model_part, name) is None for name in ("tok_embeddings", "output"))
+
+
+def _free_space(folder: str) -> str:
+    """'; N MiB free there', for a failed save's message: a full disk shows up as a torn write, not as ENOSPC."""
+    try:
+        return f"; {shutil.disk_usage(folder).free // 2**20} MiB free there"
+    except OSError:
+        return ""

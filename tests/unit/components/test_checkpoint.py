@@ -1,6 +1,7 @@
 import json
 import os
 import random
+import re
 import shutil
 
 import pytest
@@ -616,3 +617,5 @@ def test_ctrl_c_inside_a_save_stays_an_interrupt_and_other_failures_name_the_fol
     assert isinstance(manager._save_error(4, str(tmp_path / "step-4.tmp"), interrupted), KeyboardInterrupt)
     disk = manager._save_error(4, str(tmp_path / "step-4.tmp"), OSError("No space left on device"))
     assert isinstance(disk, CheckpointError) and "writable with free space" in str(disk)
+    # a full disk tears a write ("unexpected pos ..."); the message says how much room is left there
+    assert re.search(r"; \d+ MiB free there\); the previous checkpoint is untouched", str(disk)), str(disk)
