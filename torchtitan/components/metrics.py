@@ -160,6 +160,14 @@ class MetricsProcessor:
             return
         path = self.jsonl_file.name
         self.jsonl_file.close()
+        if step == 0 and os.path.getsize(path) > 0:
+            # A run from scratch in a folder an earlier run logged into (another checkpoint.folder, no checkpoint):
+            # that run's records are kept beside, not cut.
+            kept_as = next(f"{path}.{i}" for i in range(1, 10**6) if not os.path.exists(f"{path}.{i}"))
+            os.replace(path, kept_as)
+            logger.info(f"metrics.jsonl of an earlier run in this folder kept as {kept_as}")
+            self.jsonl_file = open(path, "a")  # noqa: SIM115
+            return
         with open(path) as f:
             kept = [line for line in f if _record_step(line) <= step]
         with open(path + ".tmp", "w") as f:

@@ -108,9 +108,10 @@ def test_jsonl_gets_one_flushed_record_per_logged_step(tmp_path):
 @pytest.mark.parametrize("resume_step, kept", [(2, [1, 2]), (0, [])], ids=["resumed-at-2", "rerun-from-scratch"])
 def test_a_run_replaces_the_records_after_where_it_starts(tmp_path, resume_step, kept):
     """A crashed run logged steps 1-4 (and half a line); the rerun resumes at `resume_step` and logs the steps after
-    it once: metrics.jsonl reads 1..4, not 1, 2, 3, 4, 3, 4."""
+    it once: metrics.jsonl reads 1..4, not 1, 2, 3, 4, 3, 4. A rerun from scratch keeps the earlier file beside."""
     records = "".join(json.dumps({"step": step, "loss": 1.0}) + "\n" for step in (1, 2, 3, 4))
-    (tmp_path / "metrics.jsonl").write_text(records + '{"step": 5, "lo')
+    earlier = records + '{"step": 5, "lo'
+    (tmp_path / "metrics.jsonl").write_text(earlier)
     processor = MetricsProcessor(
         job_config(tmp_path), num_flops_per_token=1.0, device=torch.device("cpu"), is_logging_rank=True
     )
@@ -121,6 +122,8 @@ def test_a_run_replaces_the_records_after_where_it_starts(tmp_path, resume_step,
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert [r["step"] for r in records if r["loss"] == 1.0] == kept
+    if resume_step == 0:  # from scratch: the earlier run's file is kept whole beside
+        assert (tmp_path / "metrics.jsonl.1").read_text() == earlier
 
 
 def test_non_logging_rank_writes_nothing(tmp_path, caplog):
