@@ -137,6 +137,8 @@ def manifest_problem(path: str) -> str | None:
         with open(manifest_path) as f:
             manifest = json.load(f)
         files, fmt = manifest["files"], manifest["format"]
+    except PermissionError:  # healthy for all we know: the fix is the permissions, never deleting it
+        raise CheckpointError(f"cannot read {manifest_path} (permission denied): fix its permissions") from None
     except (OSError, ValueError, KeyError, TypeError) as err:
         return f"unreadable {MANIFEST_NAME} ({err!r})"
     if fmt != FORMAT_HF and ".metadata" not in files:
@@ -157,8 +159,13 @@ def corrupt_files(path: str, manifest: dict[str, Any], rank: int, num_ranks: int
     entries = sorted(manifest["files"].items())[rank::num_ranks]
     bad = []
     for name, entry in entries:
-        if isinstance(entry, dict) and file_crc32(os.path.join(path, name)) != entry["crc32"]:
-            bad.append(name)
+        try:
+            if isinstance(entry, dict) and file_crc32(os.path.join(path, name)) != entry["crc32"]:
+                bad.append(name)
+        except PermissionError:
+            raise CheckpointError(
+                f"cannot read {os.path.join(path, name)} (permission denied): fix its permissions"
+            ) from None
     return bad
 
 
@@ -229,6 +236,21 @@ def is_step_name(name: str) -> bool:
     return _STEP_DIR.match(name.removesuffix(TMP_SUFFIX)) is not None
 
 
+def _has_manifest(path: str) -> bool:
+    """Whether step folder `path` holds its manifest. A folder that cannot be read is an error, not an unfinished
+    save: treated as one it would be skipped, then deleted by the save of its step."""
+    try:
+        os.stat(os.path.join(path, MANIFEST_NAME))
+        return True
+    except FileNotFoundError:
+        return False
+    except PermissionError:
+        raise CheckpointError(
+            f"cannot read checkpoint {path} (permission denied): fix its permissions, or move it out of "
+            f"{os.path.dirname(path)}"
+        ) from None
+
+
 def complete_checkpoints(folder: str) -> dict[int, str]:
     """{step: path} of the resumable `step-N` folders that have a manifest (validated when loaded). Exports are not
     among them: they live in `exports/` (an older layout's top-level export is told apart by its manifest's format)."""
@@ -237,7 +259,7 @@ def complete_checkpoints(folder: str) -> dict[int, str]:
         match = _STEP_DIR.match(name)
         path = os.path.join(folder, name)
         # an unreadable manifest stays a candidate, so loading it reports the damage instead of skipping it
-        if match and os.path.isfile(os.path.join(path, MANIFEST_NAME)) and _format(path) not in _EXPORT_FORMATS:
+        if match and _has_manifest(path) and _format(path) not in _EXPORT_FORMATS:
             complete[int(match.group(1))] = path
     return complete
 
@@ -247,7 +269,7 @@ def unfinished_checkpoints(folder: str) -> list[str]:
     return sorted(
         os.path.join(folder, name)
         for name in os.listdir(folder)
-        if _STEP_DIR.match(name) and not os.path.isfile(os.path.join(folder, name, MANIFEST_NAME))
+        if _STEP_DIR.match(name) and not _has_manifest(os.path.join(folder, name))
     )
 
 

@@ -619,3 +619,42 @@ def test_ctrl_c_inside_a_save_stays_an_interrupt_and_other_failures_name_the_fol
     assert isinstance(disk, CheckpointError) and "writable with free space" in str(disk)
     # a full disk tears a write ("unexpected pos ..."); the message says how much room is left there
     assert re.search(r"; \d+ MiB free there\); the previous checkpoint is untouched", str(disk)), str(disk)
+
+
+def test_a_checkpoint_that_cannot_be_read_is_an_error_never_an_unfinished_save(tmp_path, monkeypatch):
+    """Taken for an unfinished save, a complete step-N that cannot be read would be skipped for resume, then deleted
+    by the save of its step; the fix is its permissions."""
+    from torchtitan.components import checkpoint_folder as cf
+
+    step = tmp_path / "step-2"
+    step.mkdir()
+    (step / MANIFEST_NAME).write_text(
+        json.dumps({"format": "full", "files": {".metadata": {"bytes": 1, "crc32": "0"}}})
+    )
+    (step / ".metadata").write_text("x")
+    real_stat, real_open = os.stat, open
+
+    def denied(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(cf.os, "stat", lambda p, *a, **k: denied(p) if "step-2" in str(p) else real_stat(p, *a, **k))
+    for find in (cf.complete_checkpoints, cf.unfinished_checkpoints):
+        with pytest.raises(CheckpointError, match=rf"cannot read checkpoint {step} \(permission denied\): fix its"):
+            find(str(tmp_path))
+    monkeypatch.setattr(cf.os, "stat", real_stat)
+    monkeypatch.setattr(
+        cf,
+        "open",
+        lambda p, *a, **k: denied(p) if str(p).endswith(MANIFEST_NAME) else real_open(p, *a, **k),
+        raising=False,
+    )
+    with pytest.raises(CheckpointError, match=r"complete.json \(permission denied\): fix its permissions"):
+        cf.manifest_problem(str(step))
+    monkeypatch.setattr(
+        cf,
+        "open",
+        lambda p, *a, **k: denied(p) if str(p).endswith(".metadata") else real_open(p, *a, **k),
+        raising=False,
+    )
+    with pytest.raises(CheckpointError, match=r"\.metadata \(permission denied\): fix its permissions"):
+        cf.corrupt_files(str(step), json.loads((step / MANIFEST_NAME).read_text()), rank=0, num_ranks=1)
