@@ -12,7 +12,7 @@ import sys
 import tempfile
 from typing import Any
 
-from torchtitan.components.checkpoint_folder import complete_checkpoints, is_step_name
+from torchtitan.components.checkpoint_folder import CheckpointError, complete_checkpoints, is_step_name
 from torchtitan.components.run_lock import DumpFolderBusyError, check_dump_folder_free
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.datasets.corpus import CACHE_DIR_ENV, check_corpus, disk_cache_dir
@@ -301,6 +301,12 @@ def check_checkpoint_folder(job_config: JobConfig) -> None:
             "training state; drop --checkpoint.initial_load_model_only=false"
         )
     folder = os.path.join(job_config.job.dump_folder, checkpoint.folder)
+    if os.path.islink(folder) and not os.path.exists(folder):
+        raise ConfigError(
+            f"the checkpoint folder {folder!r} is a link to nothing ({os.readlink(folder)}); fix the link or remove it"
+        )
+    if os.path.isdir(folder) and not os.access(folder, os.R_OK | os.W_OK | os.X_OK):
+        raise ConfigError(f"the checkpoint folder {folder!r} cannot be read and written (permissions); fix them")
     if not checkpoint.enable:
         for flag in ("last_save_in_hf", "last_save_model_only"):
             if getattr(checkpoint, flag):
@@ -427,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         # launchers check at the same moment and would find each other's check holding the lock.
         if args.nnodes == 1:
             check_dump_folder_free(job_config.job.dump_folder)
-    except (ConfigError, ValueError, FileNotFoundError, ImportError, DumpFolderBusyError) as err:
+    except (ConfigError, ValueError, FileNotFoundError, ImportError, DumpFolderBusyError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

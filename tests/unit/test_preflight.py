@@ -4,6 +4,7 @@ checkpoint or cache folder that is a file, an unknown pipeline schedule, a token
 import importlib.util
 import json
 import logging
+import os
 
 import pytest
 
@@ -90,6 +91,18 @@ def test_a_file_where_a_checkpoint_would_be_saved_is_one_error(tmp_path, name):
     (tmp_path / "checkpoint" / name).write_text("stray")
     args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--checkpoint.interval", "2"]
     with pytest.raises(ConfigError, match=rf"checkpoint/{name}' is not a folder, .*; move it out of the checkpoint"):
+        check_job(args, world_size=1)
+
+
+def test_a_checkpoint_folder_linking_to_nothing_or_without_access_is_one_error(tmp_path, monkeypatch):
+    (tmp_path / "checkpoint").symlink_to(tmp_path / "gone")
+    args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--checkpoint.enable"]
+    with pytest.raises(ConfigError, match=r"checkpoint' is a link to nothing \(.*gone\); fix the link or remove it"):
+        check_job(args, world_size=1)
+    (tmp_path / "checkpoint").unlink()
+    (tmp_path / "checkpoint").mkdir()
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # root reads anything: chmod 000 cannot show it
+    with pytest.raises(ConfigError, match=r"checkpoint' cannot be read and written \(permissions\); fix them"):
         check_job(args, world_size=1)
 
 
