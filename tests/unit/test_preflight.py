@@ -225,8 +225,29 @@ def test_the_lock_check_before_launch_is_for_one_host_only(tmp_path, capsys):
         ({"hidden_size": "abc"}, r"hidden_size='abc' must be a positive whole number"),
         ({"num_hidden_layers": -2}, r"num_hidden_layers=-2 must be a positive whole number"),
         ({"num_experts_per_tok": 20}, r"num_experts_per_tok=20 must be at most n_routed_experts=\d+"),
+        ({"first_k_dense_replace": 10}, r"first_k_dense_replace=10 must be at most num_hidden_layers=6"),
+        ({"n_group": 3}, r"n_group=3 must divide n_routed_experts=8, and topk_group=\d+ be at most n_group"),
+        ({"n_group": 2, "topk_group": 4}, r"n_group=2 must divide .*topk_group=4 be at most n_group"),
+        ({"moe_intermediate_size": 100}, r"moe_intermediate_size=100 must be a multiple of 8 \(16-byte rows .*\)"),
+        ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported \(this model computes silu\)"),
+        (
+            {"scoring_func": "bogus"},
+            r"scoring_func='bogus' is not supported \(this model computes sigmoid or softmax\)",
+        ),
+        ({"topk_method": "bogus_method"}, r"topk_method='bogus_method' is not supported \(.*\)"),
     ],
-    ids=["string-size", "negative-layers", "top-k-above-experts"],
+    ids=[
+        "string-size",
+        "negative-layers",
+        "top-k-above-experts",
+        "dense-beyond-layers",
+        "groups-not-dividing",
+        "top-groups-above-groups",
+        "unaligned-moe-dim",
+        "gelu",
+        "scoring",
+        "topk-method",
+    ],
 )
 def test_an_hf_config_with_impossible_sizes_is_one_error_naming_the_file(tmp_path, change, message):
     from torchtitan.models.deepseek_v3 import all_flavors

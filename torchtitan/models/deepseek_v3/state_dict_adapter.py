@@ -307,6 +307,27 @@ def _check_shape(config: dict[str, Any]) -> None:
     top_k, experts = config["num_experts_per_tok"], config["n_routed_experts"]
     if top_k > experts:
         raise ValueError(f"num_experts_per_tok={top_k} must be at most n_routed_experts={experts}")
+    if config.get("first_k_dense_replace", 0) > config["num_hidden_layers"]:
+        raise ValueError(
+            f"first_k_dense_replace={config['first_k_dense_replace']} must be at most "
+            f"num_hidden_layers={config['num_hidden_layers']}"
+        )
+    groups, top_groups = config.get("n_group") or 1, config.get("topk_group") or 1
+    if experts % groups or top_groups > groups:
+        raise ValueError(
+            f"n_group={groups} must divide n_routed_experts={experts}, and topk_group={top_groups} be at most n_group"
+        )
+    for key in ("hidden_size", "moe_intermediate_size"):
+        if config[key] % 8:
+            raise ValueError(f"{key}={config[key]} must be a multiple of 8 (16-byte rows for the grouped GEMMs)")
+    # what this implementation computes: SwiGLU experts, sigmoid or softmax scores, (group-limited) greedy top-k
+    for key, supported in (
+        ("hidden_act", ("silu",)),
+        ("scoring_func", ("sigmoid", "softmax")),
+        ("topk_method", ("noaux_tc", "greedy", "group_limited_greedy")),
+    ):
+        if key in config and config[key] not in supported:
+            raise ValueError(f"{key}={config[key]!r} is not supported (this model computes {' or '.join(supported)})")
 
 
 def hf_config_from_model_args(args: DeepSeekV3ModelArgs) -> dict[str, Any]:
