@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import warnings
+from typing import NoReturn
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--mtp-layers", type=int, help="multi-token prediction modules (as --model.mtp_layers; default: the shape's)"
     )
+    parser.error = _usage_error
     opts = parser.parse_args(argv)
 
     if not os.path.isdir(opts.src):
@@ -232,6 +234,12 @@ def _cast(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dic
         k: v.to(dtype) if v.is_floating_point() and not k.endswith(("expert_bias", "tokens_per_expert")) else v
         for k, v in state_dict.items()
     }
+
+
+def _usage_error(message: str) -> NoReturn:
+    """argparse's errors as one line (not the usage block first); --help still prints the usage."""
+    print(f"error: {message}; see --help", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

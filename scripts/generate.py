@@ -23,6 +23,7 @@ import math
 import os
 import sys
 import warnings
+from typing import NoReturn
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", help="`tokenizers` JSON (default: the folder's tokenizer.json, else ours)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="autocast dtype (default: bf16 on CUDA)")
+    parser.error = _usage_error
     opts = parser.parse_args(argv)
     try:
         print(opts.prompt + sample_text(opts))
@@ -204,7 +206,8 @@ def load_tokenizer(path: str | None, checkpoint: str, hf_config: dict | None) ->
         in_folder = os.path.join(checkpoint, "tokenizer.json")
         path = in_folder if os.path.isfile(in_folder) else str(resolve_tokenizer_path(SHIPPED_TOKENIZER))
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--tokenizer {path}: no such file; pass a `tokenizers` tokenizer.json")
+        what = "a folder" if os.path.isdir(path) else "no such file"
+        raise FileNotFoundError(f"--tokenizer {path}: {what}; pass a `tokenizers` tokenizer.json")
     try:
         tokenizer = Tokenizer.from_file(path)
     except Exception as err:  # tokenizers raises a bare Exception for unreadable JSON
@@ -249,6 +252,12 @@ def _check_holds(path: str, missing: list[str]) -> None:
         raise ValueError(
             f"{path} lacks {len(missing)} tensors of this model, e.g. {missing[:3]}; check --flavor / --hf-config"
         )
+
+
+def _usage_error(message: str) -> NoReturn:
+    """argparse's errors as one line (not the usage block first); --help still prints the usage."""
+    print(f"error: {message}; see --help", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -448,6 +448,8 @@ def _setup_single_process_env() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata noise on every start
+    # CPU autocast feeds bf16 into the fp32-weight RMSNorms; torch notes on every run that it cannot fuse them
+    warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
     if "--help" in argv or "-h" in argv:
         print(help_for(argv))
         return 0

@@ -72,6 +72,10 @@ def resolve_tokenizer_path(tokenizer_path: str) -> Path:
     for candidate in candidates:
         if candidate.is_file():
             return candidate
+        if candidate.is_dir():
+            raise FileNotFoundError(
+                f"--model.tokenizer_path={tokenizer_path!r} is a folder ({candidate}); give the tokenizer.json in it"
+            )
     tried = ", ".join(str(c) for c in candidates)
     raise FileNotFoundError(
         f"tokenizer file not found: --model.tokenizer_path={tokenizer_path!r} (looked at {tried}); "

@@ -64,3 +64,10 @@ def test_build_script_reproduces_shipped_tokenizer(tmp_path, repo_root):
     assert rebuilt["model"]["vocab"] == shipped["model"]["vocab"]
     assert rebuilt["model"]["merges"] == shipped["model"]["merges"]
     assert rebuilt["added_tokens"] == shipped["added_tokens"]
+
+
+def test_a_tokenizer_path_that_is_a_folder_says_so(tmp_path):
+    from torchtitan.datasets.tokenizer import resolve_tokenizer_path
+
+    with pytest.raises(FileNotFoundError, match=r"tokenizer_path=.* is a folder \(.*\); give the tokenizer.json in it"):
+        resolve_tokenizer_path(str(tmp_path))

@@ -158,3 +158,11 @@ def test_a_bad_config_json_is_one_error_line_naming_it(text, message, tmp_path, 
     assert generate.main([str(hf_folder), "--prompt", "x", "--device", "cpu"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("error: ") and str(path) in line and message in line, line
+
+
+def test_a_usage_mistake_is_one_error_line_without_the_usage_block(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        generate.main(["some_folder"])  # no --prompt
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == "error: the following arguments are required: --prompt; see --help"
