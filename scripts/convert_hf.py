@@ -78,6 +78,11 @@ def main(argv: list[str] | None = None) -> None:
     config_path = opts.hf_config
     if config_path is None and opts.flavor is None and opts.direction == "from-hf":
         config_path = os.path.join(opts.src, "config.json")
+        if os.path.isfile(os.path.join(opts.src, ".metadata")):
+            raise ValueError(
+                f"{opts.src} is a DCP checkpoint, not a Hugging Face folder: export it with to-hf, or train from it "
+                "with --checkpoint.initial_load_path"
+            )
         if not os.path.isfile(config_path):
             raise ValueError(f"{opts.src} has no config.json: give the model shape with --hf-config or --flavor")
     if opts.flavor is not None:

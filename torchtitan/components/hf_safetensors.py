@@ -90,9 +90,13 @@ _FILE_MODE = 0o666 & ~_umask()
 def parse_size(size: int | str) -> int:
     """Bytes from an int or a string like "5GB", "500MB", "10KB" (powers of 1000, as HF uses)."""
     if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B)\s*", size.upper())
-    if match is None:
-        raise ValueError(f"max_shard_size {size!r}: use bytes (int) or a string like '5GB' or '500MB'")
-    number, unit = match.groups()
-    return int(float(number) * {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}[unit])
+        number = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B)?\s*", size.upper())
+        if match is None:
+            raise ValueError(f"max_shard_size {size!r}: use a number of bytes or a size like '5GB' or '500MB'")
+        value, unit = match.groups()
+        number = int(float(value) * {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}[unit or "B"])
+    if number <= 0:
+        raise ValueError(f"max_shard_size {size!r}: must be more than 0 bytes, e.g. '5GB'")
+    return number

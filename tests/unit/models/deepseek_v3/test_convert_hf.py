@@ -201,3 +201,12 @@ def test_to_hf_with_a_config_naming_mtp_layers_the_checkpoint_lacks_exports_what
     exported = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert exported["num_nextn_predict_layers"] == 0
     assert len(load_hf_safetensors(str(tmp_path / "hf"))) > 0
+
+
+def test_from_hf_of_a_dcp_checkpoint_says_what_it_is(tmp_path):
+    (tmp_path / "step-2").mkdir()
+    (tmp_path / "step-2" / ".metadata").write_bytes(b"x")
+    with pytest.raises(
+        ValueError, match=r"step-2 is a DCP checkpoint, not a Hugging Face folder: export it with to-hf"
+    ):
+        convert_hf.main(["from-hf", str(tmp_path / "step-2"), str(tmp_path / "out")])

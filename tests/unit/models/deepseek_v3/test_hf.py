@@ -73,6 +73,9 @@ def test_safetensors_shards_and_index_round_trip(tmp_path):
     for key in hf:
         torch.testing.assert_close(loaded[key], hf[key], rtol=0, atol=0)
     assert parse_size("5GB") == 5 * 10**9 and parse_size(123) == 123
+    for zero in (0, "0", "0GB"):
+        with pytest.raises(ValueError, match="must be more than 0 bytes"):
+            parse_size(zero)
     # shards get the mode of any new file (safetensors itself writes 0600): others can read an export
     index_mode = (tmp_path / INDEX_FILE).stat().st_mode & 0o777
     assert {(tmp_path / name).stat().st_mode & 0o777 for name in names} == {index_mode}
