@@ -295,6 +295,12 @@ def check_checkpoint_folder(job_config: JobConfig) -> None:
             + (" (it does not exist)" if not os.path.exists(initial) else "")
             + ": give a checkpoint's step-N folder, an export, or a Hugging Face folder"
         )
+    steps = sorted(name for name in os.listdir(initial) if is_step_name(name)) if initial else []
+    if steps and not os.path.exists(os.path.join(initial, ".metadata")):
+        raise ConfigError(
+            f"--checkpoint.initial_load_path {initial!r} is a checkpoint folder holding {', '.join(steps)}: pass one "
+            f"of them, e.g. {os.path.join(initial, steps[-1])}"
+        )
     if initial and checkpoint.initial_load_in_hf and not checkpoint.initial_load_model_only:
         raise ConfigError(
             "--checkpoint.initial_load_in_hf: a Hugging Face folder holds model weights only, no optimizer or "

@@ -106,6 +106,14 @@ def test_a_checkpoint_folder_linking_to_nothing_or_without_access_is_one_error(t
         check_job(args, world_size=1)
 
 
+def test_an_initial_checkpoint_given_as_the_folder_of_its_steps_names_them(tmp_path):
+    for name in ("step-10", "step-20"):
+        (tmp_path / "checkpoint" / name).mkdir(parents=True)
+    args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path / "dump"), "--checkpoint.initial_load_path"]
+    with pytest.raises(ConfigError, match=r"checkpoint' is a checkpoint folder holding step-10, step-20: pass one"):
+        check_job([*args, str(tmp_path / "checkpoint")], world_size=1)
+
+
 def test_a_cache_folder_that_is_a_file_is_one_error(tmp_path, monkeypatch):
     (tmp_path / "cache").write_text("not a folder")
     monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))
