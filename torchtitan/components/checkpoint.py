@@ -295,6 +295,7 @@ class CheckpointManager:
                 begin = time.monotonic()
                 self._verify_checksums(path)
                 keys = checkpoint_keys(path, self._damage_fix(path))
+                self._check_same_model(path, keys)
                 self._dcp_load(self._states_present_in(path, keys), path)
                 self._check_finite_weights(path)
                 logger.info(f"resumed from {path} in {time.monotonic() - begin:.2f}s")
@@ -304,6 +305,24 @@ class CheckpointManager:
             self._check_finite_weights(self.config.initial_load_path)
             return resumed
         return False
+
+    def _check_same_model(self, path: str, keys: set[str]) -> None:
+        """A resume into a model that lacks some of the checkpoint's tensors (fewer MTP modules, say) would load
+        without them, and its next save would drop them: refuse. The model's names are gathered over the ranks
+        (a pipeline stage holds only its own)."""
+        ours = set(self.model.state_dict())
+        if self.pg is not None:
+            gathered: list[Any] = [None] * dist.get_world_size(self.pg)
+            dist.all_gather_object(gathered, ours, group=self.pg)
+            ours = set().union(*gathered)
+        extra = sorted(name for key in keys if key.startswith("model.") and (name := key[6:]) not in ours)
+        if extra:
+            raise CheckpointError(
+                f"cannot resume from {path}: it holds {len(extra)} model tensors this run does not build, e.g. "
+                f"{extra[:3]}; resume with the model flags it was saved with (--model.mtp_layers, --model.flavor, "
+                f"...), or start from its weights in another --job.dump_folder with --checkpoint.initial_load_path "
+                f"{path}"
+            )
 
     def _check_finite_weights(self, path: str) -> None:
         """A loaded weight that is inf or NaN makes every loss non-finite: name the checkpoint, not the lr."""

@@ -658,3 +658,22 @@ def test_a_checkpoint_that_cannot_be_read_is_an_error_never_an_unfinished_save(t
     )
     with pytest.raises(CheckpointError, match=r"\.metadata \(permission denied\): fix its permissions"):
         cf.corrupt_files(str(step), json.loads((step / MANIFEST_NAME).read_text()), rank=0, num_ranks=1)
+
+
+def test_resuming_into_a_model_without_some_of_the_checkpoint_s_tensors_is_refused(tmp_path):
+    """E.g. an MTP checkpoint resumed with --model.mtp_layers 0: the MTP weights would be dropped at the next save."""
+
+    class WithExtraHead(TinyModel):
+        def __init__(self):
+            super().__init__()
+            self.mtp = torch.nn.Linear(8, 8)
+
+        def forward(self, tokens):
+            return self.output(self.mtp(self.norm(self.tok_embeddings(tokens))))
+
+    Run(make_config(tmp_path), model=WithExtraHead()).train(2)
+    with pytest.raises(
+        CheckpointError, match=r"holds 2 model tensors this run does not build, e.g. \['mtp.bias', 'mtp"
+    ):
+        Run(make_config(tmp_path)).manager.load()
+    assert Run(make_config(tmp_path), model=WithExtraHead()).manager.load()  # the same model resumes
