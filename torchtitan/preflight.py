@@ -108,6 +108,12 @@ def check_tokenizer(job_config: JobConfig, model_args) -> None:
 def check_parallel_dims(dims, model_args) -> None:
     """The degrees must multiply out to the world size, leave EP whole ranks to borrow, and divide the model."""
     others = dims.dp_replicate * dims.cp * dims.tp * dims.pp
+    if 1 <= dims.world_size < others:
+        raise ConfigError(
+            f"dp_replicate({dims.dp_replicate}) * cp({dims.cp}) * tp({dims.tp}) * pp({dims.pp}) = {others} "
+            f"processes at least, but the world size is {dims.world_size}; lower those degrees or launch more "
+            "processes (NGPU)"
+        )
     if dims.world_size < 1 or dims.world_size != others * dims.dp_shard:
         raise ConfigError(
             f"dp_replicate({dims.dp_replicate}) * dp_shard({dims.dp_shard}) * cp({dims.cp}) * tp({dims.tp}) * "
@@ -278,7 +284,12 @@ def check_dump_folder(dump_folder: str) -> None:
         with tempfile.NamedTemporaryFile(dir=dump_folder, prefix=".write_test_"):
             pass
     except OSError as err:
-        what = "is a file, not a folder" if os.path.isfile(dump_folder) else f"is not writable ({err.strerror})"
+        if os.path.islink(dump_folder) and not os.path.exists(dump_folder):
+            what = f"is a link to nothing ({os.readlink(dump_folder)})"
+        elif os.path.isfile(dump_folder):
+            what = "is a file, not a folder"
+        else:
+            what = f"is not writable ({err.strerror})"
         raise ConfigError(f"--job.dump_folder {dump_folder!r} {what}; choose another --job.dump_folder") from None
 
 

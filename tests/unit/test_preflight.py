@@ -106,6 +106,12 @@ def test_a_checkpoint_folder_linking_to_nothing_or_without_access_is_one_error(t
         check_job(args, world_size=1)
 
 
+def test_a_dump_folder_linking_to_nothing_says_so(tmp_path):
+    (tmp_path / "dump").symlink_to(tmp_path / "gone")
+    with pytest.raises(ConfigError, match=r"dump_folder '.*dump' is a link to nothing \(.*gone\); choose another"):
+        check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path / "dump")], world_size=1)
+
+
 def test_an_initial_checkpoint_given_as_the_folder_of_its_steps_names_them(tmp_path):
     for name in ("step-10", "step-20"):
         (tmp_path / "checkpoint" / name).mkdir(parents=True)

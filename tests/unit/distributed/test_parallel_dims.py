@@ -37,6 +37,7 @@ def test_ep_may_borrow_tp_ranks_when_etp_is_1():
     "kwargs, model_overrides, fragment",
     [
         (dict(world_size=8, dp_shard=3), {}, "but the world size is 8"),
+        (dict(world_size=2, pp=8), {}, "pp(8) = 8 processes at least, but the world size is 2; lower those degrees"),
         (dict(world_size=6, tp=4), {}, "a multiple of dp_replicate * cp * tp * pp = 4"),
         (dict(world_size=8, tp=2, ep=3), {}, "must divide data_parallel_shard_degree * context_parallel_degree"),
         (dict(world_size=8, tp=4, etp=4, ep=4), {}, "must divide data_parallel_shard_degree (2)"),
