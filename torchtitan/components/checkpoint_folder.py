@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import time
 import zlib
 from typing import Any
@@ -131,14 +132,14 @@ def validate_checkpoint(path: str, fix: str | None = None) -> dict[str, Any]:
 
 def manifest_problem(path: str) -> str | None:
     manifest_path = os.path.join(path, MANIFEST_NAME)
-    if not os.path.isfile(manifest_path):
+    if not _has_manifest(path):
         return f"no {MANIFEST_NAME} (the save did not finish)"
     try:
         with open(manifest_path) as f:
             manifest = json.load(f)
         files, fmt = manifest["files"], manifest["format"]
     except PermissionError:  # healthy for all we know: the fix is the permissions, never deleting it
-        raise CheckpointError(f"cannot read {manifest_path} (permission denied): fix its permissions") from None
+        raise _permission_denied(manifest_path) from None
     except (OSError, ValueError, KeyError, TypeError) as err:
         return f"unreadable {MANIFEST_NAME} ({err!r})"
     if fmt != FORMAT_HF and ".metadata" not in files:
@@ -163,9 +164,7 @@ def corrupt_files(path: str, manifest: dict[str, Any], rank: int, num_ranks: int
             if isinstance(entry, dict) and file_crc32(os.path.join(path, name)) != entry["crc32"]:
                 bad.append(name)
         except PermissionError:
-            raise CheckpointError(
-                f"cannot read {os.path.join(path, name)} (permission denied): fix its permissions"
-            ) from None
+            raise _permission_denied(os.path.join(path, name)) from None
     return bad
 
 
@@ -173,7 +172,7 @@ def verify_checkpoint_files(path: str, fix: str, manifest_fix: str | None = None
     """One process about to read checkpoint `path` (the scripts): with a manifest (one of ours), every file's size
     and crc32 against it, as the trainer checks before a resume; `fix` (and `manifest_fix` for a size or manifest
     problem, default "Nothing was loaded; <fix>") ends the error. Without a manifest there is nothing to check."""
-    if not os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+    if not _has_manifest(path):
         return
     manifest = validate_checkpoint(path, fix=manifest_fix or f"Nothing was loaded; {fix}")
     if bad := corrupt_files(path, manifest, rank=0, num_ranks=1):
@@ -205,7 +204,7 @@ def dcp_error_text(err: BaseException) -> str:
 
 def validate_foreign_dcp(path: str) -> None:
     """An initial_load_path: one of ours (manifest) is fully validated; any DCP folder needs `.metadata`."""
-    if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+    if _has_manifest(path):
         validate_checkpoint(path)
     elif not os.path.isfile(os.path.join(path, ".metadata")):
         raise CheckpointError(
@@ -237,18 +236,18 @@ def is_step_name(name: str) -> bool:
 
 
 def _has_manifest(path: str) -> bool:
-    """Whether step folder `path` holds its manifest. A folder that cannot be read is an error, not an unfinished
-    save: treated as one it would be skipped, then deleted by the save of its step."""
+    """Whether folder `path` holds a manifest (the one test of it everywhere). A folder that cannot be read is an
+    error, not an unfinished save: treated as one it would be skipped, then deleted by the save of its step."""
     try:
-        os.stat(os.path.join(path, MANIFEST_NAME))
-        return True
-    except FileNotFoundError:
+        return stat.S_ISREG(os.stat(os.path.join(path, MANIFEST_NAME)).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
         return False
     except PermissionError:
-        raise CheckpointError(
-            f"cannot read checkpoint {path} (permission denied): fix its permissions, or move it out of "
-            f"{os.path.dirname(path)}"
-        ) from None
+        raise _permission_denied(f"checkpoint {path}", f", or move it out of {os.path.dirname(path)}") from None
+
+
+def _permission_denied(what: str, or_else: str = "") -> CheckpointError:
+    return CheckpointError(f"cannot read {what} (permission denied): fix its permissions{or_else}")
 
 
 def complete_checkpoints(folder: str) -> dict[int, str]:
@@ -282,7 +281,7 @@ def exports(folder: str) -> list[str]:
             continue
         for name in os.listdir(parent):
             path = os.path.join(parent, name)
-            if _STEP_DIR.match(name) and os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+            if _STEP_DIR.match(name) and _has_manifest(path):
                 if parent == exports_dir or _format(path) in _EXPORT_FORMATS:
                     found.append((int(name.split("-")[1]), path))
     return [path for _, path in sorted(found)]
