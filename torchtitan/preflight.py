@@ -284,20 +284,17 @@ def check_dump_folder(dump_folder: str) -> None:
         with tempfile.NamedTemporaryFile(dir=dump_folder, prefix=".write_test_"):
             pass
     except OSError as err:
-        if os.path.islink(dump_folder) and not os.path.exists(dump_folder):
-            what = f"is a link to nothing ({os.readlink(dump_folder)})"
-        elif os.path.isfile(dump_folder):
-            what = "is a file, not a folder"
-        else:
-            what = f"is not writable ({err.strerror})"
+        what = _link_to_nothing(dump_folder) or (
+            "is a file, not a folder" if os.path.isfile(dump_folder) else f"is not writable ({err.strerror})"
+        )
         raise ConfigError(f"--job.dump_folder {dump_folder!r} {what}; choose another --job.dump_folder") from None
 
 
 def check_checkpoint_folder(job_config: JobConfig) -> None:
-    """The checkpoint folder must be a folder (or not exist yet) when checkpointing is on, without files where its
-    saves go, and hold no earlier run's checkpoints when it is off (the run would start over beside them and cut
-    their metrics.jsonl); an initial checkpoint must be a folder that exists; flags that need checkpointing or a
-    DCP checkpoint must have them."""
+    """The checkpoint folder (a folder: `check_output_paths`) must be reachable, without files where its saves go
+    when checkpointing is on, and hold no earlier run's checkpoints when it is off (the run would start over beside
+    them); an initial checkpoint must be a folder that exists; flags that need checkpointing or a DCP checkpoint must
+    have them."""
     checkpoint = job_config.checkpoint
     initial = checkpoint.initial_load_path
     if initial and not os.path.isdir(initial):
@@ -318,10 +315,8 @@ def check_checkpoint_folder(job_config: JobConfig) -> None:
             "training state; drop --checkpoint.initial_load_model_only=false"
         )
     folder = os.path.join(job_config.job.dump_folder, checkpoint.folder)
-    if os.path.islink(folder) and not os.path.exists(folder):
-        raise ConfigError(
-            f"the checkpoint folder {folder!r} is a link to nothing ({os.readlink(folder)}); fix the link or remove it"
-        )
+    if broken := _link_to_nothing(folder):
+        raise ConfigError(f"the checkpoint folder {folder!r} {broken}; fix the link or remove it")
     if os.path.isdir(folder) and not os.access(folder, os.R_OK | os.W_OK | os.X_OK):
         raise ConfigError(f"the checkpoint folder {folder!r} cannot be read and written (permissions); fix them")
     if not checkpoint.enable:
@@ -339,11 +334,6 @@ def check_checkpoint_folder(job_config: JobConfig) -> None:
                 "choose another --job.dump_folder"
             )
         return
-    if os.path.exists(folder) and not os.path.isdir(folder):
-        raise ConfigError(
-            f"the checkpoint folder {folder!r} is a file, not a folder; move it away or pass another "
-            "--checkpoint.folder"
-        )
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
         if is_step_name(name) and not os.path.isdir(os.path.join(folder, name)):
             raise ConfigError(
@@ -352,10 +342,17 @@ def check_checkpoint_folder(job_config: JobConfig) -> None:
             )
 
 
+def _link_to_nothing(path: str) -> str | None:
+    """'is a link to nothing (<target>)' for a dangling symlink, else None."""
+    return f"is a link to nothing ({os.readlink(path)})" if os.path.islink(path) and not os.path.exists(path) else None
+
+
 def check_output_paths(job_config: JobConfig) -> None:
     """The files and folders a run writes under the dump folder must not exist as the other kind."""
     dump_folder, metrics, profiling = job_config.job.dump_folder, job_config.metrics, job_config.profiling
+    checkpoint = job_config.checkpoint
     for on, what, name, flag in (
+        (checkpoint.enable, "checkpoint", checkpoint.folder, "--checkpoint.folder"),
         (metrics.enable_tensorboard, "TensorBoard", metrics.save_tb_folder, "--metrics.save_tb_folder"),
         (profiling.enable_profiling, "profiler trace", profiling.save_traces_folder, "--profiling.save_traces_folder"),
         (profiling.enable_memory_snapshot, "memory snapshot", "memory_snapshot", "--job.dump_folder"),

@@ -114,15 +114,16 @@ def build_text_dataset(
     if held_out:
         token_stream, num_documents = split_documents(token_stream, tokenizer.bos_id, split == "validation")
     seq_len, batch_size = training.seq_len, training.local_batch_size
-    step_tokens = (seq_len + 1) * batch_size * dp_world_size
+    if split == "validation":
+        seq_len, batch_size = validation.seq_len or seq_len, validation.local_batch_size or batch_size
+    step_tokens = (seq_len + 1) * batch_size * dp_world_size  # what one step (or validation batch) reads
     if split == "train" and token_stream.numel() < step_tokens:
         logger.warning(
             f"the training corpus holds {token_stream.numel()} tokens, fewer than one step reads ({step_tokens}): "
             "every step repeats it; give a larger --training.dataset_path"
         )
     if split == "validation":
-        seq_len, batch_size = validation.seq_len or seq_len, validation.local_batch_size or batch_size
-        held = token_stream.numel() // ((seq_len + 1) * batch_size * dp_world_size)  # batches without repeating
+        held = token_stream.numel() // step_tokens  # batches without repeating
         if validation.steps > held:
             raise DatasetError(
                 f"validation.steps={validation.steps} needs more batches than the validation set holds ({held} of "
