@@ -185,33 +185,20 @@ def test_unknown_cli_key_without_close_match_points_to_help():
         parse("--zzzzzz.qqqq=1")
 
 
-def test_unknown_toml_section_suggests_closest(tmp_path):
-    path = write_toml(tmp_path, "[trainig]\nsteps = 3\n")
-    with pytest.raises(ConfigError, match=r"unknown config section \[trainig\].*did you mean \[training\]"):
-        parse("--job.config_file", path)
-
-
-def test_unknown_toml_key_suggests_closest(tmp_path):
-    path = write_toml(tmp_path, "[training]\nseq_length = 3\n")
-    with pytest.raises(ConfigError, match=r"'training.seq_length'.*did you mean 'training.seq_len'"):
-        parse("--job.config_file", path)
-
-
-def test_toml_key_outside_a_section(tmp_path):
-    path = write_toml(tmp_path, "steps = 3\n")
-    with pytest.raises(ConfigError, match=r"not inside a \[section\].*'training.steps'"):
-        parse("--job.config_file", path)
-
-
-def test_toml_array_of_tables_says_to_use_single_brackets(tmp_path):
-    path = write_toml(tmp_path, "[[validation]]\nenable = true\n")
-    with pytest.raises(ConfigError, match=r"\[\[validation\]\] in .* is an array of tables; write \[validation\]"):
-        parse("--job.config_file", path)
-
-
-def test_config_file_inside_a_config_file_is_an_error(tmp_path):
-    path = write_toml(tmp_path, '[job]\nconfig_file = "other.toml"\n')
-    with pytest.raises(ConfigError, match="job.config_file cannot be set inside a config file"):
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[trainig]\nsteps = 3\n", r"unknown config section \[trainig\].*did you mean \[training\]"),
+        ("[training]\nseq_length = 3\n", r"'training.seq_length'.*did you mean 'training.seq_len'"),
+        ("steps = 3\n", r"not inside a \[section\].*'training.steps'"),
+        ("[[validation]]\nenable = true\n", r"\[\[validation\]\] in .* is an array of tables; write \[validation\]"),
+        ('[job]\nconfig_file = "other.toml"\n', "job.config_file cannot be set inside a config file"),
+    ],
+    ids=["unknown-section", "unknown-key", "key-outside-a-section", "array-of-tables", "config-file-inside"],
+)
+def test_a_bad_toml_file_is_one_error_with_the_fix(tmp_path, text, message):
+    path = write_toml(tmp_path, text)
+    with pytest.raises(ConfigError, match=message):
         parse("--job.config_file", path)
 
 
