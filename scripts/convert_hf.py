@@ -22,7 +22,6 @@ import json
 import os
 import sys
 import warnings
-from typing import NoReturn
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -51,11 +50,12 @@ from torchtitan.models.deepseek_v3.state_dict_adapter import (  # noqa: E402
     load_hf_config,
     mtp_layers_for_checkpoint,
 )
+from torchtitan.tools.cli import OneLineArgumentParser  # noqa: E402
 from torchtitan.tools.dtypes import DTYPES  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("direction", choices=["to-hf", "from-hf"])
     parser.add_argument("src", help="DCP checkpoint folder (to-hf) or HF safetensors folder (from-hf)")
     parser.add_argument("dst", help="output folder")
@@ -66,7 +66,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--mtp-layers", type=int, help="multi-token prediction modules (as --model.mtp_layers; default: the shape's)"
     )
-    parser.error = _usage_error
     opts = parser.parse_args(argv)
 
     if not os.path.isdir(opts.src):
@@ -239,12 +238,6 @@ def _cast(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dic
         k: v.to(dtype) if v.is_floating_point() and not k.endswith(("expert_bias", "tokens_per_expert")) else v
         for k, v in state_dict.items()
     }
-
-
-def _usage_error(message: str) -> NoReturn:
-    """argparse's errors as one line (not the usage block first); --help still prints the usage."""
-    print(f"error: {message}; see --help", file=sys.stderr)
-    sys.exit(2)
 
 
 if __name__ == "__main__":

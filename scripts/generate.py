@@ -23,7 +23,6 @@ import math
 import os
 import sys
 import warnings
-from typing import NoReturn
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -48,12 +47,13 @@ from torchtitan.models.deepseek_v3 import (  # noqa: E402
 )
 from torchtitan.models.deepseek_v3.rope import precompute_freqs_cis  # noqa: E402
 from torchtitan.models.deepseek_v3.state_dict_adapter import load_hf_config  # noqa: E402
+from torchtitan.tools.cli import OneLineArgumentParser  # noqa: E402
 
 SHIPPED_TOKENIZER = "torchtitan/assets/tokenizer/tokenizer.json"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="DCP checkpoint folder, or Hugging Face folder (safetensors + config.json)")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -65,7 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", help="`tokenizers` JSON (default: the folder's tokenizer.json, else ours)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="autocast dtype (default: bf16 on CUDA)")
-    parser.error = _usage_error
     opts = parser.parse_args(argv)
     try:
         print(opts.prompt + sample_text(opts))
@@ -252,12 +251,6 @@ def _check_holds(path: str, missing: list[str]) -> None:
         raise ValueError(
             f"{path} lacks {len(missing)} tensors of this model, e.g. {missing[:3]}; check --flavor / --hf-config"
         )
-
-
-def _usage_error(message: str) -> NoReturn:
-    """argparse's errors as one line (not the usage block first); --help still prints the usage."""
-    print(f"error: {message}; see --help", file=sys.stderr)
-    sys.exit(2)
 
 
 if __name__ == "__main__":
