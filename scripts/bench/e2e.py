@@ -48,6 +48,7 @@ def run_settings(config_file: str, train_args: list[str], ngpu: int) -> dict:
         "ep_backend": par.expert_parallel_comm_backend,
         "ep_overlap": par.expert_parallel_overlap,
         "deepep_sync_free_dispatch": par.deepep_sync_free_dispatch,
+        "deepep_sync_free_capacity_factor": par.deepep_sync_free_capacity_factor,
         "mtp_layers": get_model_spec(job.model.name).model_args(job).mtp_layers,
         "float8_experts": job.quantize.float8_experts,
         "float8_linears": job.quantize.float8_linears,

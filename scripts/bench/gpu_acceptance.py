@@ -44,7 +44,7 @@ from scripts.bench.common import RESULTS_DIR, environment, git_commit  # noqa: E
 from scripts.bench.e2e import train_and_measure  # noqa: E402
 
 CONFIG = "./train_configs/deepseek_v3_16b.toml"
-SAME_MATH, OTHER_KERNELS, FP8, BLOCK_CAUSAL, MTP = 2e-4, 1e-3, 5e-3, 1e-2, 0.1
+SAME_MATH, OTHER_KERNELS, FP8, BLOCK_CAUSAL, DROPS, MTP = 2e-4, 1e-3, 5e-3, 1e-2, 1e-2, 0.1
 # The validation row reads the shipped corpus as its own validation set, so training reads the base's data.
 VALIDATION_CORPUS = "torchtitan/assets/tinycorpus/austen_chapters.jsonl.gz"
 
@@ -80,6 +80,9 @@ def all_rows() -> list[Row]:
         Row("ep_overlap", ["--parallelism.expert_parallel_overlap"], SAME_MATH, "another schedule", needs_ep=True),
         Row("sync_free_dispatch", ["--parallelism.deepep_sync_free_dispatch"], SAME_MATH, "padded layout",
             needs_ep=True),
+        Row("sync_free_capacity", ["--parallelism.deepep_sync_free_dispatch",
+                                   "--parallelism.deepep_sync_free_capacity_factor", "1.5"], DROPS,
+            "padded layout bounded at 1.5x the balanced load: drops the copies past it (few or none)", needs_ep=True),
         Row("fp8_experts", fp8_experts, FP8, "FP8 grouped GEMMs"),
         Row("fp8_linears", ["--quantize.float8_linears"], FP8, "FP8 dense GEMMs"),
         Row("fp8_dispatch", [*fp8_experts, "--quantize.float8_dispatch"], FP8, "FP8 tokens on the wire + experts",

@@ -180,8 +180,14 @@ class Parallelism:
 
     deepep_sync_free_dispatch: bool = False
     """DeepEP dispatch without a host wait: receive buffers sized for the worst case (DeepEP's `num_worst_tokens`),
-    so the host can queue work ahead; the routed experts' rows grow EP-fold. Needs the deepep backend within one
-    node."""
+    so the host can queue work ahead; the routed experts' rows grow EP-fold (see the capacity factor below). Needs
+    the deepep backend within one node."""
+
+    deepep_sync_free_capacity_factor: float | None = None
+    """With deepep_sync_free_dispatch: the token copies a rank receives are at most this factor x its balanced load
+    (local tokens x top_k), so the routed experts' rows grow by the factor instead of EP-fold. Each rank sends every
+    rank at most its share and drops the copies past it, lowest routing weight first (Megatron's expert capacity
+    factor, per destination rank): training differs from a dropless run once a copy is dropped. None: no drops."""
 
     expert_parallel_overlap: bool = False
     """Split each rank's batch in two and overlap one half's EP dispatch/combine with the other's compute, forward

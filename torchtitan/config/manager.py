@@ -173,6 +173,11 @@ def validate(job_config: JobConfig) -> None:
         "--parallelism.expert_parallel_comm_backend deepep and --parallelism.expert_parallel_overlap; drop it "
         "or add them",
     )
+    _require(
+        par.deepep_sync_free_capacity_factor is None or par.deepep_sync_free_dispatch,
+        "parallelism.deepep_sync_free_capacity_factor bounds what a sync-free dispatch receives: it needs "
+        "--parallelism.deepep_sync_free_dispatch; drop it or add that flag",
+    )
     for flag in ("parallelism.deepep_sync_free_dispatch", "quantize.float8_dispatch"):
         _require(
             not _value(job_config, flag) or (backend == "deepep" and ep > 1),
@@ -259,6 +264,11 @@ _RANGES = (
     ("checkpoint.load_step", lambda v: v == -1 or v >= 1, "-1 (the latest checkpoint) or a step >= 1"),
     ("activation_checkpoint.num_blocks", lambda v: v >= -1, "-1 (every block) or a number of blocks >= 0"),
     ("activation_checkpoint.memory_budget_gib", lambda v: math.isfinite(v) and v >= 0, "a number of GiB >= 0 (0: off)"),
+    (
+        "parallelism.deepep_sync_free_capacity_factor",
+        lambda v: v is None or (math.isfinite(v) and v > 0),
+        "none or a finite number > 0",
+    ),
     ("debug.seed", lambda v: v is None or 0 <= v <= _MAX_SEED, f"none or in [0, 2**63 - 1 = {_MAX_SEED}]"),
     ("comm.init_timeout_seconds", lambda v: v <= _MAX_TIMEOUT, f"at most {_MAX_TIMEOUT} seconds (about 68 years)"),
     ("comm.train_timeout_seconds", lambda v: v <= _MAX_TIMEOUT, f"at most {_MAX_TIMEOUT} seconds (about 68 years)"),

@@ -358,6 +358,9 @@ def test_uncaught_help_exits_process_with_zero():
         (["--parallelism.deepep_overlap_num_sms=7"], "deepep_overlap_num_sms must be a positive even"),
         (["--parallelism.deepep_overlap_num_sms=8"], "deepep_overlap_num_sms .* needs .*deepep .*overlap"),
         (["--quantize.float8_dispatch"], "float8_dispatch needs .*deepep"),
+        (["--parallelism.deepep_sync_free_capacity_factor=1.2"], "capacity_factor .* needs .*sync_free_dispatch"),
+        (["--parallelism.deepep_sync_free_capacity_factor=0"], "capacity_factor must be none or a finite number > 0"),
+        (["--parallelism.deepep_sync_free_capacity_factor=nan"], "capacity_factor must be none or a finite number"),
         (
             ["--parallelism.deepep_sync_free_dispatch", "--parallelism.expert_parallel_comm_backend=deepep"],
             "deepep_sync_free_dispatch needs .*expert_parallel_degree > 1",

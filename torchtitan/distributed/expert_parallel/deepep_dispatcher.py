@@ -8,19 +8,24 @@
     combine_postprocess   nothing left to do (output is already (num_tokens, dim))
 
 No host syncs here: the data-dependent sizes come out of the op (unbacked symbols under torch.compile), or, with
-`sync_free`, are worst-case sizes whose padding rows get no expert.
+`sync_free`, are worst-case sizes whose padding rows get no expert. With a `capacity_factor` each rank sends every
+rank at most its share of that many copies (`drop_past_capacity`), so the experts' rows are bounded by the factor
+times the balanced load instead of EP times it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from torchtitan.distributed.deepep import ops
+from torchtitan.distributed.deepep.buffer import get_buffer
 from torchtitan.distributed.expert_parallel.dispatcher import DispatchState, ExpertTokens, TokenDispatcher
 
-__all__ = ["DeepEPDispatchState", "DeepEPDispatched", "DeepEPTokenDispatcher"]
+__all__ = ["DeepEPDispatchState", "DeepEPDispatched", "DeepEPTokenDispatcher", "drop_past_capacity"]
 
 
 @dataclass
@@ -50,19 +55,37 @@ class DeepEPTokenDispatcher(TokenDispatcher):
         score_before_experts: bool = False,
         *,
         sync_free: bool = False,
+        capacity_factor: float | None = None,
         fp8: bool = False,
     ):
         super().__init__(num_experts, score_before_experts)
         self.group_name = group_name
         self.sync_free = sync_free
         """Worst-case receive sizes, no host wait (ops.py); the padding rows get no expert."""
+        self.capacity_factor = capacity_factor
+        """The copies a rank receives are at most this factor x (local tokens x top_k): copies past a destination's
+        share are dropped before the dispatch, and a sync-free dispatch keeps only that many rows
+        (`parallelism.deepep_sync_free_capacity_factor`)."""
         self.fp8 = fp8
         """Tokens sent as FP8 with one scale per 128 channels (ops.py, `quantize.float8_dispatch`)."""
 
     def dispatch_preprocess(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return x.contiguous(), topk_idx.to(torch.int64).contiguous(), topk_weights.float().contiguous()
+        topk_idx, topk_weights = topk_idx.to(torch.int64), topk_weights.float()
+        if self.capacity_factor is not None:
+            topk_idx, topk_weights = drop_past_capacity(
+                topk_idx, topk_weights, self.num_experts, self._num_ranks, self._capacity(*topk_idx.shape)
+            )
+        return x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
+
+    @property
+    def _num_ranks(self) -> int:
+        return get_buffer(self.group_name).world_size
+
+    def _capacity(self, num_tokens: int, top_k: int) -> int:
+        """Copies one rank may send each rank: its share of capacity_factor x its balanced load."""
+        return math.ceil(self.capacity_factor * num_tokens * top_k / self._num_ranks)
 
     def token_dispatch(self, prepared: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> DeepEPDispatched:
         x, topk_idx, topk_weights = prepared
@@ -73,9 +96,15 @@ class DeepEPTokenDispatcher(TokenDispatcher):
     def dispatch_postprocess(self, dispatched: DeepEPDispatched) -> tuple[ExpertTokens, DeepEPDispatchState]:
         weights = dispatched.recv_topk_weights
         before = self.score_before_experts
+        slots = dispatched.permuted_slots
+        if self.sync_free and self.capacity_factor is not None:
+            # the received copies come first and are at most ranks x capacity: the rows past that are padding
+            num_ranks = self._num_ranks
+            num_tokens = dispatched.recv_x.shape[0] // num_ranks  # sync-free: ranks x each rank's token count
+            slots = slots[: num_ranks * self._capacity(num_tokens, weights.shape[1])]
         tokens = ExpertTokens(
             dispatched.recv_x,
-            dispatched.permuted_slots,
+            slots,
             dispatched.tokens_per_local_expert,
             weights.shape[1],
             weights if before else None,
@@ -95,3 +124,19 @@ class DeepEPTokenDispatcher(TokenDispatcher):
 
     def combine_postprocess(self, combined: torch.Tensor, state: DeepEPDispatchState) -> torch.Tensor:
         return combined
+
+
+def drop_past_capacity(
+    topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, num_ranks: int, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_idx (T, K) global expert ids, topk_weights (T, K) -> both with the copies past `capacity` per destination
+    rank masked (id -1, weight 0), the lowest routing weights first; ties keep the earlier token. No host sync."""
+    flat_idx = topk_idx.reshape(-1)
+    num_local_experts = num_experts // num_ranks
+    dest = torch.where(flat_idx >= 0, flat_idx // num_local_experts, num_ranks)  # masked copies: an extra column
+    order = torch.argsort(topk_weights.reshape(-1), descending=True, stable=True)
+    seen = F.one_hot(dest[order], num_ranks + 1).cumsum(0)  # (T*K, ranks + 1): copies so far to each destination
+    position_in_order = seen.gather(1, dest[order].unsqueeze(1)).squeeze(1) - 1
+    position = torch.empty_like(position_in_order).scatter_(0, order, position_in_order)
+    keep = ((position < capacity) & (flat_idx >= 0)).view_as(topk_idx)
+    return torch.where(keep, topk_idx, -1), torch.where(keep, topk_weights, 0.0)

@@ -72,7 +72,8 @@ class TensorParallel(ParallelStyle):
 
 class DeepEPExpertParallel(ParallelStyle):
     """On an `MoE` (parallelize makes it a `DeepEPMoE`): experts sharded on dim 0 over the 1-D EP mesh, tokens exchanged
-    with DeepEP. num_sms, sync_free, fp8: `parallelism.deepep_num_sms`, `parallelism.deepep_sync_free_dispatch`,
+    with DeepEP. num_sms, sync_free, capacity_factor, fp8: `parallelism.deepep_num_sms`,
+    `parallelism.deepep_sync_free_dispatch`, `parallelism.deepep_sync_free_capacity_factor`,
     `quantize.float8_dispatch`."""
 
     def __init__(
@@ -80,11 +81,13 @@ class DeepEPExpertParallel(ParallelStyle):
         *,
         num_sms: int = 24,
         sync_free: bool = False,
+        capacity_factor: float | None = None,
         fp8: bool = False,
     ):
         super().__init__()
         self.num_sms = num_sms
         self.sync_free = sync_free
+        self.capacity_factor = capacity_factor
         self.fp8 = fp8
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -102,6 +105,7 @@ class DeepEPExpertParallel(ParallelStyle):
             module.num_experts,
             module.score_before_experts,
             sync_free=self.sync_free,
+            capacity_factor=self.capacity_factor,
             fp8=self.fp8,
         )
         return module

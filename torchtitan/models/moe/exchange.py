@@ -131,10 +131,21 @@ class DeepEPBackend(ExchangeBackend):
         parallelism, fp8 = ctx.job_config.parallelism, ctx.job_config.quantize.float8_dispatch
         if fp8:
             logger.info("quantize.float8_dispatch: DeepEP dispatches FP8 tokens (one scale per 128 channels)")
+        factor = parallelism.deepep_sync_free_capacity_factor
+        if factor is not None:
+            logger.info(
+                f"parallelism.deepep_sync_free_capacity_factor={factor}: a rank receives at most {factor}x its "
+                "balanced load of token copies; each sender drops the copies past it, lowest routing weight first"
+            )
         num_sms = parallelism.deepep_num_sms
         if parallelism.expert_parallel_overlap and parallelism.deepep_overlap_num_sms is not None:
             num_sms = parallelism.deepep_overlap_num_sms  # the exchange shares the GPU with the other micro-batch
-        return DeepEPExpertParallel(num_sms=num_sms, sync_free=parallelism.deepep_sync_free_dispatch, fp8=fp8)
+        return DeepEPExpertParallel(
+            num_sms=num_sms,
+            sync_free=parallelism.deepep_sync_free_dispatch,
+            capacity_factor=factor,
+            fp8=fp8,
+        )
 
     def layer(self, moe: MoE, ctx: ExchangeContext) -> MoE:
         return DeepEPMoE.from_moe(moe, ctx.side_stream)

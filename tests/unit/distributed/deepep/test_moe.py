@@ -2,6 +2,7 @@
 activation checkpointing, no handle leaks, torch.compile, and configuration errors."""
 
 import gc
+import math
 import sys
 import weakref
 from functools import partial
@@ -40,9 +41,9 @@ def _build(cls, score_before_experts: bool = False, use_grouped_mm: bool = False
     return moe
 
 
-def _deepep_moe(mesh, sync_free: bool = False, **kwargs) -> DeepEPMoE:
+def _deepep_moe(mesh, sync_free: bool = False, capacity_factor: float | None = None, **kwargs) -> DeepEPMoE:
     moe = _build(DeepEPMoE, **kwargs)
-    parallelize_module(moe, mesh, DeepEPExpertParallel(sync_free=sync_free))
+    parallelize_module(moe, mesh, DeepEPExpertParallel(sync_free=sync_free, capacity_factor=capacity_factor))
     return moe
 
 
@@ -182,9 +183,40 @@ def _sync_free_matches_synced(rank: int, world_size: int) -> None:
     assert order.numel() == tokens.numel() // DIM * world_size * 3 > int(expert_tokens.counts.sum())
 
 
+def _capacity_bounds_the_sync_free_rows(rank: int, world_size: int) -> None:
+    """A capacity factor: the sync-free dispatch equals the synced one with the same drops (outputs, gradients) and
+    keeps ranks x capacity rows instead of the worst case; a small factor drops copies, a large one none."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    tokens = torch.randn(2, 6, DIM, generator=torch.Generator().manual_seed(rank))
+    outputs = {}
+    for factor in (None, 0.5, 8.0):
+        results = []
+        for sync_free in (False, True):
+            moe = _deepep_moe(mesh, sync_free=sync_free, capacity_factor=factor, use_grouped_mm=True)
+            x = tokens.clone().requires_grad_()
+            out = moe(x)
+            (out * out).sum().backward()
+            results.append((out, x.grad, _grads(moe)))
+        (out_ref, grad_ref, grads_ref), (out, grad, grads) = results
+        torch.testing.assert_close(out, out_ref)
+        torch.testing.assert_close(grad, grad_ref)
+        for name, param_grad in grads.items():
+            torch.testing.assert_close(param_grad, grads_ref[name], msg=name)
+        outputs[factor] = out
+        if factor is not None:
+            expert_tokens, _ = moe.dispatcher.dispatch(tokens.view(-1, DIM), *reversed(moe.route(tokens)))
+            num_tokens, top_k = tokens.numel() // DIM, 3
+            bound = world_size * math.ceil(factor * num_tokens * top_k / world_size)
+            assert expert_tokens.order.numel() == min(bound, num_tokens * world_size * top_k)  # or the worst case
+            assert int(expert_tokens.counts.sum()) <= expert_tokens.order.numel()
+    torch.testing.assert_close(outputs[8.0], outputs[None])  # 8 x the balanced load: nothing dropped
+    assert not torch.allclose(outputs[0.5], outputs[None])  # half of it: copies dropped
+
+
 def _module_checks(rank: int, world_size: int) -> None:
     _parity_with_standard_ep(rank, world_size)
     _sync_free_matches_synced(rank, world_size)
+    _capacity_bounds_the_sync_free_rows(rank, world_size)
     _checkpointing(rank, world_size)
     _no_handle_leaks(rank, world_size)
     destroy_buffers()

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from tests.unit.distributed._spawn import run_distributed
 from tests.unit.models.moe._expert_rows import expert_of_padded_row
 from torchtitan.distributed.deepep import cpu_kernels, destroy_buffers, get_or_create_buffer
-from torchtitan.distributed.expert_parallel.deepep_dispatcher import DeepEPTokenDispatcher
+from torchtitan.distributed.expert_parallel.deepep_dispatcher import DeepEPTokenDispatcher, drop_past_capacity
 from torchtitan.distributed.expert_parallel.dispatcher import run_on_expert_rows
 from torchtitan.kernels.float8 import dequantize_blockwise, quantize_blockwise
 
@@ -263,3 +263,27 @@ def _contract_and_gradients(rank: int, world_size: int) -> None:
 def test_contract_and_gradients_4_ranks_uneven_with_empty_rank():
     # one spawn for both: starting 4 processes costs more than the checks
     run_distributed(_contract_and_gradients, 4)
+
+
+def test_drop_past_capacity_keeps_the_heaviest_copies_per_destination_rank():
+    """Per destination rank at most `capacity` copies stay, the lowest routing weights go first (ties: the later
+    token), masked copies stay masked, and nothing is dropped below capacity."""
+    gen = torch.Generator().manual_seed(0)
+    num_experts, num_ranks = 8, 2
+    topk_idx = torch.stack([torch.randperm(num_experts, generator=gen)[:3] for _ in range(10)])
+    topk_idx[0, 1] = -1
+    topk_weights = torch.rand(10, 3, generator=gen)
+    topk_weights[3, 0] = topk_weights[4, 0] = 2.0  # a tie, kept in token order
+    for capacity in (0, 1, 4, 7, 30):
+        idx, weights = drop_past_capacity(topk_idx, topk_weights, num_experts, num_ranks, capacity)
+        kept = idx >= 0
+        assert torch.equal(weights, torch.where(kept, topk_weights, 0.0))
+        assert torch.equal(idx[kept], topk_idx[kept]) and not kept[0, 1]
+        for rank in range(num_ranks):
+            to_rank = (topk_idx >= 0) & (topk_idx // (num_experts // num_ranks) == rank)
+            sent = topk_weights[to_rank]
+            expected = torch.sort(sent, descending=True, stable=True).values[:capacity]
+            assert torch.equal(torch.sort(topk_weights[to_rank & kept], descending=True).values, expected)
+    tie_idx = torch.tensor([[0], [0], [0]])
+    idx, _ = drop_past_capacity(tie_idx, torch.ones(3, 1), 2, 2, 2)
+    assert idx.flatten().tolist() == [0, 0, -1]
