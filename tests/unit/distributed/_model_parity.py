@@ -22,9 +22,20 @@ def tiny_args(q_lora_rank: int = 0):
     args = copy.deepcopy(deepseekv3_flavors["debugmodel"])
     moe_args = replace(args.moe_args, use_grouped_mm=False, load_balance_coeff=None)
     return replace(
-        args, dim=64, inter_dim=128, moe_inter_dim=32, n_layers=3, n_heads=4, kv_lora_rank=32,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=256, max_seq_len=64,
-        q_lora_rank=q_lora_rank, moe_args=moe_args,
+        args,
+        dim=64,
+        inter_dim=128,
+        moe_inter_dim=32,
+        n_layers=3,
+        n_heads=4,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        vocab_size=256,
+        max_seq_len=64,
+        q_lora_rank=q_lora_rank,
+        moe_args=moe_args,
     )
 
 

@@ -132,11 +132,12 @@ def _budget_chooses_from_step_one(rank: int, world_size: int) -> None:
     assert all(not wrapper.enabled and not block.moe.experts.recompute for wrapper, block in blocks)
     loss_of(model(inputs), labels, labels.numel() * world_size).backward()  # hooks removed, trains on
     budget.after_step(torch.device("cpu"))
-    # 1.1 GiB measured at none, none: per-op SAC on both saves only the routed rows (1.1 GiB less bytes); the first
-    # block recomputed whole saves its 0.2 GiB: ~0.9 GiB; the allocator's cache is released after each choice
+    # 1.1 GiB measured at none, none, counted 5% higher (the steady state's growth): per-op SAC on both saves only
+    # the routed rows (bytes); the first block recomputed whole saves its 0.2 GiB: ~0.955 GiB; the allocator's cache
+    # is released after each choice
     assert budget.levels == ["full", "sac"] and budget.calibrated and released == [True, True]
     assert first_wrapper.enabled and last.moe.experts.recompute
-    assert budget.predicted == pytest.approx(0.9 * 2**30, rel=0.01)
+    assert budget.predicted == pytest.approx((1.1 * 1.05 - 0.2) * 2**30, rel=0.01)
 
 
 def test_the_budget_measures_step_one_and_every_rank_picks_the_same_levels():

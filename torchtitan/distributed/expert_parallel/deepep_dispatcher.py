@@ -19,7 +19,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from torchtitan.distributed.deepep import ops
 from torchtitan.distributed.deepep.buffer import get_buffer
@@ -130,13 +129,18 @@ def drop_past_capacity(
     topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, num_ranks: int, capacity: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_idx (T, K) global expert ids, topk_weights (T, K) -> both with the copies past `capacity` per destination
-    rank masked (id -1, weight 0), the lowest routing weights first; ties keep the earlier token. No host sync."""
+    rank masked (id -1, weight 0), the lowest routing weights first; ties keep the earlier token. No host sync, and
+    only 1-D scans (a scan along the long dim of a (T*K, ranks) tensor runs serially on CUDA: 5 ms a call)."""
     flat_idx = topk_idx.reshape(-1)
-    num_local_experts = num_experts // num_ranks
-    dest = torch.where(flat_idx >= 0, flat_idx // num_local_experts, num_ranks)  # masked copies: an extra column
-    order = torch.argsort(topk_weights.reshape(-1), descending=True, stable=True)
-    seen = F.one_hot(dest[order], num_ranks + 1).cumsum(0)  # (T*K, ranks + 1): copies so far to each destination
-    position_in_order = seen.gather(1, dest[order].unsqueeze(1)).squeeze(1) - 1
-    position = torch.empty_like(position_in_order).scatter_(0, order, position_in_order)
+    dest = torch.where(flat_idx >= 0, flat_idx // (num_experts // num_ranks), num_ranks)  # masked: one more column
+    # the copies grouped by destination, heaviest first within each: two stable sorts
+    by_weight = torch.argsort(topk_weights.reshape(-1), descending=True, stable=True)
+    order = by_weight[torch.argsort(dest[by_weight].to(torch.int16), stable=True)]
+    per_dest = torch.zeros(num_ranks + 1, dtype=torch.int64, device=dest.device).scatter_add_(
+        0, dest, torch.ones_like(dest)
+    )
+    first = per_dest.cumsum(0) - per_dest  # where each destination's group starts in `order`
+    in_order = torch.arange(order.numel(), device=dest.device) - first[dest[order]]
+    position = torch.empty_like(in_order).scatter_(0, order, in_order)  # each copy's rank within its destination
     keep = ((position < capacity) & (flat_idx >= 0)).view_as(topk_idx)
     return torch.where(keep, topk_idx, -1), torch.where(keep, topk_weights, 0.0)
