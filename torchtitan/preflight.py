@@ -19,12 +19,6 @@ from torchtitan.datasets.corpus import CACHE_DIR_ENV, check_corpus, disk_cache_d
 
 logger = logging.getLogger(__name__)
 
-# Below these, --parallelism.expert_parallel_overlap has nothing to gain (check_ep_overlap warns): each micro-batch
-# costs the same launches for half the tokens, and an EP group within one 8-GPU host exchanges over NVLink, too
-# briefly to hide while DeepEP's kernels hold their SMs.
-OVERLAP_MIN_MICRO_BATCH_TOKENS = 16384
-OVERLAP_MIN_EP_DEGREE = 8
-
 
 def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, Any]:
     """Parse the config and validate everything that depends on it, the world size and the model args. Returns the
@@ -48,7 +42,6 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, Any]:
     check_tokenizer(job_config, model_args)
     check_parallel_dims(parallel_dims, model_args)
     check_batch_sizes(job_config, parallel_dims.dp_size)
-    check_ep_overlap(job_config, parallel_dims)
     check_mtp(job_config, model_args, parallel_dims)
     check_float8_linears(job_config, parallel_dims)
     check_float8_dispatch(job_config, model_args)
@@ -169,50 +162,6 @@ def check_batch_sizes(job_config: JobConfig, dp_degree: int) -> int:
     return global_batch_size // per_step
 
 
-def check_ep_overlap(job_config: JobConfig, parallel_dims) -> None:
-    """`parallelism.expert_parallel_overlap` only where it can overlap something; never silently without it."""
-    if not job_config.parallelism.expert_parallel_overlap:
-        return
-    flag, local_batch_size = "--parallelism.expert_parallel_overlap", job_config.training.local_batch_size
-    for wrong, problem in (
-        (not parallel_dims.ep_enabled, "overlaps expert-parallel communication, but expert_parallel_degree is 1 "
-         "(nothing is exchanged); set --parallelism.expert_parallel_degree > 1 or drop the flag"),
-        (parallel_dims.pp_enabled, "is not supported with pipeline parallelism (the pipeline schedule owns the "
-         "micro-batches); set --parallelism.pipeline_parallel_degree 1 or drop the flag"),
-        (parallel_dims.tp_enabled, "is not supported with tensor parallelism (sequence-sharded hidden states); set "
-         "--parallelism.tensor_parallel_degree 1 or drop the flag"),
-        (local_batch_size % 2, "splits each rank's batch into two micro-batches, but training.local_batch_size is "
-         f"{local_batch_size}; set --training.local_batch_size to an even number"),
-    ):  # fmt: skip
-        if wrong:
-            raise ConfigError(f"{flag} {problem}")
-    reasons = overlap_cannot_pay(job_config, parallel_dims)
-    if reasons:
-        logger.warning(
-            f"{flag} will likely slow this job down: {'; '.join(reasons)} (README, expert parallelism). It stays on "
-            "as asked; drop the flag unless a run shows a gain."
-        )
-
-
-def overlap_cannot_pay(job_config: JobConfig, parallel_dims) -> list[str]:
-    """Why the two-micro-batch EP overlap is unlikely to be faster for this job (empty: it may pay)."""
-    reasons, ep_degree = [], parallel_dims.ep
-    if ep_degree < OVERLAP_MIN_EP_DEGREE:
-        reasons.append(
-            f"expert_parallel_degree {ep_degree} < {OVERLAP_MIN_EP_DEGREE} exchanges within one host over NVLink, "
-            "too little to hide"
-        )
-    training = job_config.training
-    micro_batch_tokens = training.local_batch_size // 2 * training.seq_len // parallel_dims.cp  # CP: seq_len / cp
-    if micro_batch_tokens < OVERLAP_MIN_MICRO_BATCH_TOKENS:
-        reasons.append(
-            f"each micro-batch holds local_batch_size / 2 x seq_len / context_parallel_degree = {micro_batch_tokens} "
-            "tokens "
-            f"(< {OVERLAP_MIN_MICRO_BATCH_TOKENS}), too few to pay for its own launches"
-        )
-    return reasons
-
-
 def check_mtp(job_config: JobConfig, model_args, parallel_dims) -> None:
     """Multi-token prediction runs after the main model's head on full-vocabulary logits: not implemented with
     tensor parallelism (vocab-sharded logits, sequence-sharded hidden states) yet. Module k predicts the token k + 2
@@ -271,7 +220,6 @@ def check_validation(job_config: JobConfig, model_args, parallel_dims) -> None:
         (job_config.quantize.float8_linears and seq_len % 16, "validation.seq_len a multiple of 16 (float8_linears)"),
         (parallel_dims.pp_enabled and batch_size % pp_microbatches,
          f"validation.local_batch_size a multiple of the pipeline's {pp_microbatches} micro-batches"),
-        (parallelism.expert_parallel_overlap and batch_size % 2, "an even validation.local_batch_size (EP overlap)"),
     ):  # fmt: skip
         if validation.enable and wrong:
             raise ConfigError(f"validation batches of {batch_size} x {seq_len} tokens: this job needs {needs}")

@@ -46,7 +46,6 @@ def run_settings(config_file: str, train_args: list[str], ngpu: int) -> dict:
         "model_flavor": job.model.flavor,
         "parallel": {name: getattr(dims, name) for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "etp")},
         "ep_backend": par.expert_parallel_comm_backend,
-        "ep_overlap": par.expert_parallel_overlap,
         "deepep_sync_free_dispatch": par.deepep_sync_free_dispatch,
         "deepep_sync_free_capacity_factor": par.deepep_sync_free_capacity_factor,
         "mtp_layers": get_model_spec(job.model.name).model_args(job).mtp_layers,

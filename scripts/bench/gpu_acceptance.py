@@ -8,8 +8,8 @@ The base run is the job the README leads with: flavor 16B_accept (the 16B layer 
 all GPUs, deepep + compile + per-op SAC, the router's own routing (one GPU: EP=1, the standard MoE). Every other row
 changes one thing and trains the same steps on the same data. A row passes when it ran, compiled nothing after the
 warm-up, and its losses stay within the row's stated bound of the base's (relative, every step):
-- 2e-4 where the math and kernels are the same and only the schedule or layout differs (AC modes, the overlap,
-  sync-free dispatch, checkpoint resume): about twice what two runs of the same code differ by, as GPU atomics order
+- 2e-4 where the math and kernels are the same and only the schedule or layout differs (AC modes, sync-free
+  dispatch, checkpoint resume): about twice what two runs of the same code differ by, as GPU atomics order
   sums differently each run (1.1e-4 at step 9 between the base and the checkpoint_save run on one H200);
 - 1e-3 where other kernels compute the same math (eager against inductor's fused kernels, the all-to-all backend
   against DeepEP's bf16 combine): their roundings differ and drift apart over the steps (eager: 1.8e-4 at step 10
@@ -77,7 +77,6 @@ def all_rows() -> list[Row]:
             "peak and the base's (1 GiB under the base's without full_ac), which the run's peak must not exceed"),
         Row("eager", ["--compile.enable=false"], OTHER_KERNELS, "unfused kernels"),
         Row("plain_output_head", ["--training.fused_output_loss=false"], OTHER_KERNELS, "whole logits, bf16 head grad"),
-        Row("ep_overlap", ["--parallelism.expert_parallel_overlap"], SAME_MATH, "another schedule", needs_ep=True),
         Row("sync_free_dispatch", ["--parallelism.deepep_sync_free_dispatch"], SAME_MATH, "padded layout",
             needs_ep=True),
         Row("sync_free_capacity", ["--parallelism.deepep_sync_free_dispatch",

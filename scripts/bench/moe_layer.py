@@ -8,14 +8,9 @@ are drawn from a Zipf(s) distribution over a random expert order (`--zipf-expone
 every timed iteration sees the same load, and the JSON records the max/mean expert load. The bound counts only
 the expert matmuls at the measured H200 bf16 rate:
     FLOPs(fwd) = 2 * 3 * dim * moe_inter * tokens * (top_k + num_shared),  fwd+bwd = 3 x fwd.
-Every run also times forward+backward of the EP-overlap's parts (`overlap_parts.py`), per micro-batch of `--tokens`:
-compute alone, exchange alone, the layer with the overlap off and with it on (two micro-batches in the trainer's
-schedule, `models/moe/overlap.py`), and from them `hidden_fraction` = (T_off - T_on) / T_exchange and
-T_on / max(T_compute, T_exchange). `--overlap` makes `fwd_bwd_ms` the overlapped time (else the plain one).
-`--comm-slowdown N` moves every dispatch and combine N times, forward and backward (`comm_slowdown.py`): a
-communication-bound layer on NVLink-only machines. `--sync-free` dispatches with DeepEP's worst-case sizes (no host
-wait). One JSON per (layer, backend, ep, tokens, routing, overlap, sync-free, FP8, slowdown, SMs) goes to $BENCH_OUT
-or benchmarks/results/. Without a GPU it runs on CPU with gloo (`--layer tiny`): a smoke test, its times mean nothing.
+`--sync-free` dispatches with DeepEP's worst-case sizes (no host wait). One JSON per (layer, backend, ep, tokens,
+routing, sync-free, FP8, SMs) goes to $BENCH_OUT or benchmarks/results/. Without a GPU it runs on CPU with gloo
+(`--layer tiny`): a smoke test, its times mean nothing.
 """
 
 import argparse
@@ -28,7 +23,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scripts.bench.comm_slowdown import SlowedDispatcher  # noqa: E402
 from scripts.bench.common import (  # noqa: E402
     MEASURED_H200_BF16_TFLOPS,
     init_process_group_from_torchrun,
@@ -36,7 +30,6 @@ from scripts.bench.common import (  # noqa: E402
     time_ms,
     write_result,
 )
-from scripts.bench.overlap_parts import compute_alone, exchange_alone  # noqa: E402
 from torchtitan.config import JobConfig  # noqa: E402
 from torchtitan.distributed.compile import Compiler, MoERegions  # noqa: E402
 from torchtitan.distributed.deepep import destroy_buffers  # noqa: E402
@@ -50,7 +43,6 @@ from torchtitan.models.moe.args import MoEArgs  # noqa: E402
 from torchtitan.models.moe.exchange import ExchangeContext, get_backend  # noqa: E402
 from torchtitan.models.moe.experts import convert_to_float8_experts, run_routed_experts  # noqa: E402
 from torchtitan.models.moe.moe import MoE  # noqa: E402
-from torchtitan.models.moe.overlap import MicroBatchOverlap  # noqa: E402
 
 LAYERS = {
     # dim, moe_inter, experts, top_k, shared: DeepSeek-V2-Lite / Moonlight 16B, and DeepSeek-V3 671B.
@@ -77,10 +69,9 @@ def build_layer(
     sync_free: bool = False,
     fp8_dispatch: bool = False,
     permutation: TokenPermutation = EAGER_PERMUTATION,
-    comm_slowdown: int = 1,
 ) -> MoE:
     """The layer on `device` with bf16 weights, its experts sharded over `ep_mesh` as `parallelize` does it, and
-    its dispatcher (built with `permutation`) wrapped in a `SlowedDispatcher` of `comm_slowdown`."""
+    its dispatcher built with `permutation`."""
     moe_args = MoEArgs(
         num_experts=layer["num_experts"],
         num_shared_experts=layer["num_shared"],
@@ -103,7 +94,6 @@ def build_layer(
         exchange, context = get_backend(backend), ExchangeContext(job, permutation, device.type == "cuda")
         moe = exchange.layer(moe, context)
         parallelize_module(moe, ep_mesh, exchange.style(context))
-    moe.dispatcher = SlowedDispatcher(moe.dispatcher, comm_slowdown)
     return moe
 
 
@@ -146,18 +136,6 @@ def main() -> None:
     parser.add_argument("--routing", choices=["balanced", "zipf"], default="balanced")
     parser.add_argument("--zipf-exponent", type=float, default=1.0)
     parser.add_argument(
-        "--overlap",
-        action="store_true",
-        help="fwd+bwd of two micro-batches of --tokens each, one's dispatch/combine next to the other's compute "
-        "(the trainer's --parallelism.expert_parallel_overlap schedule); times are reported per --tokens",
-    )
-    parser.add_argument(
-        "--comm-slowdown",
-        type=int,
-        default=1,
-        help="move every dispatch and combine (and their backwards) N times, a stand-in for slow links; 1 = off",
-    )
-    parser.add_argument(
         "--sync-free",
         action="store_true",
         help="deepep: worst-case receive sizes, no host wait (the trainer's --parallelism.deepep_sync_free_dispatch)",
@@ -172,8 +150,6 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    if args.comm_slowdown < 1:
-        parser.error(f"--comm-slowdown must be >= 1 (1 = off), got {args.comm_slowdown}")
     if args.num_sms <= 0 or args.num_sms % 2:
         parser.error(f"--num-sms must be a positive even number (DeepEP's), got {args.num_sms}")
     device = init_process_group_from_torchrun()
@@ -196,24 +172,20 @@ def main() -> None:
         args.sync_free,
         args.float8_dispatch,
         regions.permutation if regions is not None else EAGER_PERMUTATION,
-        args.comm_slowdown,
     )
     if args.float8_experts:
         convert_to_float8_experts(moe, cache_weights=True)
     if regions is not None:
         moe.compile_parts(Compiler("inductor"), regions)
-    overlap = MicroBatchOverlap(torch.cuda.Stream() if device.type == "cuda" else None)
     mode = "compile" if args.compile else "eager"
     routing_tag = "" if args.routing == "balanced" else f"_zipf{args.zipf_exponent:g}"
     tags = (
-        ("_overlap", args.overlap),
         ("_syncfree", args.sync_free),
         ("_fp8", args.float8_experts),
         ("_fp8dispatch", args.float8_dispatch),
-        (f"_slow{args.comm_slowdown}", args.comm_slowdown > 1),
         (f"_sms{args.num_sms}", args.backend == "deepep" and args.num_sms != 24),
     )
-    overlap_tag = "".join(tag for tag, on in tags if on)
+    variant_tag = "".join(tag for tag, on in tags if on)
 
     for tokens in args.tokens:
         torch.manual_seed(dist.get_rank())
@@ -242,36 +214,22 @@ def main() -> None:
             x.grad = None
             moe(x).backward(grad)
 
-        # x and a second micro-batch (x rolled), the batch that the overlap splits in two
-        pair = torch.cat([x, x.roll(1, dims=1)]).detach().requires_grad_()
-        pair_grad = torch.cat([grad, grad.roll(1, dims=1)])
-
-        def forward_backward_overlapped(pair=pair, pair_grad=pair_grad):
-            moe.zero_grad(set_to_none=True)
-            pair.grad = None
-            overlap(moe.stages, pair).backward(pair_grad)
-
         def timed(fn) -> float:
             return time_ms(fn, args.warmup, args.iters, device)
 
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         fwd_ms = timed(forward)
-        off_ms = timed(forward_backward)
-        on_ms = timed(forward_backward_overlapped) / 2  # two micro-batches per call: per micro-batch of `tokens`
-        compute_ms = timed(compute_alone(moe, x))
-        exchange_ms = timed(exchange_alone(moe, x))
+        fwd_bwd_ms = timed(forward_backward)
         peak_gib = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
-        stats = torch.tensor([fwd_ms, off_ms, on_ms, compute_ms, exchange_ms, peak_gib], device=device)
+        stats = torch.tensor([fwd_ms, fwd_bwd_ms, peak_gib], device=device)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank is the layer's time
-        fwd_ms, off_ms, on_ms, compute_ms, exchange_ms, peak_gib = stats.tolist()
+        fwd_ms, fwd_bwd_ms, peak_gib = stats.tolist()
         bound_fwd, bound_fwd_bwd = matmul_bound_ms(layer, tokens)
         result = dict(
             layer=args.layer,
             backend=args.backend,
             mode=mode,
-            overlap=args.overlap,
-            comm_slowdown=args.comm_slowdown,
             deepep_num_sms=args.num_sms if args.backend == "deepep" else None,
             deepep_sync_free_dispatch=args.sync_free,
             float8_experts=args.float8_experts,
@@ -281,17 +239,7 @@ def main() -> None:
             **routing,
             **layer,
             fwd_ms=fwd_ms,
-            fwd_bwd_ms=on_ms if args.overlap else off_ms,
-            compute_fwd_bwd_ms=compute_ms,
-            exchange_fwd_bwd_ms=exchange_ms,
-            overlap_off_fwd_bwd_ms=off_ms,
-            overlap_on_fwd_bwd_ms=on_ms,
-            hidden_fraction=(off_ms - on_ms) / exchange_ms,
-            on_over_max_compute_exchange=on_ms / max(compute_ms, exchange_ms),
-            parts="per micro-batch of tokens_per_rank, fwd+bwd; compute: router + shared experts on the rank's "
-            "tokens + routed experts on the rows it receives; exchange: token_dispatch + token_combine and their "
-            "backwards (with comm_slowdown); off: the layer; on: two micro-batches in the overlap schedule, / 2; "
-            "peak_memory_gib: the largest over all of them",
+            fwd_bwd_ms=fwd_bwd_ms,
             peak_memory_gib=peak_gib,
             bound_fwd_ms=bound_fwd,
             bound_fwd_bwd_ms=bound_fwd_bwd,
@@ -304,16 +252,13 @@ def main() -> None:
             result["profile_fwd_bwd_rank0"] = profile_summary(forward_backward)
         if dist.get_rank() == 0:
             write_result(
-                result, f"moe_layer_{args.layer}_{args.backend}_{mode}_ep{ep}_t{tokens}{routing_tag}{overlap_tag}"
+                result, f"moe_layer_{args.layer}_{args.backend}_{mode}_ep{ep}_t{tokens}{routing_tag}{variant_tag}"
             )
             print(
                 f"{args.layer} {args.backend} {mode} {args.routing} ep={ep} tokens={tokens}: "
                 f"fwd {result['fwd_ms']:.2f} ms, "
                 f"fwd+bwd {result['fwd_bwd_ms']:.2f} ms (bound {bound_fwd_bwd:.2f} ms, "
-                f"{result['fwd_bwd_ms'] / bound_fwd_bwd:.2f}x), peak {result['peak_memory_gib']:.1f} GiB\n"
-                f"  comm x{args.comm_slowdown}: compute {compute_ms:.2f} ms, exchange {exchange_ms:.2f} ms, "
-                f"overlap off {off_ms:.2f} ms, on {on_ms:.2f} ms: hidden {result['hidden_fraction']:.0%} of the "
-                f"exchange, on / max(compute, exchange) {result['on_over_max_compute_exchange']:.2f}",
+                f"{result['fwd_bwd_ms'] / bound_fwd_bwd:.2f}x), peak {result['peak_memory_gib']:.1f} GiB",
                 flush=True,
             )
 

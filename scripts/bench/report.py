@@ -125,7 +125,8 @@ def moe_table(results: list[dict]) -> list[str]:
 
 
 def variant(result: dict) -> str:
-    """The moe_layer options that change what runs: EP overlap, FP8 experts, FP8 dispatch, comm slowdown."""
+    """The moe_layer options that change what runs: FP8 experts, FP8 dispatch; and, in results recorded before
+    they were removed, the EP overlap and the comm slowdown."""
     slowdown = result.get("comm_slowdown", 1)
     options = (
         ("overlap", result.get("overlap")),

@@ -2,7 +2,7 @@
 and per-rank memory step by step: the check that a refactor changed no numbers.
 
     nvidia-cuda-mps-control -d
-    python scripts/bench/shared_gpu_trees.py --old /path/to/old/tree --rows fp8_experts,fp8_dispatch,overlap \
+    python scripts/bench/shared_gpu_trees.py --old /path/to/old/tree --rows fp8_experts,fp8_dispatch \
         --out benchmarks/results/shared_gpu_trees_<commit>.json
 
 Each row runs the old and the new tree (this checkout) at the same time, each as `torchrun --nproc-per-node 2
@@ -30,7 +30,6 @@ ROWS = {
     "base": [],
     "fp8_experts": ["--quantize.float8_experts"],
     "fp8_dispatch": ["--quantize.float8_experts", "--quantize.float8_dispatch"],
-    "overlap": ["--parallelism.expert_parallel_overlap"],
 }
 
 
@@ -65,7 +64,7 @@ def compare(old: list[dict], new: list[dict]) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--old", type=Path, required=True, help="the other source tree (e.g. a `git archive` of it)")
-    parser.add_argument("--rows", default="fp8_experts,fp8_dispatch,overlap", help=f"of {', '.join(ROWS)}")
+    parser.add_argument("--rows", default="fp8_experts,fp8_dispatch", help=f"of {', '.join(ROWS)}")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()

@@ -162,7 +162,7 @@ def _forward_backward(moe, x, call=None):
     return out.detach(), x.grad, grads
 
 
-def _check_moe_block_eager_compiled_and_overlap(rank, world_size, cuda_group, cpu_group):
+def _check_moe_block_eager_compiled_and_side_stream(rank, world_size, cuda_group, cpu_group):
     torch._dynamo.config.capture_scalar_outputs = True
     mesh = init_device_mesh("cuda", (world_size,), mesh_dim_names=("ep",))
     x = torch.randn(2, 48 + 16 * rank, HIDDEN, generator=torch.Generator().manual_seed(rank)).cuda()
@@ -271,7 +271,7 @@ _OP_CHECKS = (
 )
 _CHECKS = (
     *_OP_CHECKS,
-    _check_moe_block_eager_compiled_and_overlap,
+    _check_moe_block_eager_compiled_and_side_stream,
     _check_sync_free_moe_matches_synced_without_host_syncs,
     _check_forward_only_memory_is_flat,
     _measure_dispatch_combine,

@@ -1,8 +1,7 @@
-"""Context parallelism trains the debug model like one process: CP=4 with EP=4 (standard all-to-all, its micro-batch
-overlap) under full AC, FSDP=2 x CP=2 with EP=2 (deepep CPU ops, per-op SAC, compile), and resume across a change
-of CP degree, all with block-causal attention over packed documents and one MTP module (its inputs and targets shift
-across the ranks' chunks); the uncompiled runs validate at steps 5 and 10 (the validation batches go through the
-same split).
+"""Context parallelism trains the debug model like one process: CP=4 with EP=4 (standard all-to-all) under full AC,
+FSDP=2 x CP=2 with EP=2 (deepep CPU ops, per-op SAC, compile), and resume across a change of CP degree, all with
+block-causal attention over packed documents and one MTP module (its inputs and targets shift across the ranks'
+chunks); the uncompiled runs validate at steps 5 and 10 (the validation batches go through the same split).
 
 Five launches: one process (the reference, saving step 5), CP=4 x EP=4 on 4 ranks, FSDP=2 x CP=2 x EP=2 on 4 ranks
 (saving step 5), that CP=2 checkpoint resumed by one process, and the reference's checkpoint resumed at CP=2.
@@ -65,11 +64,9 @@ def reference(tmp_path_factory):
     return folder
 
 
-def test_cp4_ep4_overlap_full_ac_matches_one_process(tmp_path, reference):
-    """EP borrows the CP ranks and overlaps two micro-batches; full AC recomputes the latent's all-gather in
-    backward."""
-    layout = ["--parallelism.expert_parallel_degree", "4", "--parallelism.expert_parallel_overlap",
-              "--activation_checkpoint.mode", "full"]  # fmt: skip
+def test_cp4_ep4_full_ac_matches_one_process(tmp_path, reference):
+    """EP borrows the CP ranks; full AC recomputes the latent's all-gather in backward."""
+    layout = ["--parallelism.expert_parallel_degree", "4", "--activation_checkpoint.mode", "full"]
     run_trainer(tmp_path, [*COMMON, *_cp(4), *layout], nproc=4)
     _assert_matches(tmp_path, reference, list(range(1, STEPS + 1)))
 

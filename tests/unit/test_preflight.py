@@ -21,11 +21,9 @@ VALIDATION = ["--validation.enable"]
         (["--validation.seq_len", "5000"], 1, "validation.seq_len <= the model's max_seq_len 4096"),
         (["--parallelism.pipeline_parallel_degree", "2", "--validation.local_batch_size", "4"], 2,
          "validation.local_batch_size a multiple of the pipeline's 8 micro-batches"),
-        (["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_parallel_overlap",
-          "--validation.local_batch_size", "3"], 2, "an even validation.local_batch_size"),
         (["--validation.dataset_path", "missing.jsonl"], 1, "--validation.dataset_path='missing.jsonl' does not exist"),
     ],
-    ids=["seq-len-too-long", "pp-micro-batches", "odd-batch-overlap", "missing-corpus"],
+    ids=["seq-len-too-long", "pp-micro-batches", "missing-corpus"],
 )  # fmt: skip
 def test_validation_batches_the_job_cannot_run_are_rejected(tmp_path, args, world_size, message):
     with pytest.raises((ConfigError, FileNotFoundError), match=message):

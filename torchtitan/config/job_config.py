@@ -189,13 +189,6 @@ class Parallelism:
     rank at most its share and drops the copies past it, lowest routing weight first (Megatron's expert capacity
     factor, per destination rank): training differs from a dropless run once a copy is dropped. None: no drops."""
 
-    expert_parallel_overlap: bool = False
-    """Split each rank's batch in two and overlap one half's EP dispatch/combine with the other's compute, forward
-    and backward (needs expert_parallel_degree > 1 and an even local_batch_size; not with PP or TP)."""
-
-    deepep_overlap_num_sms: int | None = None
-    """SMs DeepEP's kernels may use while expert_parallel_overlap is on (even number); None keeps deepep_num_sms."""
-
 
 @dataclass
 class Checkpoint:

@@ -127,13 +127,12 @@ def validate(job_config: JobConfig) -> None:
     for key, ok, requirement in _RANGES:
         value = _value(job_config, key)
         _require(ok(value), f"{key} must be {requirement}, got {value}; pass --{key} with such a value")
-    for key in ("parallelism.deepep_num_sms", "parallelism.deepep_overlap_num_sms"):
-        sms = _value(job_config, key)
-        if sms is not None:
-            _require(
-                sms > 0 and sms % 2 == 0,
-                f"{key} must be a positive even number, got {sms}; pass e.g. --{key} {max(2, sms + sms % 2)}",
-            )
+    sms = job_config.parallelism.deepep_num_sms
+    _require(
+        sms > 0 and sms % 2 == 0,
+        f"parallelism.deepep_num_sms must be a positive even number, got {sms}; pass e.g. "
+        f"--parallelism.deepep_num_sms {max(2, sms + sms % 2)}",
+    )
 
     # The loops above make every divisor below >= 1.
     training, par = job_config.training, job_config.parallelism
@@ -167,12 +166,6 @@ def validate(job_config: JobConfig) -> None:
         f"({tp}), got {par.expert_tensor_parallel_degree}",
     )
     backend, ep = par.expert_parallel_comm_backend, par.expert_parallel_degree
-    _require(
-        par.deepep_overlap_num_sms is None or (backend == "deepep" and par.expert_parallel_overlap),
-        "parallelism.deepep_overlap_num_sms sets DeepEP's SMs while overlapping: it needs "
-        "--parallelism.expert_parallel_comm_backend deepep and --parallelism.expert_parallel_overlap; drop it "
-        "or add them",
-    )
     _require(
         par.deepep_sync_free_capacity_factor is None or par.deepep_sync_free_dispatch,
         "parallelism.deepep_sync_free_capacity_factor bounds what a sync-free dispatch receives: it needs "

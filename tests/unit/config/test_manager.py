@@ -86,12 +86,18 @@ def test_negative_number_is_a_value():
         (["--activation_checkpoint.num_blocks", "-2"], "activation_checkpoint.num_blocks must be -1"),
         (["--activation_checkpoint.mode", "none", "--activation_checkpoint.num_blocks", "3"], "but the mode is none"),
         (["--activation_checkpoint.memory_budget_gib", "-1"], "memory_budget_gib must be a number of GiB >= 0"),
-        (["--activation_checkpoint.memory_budget_gib", "60", "--activation_checkpoint.mode", "full"],
-         "memory_budget_gib=60 picks each MoE block's checkpointing"),
-        (["--activation_checkpoint.memory_budget_gib", "60", "--activation_checkpoint.num_blocks", "2"],
-         "and no num_blocks"),
-        (["--optimizer.moments_dtype", "bfloat16", "--optimizer.implementation", "foreach"],
-         "optimizer.moments_dtype=bfloat16 needs the update that keeps fp32 masters"),
+        (
+            ["--activation_checkpoint.memory_budget_gib", "60", "--activation_checkpoint.mode", "full"],
+            "memory_budget_gib=60 picks each MoE block's checkpointing",
+        ),
+        (
+            ["--activation_checkpoint.memory_budget_gib", "60", "--activation_checkpoint.num_blocks", "2"],
+            "and no num_blocks",
+        ),
+        (
+            ["--optimizer.moments_dtype", "bfloat16", "--optimizer.implementation", "foreach"],
+            "optimizer.moments_dtype=bfloat16 needs the update that keeps fp32 masters",
+        ),
         (["--optimizer.moments_dtype", "float16"], "optimizer.moments_dtype"),
     ],
 )
@@ -183,6 +189,17 @@ def test_unknown_cli_key_suggests_closest(flag, suggestion):
 def test_unknown_cli_key_without_close_match_points_to_help():
     with pytest.raises(ConfigError, match="--help"):
         parse("--zzzzzz.qqqq=1")
+
+
+@pytest.mark.parametrize("name, value", [("expert_parallel_overlap", "true"), ("deepep_overlap_num_sms", "8")])
+def test_removed_overlap_keys_are_unknown_keys_on_cli_and_in_toml(tmp_path, name, value):
+    """The two-micro-batch EP overlap and its SM setting were removed (benchmarks/NOTES.md): passing them fails."""
+    unknown = f"unknown config key 'parallelism.{name}'"
+    with pytest.raises(ConfigError, match=unknown):
+        parse(f"--parallelism.{name}={value}")
+    path = write_toml(tmp_path, f"[parallelism]\n{name} = {value}\n")
+    with pytest.raises(ConfigError, match=unknown):
+        parse("--job.config_file", path)
 
 
 @pytest.mark.parametrize(
@@ -355,8 +372,6 @@ def test_uncaught_help_exits_process_with_zero():
         (["--parallelism.deepep_num_sms=23"], "deepep_num_sms must be a positive even"),
         (["--parallelism.deepep_num_sms=0"], "deepep_num_sms must be a positive even"),
         (["--parallelism.deepep_sync_free_dispatch"], "deepep_sync_free_dispatch needs .*deepep"),
-        (["--parallelism.deepep_overlap_num_sms=7"], "deepep_overlap_num_sms must be a positive even"),
-        (["--parallelism.deepep_overlap_num_sms=8"], "deepep_overlap_num_sms .* needs .*deepep .*overlap"),
         (["--quantize.float8_dispatch"], "float8_dispatch needs .*deepep"),
         (["--parallelism.deepep_sync_free_capacity_factor=1.2"], "capacity_factor .* needs .*sync_free_dispatch"),
         (["--parallelism.deepep_sync_free_capacity_factor=0"], "capacity_factor must be none or a finite number > 0"),
@@ -411,8 +426,7 @@ def test_validation_rejects_bad_values(flags, message):
         [
             "--parallelism.expert_parallel_comm_backend=deepep",
             "--parallelism.expert_parallel_degree=2",
-            "--parallelism.expert_parallel_overlap",
-            "--parallelism.deepep_overlap_num_sms=8",
+            "--parallelism.deepep_num_sms=8",
         ],
     ],
 )

@@ -78,24 +78,23 @@ def test_cpu_offload_still_trains():
     run_distributed(_cpu_offload_trains, 2)
 
 
-def _deepep_overlap_sms(rank: int, world_size: int) -> None:
+def _deepep_num_sms(rank: int, world_size: int) -> None:
     from torchtitan.distributed.deepep import destroy_buffers, get_buffer
 
     reference = build_reference(tiny_args())
     ref_loss, ref_grads = reference_loss_and_grads(reference)
     deepep = job_config(
         parallelism__expert_parallel_degree=2,
-        parallelism__expert_parallel_overlap=True,
         parallelism__expert_parallel_comm_backend="deepep",
-        parallelism__deepep_overlap_num_sms=8,
+        parallelism__deepep_num_sms=8,
     )
     model = check_parallel_matches(reference, ref_loss, ref_grads, deepep, world_size)
     assert get_buffer(model.layers["1"].moe.dispatcher.group_name).num_sms == 8
     destroy_buffers()
 
 
-def test_deepep_overlap_sms_reach_the_dispatchers_and_keep_results():
-    run_distributed(_deepep_overlap_sms, 2)
+def test_deepep_num_sms_reach_the_dispatchers_and_keep_results():
+    run_distributed(_deepep_num_sms, 2)
 
 
 def test_fp32_params_say_once_that_grouped_mm_experts_stay_bf16_as_information(caplog):

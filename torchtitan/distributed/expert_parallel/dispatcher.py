@@ -4,8 +4,7 @@
     combine:   combine_preprocess  -> token_combine  -> combine_postprocess
 
 `token_dispatch` / `token_combine` communicate; the others compute locally. What combine needs from dispatch travels
-in the `DispatchState` that dispatch returns (no module state), so a scheduler can overlap micro-batches
-(`models/moe/overlap.py`).
+in the `DispatchState` that dispatch returns (no module state).
 
 `LocalTokenDispatcher` (no EP) is the default; `parallelize` installs all-to-all (`all_to_all.py`) or DeepEP
 (`deepep_dispatcher.py`) through the ParallelStyles of `styles.py`. A dispatcher is never changed after it is built.

@@ -42,7 +42,6 @@ from torchtitan.kernels.float8 import check_float8_supported
 from torchtitan.models.deepseek_v3.float8_linears import convert_to_float8_linears
 from torchtitan.models.moe.exchange import ExchangeContext, get_backend
 from torchtitan.models.moe.experts import convert_to_float8_experts, run_routed_experts
-from torchtitan.models.moe.overlap import MicroBatchOverlap
 from torchtitan.models.moe.parallelize import (
     apply_fsdp,
     apply_moe_parallel,
@@ -66,7 +65,7 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
     compile_config = job_config.compile
     compiled = compile_config.enable and "model" in compile_config.components
     # Created once for this model: the compiled regions its MoE layers share (the dispatchers are built with them)
-    # and, on CUDA, the streams of the shared-expert and micro-batch overlaps.
+    # and, on CUDA, the shared experts' side stream (`ExchangeContext`).
     regions = MoERegions.build(compile_config.backend, run_routed_experts) if compiled else None
     permutation = regions.permutation if regions is not None else EAGER_PERMUTATION
     on_cuda = device_type() == "cuda"
@@ -78,11 +77,6 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.get_mesh("tp"), parallel_dims.loss_parallel_enabled)
     apply_moe_parallel(model, parallel_dims, backend, ExchangeContext(job_config, permutation, on_cuda))
-    if parallelism.expert_parallel_overlap:
-        overlap = MicroBatchOverlap(torch.cuda.Stream() if on_cuda else None)
-        for block in transformer_blocks(model):
-            if block.moe_enabled:
-                block.moe.overlap = overlap
     if job_config.quantize.float8_experts:
         check_float8_supported(torch.device(device_type()))
         # FSDP gathers the weights anew every forward: quantized at every use there, else once per optimizer step

@@ -1,5 +1,5 @@
 """`DeepEPMoE`: the MoE layer of DeepEP expert parallelism, made by `parallelize` from a built `MoE` and its DeepEP
-dispatcher. Same parameters, routing and stages as `MoE`; only where the shared experts run differs.
+dispatcher. Same parameters, routing and forward as `MoE`; only where the shared experts run differs.
 
 While DeepEP's kernels hold their SMs for the exchange, the shared experts run on a side stream, launched before the
 dispatch. The side stream waits for the current stream before starting, the current stream for the side stream

@@ -137,11 +137,8 @@ class DeepEPBackend(ExchangeBackend):
                 f"parallelism.deepep_sync_free_capacity_factor={factor}: a rank receives at most {factor}x its "
                 "balanced load of token copies; each sender drops the copies past it, lowest routing weight first"
             )
-        num_sms = parallelism.deepep_num_sms
-        if parallelism.expert_parallel_overlap and parallelism.deepep_overlap_num_sms is not None:
-            num_sms = parallelism.deepep_overlap_num_sms  # the exchange shares the GPU with the other micro-batch
         return DeepEPExpertParallel(
-            num_sms=num_sms,
+            num_sms=parallelism.deepep_num_sms,
             sync_free=parallelism.deepep_sync_free_dispatch,
             capacity_factor=factor,
             fp8=fp8,

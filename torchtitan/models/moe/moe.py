@@ -1,12 +1,10 @@
 """DeepSeek-V3 MoE layer:  h_t' = u_t + sum_i FFN_i^(s)(u_t) + sum_i g_{i,t} FFN_i^(r)(u_t)   (arXiv:2412.19437).
 
 forward: route (fp32 scores, bias only for selection) -> shared experts -> dispatch (`ExpertTokens`) -> experts ->
-combine -> + shared experts (the block adds the residual u_t). That sequence is written once, in `stages`, a
-generator yielding each communication stage: `forward` runs them inline, and `overlap.py` interleaves two
-micro-batches' stages. `self.dispatcher` is a `LocalTokenDispatcher` until `parallelize` installs its backend's.
+combine -> + shared experts (the block adds the residual u_t). `self.dispatcher` is a `LocalTokenDispatcher` until
+`parallelize` installs its backend's.
 """
 
-from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
@@ -25,11 +23,7 @@ from torchtitan.models.moe.load_balance import (
     sequence_balance_loss,
     update_expert_bias,
 )
-from torchtitan.models.moe.overlap import MicroBatchOverlap
 from torchtitan.models.moe.router import TokenChoiceTopKRouter
-
-Stages = Generator[tuple[Callable[..., Any], tuple], Any, torch.Tensor]
-"""`MoE.stages`: yields (communication stage, its arguments), receives the stage's result, returns the output."""
 
 
 class MoE(nn.Module):
@@ -53,8 +47,6 @@ class MoE(nn.Module):
         )
         self.dispatcher: TokenDispatcher = LocalTokenDispatcher(num_experts, moe_args.score_before_experts)
         """Replaced by the expert-parallel ParallelStyles (`parallelize`); not a module, holds no parameters."""
-        self.overlap: MicroBatchOverlap | None = None
-        """Set by `parallelize` for `parallelism.expert_parallel_overlap`: run two micro-batches' stages interleaved."""
         # Aux-loss-free balancing state. expert_bias is always used for selection (it may come from a checkpoint);
         # load_balance_coeff=None only stops updating it. Both are updated outside the forward (load_balance.py).
         self.tokens_per_optimizer_step: int | None = None
@@ -67,24 +59,12 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (bs, slen, dim) -> (bs, slen, dim)."""
-        if self.overlap is not None:
-            return self.overlap(self.stages, x)
-        return run_inline(self.stages(x))
-
-    def stages(self, x: torch.Tensor) -> Stages:
-        """The layer on x (bs, slen, dim), yielding each communication stage as (stage, args) for the caller to run
-        and send back its result; returns the output (bs, slen, dim)."""
         bs, slen, dim = x.shape
         top_scores, selected_experts = self.route(x)
         tokens = x.view(-1, dim)  # (N, dim), N = bs * slen
         shared = self.start_shared_experts(tokens)
-        dispatcher = self.dispatcher
-        prepared = dispatcher.dispatch_preprocess(tokens, selected_experts, top_scores)
-        dispatched = yield dispatcher.token_dispatch, (prepared,)
-        expert_tokens, state = dispatcher.dispatch_postprocess(dispatched)
-        to_combine = dispatcher.combine_preprocess(self.experts(expert_tokens), state)
-        combined = yield dispatcher.token_combine, (to_combine, state)
-        routed = dispatcher.combine_postprocess(combined, state)  # sum_k g_{t,k} FFN_k(x_t): (N, dim)
+        expert_tokens, state = self.dispatcher.dispatch(tokens, selected_experts, top_scores)
+        routed = self.dispatcher.combine(self.experts(expert_tokens), state)  # sum_k g_{t,k} FFN_k(x_t): (N, dim)
         return self.sum_experts(routed, self.finish_shared_experts(shared), x.dtype).view(bs, slen, dim)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,17 +123,6 @@ class MoE(nn.Module):
         device = buffer_device if buffer_device is not None else self.expert_bias.device
         self.expert_bias = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
         self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
-
-
-def run_inline(stages: Stages) -> torch.Tensor:
-    """Run `MoE.stages` in order on the current stream: each communication stage as it is yielded."""
-    result = None
-    while True:
-        try:
-            stage, args = stages.send(result)
-        except StopIteration as done:
-            return done.value
-        result = stage(*args)
 
 
 class ExpertBiasHook:
