@@ -290,11 +290,17 @@ class CheckpointManager:
         `checkpoint.initial_load_path` if set. True if training state resumed (from an initial checkpoint only when
         initial_load_model_only=False)."""
         if self.enable:
-            path = self._rank0_decides(lambda: self._checkpoint_to_resume(step))
-            if path is not None:
+            found = self._rank0_decides(lambda: self._checkpoint_to_resume(step))
+            if found is not None:
+                path, fix = found  # fix: what to do should the checkpoint turn out damaged
                 begin = time.monotonic()
-                self._verify_checksums(path)
-                keys = checkpoint_keys(path, self._damage_fix(path))
+                if self.config.initial_load_path:
+                    logger.info(
+                        f"resuming from {path}: checkpoint.initial_load_path {self.config.initial_load_path} is not "
+                        "used (it only starts a run whose checkpoint folder holds no checkpoint yet)"
+                    )
+                self._verify_checksums(path, fix)
+                keys = checkpoint_keys(path, fix)
                 self._check_same_model(path, keys)
                 self._dcp_load(self._states_present_in(path, keys), path)
                 self._check_finite_weights(path)
@@ -333,7 +339,8 @@ class CheckpointManager:
                 "(--checkpoint.load_step N) or initialize from another (--checkpoint.initial_load_path)"
             )
 
-    def _checkpoint_to_resume(self, step: int) -> str | None:
+    def _checkpoint_to_resume(self, step: int) -> tuple[str, str] | None:
+        """(path, what to do should it be damaged) of the checkpoint to resume from, or None to start anew."""
         if not os.path.isdir(self.folder):
             return None
         complete = complete_checkpoints(self.folder)
@@ -376,22 +383,22 @@ class CheckpointManager:
             )
         return self._validated(complete, step)
 
-    def _validated(self, complete: dict[int, str], step: int) -> str:
-        """The path of `step-<step>` once its files match its manifest and the manifest's step matches the name (a
-        renamed folder would resume at another step than the one it holds)."""
+    def _validated(self, complete: dict[int, str], step: int) -> tuple[str, str]:
+        """(path, damage fix) of `step-<step>` once its files match its manifest and the manifest's step matches the
+        name (a renamed folder would resume at another step than the one it holds)."""
         path = complete[step]
-        manifest = validate_checkpoint(path, fix=f"Nothing was loaded; {self._damage_fix(path)}")
+        fix = self._damage_fix(path, complete)
+        manifest = validate_checkpoint(path, fix=f"Nothing was loaded; {fix}")
         if manifest.get("step") != step:
             raise CheckpointError(
                 f"checkpoint {path} holds step {manifest.get('step')} (its {MANIFEST_NAME} says so) but its folder "
                 f"is named step-{step}; rename it back to step-{manifest.get('step')}"
             )
-        return path
+        return path, fix
 
-    def _damage_fix(self, path: str) -> str:
-        """What to do about damaged checkpoint `path` of this run's folder: resume from an older one if there is
-        one; else nothing earlier exists to resume from, and deleting it starts over."""
-        complete = complete_checkpoints(self.folder)
+    def _damage_fix(self, path: str, complete: dict[int, str]) -> str:
+        """What to do about damaged checkpoint `path` of this run's folder (its `complete` checkpoints): resume from
+        an older one if there is one; else nothing earlier exists to resume from, and deleting it starts over."""
         step = next((s for s, p in complete.items() if p == path), None)
         older = sorted(s for s in complete if step is not None and s < step)
         if older:
@@ -404,8 +411,8 @@ class CheckpointManager:
             f"have a copy; deleting {path} starts the run over from step 1"
         )
 
-    def _verify_checksums(self, path: str) -> None:
-        """Every rank checks the crc32 of its share of the files; any mismatch stops all ranks with the fix."""
+    def _verify_checksums(self, path: str, fix: str) -> None:
+        """Every rank checks the crc32 of its share of the files; any mismatch stops all ranks with `fix`."""
         with open(os.path.join(path, MANIFEST_NAME)) as f:
             manifest = json.load(f)
         bad = corrupt_files(path, manifest, self.rank, self.world_size)
@@ -415,7 +422,7 @@ class CheckpointManager:
             bad = sorted(name for names in gathered for name in names)
         if not bad:
             return
-        raise corrupt_checkpoint_error(path, bad, self._damage_fix(path))
+        raise corrupt_checkpoint_error(path, bad, fix)
 
     def _load_initial(self, path: str) -> bool:
         begin = time.monotonic()

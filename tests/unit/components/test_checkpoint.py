@@ -9,6 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.unit.distributed._spawn import run_distributed
+from torchtitan.components import checkpoint_folder
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager
 from torchtitan.components.checkpoint_folder import MANIFEST_NAME
 from torchtitan.components.lr_scheduler import build_lr_schedulers
@@ -164,6 +165,26 @@ def test_saves_at_interval_and_last_step_only(tmp_path):
 
 def test_no_checkpoint_means_fresh_start(tmp_path):
     assert Run(make_config(tmp_path)).manager.load() is False
+
+
+def test_a_resume_says_the_initial_checkpoint_is_not_used_and_lists_the_folder_once(tmp_path, caplog, monkeypatch):
+    """The run's own checkpoint wins over checkpoint.initial_load_path (a restart with the same command line): one
+    line says so. What to do about a damaged checkpoint needs the folder's listing: read once per resume."""
+    from torchtitan.components import checkpoint
+
+    run = Run(make_config(tmp_path))
+    run.train(4)
+    listings = []
+    monkeypatch.setattr(
+        checkpoint, "complete_checkpoints", lambda f: listings.append(f) or checkpoint_folder.complete_checkpoints(f)
+    )
+    resumed = Run(make_config(tmp_path, initial_load_path=str(tmp_path / "elsewhere")))
+    with caplog.at_level("INFO"):
+        assert resumed.manager.load() is True and resumed.train_state.step == 4
+    (line,) = [r.getMessage() for r in caplog.records if "initial_load_path" in r.getMessage()]
+    assert line.startswith(f"resuming from {folder(tmp_path) / 'step-4'}: checkpoint.initial_load_path ")
+    assert f"{tmp_path / 'elsewhere'} is not used" in line
+    assert listings == [str(folder(tmp_path))]
 
 
 def test_disabled_manager_does_nothing(tmp_path):
