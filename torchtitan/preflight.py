@@ -93,8 +93,8 @@ def check_tokenizer(job_config: JobConfig, model_args) -> None:
     if tokenizer.vocab_size > model_args.vocab_size:
         raise ConfigError(
             f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but the model's vocabulary is "
-            f"{model_args.vocab_size} (--model.flavor {job_config.model.flavor}); pass a tokenizer of at most "
-            f"{model_args.vocab_size} tokens (--model.tokenizer_path) or a flavor with a larger vocabulary"
+            f"{model_args.vocab_size} ({job_config.model.shape_source()}); pass a tokenizer of at most "
+            f"{model_args.vocab_size} tokens (--model.tokenizer_path) or a model with a larger vocabulary"
         )
 
 

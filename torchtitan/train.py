@@ -106,7 +106,10 @@ class Trainer:
         with torch.device("meta"):
             model = spec.build(self.model_args)
         nparams, self.flops_per_token = self.model_args.get_nparams_and_flops(model, job_config.training.seq_len)
-        logger.info(f"model {job_config.model.flavor}: {nparams:,} parameters, {self.flops_per_token:,.0f} FLOPs/token")
+        logger.info(
+            f"model from {job_config.model.shape_source()}: {nparams:,} parameters, "
+            f"{self.flops_per_token:,.0f} FLOPs/token"
+        )
 
         # CPU: DTensor has no RNG tracker there, so sharded init would repeat values across ranks (weight_init.py).
         unsharded_model = copy.deepcopy(model) if self.device.type == "cpu" else None

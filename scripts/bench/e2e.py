@@ -43,7 +43,7 @@ def run_settings(config_file: str, train_args: list[str], ngpu: int) -> dict:
     par = job.parallelism
     dims = ParallelDims.from_config(par, ngpu)  # resolves dp_shard = -1
     return {
-        "model_flavor": job.model.flavor,
+        "model_flavor": job.model.hf_config_path or job.model.flavor,  # the shape's source: the config wins
         "parallel": {name: getattr(dims, name) for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "etp")},
         "ep_backend": par.expert_parallel_comm_backend,
         "deepep_sync_free_dispatch": par.deepep_sync_free_dispatch,

@@ -1,6 +1,7 @@
 """The trainer starts from what transformers saved, both ways a user would (scripts/convert_hf.py's DCP conversion,
 and the HF folder itself), with `--model.hf_config_path <folder>/config.json` asking for an MTP layer the folder does
-not hold: one warning line, two steps trained, and the first step's loss is transformers' loss on the same batch."""
+not hold: one warning line, the model logged as the config's (not the default flavor's), two steps trained, and the
+first step's loss is transformers' loss on the same batch."""
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ def test_trainer_starts_from_a_transformers_checkpoint(case, way, tmp_path):
     proc = run_trainer(tmp_path / "run", args)
 
     (warning,) = [line for line in (proc.stdout + proc.stderr).splitlines() if NO_MTP_WARNING in line]
+    assert f"model from --model.hf_config_path {hf_folder / 'config.json'}: " in proc.stdout + proc.stderr  # no flavor
     assert "loading without MTP; set --model.mtp_layers 1 to train freshly initialized MTP modules" in warning
     losses = read_losses(tmp_path / "run")
     assert sorted(losses) == [1, 2]

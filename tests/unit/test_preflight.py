@@ -178,8 +178,12 @@ def test_a_tokenizer_larger_than_the_vocabulary_names_both_sizes():
     from torchtitan.config import JobConfig
     from torchtitan.preflight import check_tokenizer
 
-    with pytest.raises(ConfigError, match="has 2048 tokens but the model's vocabulary is 1000"):
+    with pytest.raises(ConfigError, match=r"has 2048 tokens but the model's vocabulary is 1000 \(--model.flavor debug"):
         check_tokenizer(JobConfig(), SimpleNamespace(vocab_size=1000))
+    job_config = JobConfig()
+    job_config.model.hf_config_path = "hf/config.json"  # the shape's source, not the flavor (which it ignores)
+    with pytest.raises(ConfigError, match=r"vocabulary is 1000 \(--model.hf_config_path hf/config.json\); pass a"):
+        check_tokenizer(job_config, SimpleNamespace(vocab_size=1000))
     check_tokenizer(JobConfig(), SimpleNamespace(vocab_size=2048))
 
 

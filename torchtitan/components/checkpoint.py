@@ -123,7 +123,7 @@ class CheckpointManager:
         self.interval = config.interval
         self.keep_latest_k = config.keep_latest_k  # the values were checked where they entered (config.manager)
         self.export_dtype = DTYPES[config.export_dtype]
-        self.flavor = job_config.model.flavor
+        self.shape_source = job_config.model.shape_source()
 
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -482,7 +482,7 @@ class CheckpointManager:
             for key in sorted(set(ours) & set(state)):
                 if tuple(ours[key].shape) != tuple(state[key].shape):
                     raise CheckpointError(
-                        f"HF checkpoint {path} holds another model than --model.flavor {self.flavor} builds: {key} is "
+                        f"HF checkpoint {path} holds another model than {self.shape_source} builds: {key} is "
                         f"{list(state[key].shape)} there, {list(ours[key].shape)} here; pass the matching "
                         "--model.flavor or --model.hf_config_path"
                     )
@@ -522,13 +522,13 @@ class CheckpointManager:
                 raise CheckpointError(f"cannot resume from {path}: {cause}") from err
             if initial:
                 fix = (
-                    f"it holds another model than --model.flavor {self.flavor} builds: pass the --model.flavor (or "
+                    f"it holds another model than {self.shape_source} builds: pass the --model.flavor (or "
                     "--model.hf_config_path) it was saved with, or another --checkpoint.initial_load_path"
                 )
             else:
                 fix = (
-                    f"if --model.flavor ({self.flavor} now) or another model flag changed since it was saved, resume "
-                    "with the values it was saved with, or start a new run in another --job.dump_folder"
+                    f"if the model shape ({self.shape_source} now) or another model flag changed since it was "
+                    "saved, resume with the values it was saved with, or start a new run in another --job.dump_folder"
                 )
             raise CheckpointError(f"loading checkpoint {path} failed ({dcp_error_text(err)}); {fix}") from err
         # DCP calls load_state_dict in sorted key order, so the optimizer's saved lr lands after the schedule's

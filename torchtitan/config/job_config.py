@@ -40,6 +40,11 @@ class Model:
     mtp_loss_weight: float = 0.1
     """lambda: loss = main loss + lambda x the mean MTP loss over the modules (DeepSeek-V3: 0.3, later 0.1)."""
 
+    def shape_source(self) -> str:
+        """The flag the model's shape comes from, for logs and errors: the HF config.json if set, else the flavor."""
+        hf_config = self.hf_config_path
+        return f"--model.hf_config_path {hf_config}" if hf_config else f"--model.flavor {self.flavor}"
+
 
 @dataclass
 class Optimizer:
