@@ -1,8 +1,10 @@
 """Read and write Hugging Face safetensors folders (sharded, with model.safetensors.index.json)."""
 
+import contextlib
 import json
 import os
 import re
+from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
@@ -14,35 +16,52 @@ INDEX_FILE = "model.safetensors.index.json"
 def load_hf_safetensors(folder: str) -> dict[str, torch.Tensor]:
     """All tensors of a HF folder: the shards named by its index json, or every *.safetensors file without one."""
     state_dict: dict[str, torch.Tensor] = {}
-    for name in _shard_files(folder):
-        path = os.path.join(folder, name)
-        try:
+    for path in _shard_paths(folder):
+        with _reading_shard(path):
             state_dict.update(load_file(path))
-        except Exception as err:  # safetensors raises its own error type for a file that is not safetensors
-            raise ValueError(f"cannot read {path} ({err}): a truncated download? fetch or convert it again") from None
     return state_dict
 
 
 def hf_safetensors_keys(folder: str) -> list[str]:
     """The tensor names of a HF folder, read from the shards' headers (no tensor is loaded)."""
     keys = []
-    for name in _shard_files(folder):
-        with safe_open(os.path.join(folder, name), framework="pt") as f:
+    for path in _shard_paths(folder):
+        with _reading_shard(path), safe_open(path, framework="pt") as f:
             keys.extend(f.keys())
     return keys
 
 
-def _shard_files(folder: str) -> list[str]:
-    """The shards named by the folder's index json, or every *.safetensors file without one."""
+def _shard_paths(folder: str) -> list[str]:
+    """The shards named by the folder's index json (each must be there), or every *.safetensors file without one."""
     index_path = os.path.join(folder, INDEX_FILE)
     if os.path.exists(index_path):
-        with open(index_path) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index_path) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:  # not JSON, or no {"weight_map": {...}}
+            raise ValueError(f"{index_path} is not a safetensors index ({err!r}): fetch the folder again") from None
+        if missing := [name for name in files if not os.path.isfile(os.path.join(folder, name))]:
+            raise FileNotFoundError(
+                f"{index_path} names {len(missing)} shard(s) missing from the folder, e.g. {missing[0]}: an "
+                "interrupted download? fetch or convert it again"
+            )
     else:
         files = sorted(name for name in os.listdir(folder) if name.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {folder}")
-    return files
+    return [os.path.join(folder, name) for name in files]
+
+
+@contextlib.contextmanager
+def _reading_shard(path: str) -> Iterator[None]:
+    """A shard that cannot be read is one error naming it (safetensors raises its own type for a damaged file)."""
+    try:
+        yield
+    except Exception as err:
+        index = os.path.join(os.path.dirname(path), INDEX_FILE)
+        listed = f" (listed in {index})" if os.path.exists(index) else ""
+        fix = "fix its permissions" if isinstance(err, PermissionError) else "truncated? fetch or convert it again"
+        raise ValueError(f"cannot read shard {path}{listed} ({err}): {fix}") from None
 
 
 def save_hf_safetensors(

@@ -1,6 +1,7 @@
 import importlib.util
 import json
 import os
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -210,3 +211,57 @@ def test_from_hf_of_a_dcp_checkpoint_says_what_it_is(tmp_path):
         ValueError, match=r"step-2 is a DCP checkpoint, not a Hugging Face folder: export it with to-hf"
     ):
         convert_hf.main(["from-hf", str(tmp_path / "step-2"), str(tmp_path / "out")])
+
+
+def _damage_shards(hf: Path, damage: str, monkeypatch) -> None:
+    index = hf / "model.safetensors.index.json"
+    second = sorted(hf.glob("model-00002-of-*.safetensors"))[0]
+    if damage == "missing":
+        second.unlink()
+    elif damage == "truncated":
+        second.write_bytes(second.read_bytes()[:100])
+    elif damage == "denied":  # root reads anything: chmod 000 cannot show it
+        from torchtitan.components import hf_safetensors
+
+        real = hf_safetensors.load_file
+
+        def load_file(path):
+            if path == str(second):
+                raise PermissionError(13, "Permission denied", path)
+            return real(path)
+
+        monkeypatch.setattr(hf_safetensors, "load_file", load_file)
+    elif damage == "not-json":
+        index.write_text("{bad")
+    else:
+        index.write_text(json.dumps({"metadata": {}}))
+
+
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        ("missing", r"{index} names 1 shard\(s\) missing from the folder, e.g. {shard}: an interrupted download\?"),
+        ("truncated", r"cannot read shard {hf}/{shard} \(listed in {index}\) \(.*\): truncated\? fetch or convert"),
+        ("denied", r"cannot read shard {hf}/{shard} \(listed in {index}\) \(.*Permission denied.*\): fix its perm"),
+        ("not-json", r"{index} is not a safetensors index \(JSONDecodeError\(.*\)\): fetch the folder again"),
+        ("no-weight-map", r"{index} is not a safetensors index \(KeyError\('weight_map'\)\): fetch the folder again"),
+    ],
+    ids=["missing-shard", "truncated-shard", "unreadable-shard", "index-not-json", "index-without-weight-map"],
+)
+def test_a_damaged_hf_folder_is_one_error_line_naming_the_shard_and_the_index(tmp_path, monkeypatch, damage, expected):
+    """A shard the index names that is missing or unreadable, or an index that is not one: from-hf says which file,
+    in one `error:` line, and writes nothing."""
+    state, config_path = _tiny_state(tmp_path)
+    dcp.save({"model": state}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    hf = tmp_path / "hf"
+    convert_hf.main(["to-hf", str(tmp_path / "ckpt"), str(hf), "--hf-config", config_path, "--max-shard-size", "50KB"])
+    shard = sorted(hf.glob("model-00002-of-*.safetensors"))[0].name
+    _damage_shards(hf, damage, monkeypatch)
+    monkeypatch.setattr(sys, "argv", [_SCRIPT, "from-hf", str(hf), str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(_SCRIPT, run_name="__main__")
+    message = exit_info.value.code
+    assert isinstance(message, str) and "\n" not in message
+    index = re.escape(str(hf / "model.safetensors.index.json"))
+    assert re.match("error: " + expected.format(hf=re.escape(str(hf)), index=index, shard=shard), message), message
+    assert not (tmp_path / "out").exists()
