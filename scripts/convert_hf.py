@@ -19,6 +19,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import logging
 import os
 import sys
 import warnings
@@ -134,13 +135,16 @@ def hf_to_dcp(
         args, hf_state_dict, src, in_hf=True, requested=mtp_requested, flag="--mtp-layers"
     )
     args = dataclasses.replace(args, mtp_layers=mtp_layers)
-    state_dict = DeepSeekV3StateDictAdapter(args).from_hf(hf_state_dict)
+    fix = "give the --flavor or --hf-config of the folder's model (its config.json by default)"
+    try:
+        state_dict = DeepSeekV3StateDictAdapter(args).from_hf(hf_state_dict)
+    except ValueError as err:  # names what differs from the shape given
+        raise ValueError(f"{src}: {err}: {fix}") from None
     if args.mtp_layers and not any(key.startswith("mtp.") for key in state_dict):
         state_dict.update(_fresh_mtp_modules(args))
     expected = _model_state(args)
     if missing := sorted(set(expected) - set(state_dict)):
         raise ValueError(f"{src} lacks {len(missing)} tensors of this model, e.g. {missing[:3]}; check the flavor")
-    fix = "give the --flavor or --hf-config of the folder's model (its config.json by default)"
     for name, value in state_dict.items():
         if name in expected and value.shape != expected[name].shape:
             raise ValueError(
@@ -241,6 +245,7 @@ def _cast(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dic
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the notes on what is left out of the output
     try:
         main()
     except (CheckpointError, ValueError, OSError) as err:  # the input's fault: one line naming the fix

@@ -468,7 +468,12 @@ class CheckpointManager:
             hf_state = load_hf_safetensors(path)
         except (ValueError, OSError) as err:  # each names the file it could not read
             raise CheckpointError(f"checkpoint.initial_load_path {path}: {err}; or point it elsewhere") from None
-        state = self.state_dict_adapter.from_hf(hf_state)
+        other_model = f"HF checkpoint {path} holds another model than {self.shape_source} builds"
+        fix = "pass the matching --model.flavor or --model.hf_config_path"
+        try:
+            state = self.state_dict_adapter.from_hf(hf_state)
+        except ValueError as err:  # names what differs from the model's shape
+            raise CheckpointError(f"{other_model}: {err}; {fix}") from None
         fresh = self._absent_optional_modules(state)
         for part in self.model_parts:
             ours = get_model_state_dict(part)
@@ -481,11 +486,8 @@ class CheckpointManager:
             # otherwise set_model_state_dict raises one line per tensor (a wrong flavor: nearly all of them)
             for key in sorted(set(ours) & set(state)):
                 if tuple(ours[key].shape) != tuple(state[key].shape):
-                    raise CheckpointError(
-                        f"HF checkpoint {path} holds another model than {self.shape_source} builds: {key} is "
-                        f"{list(state[key].shape)} there, {list(ours[key].shape)} here; pass the matching "
-                        "--model.flavor or --model.hf_config_path"
-                    )
+                    there, here = list(state[key].shape), list(ours[key].shape)
+                    raise CheckpointError(f"{other_model}: {key} is {there} there, {here} here; {fix}")
             set_model_state_dict(part, state, options=StateDictOptions(full_state_dict=True, strict=False))
 
     def _states(self) -> dict[str, Any]:

@@ -564,6 +564,29 @@ def test_an_hf_checkpoint_of_another_shape_is_one_line_naming_a_tensor(tmp_path,
     )
 
 
+def test_an_hf_checkpoint_the_adapter_cannot_map_is_one_line_naming_the_shape_source(tmp_path, monkeypatch):
+    """E.g. layers past the model's: the adapter's ValueError was a traceback inside the trainer."""
+    import sys
+    import types
+
+    class DeeperModel(_IdentityAdapter):
+        def from_hf(self, sd):
+            raise ValueError("transformer layers past the 3 (and 0 MTP) of the model shape given: ...")
+
+    fake_io = types.ModuleType("torchtitan.components.hf_safetensors")
+    fake_io.load_hf_safetensors = lambda path: {}
+    monkeypatch.setitem(sys.modules, "torchtitan.components.hf_safetensors", fake_io)
+    config = make_config(tmp_path, initial_load_path=str(tmp_path), initial_load_in_hf=True)
+    config.model.hf_config_path = "hf/config.json"
+    with pytest.raises(CheckpointError) as err:
+        Run(config, state_dict_adapter=DeeperModel()).manager.load()
+    assert str(err.value) == (
+        f"HF checkpoint {tmp_path} holds another model than --model.hf_config_path hf/config.json builds: transformer "
+        "layers past the 3 (and 0 MTP) of the model shape given: ...; pass the matching --model.flavor or "
+        "--model.hf_config_path"
+    )
+
+
 def test_hf_export_without_adapter_fails_at_construction(tmp_path):
     with pytest.raises(ValueError, match="state_dict_adapter"):
         Run(make_config(tmp_path, last_save_in_hf=True))

@@ -58,6 +58,8 @@ _KEY_MAP = {
 _MTP_SHARED_COPIES = {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
 _EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _HF_EXPERT_KEY = "model.layers.{}.mlp.experts.{}.{}.weight"
+# The tensors only an MTP layer has (a transformer layer past the model's is another model's)
+_MTP_ONLY_KEY = re.compile(r"model\.layers\.\d+\.(enorm|hnorm|eh_proj|embed_tokens|shared_head)\.")
 # Training-only state with no HF counterpart; from_hf recreates it as zeros.
 _OURS_ONLY = ("tokens_per_expert",)
 
@@ -103,8 +105,9 @@ class DeepSeekV3StateDictAdapter:
         """HF state dict -> our full state dict (loadable with strict=True).
 
         Layers n_layers .. n_layers + mtp_layers - 1 become the MTP modules (without their copies of the embedding and
-        head); later layers are skipped. An MTP module with no tensor in the checkpoint is left out (keeps its init); a
-        checkpoint without e_score_correction_bias (DeepSeek-V2) gets a zero expert_bias.
+        head); later MTP layers are left out with a log line, a later transformer layer is a ValueError (a deeper model
+        than these args). An MTP module with no tensor in the checkpoint is left out (keeps its init); a checkpoint
+        without e_score_correction_bias (DeepSeek-V2) gets a zero expert_bias.
         """
         n_layers, num_experts = self.model_args.n_layers, self.model_args.moe_args.num_experts
         n_blocks = n_layers + self.model_args.mtp_layers
@@ -112,11 +115,13 @@ class DeepSeekV3StateDictAdapter:
         experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (layer, w1|w2|w3) -> {expert: weight}
         hf_to_ours = {hf: ours for ours, hf in _EXPERT_NAMES.items()}
         held_layers = set()
+        beyond: dict[int, list[str]] = {}  # layer past the model's blocks -> its tensor names
         for key, value in hf_state_dict.items():
             layer = re.match(r"model\.layers\.(\d+)\.(.*)", key)
             if layer:
                 held_layers.add(int(layer.group(1)))
             if layer and int(layer.group(1)) >= n_blocks:
+                beyond.setdefault(int(layer.group(1)), []).append(key)
                 continue
             if layer and int(layer.group(1)) >= n_layers and layer.group(2) in _MTP_SHARED_COPIES:
                 continue
@@ -126,6 +131,7 @@ class DeepSeekV3StateDictAdapter:
             else:
                 state_dict[_translate(key, self.from_hf_map)] = value
 
+        _leave_out_layers_beyond(beyond, n_layers, self.model_args.mtp_layers)
         for (layer_id, name), per_expert in experts.items():
             if sorted(per_expert) != list(range(num_experts)):
                 found = sorted(per_expert)
@@ -140,6 +146,22 @@ class DeepSeekV3StateDictAdapter:
             for name in _OURS_ONLY:
                 state_dict[f"layers.{i}.moe.{name}"] = torch.zeros(num_experts, dtype=torch.float32)
         return {_layer_to_mtp_key(key, n_layers): value for key, value in state_dict.items()}
+
+
+def _leave_out_layers_beyond(beyond: dict[int, list[str]], n_layers: int, mtp_layers: int) -> None:
+    """Checkpoint layers past the model's (`beyond`: layer -> tensor names): MTP layers the model does not build are
+    left out, said in one line; a transformer layer there (no MTP-only tensor) means a deeper model: ValueError."""
+    if blocks := sorted(i for i, keys in beyond.items() if not any(map(_MTP_ONLY_KEY.match, keys))):
+        raise ValueError(
+            f"transformer layers past the {n_layers} (and {mtp_layers} MTP) of the model shape given: "
+            f"model.layers.{blocks[0]}.* to model.layers.{blocks[-1]}.* (a deeper model)"
+        )
+    if beyond:
+        names = sorted(key for keys in beyond.values() for key in keys)
+        logger.info(
+            f"left out {len(beyond)} MTP layer(s) of the checkpoint that the model does not build (it has "
+            f"{mtp_layers} MTP modules): {len(names)} tensors, e.g. {names[:3]}; more mtp_layers would load them"
+        )
 
 
 def mtp_layers_for_checkpoint(
@@ -162,6 +184,11 @@ def mtp_layers_for_checkpoint(
         prefixes.append(prefix)
         if not any(key.startswith(prefix) for key in keys):
             continue
+        if in_hf and not any(_MTP_ONLY_KEY.match(key) for key in keys if key.startswith(prefix)):
+            raise ValueError(
+                f"{path}: {prefix}* is a transformer layer, not an MTP module: the checkpoint is a deeper model than "
+                f"the {n_layers} layers given; give its own model shape (its config.json)"
+            )
         # the router's selection bias is optional in HF (a DeepSeek-V2 checkpoint has none; from_hf fills zeros)
         expected = set(adapter.to_hf(module)) if in_hf else set(module)
         missing = sorted(key for key in expected - keys if not key.endswith("e_score_correction_bias"))

@@ -181,6 +181,23 @@ def test_from_hf_refuses_a_model_shape_other_than_the_folders(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "mtp_layers, expected",
+    [
+        (0, r"hf: transformer layers past the 2 \(and 0 MTP\) of the model shape given: model\.layers\.2\.\* to "),
+        (1, r"hf: model\.layers\.2\.\* is a transformer layer, not an MTP module: the checkpoint is a deeper model "),
+    ],
+    ids=["without-mtp", "with-mtp"],
+)
+def test_from_hf_refuses_a_shape_of_fewer_layers_than_the_folders(tmp_path, mtp_layers, expected):
+    """Its last layers were left out silently (or, with MTP, taken for an MTP module and called corrupt)."""
+    hf = _hf_folder(tmp_path)
+    other = _shape_config(tmp_path, tiny_args(q_lora_rank=24, n_layers=2, mtp_layers=mtp_layers, moe=MOE))
+    with pytest.raises(ValueError, match=expected):
+        convert_hf.main(["from-hf", str(hf), str(tmp_path / "out"), "--hf-config", other])
+    assert not (tmp_path / "out").exists()
+
+
 def test_to_hf_refuses_non_finite_weights_without_a_manifest(tmp_path):
     """A DCP folder as from-hf writes it (no manifest to check) holding a NaN weight: refused, nothing written."""
     state, config_path = _tiny_state(tmp_path)

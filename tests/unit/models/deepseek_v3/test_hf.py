@@ -52,13 +52,28 @@ def test_to_hf_then_from_hf_is_identity():
         torch.testing.assert_close(back[key], value, rtol=0, atol=0, msg=key)
 
 
-def test_from_hf_skips_mtp_layers_and_fills_missing_expert_bias():
+def test_from_hf_leaves_out_mtp_layers_saying_so_and_fills_missing_expert_bias(caplog):
     args = tiny_args()
     adapter = DeepSeekV3StateDictAdapter(args)
     hf = adapter.to_hf(_random_model(args).state_dict())
     hf = {k: v for k, v in hf.items() if "e_score_correction_bias" not in k}  # a DeepSeek-V2 checkpoint
     hf["model.layers.3.embed_tokens.weight"] = torch.zeros(1)  # DeepSeek-V3's MTP layer sits after the last one
-    DeepSeekV3Model(args).load_state_dict(adapter.from_hf(hf), strict=True)
+    hf["model.layers.3.eh_proj.weight"] = torch.zeros(1)
+    with caplog.at_level("INFO"):
+        DeepSeekV3Model(args).load_state_dict(adapter.from_hf(hf), strict=True)
+    (line,) = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert line.startswith("left out 1 MTP layer(s) of the checkpoint that the model does not build (it has 0 MTP")
+    assert "2 tensors, e.g. ['model.layers.3.eh_proj.weight', 'model.layers.3.embed_tokens.weight']" in line
+
+
+def test_from_hf_refuses_transformer_layers_past_the_model():
+    """A checkpoint of a deeper model than the args (a wrong flavor or config.json) was loaded without its last
+    layers, silently."""
+    deeper = tiny_args(n_layers=5)
+    hf = DeepSeekV3StateDictAdapter(deeper).to_hf(_random_model(deeper).state_dict())
+    expected = r"^transformer layers past the 3 \(and 0 MTP\) of the model shape given: model\.layers\.3\.\* to "
+    with pytest.raises(ValueError, match=expected + r"model\.layers\.4\.\* \(a deeper model\)$"):
+        DeepSeekV3StateDictAdapter(tiny_args()).from_hf(hf)
 
 
 def test_safetensors_shards_and_index_round_trip(tmp_path):

@@ -2,6 +2,7 @@
 transformers' DeepseekV3Config defaults num_nextn_predict_layers to 1, but its model has no MTP module and
 save_pretrained writes none. The trainer's two ways of starting from such a folder: test_transformers_checkpoint.py."""
 
+import dataclasses
 import json
 import logging
 
@@ -88,3 +89,15 @@ def test_checkpoint_with_fewer_mtp_layers_than_asked_for_is_an_error(tmp_path):
     )
     with pytest.raises(ValueError, match=expected):
         convert_hf.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "dcp")])
+
+
+def test_mtp_layers_0_leaves_the_checkpoint_s_mtp_layer_out_in_one_line(tmp_path, caplog):
+    args = tiny_args(mtp_layers=1, moe=dict(score_func="sigmoid", route_norm=True))
+    save_hf_safetensors(DeepSeekV3StateDictAdapter(args).to_hf(_random_model(args).state_dict()), str(tmp_path / "hf"))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(hf_config_from_model_args(args)))
+    with caplog.at_level("INFO"):
+        convert_hf.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "dcp"), "--mtp-layers", "0"])
+    (line,) = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert line.startswith("left out 1 MTP layer(s) of the checkpoint that the model does not build (it has 0 MTP")
+    assert "e.g. ['model.layers.3." in line
+    _dcp_model(tmp_path / "dcp", dataclasses.replace(args, mtp_layers=0))  # strict: it holds no MTP tensor
