@@ -34,6 +34,7 @@ from torchtitan.components.checkpoint_folder import (  # noqa: E402
     MANIFEST_NAME,
     CheckpointError,
     checkpoint_keys,
+    checkpoint_metadata,
     dcp_error_text,
     model_key_prefix,
     verify_checkpoint_files,
@@ -161,12 +162,7 @@ def load_model_from_dcp(src: str, args: DeepSeekV3ModelArgs) -> dict[str, torch.
     """The model tensors of a DCP checkpoint saved as {"model": ...} (keys "model.<name>") or at top level, once its
     files match its manifest (the trainer's checkpoints and exports have one) and its tensors the shape in `args`."""
     _verify_files(src)
-    try:
-        metadata = dcp.FileSystemReader(src).read_metadata().state_dict_metadata
-    except Exception as err:
-        raise CheckpointError(
-            f"cannot read {src}/.metadata ({dcp_error_text(err)}): convert an intact checkpoint"
-        ) from err
+    metadata = checkpoint_metadata(src, "convert an intact checkpoint")
     prefix = model_key_prefix(metadata)
     found = {key.removeprefix(prefix): entry for key, entry in metadata.items() if key.startswith(prefix)}
     state_dict = {}

@@ -23,16 +23,18 @@ import math
 import os
 import sys
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from tokenizers import Tokenizer
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
 from torchtitan.components.checkpoint_folder import (  # noqa: E402
     CheckpointError,
-    checkpoint_keys,
+    checkpoint_metadata,
     dcp_error_text,
     model_key_prefix,
     verify_checkpoint_files,
@@ -93,6 +95,7 @@ def sample_text(opts: argparse.Namespace) -> str:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: this machine has no usable GPU; pass --device cpu")
     hf_config, args = _model_shape(opts.checkpoint, opts.hf_config, opts.flavor)
+    shape = f"--hf-config {opts.hf_config}" if opts.hf_config else f"--flavor {opts.flavor}" if opts.flavor else None
     args = inference_args(args)
     tokenizer, bos_id, eos_id = load_tokenizer(opts.tokenizer, opts.checkpoint, hf_config)
     if tokenizer.get_vocab_size() > args.vocab_size:
@@ -103,7 +106,7 @@ def sample_text(opts: argparse.Namespace) -> str:
     prompt = ([bos_id] if bos_id is not None else []) + tokenizer.encode(opts.prompt, add_special_tokens=False).ids
     if not prompt:
         raise ValueError("the prompt is empty (and the tokenizer has no BOS token): pass a --prompt")
-    model = load_model(opts.checkpoint, args, device)
+    model = load_model(opts.checkpoint, args, device, shape or os.path.join(opts.checkpoint, "config.json"))
     # the weights stay fp32; bf16 computes under autocast, as the trainer's mixed precision does
     bf16 = (opts.dtype or ("bfloat16" if device.type == "cuda" else "float32")) == "bfloat16"
     generator = torch.Generator(device=device).manual_seed(opts.seed)
@@ -167,8 +170,11 @@ def inference_args(args: DeepSeekV3ModelArgs) -> DeepSeekV3ModelArgs:
     return dataclasses.replace(args, attn_mask_type="causal", mtp_layers=0, moe_args=moe_args)
 
 
-def load_model(path: str, args: DeepSeekV3ModelArgs, device: torch.device) -> DeepSeekV3Model:
-    """The model of `args` on `device` (fp32 weights) with the weights of the DCP or HF checkpoint at `path`."""
+def load_model(
+    path: str, args: DeepSeekV3ModelArgs, device: torch.device, shape: str = "the model shape given"
+) -> DeepSeekV3Model:
+    """The model of `args` (given by `shape`: --flavor F, --hf-config P) on `device` (fp32 weights) with the weights
+    of the DCP or HF checkpoint at `path`, once the checkpoint's tensors are that model's."""
     with torch.device("meta"):
         model = DeepSeekV3Model(args)
     model.to_empty(device=device)
@@ -176,24 +182,26 @@ def load_model(path: str, args: DeepSeekV3ModelArgs, device: torch.device) -> De
     state = model.state_dict()  # its tensors are the model's: loading into them loads the model
     if _is_dcp(path):
         verify_checkpoint_files(path, "sample from another checkpoint")
-        keys = checkpoint_keys(path)
-        prefix = model_key_prefix(keys)
-        _check_holds(path, [name for name in state if prefix + name not in keys])
+        entries = checkpoint_metadata(path, "sample from another checkpoint")
+        prefix = model_key_prefix(entries)
+        tensors = {key: entry for key, entry in entries.items() if isinstance(entry, TensorStorageMetadata)}
+        held = {key.removeprefix(prefix): entry.size for key, entry in tensors.items() if key.startswith(prefix)}
+        _check_same_model(path, shape, state, held)
         with warnings.catch_warnings():  # "torch.distributed is disabled ... a single process": yes, on purpose
             warnings.simplefilter("ignore", UserWarning)
             try:
                 dcp.load({"model": state} if prefix else state, checkpoint_id=path, no_dist=True)
             except (Exception, dcp.CheckpointException) as err:  # DCP's own exception is a BaseException
-                text = dcp_error_text(err)
-                fix = (
-                    "pass the --flavor or --hf-config it was trained with"
-                    if "mismatch" in text.lower()
-                    else ("sample from another checkpoint")
-                )
-                raise CheckpointError(f"cannot read {path} ({text}); {fix}") from None
+                raise CheckpointError(
+                    f"cannot read {path} ({dcp_error_text(err)}); sample from another checkpoint"
+                ) from None
     else:
-        loaded = DeepSeekV3StateDictAdapter(args).from_hf(load_hf_safetensors(path))
-        _check_holds(path, [name for name in state if name not in loaded])
+        hf_state = load_hf_safetensors(path)
+        try:
+            loaded = DeepSeekV3StateDictAdapter(args).from_hf(hf_state)
+        except ValueError as err:  # names what differs from the model's shape
+            raise ValueError(f"{path} holds another model than {shape} builds: {err}; {_SHAPE_FIX}") from None
+        _check_same_model(path, shape, state, {name: value.shape for name, value in loaded.items()})
         model.load_state_dict(loaded)
     return model.eval()
 
@@ -246,11 +254,20 @@ def _is_dcp(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ".metadata"))
 
 
-def _check_holds(path: str, missing: list[str]) -> None:
-    if missing:
-        raise ValueError(
-            f"{path} lacks {len(missing)} tensors of this model, e.g. {missing[:3]}; check --flavor / --hf-config"
-        )
+_SHAPE_FIX = "pass the --flavor or --hf-config of the model it holds"
+
+
+def _check_same_model(path: str, shape: str, state: dict[str, torch.Tensor], held: dict[str, Any]) -> None:
+    """The checkpoint's tensors (`held`: our name -> size) are the model's (`state`) that `shape` builds, or one error
+    naming `shape`. MTP modules are not built here (sampling uses the main head): the checkpoint's are not read."""
+    other = f"{path} holds another model than {shape} builds"
+    if missing := [name for name in state if name not in held]:
+        raise ValueError(f"{other}: it lacks {len(missing)} of its tensors, e.g. {missing[:3]}; {_SHAPE_FIX}")
+    if wrong := next((name for name, value in state.items() if tuple(held[name]) != value.shape), None):
+        there, here = list(held[wrong]), list(state[wrong].shape)
+        raise ValueError(f"{other}: {wrong} is {there} there, {here} here; {_SHAPE_FIX}")
+    if extra := sorted(name for name in held if name not in state and not name.startswith("mtp.")):
+        raise ValueError(f"{other}: it has {len(extra)} tensors more, e.g. {extra[:3]}; {_SHAPE_FIX}")
 
 
 if __name__ == "__main__":

@@ -216,10 +216,15 @@ def validate_foreign_dcp(path: str) -> None:
 def checkpoint_keys(path: str, fix: str = "use an intact checkpoint") -> set[str]:
     """The DCP keys of checkpoint `path`; an unreadable `.metadata` raises with `fix` (the caller knows whether
     the folder is this run's own checkpoint or someone's source weights)."""
+    return set(checkpoint_metadata(path, fix))
+
+
+def checkpoint_metadata(path: str, fix: str = "use an intact checkpoint") -> dict[str, Any]:
+    """The DCP metadata of checkpoint `path` by key (a tensor's gives its size), as `checkpoint_keys` reads it."""
     import torch.distributed.checkpoint as dcp
 
     try:
-        return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+        return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     except Exception as err:
         raise CheckpointError(f"cannot read {path}/.metadata ({dcp_error_text(err)}); {fix}") from err
 

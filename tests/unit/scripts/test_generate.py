@@ -70,7 +70,7 @@ def test_sampling_draws_from_the_top_k_and_temperature_zero_is_greedy():
     [
         (["--max-new-tokens", "5000"], "exceed the model's max_seq_len (4096); shorten the prompt or --max-new-tokens"),
         (["--dcp"], "is a DCP checkpoint, which does not record the model shape: pass --flavor or --hf-config"),
-        (["--dcp", "--flavor", "debugmodel_tiny"], "tensors of this model, e.g. ['layers.0.attention.wq.weight'"),
+        (["--dcp", "--flavor", "debugmodel_tiny"], "debugmodel_tiny builds: it lacks 19 of its tensors, e.g. ['layers"),
         (["--device", "tpu"], "--device tpu: "),
         (["--top-k", "0"], "--top-k 0: pass 1 or more"),
         (["--max-new-tokens", "-3"], "--max-new-tokens -3: pass 1 or more"),
@@ -86,6 +86,27 @@ def test_bad_input_is_one_error_line(args, message, tmp_path, capsys):
     assert generate.main([str(folder), "--prompt", "x", *args]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("error: ") and message in line
+
+
+@pytest.mark.parametrize("way", ["hf", "dcp"])
+@pytest.mark.parametrize(
+    "change", [{"num_hidden_layers": 2}, {"hidden_size": 32}, "flavor"], ids=["fewer-layers", "narrower", "flavor"]
+)
+def test_a_shape_other_than_the_checkpoint_s_is_one_error_line_naming_it(way, change, tmp_path, capsys):
+    """A --flavor or --hf-config of another model was a size-mismatch traceback, or (fewer layers, same sizes)
+    sampled from the checkpoint's first layers only."""
+    hf_folder, checkpoint = _checkpoint(tmp_path, "default", way)
+    if change == "flavor":
+        args, shape = ["--flavor", "debugmodel"], "--flavor debugmodel"
+    else:
+        config = tmp_path / "other.json"
+        config.write_text(json.dumps({**json.loads((hf_folder / "config.json").read_text()), **change}))
+        args, shape = ["--hf-config", str(config)], f"--hf-config {config}"
+    capsys.readouterr()
+    assert generate.main([str(checkpoint), "--prompt", "x", "--device", "cpu", *args]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: {checkpoint} holds another model than {shape} builds: "), line
+    assert line.endswith("; pass the --flavor or --hf-config of the model it holds"), line
 
 
 def _damaged(tmp_path, how: str):
