@@ -9,9 +9,9 @@
 
 The model shape comes from --flavor or --hf-config (a config.json); from-hf defaults to the folder's config.json.
 Routed experts are stacked/unstacked and names mapped by DeepSeekV3StateDictAdapter; no tensor is otherwise changed
-(except the optional --dtype cast). Nothing is written unless the output folder is new (or empty), every weight is
-finite and the tensors have the shape given; to-hf also checks the checkpoint's files against their manifest (sizes
-and crc32, as a resume checks). Bad input ends with one `error:` line naming the fix.
+(except the optional --dtype cast). Nothing is written unless the output folder is new (or empty) and can be made,
+every weight is finite and the tensors have the shape given; to-hf also checks the checkpoint's files against their
+manifest (sizes and crc32, as a resume checks). Bad input ends with one `error:` line naming the fix.
 """
 
 import argparse
@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import warnings
 
 import torch
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     if os.path.exists(opts.dst) and not (os.path.isdir(opts.dst) and not os.listdir(opts.dst)):
         # writing into it would overwrite files in place (a training checkpoint could no longer resume)
         raise ValueError(f"{opts.dst} exists and is not an empty folder: nothing was written; give a new output folder")
+    _check_writable(opts.dst)
     config_path = opts.hf_config
     if config_path is None and opts.flavor is None and opts.direction == "from-hf":
         config_path = os.path.join(opts.src, "config.json")
@@ -184,6 +186,20 @@ def load_model_from_dcp(src: str, args: DeepSeekV3ModelArgs) -> dict[str, torch.
     except (Exception, dcp.CheckpointException) as err:  # DCP's own exception is a BaseException
         raise CheckpointError(f"reading {src} failed ({dcp_error_text(err)}): convert an intact checkpoint") from err
     return state_dict
+
+
+def _check_writable(dst: str) -> None:
+    """The output folder can be made where it goes (not on a read-only disk, with permission, no file in the way):
+    tried before anything is read, leaving nothing behind."""
+    existing = os.path.abspath(dst)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=existing))
+    except OSError as err:
+        raise ValueError(
+            f"cannot write {dst}: {existing} takes no new folder ({err.strerror}); give an output folder you can write"
+        ) from None
 
 
 @contextlib.contextmanager

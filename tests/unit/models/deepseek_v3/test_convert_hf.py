@@ -4,6 +4,7 @@ import os
 import re
 import runpy
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,35 @@ def test_bad_input_is_one_error_line_without_traceback(tmp_path, monkeypatch, ar
     message = exit_info.value.code
     assert isinstance(message, str) and "\n" not in message  # a str code exits with status 1
     assert message.startswith(expected.format(tmp=tmp_path)), message
+
+
+@pytest.mark.parametrize("direction", ["to-hf", "from-hf"])
+@pytest.mark.parametrize("how", ["read-only", "file-in-the-way"])
+def test_an_output_folder_that_cannot_be_made_is_one_error_line_naming_it(tmp_path, monkeypatch, direction, how):
+    """It was an errno line, or a traceback (a shard written into a read-only folder, from-hf's DCP save)."""
+    if direction == "to-hf":
+        argv = [str(_published_checkpoint(tmp_path)), "--hf-config", _shape_config(tmp_path, ARGS)]
+    else:
+        argv = [str(_hf_folder(tmp_path))]
+    parent = tmp_path / "parent"
+    if how == "read-only":
+        parent.mkdir()
+
+        def mkdtemp(dir):  # root writes anywhere: chmod cannot show it
+            raise PermissionError(13, "Permission denied", dir)
+
+        monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    else:
+        parent.write_text("")
+    monkeypatch.setattr(sys, "argv", [_SCRIPT, direction, argv[0], str(parent / "out"), *argv[1:]])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(_SCRIPT, run_name="__main__")
+    reason = "Permission denied" if how == "read-only" else "Not a directory"
+    assert exit_info.value.code == (
+        f"error: cannot write {parent / 'out'}: {parent} takes no new folder ({reason}); give an output folder you "
+        "can write"
+    )
+    assert not (parent / "out").exists()
 
 
 def _hf_folder(tmp_path, args=ARGS) -> Path:
