@@ -477,11 +477,9 @@ class CheckpointManager:
         fresh = self._absent_optional_modules(state)
         for part in self.model_parts:
             ours = get_model_state_dict(part)
-            missing = [key for key in sorted(set(ours) - set(state)) if not key.startswith(fresh)]
-            if missing:
+            if missing := [key for key in sorted(set(ours) - set(state)) if not key.startswith(fresh)]:
                 raise CheckpointError(
-                    f"HF checkpoint {path} lacks {len(missing)} model tensors, e.g. {missing[:3]}; check that "
-                    f"it matches --model.flavor / --model.hf_config_path"
+                    f"{other_model}: it lacks {len(missing)} of its tensors, e.g. {missing[:3]}; {fix}"
                 )
             # otherwise set_model_state_dict raises one line per tensor (a wrong flavor: nearly all of them)
             for key in sorted(set(ours) & set(state)):
