@@ -314,14 +314,8 @@ class CheckpointManager:
 
     def _check_same_model(self, path: str, keys: set[str]) -> None:
         """A resume into a model that lacks some of the checkpoint's tensors (fewer MTP modules, say) would load
-        without them, and its next save would drop them: refuse. The model's names are gathered over the ranks
-        (a pipeline stage holds only its own)."""
-        ours = set(self.model.state_dict())
-        if self.pg is not None:
-            gathered: list[Any] = [None] * dist.get_world_size(self.pg)
-            dist.all_gather_object(gathered, ours, group=self.pg)
-            ours = set().union(*gathered)
-        extra = sorted(name for key in keys if key.startswith("model.") and (name := key[6:]) not in ours)
+        without them, and its next save would drop them: refuse."""
+        extra = self._tensors_not_built(keys, "model.")
         if extra:
             raise CheckpointError(
                 f"cannot resume from {path}: it holds {len(extra)} model tensors this run does not build, e.g. "
@@ -329,6 +323,35 @@ class CheckpointManager:
                 f"...), or start from its weights in another --job.dump_folder with --checkpoint.initial_load_path "
                 f"{path}"
             )
+
+    def _check_initial_model(self, path: str, keys: set[str], prefix: str) -> None:
+        """An initial checkpoint may hold optional modules this run leaves out (MTP): one line says so. Any other
+        tensor the model does not build means another model's checkpoint: refuse rather than load part of it."""
+        extra = self._tensors_not_built(keys, prefix)
+        optional = self.state_dict_adapter.optional_prefixes if self.state_dict_adapter is not None else ()
+        left_out = [name for name in extra if name.startswith(optional)]
+        other = [name for name in extra if not name.startswith(optional)]
+        if other:
+            raise CheckpointError(
+                f"checkpoint.initial_load_path {path} holds {len(other)} model tensors this run does not build, "
+                f"e.g. {other[:3]}: it is another model's; pass the model flags it was saved with "
+                "(--model.flavor, --model.hf_config_path, ...) or another checkpoint"
+            )
+        if left_out:
+            logger.info(
+                f"checkpoint.initial_load_path {path}: left out {len(left_out)} tensors of optional modules this run "
+                f"does not build, e.g. {left_out[:3]}"
+            )
+
+    def _tensors_not_built(self, keys: set[str], prefix: str) -> list[str]:
+        """The checkpoint's model tensor names (keys under `prefix`) that no rank's model has (a pipeline stage
+        holds only its own, so the names are gathered over the ranks)."""
+        ours = set(self.model.state_dict())
+        if self.pg is not None:
+            gathered: list[Any] = [None] * dist.get_world_size(self.pg)
+            dist.all_gather_object(gathered, ours, group=self.pg)
+            ours = set().union(*gathered)
+        return sorted(name for key in keys if key.startswith(prefix) and (name := key[len(prefix) :]) not in ours)
 
     def _check_finite_weights(self, path: str) -> None:
         """A loaded weight that is inf or NaN makes every loss non-finite: name the checkpoint, not the lr."""
@@ -434,6 +457,7 @@ class CheckpointManager:
         keys = checkpoint_keys(path, "pass an intact one as --checkpoint.initial_load_path")
         if self.config.initial_load_model_only:
             prefix = model_key_prefix(keys)
+            self._check_initial_model(path, keys, prefix)
             fresh = self._absent_optional_modules(key.removeprefix(prefix) for key in keys if key.startswith(prefix))
             state = {name: value for name, value in self.model.state_dict().items() if not name.startswith(fresh)}
             self._dcp_load({"model": state} if prefix else state, path, initial=True)
@@ -445,6 +469,7 @@ class CheckpointManager:
                 f"checkpoint.initial_load_path {path} holds model weights only (no optimizer or training state); "
                 "drop --checkpoint.initial_load_model_only=false to start from its weights"
             )
+        self._check_initial_model(path, keys, "model.")
         self._dcp_load(self._states_present_in(path, keys), path, initial=True)
         logger.info(f"loaded the full training state from {path} in {time.monotonic() - begin:.2f}s")
         return True

@@ -330,8 +330,18 @@ def _lookup(key: str, where: str) -> _Field:
     return spec
 
 
+_REMOVED_KEYS = dict.fromkeys(
+    ("parallelism.expert_parallel_overlap", "parallelism.deepep_overlap_num_sms"),
+    "the two-micro-batch expert-parallel overlap was removed: it lost to the plain step on every machine measured "
+    "(benchmarks/NOTES.md); drop the key",
+)
+
+
 def _suggestion(key: str) -> str:
-    """Closest full key; falls back to matching only the field name (`--steps` -> `training.steps`)."""
+    """Why a removed key is gone, else the closest full key; falls back to matching only the field name (`--steps`
+    -> `training.steps`)."""
+    if key in _REMOVED_KEYS:
+        return _REMOVED_KEYS[key]
     keys = list(_fields())
     match = _closest(key, keys)
     if match is None:

@@ -382,6 +382,36 @@ def test_another_model_shape_names_the_flavor_and_never_suggests_deleting(tmp_pa
     assert "\n" not in str(err.value)
 
 
+class _WithMtp(TinyModel):
+    def __init__(self):
+        super().__init__()
+        self.mtp = torch.nn.Linear(8, 8)
+
+    def forward(self, tokens):
+        return self.output(self.mtp(self.norm(self.tok_embeddings(tokens))))
+
+
+class _MtpOptional:
+    optional_prefixes = ("mtp.",)
+
+
+@pytest.mark.parametrize("model_only", [True, False])
+def test_an_initial_checkpoint_with_tensors_the_model_does_not_build(tmp_path, caplog, model_only):
+    """Optional modules the run leaves out (MTP): loaded without them and one line says so; any other tensor: another
+    model's checkpoint, refused (it was loaded silently in part)."""
+    Run(make_config(tmp_path), model=_WithMtp()).train(2)
+    config = make_config(tmp_path / "other", initial_load_path=str(folder(tmp_path) / "step-2"))
+    config.checkpoint.initial_load_model_only = model_only
+    with pytest.raises(CheckpointError, match=r"holds 2 model tensors this run does not build, e.g. \['mtp.bias', 'm"):
+        Run(config).manager.load()
+    with caplog.at_level("INFO"):
+        Run(config, state_dict_adapter=_MtpOptional()).manager.load()
+    (line,) = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert line.endswith(
+        "left out 2 tensors of optional modules this run does not build, e.g. ['mtp.bias', 'mtp.weight']"
+    )
+
+
 def test_deleted_manifest_is_skipped_with_a_warning_naming_it(tmp_path, caplog):
     run = Run(make_config(tmp_path))
     run.train(4)
@@ -706,18 +736,9 @@ def test_a_checkpoint_that_cannot_be_read_is_an_error_never_an_unfinished_save(t
 
 def test_resuming_into_a_model_without_some_of_the_checkpoint_s_tensors_is_refused(tmp_path):
     """E.g. an MTP checkpoint resumed with --model.mtp_layers 0: the MTP weights would be dropped at the next save."""
-
-    class WithExtraHead(TinyModel):
-        def __init__(self):
-            super().__init__()
-            self.mtp = torch.nn.Linear(8, 8)
-
-        def forward(self, tokens):
-            return self.output(self.mtp(self.norm(self.tok_embeddings(tokens))))
-
-    Run(make_config(tmp_path), model=WithExtraHead()).train(2)
+    Run(make_config(tmp_path), model=_WithMtp()).train(2)
     with pytest.raises(
         CheckpointError, match=r"holds 2 model tensors this run does not build, e.g. \['mtp.bias', 'mtp"
     ):
         Run(make_config(tmp_path)).manager.load()
-    assert Run(make_config(tmp_path), model=WithExtraHead()).manager.load()  # the same model resumes
+    assert Run(make_config(tmp_path), model=_WithMtp()).manager.load()  # the same model resumes
