@@ -3,6 +3,6 @@ per-EP-group buffers; nothing here knows models or dispatchers. Importing it reg
 """
 
 from torchtitan.distributed.deepep import ops  # noqa: F401  (registers torch.ops.deepep.*)
-from torchtitan.distributed.deepep.buffer import EPBuffer, destroy_buffers, get_buffer, get_or_create_buffer
+from torchtitan.distributed.deepep.buffer import destroy_buffers, get_buffer, get_or_create_buffer
 
-__all__ = ["EPBuffer", "destroy_buffers", "get_buffer", "get_or_create_buffer"]
+__all__ = ["destroy_buffers", "get_buffer", "get_or_create_buffer"]
