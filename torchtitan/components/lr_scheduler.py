@@ -16,7 +16,6 @@ These are torchtitan's formulas (the +1s keep the first warmup lr above zero and
 import functools
 import logging
 import math
-from collections.abc import Iterator
 from typing import Any
 
 from torch.optim.lr_scheduler import LambdaLR
@@ -38,12 +37,6 @@ class LRSchedulersContainer:
             raise ValueError("need at least one optimizer to build an lr scheduler")
         self.lr_lambda = lr_lambda
         self.schedulers = [LambdaLR(optimizer, lr_lambda) for optimizer in optimizers]
-
-    def __iter__(self) -> Iterator[LambdaLR]:
-        return iter(self.schedulers)
-
-    def __len__(self) -> int:
-        return len(self.schedulers)
 
     def step(self) -> None:
         for scheduler in self.schedulers:

@@ -31,7 +31,7 @@ import torch
 from torchtitan.distributed.deepep import cpu_kernels, cuda_kernels
 from torchtitan.distributed.deepep.buffer import get_buffer
 
-__all__ = ["cached_dispatch", "combine", "dispatch"]
+__all__ = ["combine", "dispatch"]
 
 _LIB = torch.library.Library("deepep", "DEF")
 _LIB.define(
@@ -60,10 +60,6 @@ def combine(
     x: torch.Tensor, handle: list[torch.Tensor], group_name: str, topk_weights: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.deepep.combine(x, handle, group_name, topk_weights)
-
-
-def cached_dispatch(x: torch.Tensor, handle: list[torch.Tensor], group_name: str) -> torch.Tensor:
-    return torch.ops.deepep.cached_dispatch(x, handle, group_name)
 
 
 # Kernels. Looked up at call time so tests can wrap them (e.g. to count communication calls).
