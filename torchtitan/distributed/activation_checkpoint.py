@@ -19,7 +19,6 @@ applied by the partitioner inside the graph, with no checkpoint machinery on the
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any, Protocol, runtime_checkable
@@ -190,21 +189,11 @@ def _checkpoint_contexts(
     guard_name: str | None,
     compiled_regions: tuple[CompiledRegion, ...],
 ):
-    """checkpoint's context_fn: (forward, recompute) contexts of SAC and, for MoE blocks, the recompile guard."""
-    contexts = [_sac_contexts(sac_save_ops)] if sac_save_ops is not None else []
-    if guard_name is not None:
-        contexts.append(recompile_guard_contexts(guard_name, compiled_regions))
-    if len(contexts) == 1:
-        return contexts[0]
-    return _stacked(c[0] for c in contexts), _stacked(c[1] for c in contexts)
-
-
-@contextlib.contextmanager
-def _stacked(managers):
-    with contextlib.ExitStack() as stack:
-        for manager in managers:
-            stack.enter_context(manager)
-        yield
+    """checkpoint's context_fn: (forward, recompute) contexts of SAC or, for a whole MoE block, the recompile guard
+    (never both: `_wrap_blocks` does not checkpoint an MoE block whole under per-op SAC)."""
+    if sac_save_ops is not None:
+        return _sac_contexts(sac_save_ops)
+    return recompile_guard_contexts(guard_name, compiled_regions)
 
 
 def _sac_contexts(save_ops: set[Any]):
