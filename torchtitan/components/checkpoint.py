@@ -66,10 +66,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "CheckpointError",
     "CheckpointManager",
-    "ModelWrapper",
-    "RngState",
     "StateDictAdapter",
-    "validate_checkpoint",
 ]
 
 

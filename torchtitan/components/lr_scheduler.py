@@ -23,7 +23,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.job_config import JobConfig
 
-__all__ = ["LRSchedulersContainer", "build_lr_schedulers", "warmup_stable_decay_factor"]
+__all__ = ["LRSchedulersContainer", "build_lr_schedulers"]
 
 logger = logging.getLogger(__name__)
 

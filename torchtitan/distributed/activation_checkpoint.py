@@ -36,7 +36,6 @@ __all__ = [
     "SwitchableCheckpointWrapper",
     "apply_ac",
     "budget_blocks",
-    "op_sac_save_list",
     "per_op_sac_contexts",
 ]
 

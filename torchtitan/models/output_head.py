@@ -17,7 +17,7 @@ from torch import nn
 
 from torchtitan.components.loss import IGNORE_INDEX
 
-__all__ = ["OutputHead", "chunk_loss_and_grad", "linear_cross_entropy_sum"]
+__all__ = ["OutputHead", "chunk_loss_and_grad"]
 
 DEFAULT_CHUNK_ROWS = 2048
 """Rows per chunk: 2048 x 102,400 logits are 0.4 GiB in bf16; the GEMMs stay large (M = 2048)."""

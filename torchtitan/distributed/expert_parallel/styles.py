@@ -21,7 +21,7 @@ from torchtitan.distributed.expert_parallel.all_to_all import AllToAllTokenDispa
 from torchtitan.distributed.expert_parallel.deepep_dispatcher import DeepEPTokenDispatcher
 from torchtitan.distributed.expert_parallel.dispatcher import EAGER_PERMUTATION, TokenPermutation
 
-__all__ = ["DeepEPExpertParallel", "ExpertParallel", "ExpertTensorParallel", "TensorParallel", "distribute_experts"]
+__all__ = ["DeepEPExpertParallel", "ExpertParallel", "ExpertTensorParallel", "TensorParallel"]
 
 EXPERTS_ON_EP_RANKS = {"w1": [Shard(0)], "w2": [Shard(0)], "w3": [Shard(0)]}
 """Routed-expert weight placements over a 1-D EP mesh: each rank owns E / ep whole experts."""

@@ -52,7 +52,7 @@ from torchtitan.tools.dtypes import DTYPES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["apply_tp", "parallelize_deepseekv3"]
+__all__ = ["parallelize_deepseekv3"]
 
 
 def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_config: Any) -> nn.Module:
