@@ -159,25 +159,33 @@ def _no_handle_leaks(rank: int, world_size: int) -> None:
     assert handles[-1]() is None
 
 
+def _sync_free_equals_synced(mesh, tokens: torch.Tensor, run, **moe_kwargs) -> tuple[torch.Tensor, DeepEPMoE]:
+    """The synced and the sync-free dispatch's MoE (`moe_kwargs` for both) on `tokens`, each through run(moe, x):
+    equal outputs, input gradients and parameter gradients. Returns the sync-free output and layer."""
+    results = []
+    for sync_free in (False, True):
+        moe = _deepep_moe(mesh, sync_free=sync_free, **moe_kwargs)
+        x = tokens.clone().requires_grad_()
+        out = run(moe, x)
+        (out * out).sum().backward()
+        results.append((out, x.grad, _grads(moe)))
+    (out_ref, grad_ref, grads_ref), (out, grad, grads) = results
+    torch.testing.assert_close(out, out_ref)
+    torch.testing.assert_close(grad, grad_ref)
+    for name, param_grad in grads.items():
+        torch.testing.assert_close(param_grad, grads_ref[name], msg=name)
+    return out, moe
+
+
 def _sync_free_matches_synced(rank: int, world_size: int) -> None:
     """Worst-case receive sizes (the CPU kernel pads with NaN) give the synced dispatch's outputs and gradients, with
     the grouped GEMMs and with the per-expert loop, also under the trainer's per-op SAC."""
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
     tokens = torch.randn(2, 6, DIM, generator=torch.Generator().manual_seed(rank))  # the same count on every rank
     sac_context = partial(per_op_sac_contexts, get_backend("deepep").sac_save_ops())
+    with_sac = partial(checkpoint, use_reentrant=False, context_fn=sac_context)
     for use_grouped_mm in (False, True):
-        results = []
-        for sync_free in (False, True):
-            moe = _deepep_moe(mesh, sync_free=sync_free, use_grouped_mm=use_grouped_mm)
-            x = tokens.clone().requires_grad_()
-            out = checkpoint(moe, x, use_reentrant=False, context_fn=sac_context)
-            (out * out).sum().backward()
-            results.append((out, x.grad, _grads(moe)))
-        (out_ref, grad_ref, grads_ref), (out, grad, grads) = results
-        torch.testing.assert_close(out, out_ref)
-        torch.testing.assert_close(grad, grad_ref)
-        for name, param_grad in grads.items():
-            torch.testing.assert_close(param_grad, grads_ref[name], msg=name)
+        _, moe = _sync_free_equals_synced(mesh, tokens, with_sac, use_grouped_mm=use_grouped_mm)
     expert_tokens, _ = moe.dispatcher.dispatch(tokens.view(-1, DIM), *reversed(moe.route(tokens)))
     order = expert_tokens.order  # the padding was there, and got no expert
     assert order.numel() == tokens.numel() // DIM * world_size * 3 > int(expert_tokens.counts.sum())
@@ -190,19 +198,9 @@ def _capacity_bounds_the_sync_free_rows(rank: int, world_size: int) -> None:
     tokens = torch.randn(2, 6, DIM, generator=torch.Generator().manual_seed(rank))
     outputs = {}
     for factor in (None, 0.5, 8.0):
-        results = []
-        for sync_free in (False, True):
-            moe = _deepep_moe(mesh, sync_free=sync_free, capacity_factor=factor, use_grouped_mm=True)
-            x = tokens.clone().requires_grad_()
-            out = moe(x)
-            (out * out).sum().backward()
-            results.append((out, x.grad, _grads(moe)))
-        (out_ref, grad_ref, grads_ref), (out, grad, grads) = results
-        torch.testing.assert_close(out, out_ref)
-        torch.testing.assert_close(grad, grad_ref)
-        for name, param_grad in grads.items():
-            torch.testing.assert_close(param_grad, grads_ref[name], msg=name)
-        outputs[factor] = out
+        outputs[factor], moe = _sync_free_equals_synced(
+            mesh, tokens, lambda m, x: m(x), capacity_factor=factor, use_grouped_mm=True
+        )
         if factor is not None:
             expert_tokens, _ = moe.dispatcher.dispatch(tokens.view(-1, DIM), *reversed(moe.route(tokens)))
             num_tokens, top_k = tokens.numel() // DIM, 3
