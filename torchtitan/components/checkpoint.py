@@ -325,9 +325,8 @@ class CheckpointManager:
         """An initial checkpoint may hold optional modules this run leaves out (MTP): one line says so. Any other
         tensor the model does not build means another model's checkpoint: refuse rather than load part of it."""
         extra = self._tensors_not_built(keys, prefix)
-        optional = self.state_dict_adapter.optional_prefixes if self.state_dict_adapter is not None else ()
-        left_out = [name for name in extra if name.startswith(optional)]
-        other = [name for name in extra if not name.startswith(optional)]
+        left_out = [name for name in extra if name.startswith(self._optional_prefixes)]
+        other = [name for name in extra if not name.startswith(self._optional_prefixes)]
         if other:
             raise CheckpointError(
                 f"checkpoint.initial_load_path {path} holds {len(other)} model tensors this run does not build, "
@@ -475,8 +474,12 @@ class CheckpointManager:
         """The adapter's optional module prefixes the checkpoint (its model tensor names) holds nothing under: those
         modules keep their fresh init (the model args decided to build them, and said so)."""
         names = list(checkpoint_names)
-        optional = self.state_dict_adapter.optional_prefixes if self.state_dict_adapter is not None else ()
-        return tuple(prefix for prefix in optional if not any(name.startswith(prefix) for name in names))
+        return tuple(prefix for prefix in self._optional_prefixes if not any(name.startswith(prefix) for name in names))
+
+    @property
+    def _optional_prefixes(self) -> tuple[str, ...]:
+        """The adapter's modules a checkpoint may lack or a run may leave out (MTP); none without an adapter."""
+        return self.state_dict_adapter.optional_prefixes if self.state_dict_adapter is not None else ()
 
     def _load_hf(self, path: str) -> None:
         from torchtitan.components.hf_safetensors import load_hf_safetensors
