@@ -168,12 +168,13 @@ def test_master_weights_follow_torch_fused_adamw_and_the_same_launch_writes_the_
 
 @pytest.mark.parametrize("masters", [False, True], ids=["fp32-params", "bf16-params-with-masters"])
 def test_bf16_moments_step_like_fp32_moments_rounded_to_bf16_after_each_step(masters):
-    """`moments_dtype=torch.bfloat16`: the kernel stores bf16 moments, rounded to nearest from the fp32 step of the
-    moments read back, in the same one launch per param group. Each step against the fp32-moment kernel from the same
-    state (its moments then set to ours): the two kernel variants compile separately (an fp32 ulp apart at most, see
-    above), so a moment may round to the neighbouring bf16 value (one bf16 ulp, or 1e-6 where an update cancels to
-    near zero: 4.8e-9 apart near 1.3e-8 on an H100), which moves its element's update (about lr = 1e-2) by 2^-8: the
-    parameters agree to 1e-4 (31 elements in 8192 differed by up to 3.5e-5)."""
+    """`moments_dtype=torch.bfloat16`: the kernel stores bf16 moments, rounded stochastically from the fp32 step of
+    the moments read back, in the same one launch per param group. Each step against the fp32-moment kernel from the
+    same state (its moments then set to ours): each stored moment is one of the two bf16 values around the fp32 one,
+    so within one bf16 ulp of it (2^-7 relative at most; 1e-6 where an update cancels to near zero). The two kernel
+    variants compile separately (an fp32 ulp apart at most, see above), which moves an element's update (about
+    lr = 1e-2) by 2^-8 where the last fp32 bit changes a comparison: the parameters agree to 1e-4 (31 elements in 8192
+    differed by up to 3.5e-5 with rounding to nearest)."""
 
     def build(moments_dtype):
         params = make_params(unaligned=False)
@@ -206,9 +207,41 @@ def test_bf16_moments_step_like_fp32_moments_rounded_to_bf16_after_each_step(mas
             for key in ("exp_avg", "exp_avg_sq"):
                 moment, ref_moment = ours.state[ours_param][key], ref.state[ref_param][key]
                 assert moment.dtype == torch.bfloat16 and ref_moment.dtype == torch.float32
-                torch.testing.assert_close(moment.float(), ref_moment.bfloat16().float(), rtol=2**-7, atol=1e-6)
+                torch.testing.assert_close(moment.float(), ref_moment, rtol=2**-7, atol=1e-6)
                 ref_moment.copy_(moment)  # the next step from the same state: one step's rounding compared at a time
             with torch.no_grad():
                 ref_param.copy_(ours_param)
                 if masters:
                     ref.master_low_bits[ref_param].copy_(ours.master_low_bits[ours_param])
+
+
+def test_bf16_moments_round_stochastically_so_a_small_change_is_kept_and_each_step_draws_anew():
+    """v = 0.95 v + 0.05 g^2 from v = 1 toward g^2 = 1.04 adds at most 0.002 a step, below half a bf16 ulp at 1: to
+    nearest, v stays 1.0; the kernel's stochastic rounding follows the fp32 EMA (mean over 2^20 elements within 0.1%
+    after 100 steps). Two steps from the same state draw different rounding bits (a new seed each step), and the
+    kernel compiles once for all seeds."""
+    shape = (2**20,)
+    param = torch.nn.Parameter(torch.zeros(shape, device="cuda"))
+    optimizer = MultiTensorAdamW([param], lr=0.0, betas=(0.9, 0.95), weight_decay=0.0, moments_dtype=torch.bfloat16)
+    optimizer.state[param]["exp_avg_sq"].fill_(1.0)
+    param.grad = torch.full(shape, 1.04**0.5, device="cuda")
+    optimizer.step()
+    first = optimizer.state[param]["exp_avg_sq"].clone()
+    optimizer.state[param]["exp_avg_sq"].fill_(1.0)
+    optimizer.step()
+    assert not torch.equal(first, optimizer.state[param]["exp_avg_sq"])
+    assert set(first.float().unique().tolist()) == {1.0, 1.0 + 2.0**-7}
+    optimizer.state[param]["exp_avg_sq"].fill_(1.0)
+    variants = compiled_adamw_variants()
+    for _ in range(100):
+        optimizer.step()
+    fp32_moment = 1.04 - 0.04 * 0.95**100  # the fp32 EMA's closed form
+    assert abs(optimizer.state[param]["exp_avg_sq"].float().mean().item() - fp32_moment) < 1e-3 * fp32_moment
+    assert compiled_adamw_variants() == variants
+
+
+def compiled_adamw_variants() -> int:
+    """Kernels Triton compiled for `_adamw_kernel` so far (the first entry of each device's cache is its dict)."""
+    from torchtitan.kernels.multi_tensor_kernels import _adamw_kernel
+
+    return sum(len(cache[0]) for cache in _adamw_kernel.device_caches.values())

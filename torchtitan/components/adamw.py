@@ -13,8 +13,10 @@ foreach ops (the same update). DTensor parameters are updated through their loca
 fp32 master and writes it back split in the same pass. Its state is made at construction (DCP's own state init sets
 zero gradients of the parameter's dtype, refused where `grad_dtype` is fp32).
 
-`moments_dtype=torch.bfloat16`: both moments stored in bf16 (rounded to nearest), the update still in fp32; made at
-construction too, and kept bf16 by a load.
+`moments_dtype=torch.bfloat16`: both moments stored in bf16, the update still in fp32; made at construction too, and
+kept bf16 by a load. They are rounded stochastically (`_round_to_bf16_stochastically`): rounded to nearest, a change
+smaller than half a bf16 ulp (0.2-0.4% of the moment) is lost every time, an error of one sign that adds up over
+steps; rounded stochastically, each stored moment is right in expectation.
 """
 
 from collections import defaultdict
@@ -172,6 +174,7 @@ def _step_bucket(bucket: _Bucket, group: dict[str, Any], grad_scale: torch.Tenso
     # per parameter, in float64 on the host as torch computes them (steps may differ: a parameter without a
     # gradient in some step did not advance)
     steps = torch.stack(bucket.steps).tolist()
+    rounding_seed = _rounding_seed(steps[0])
     step_sizes = [lr / (1 - beta1**step) for step in steps]
     bias_correction2_sqrts = [(1 - beta2**step) ** 0.5 for step in steps]
     device = bucket.params[0].device
@@ -189,7 +192,21 @@ def _step_bucket(bucket: _Bucket, group: dict[str, Any], grad_scale: torch.Tenso
         eps=eps,
         grad_scale=None if grad_scale is None else grad_scale.to(device),
         low_bits=bucket.low_bits or None,
+        rounding_seed=rounding_seed,
     )
+
+
+def _rounding_seed(step: float) -> int:
+    """The seed of a step's stochastic rounding: a new one each step, the same on every rank and after a resume,
+    below 2^31 (the kernel's int32 argument)."""
+    return int(step) * 0x9E3779B1 % 2**31
+
+
+def _round_to_bf16_stochastically(value: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """fp32 `value` to bf16, rounded up in magnitude with probability (its 16 dropped bits) / 2^16: the expected
+    result is `value` (the Triton kernel's `_round_to_bf16_stochastically`, with torch's generator)."""
+    random = torch.randint(0, 2**16, value.shape, dtype=torch.int32, device=value.device, generator=generator)
+    return ((value.view(torch.int32) + random) & -(2**16)).view(torch.float32).to(torch.bfloat16)
 
 
 def _foreach_adamw_update_(
@@ -206,11 +223,12 @@ def _foreach_adamw_update_(
     eps: float,
     grad_scale: torch.Tensor | None,
     low_bits: list[torch.Tensor] | None = None,
+    rounding_seed: int = 0,
 ) -> None:
     """The update on any device with torch's foreach ops, in the order of torch's foreach AdamW. With `low_bits`, the
     bf16 `params` and their low bits hold fp32 masters (`master_weights.py`): the update runs on the joined masters,
     then splits them back. Moments of another dtype than the (master) params are updated in the params' dtype and
-    rounded back."""
+    rounded back, stochastically where they are bf16 (random bits from `rounding_seed`)."""
     bf16_params = None
     if low_bits is not None:
         bf16_params, params = params, [join_fp32(param, low) for param, low in zip(params, low_bits, strict=True)]
@@ -232,8 +250,9 @@ def _foreach_adamw_update_(
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(params, exp_avgs, denom, [-step_size for step_size in step_sizes])
     if stored_moments is not None:
-        torch._foreach_copy_(stored_moments[0], exp_avgs)
-        torch._foreach_copy_(stored_moments[1], exp_avg_sqs)
+        generator = torch.Generator(params[0].device).manual_seed(rounding_seed)
+        for stored, moment in zip([*stored_moments[0], *stored_moments[1]], [*exp_avgs, *exp_avg_sqs], strict=True):
+            stored.copy_(_round_to_bf16_stochastically(moment, generator) if stored.dtype == torch.bfloat16 else moment)
     if bf16_params is not None:
         for bf16_param, low, master in zip(bf16_params, low_bits, params, strict=True):
             weight, new_low = split_fp32(master)

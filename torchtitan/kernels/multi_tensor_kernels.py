@@ -8,7 +8,7 @@ Vectorized (16-byte) accesses need known alignment: chunk starts are multiples o
 aligned when the host checked (ALIGNED), and full chunks run unmasked.
 
 Arithmetic is fp32 with IEEE-rounded division and square root (`div_rn`, `sqrt_rn`), in the order of torch's fused
-AdamW kernel; bf16 moments are read into fp32 and rounded to nearest when stored.
+AdamW kernel; bf16 moments are read into fp32 and rounded stochastically when stored (`_round_to_bf16_stochastically`).
 """
 
 import torch
@@ -26,7 +26,7 @@ _NUM_WARPS = 8
 _GRAD_DTYPES = (torch.float32, torch.bfloat16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rounding_seed"])  # a new seed each step must not compile a new kernel
 def _adamw_kernel(
     addresses_ptr,  # (4 or 5, num_tensors) int64: param, grad, exp_avg, exp_avg_sq[, low bits of the masters]
     scalars_ptr,  # (2, num_tensors) fp32: lr / bias_correction1, sqrt(bias_correction2)
@@ -41,6 +41,7 @@ def _adamw_kernel(
     beta2,
     one_minus_beta2,
     eps,
+    rounding_seed,  # int32: bf16 moments' stochastic rounding draws Philox(rounding_seed + tensor, element offset)
     HAS_GRAD_SCALE: tl.constexpr,
     GRAD_BF16: tl.constexpr,
     MOMENTS_BF16: tl.constexpr,
@@ -87,14 +88,16 @@ def _adamw_kernel(
             _adamw_block(
                 param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, low_ptr, start + offset + tl.arange(0, BLOCK),
                 numel, grad_scale, step_size, bias_correction2_sqrt, decay_factor, beta1, one_minus_beta1, beta2,
-                one_minus_beta2, eps, SPLIT_MASTERS=SPLIT_MASTERS, MASKED=False,
+                one_minus_beta2, eps, rounding_seed + tensor, SPLIT_MASTERS=SPLIT_MASTERS, MOMENTS_BF16=MOMENTS_BF16,
+                MASKED=False,
             )  # fmt: skip
     else:
         for offset in range(0, CHUNK, BLOCK):
             _adamw_block(
                 param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, low_ptr, start + offset + tl.arange(0, BLOCK),
                 numel, grad_scale, step_size, bias_correction2_sqrt, decay_factor, beta1, one_minus_beta1, beta2,
-                one_minus_beta2, eps, SPLIT_MASTERS=SPLIT_MASTERS, MASKED=True,
+                one_minus_beta2, eps, rounding_seed + tensor, SPLIT_MASTERS=SPLIT_MASTERS, MOMENTS_BF16=MOMENTS_BF16,
+                MASKED=True,
             )  # fmt: skip
 
 
@@ -116,7 +119,9 @@ def _adamw_block(
     beta2,
     one_minus_beta2,
     eps,
+    rounding_seed,
     SPLIT_MASTERS: tl.constexpr,
+    MOMENTS_BF16: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     if MASKED:
@@ -147,8 +152,11 @@ def _adamw_block(
 
     if SPLIT_MASTERS:
         weight_bits, low_bits = _split_fp32(param)
-    exp_avg = exp_avg.to(exp_avg_ptr.dtype.element_ty)  # rounded to nearest where the moments are bf16
-    exp_avg_sq = exp_avg_sq.to(exp_avg_sq_ptr.dtype.element_ty)
+    if MOMENTS_BF16:
+        # 32-bit Philox (uint32 draws); offsets past 2^31 in one tensor repeat draws, which biases nothing
+        random_avg, random_avg_sq, _, _ = tl.randint4x(rounding_seed, offsets.to(tl.int32))
+        exp_avg = _round_to_bf16_stochastically(exp_avg, random_avg)
+        exp_avg_sq = _round_to_bf16_stochastically(exp_avg_sq, random_avg_sq)
     if MASKED:
         if SPLIT_MASTERS:
             tl.store(param_ptr + offsets, weight_bits, mask=mask)
@@ -165,6 +173,15 @@ def _adamw_block(
             tl.store(param_ptr + offsets, param)
         tl.store(exp_avg_ptr + offsets, exp_avg)
         tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq)
+
+
+@triton.jit
+def _round_to_bf16_stochastically(value, random):
+    """bf16 `value` rounded up in magnitude with probability (its dropped 16 bits) / 2^16: unbiased, so an EMA whose
+    increment is below half a bf16 ulp still moves (`adamw._round_to_bf16_stochastically`)."""
+    bits = value.to(tl.uint32, bitcast=True)
+    bits = (bits + (random & 0xFFFF).to(tl.uint32)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)  # exact: the low 16 bits are zero
 
 
 @triton.jit
@@ -233,11 +250,13 @@ def adamw_update_(
     eps: float,
     grad_scale: torch.Tensor | None,
     low_bits: list[torch.Tensor] | None = None,
+    rounding_seed: int = 0,
 ) -> None:
     """One launch: param = param * decay_factor - step_size * m / (sqrt(v) / bias_correction2_sqrt + eps), after
     updating m and v with grad * grad_scale. fp32 params, fp32 or bf16 moments and gradients, all contiguous.
     low_bits: the params are bf16 and hold fp32 masters with these int16 low bits (`master_weights.py`); the update
-    runs on the masters and writes both halves back."""
+    runs on the masters and writes both halves back. rounding_seed: bf16 moments round stochastically with random bits
+    drawn from it (a new seed each step)."""
     tables = (params, grads, exp_avgs, exp_avg_sqs) + ((low_bits,) if low_bits is not None else ())
     _check_tensors(*tables)
     device = params[0].device
@@ -261,6 +280,7 @@ def adamw_update_(
         beta2,
         1.0 - beta2,
         eps,
+        rounding_seed,
         HAS_GRAD_SCALE=grad_scale is not None,
         GRAD_BF16=grads[0].dtype == torch.bfloat16,
         MOMENTS_BF16=exp_avgs[0].dtype == torch.bfloat16,
