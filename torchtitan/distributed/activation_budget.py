@@ -37,13 +37,11 @@ LEVELS = ("full", "sac", "none")
 GIB = 1024**3
 PLAN_MARGIN = 1.25
 """A plan counts what it adds to the measured step this much above the model's estimate (what it frees, as
-estimated). On 4 H100s the 16B job's second plan (72 GiB) predicted +4.2 GiB for two more per-op SAC blocks and
-reserved +5.1 (72.4 GiB, over the budget); the first plan's error on 16B_accept was larger (1.6x)."""
+estimated): the model misses the allocator's free blocks (measured in benchmarks/NOTES.md, "Four H100s")."""
 
 STEADY_GROWTH = 0.05
 """The steps after the first two reserve up to this much more at the same levels: the allocator fragments and the
-routing grows less even. On 2 H100s (16B_bench4, FSDP2 x EP2, budget 44.9 GiB) the second step reserved 40.0 GiB and
-steps 5-14 at its levels 41.75 (+4.4%); planned from 40.0 the run reached 45.9 GiB."""
+routing grows less even (4.4% on 2 GPUs: benchmarks/NOTES.md, "Capacity-bounded sync-free dispatch")."""
 
 
 @dataclass(frozen=True)
