@@ -184,6 +184,7 @@ def main() -> None:
         "peak_memory_allocated_gib",
         "recompiles_after_warmup",
         "ep_load_imbalance_max",
+        "memory_budget_gib",  # 0 unless given: the job's own budget is off in a benchmark (module docstring)
         "wall_s",
     )
     print(json.dumps({k: result[k] for k in keys}))
