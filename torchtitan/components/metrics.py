@@ -91,32 +91,19 @@ class MetricsProcessor:
     """Turns each logged step into the console line, TensorBoard scalars and one metrics.jsonl record.
 
     num_flops_per_token: training FLOPs per token of the whole model. is_logging_rank: the one rank that prints and
-    writes (rank 0; with PP a last-stage rank); the others only keep their windows in step. tokens_per_step: tokens one
-    device processes per optimizer step; default global batch x seq_len / world size (`world_size`: default
-    torch.distributed's, else 1).
+    writes (rank 0; with PP a last-stage rank); the others only keep their windows in step.
     """
 
     def __init__(
-        self,
-        job_config: JobConfig,
-        *,
-        num_flops_per_token: float,
-        device: torch.device,
-        is_logging_rank: bool,
-        tokens_per_step: float | None = None,
-        world_size: int | None = None,
+        self, job_config: JobConfig, *, num_flops_per_token: float, device: torch.device, is_logging_rank: bool
     ) -> None:
         self.log_freq = job_config.metrics.log_freq
         self.num_flops_per_token = num_flops_per_token
         self.is_logging_rank = is_logging_rank
-        self.device = torch.device(device)
-        self.tokens_per_step = (
-            tokens_per_step if tokens_per_step is not None else _tokens_per_device_step(job_config, world_size)
-        )
-        self.memory_monitor = DeviceMemoryMonitor(self.device)
-        self.peak_flops = (
-            get_peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
-        )
+        self.tokens_per_step = _tokens_per_device_step(job_config)
+        device = torch.device(device)
+        self.memory_monitor = DeviceMemoryMonitor(device)
+        self.peak_flops = get_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
         self._logged_before = False
         # Seconds and steps of every window but the first (which holds init, compile and checkpoint load).
@@ -166,13 +153,12 @@ class MetricsProcessor:
             kept_as = next(f"{path}.{i}" for i in range(1, 10**6) if not os.path.exists(f"{path}.{i}"))
             os.replace(path, kept_as)
             logger.info(f"metrics.jsonl of an earlier run in this folder kept as {kept_as}")
-            self.jsonl_file = open(path, "a")  # noqa: SIM115
-            return
-        with open(path) as f:
-            kept = [line for line in f if _record_step(line) <= step]
-        with open(path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)
+        else:
+            with open(path) as f:
+                kept = [line for line in f if _record_step(line) <= step]
+            with open(path + ".tmp", "w") as f:
+                f.writelines(kept)
+            os.replace(path + ".tmp", path)
         self.jsonl_file = open(path, "a")  # noqa: SIM115
 
     def log(
@@ -196,23 +182,18 @@ class MetricsProcessor:
         mtp_loss: the MTP modules' mean loss (`loss` is then the main model's). ep_load_imbalance: per MoE layer, the
         busiest EP rank's token copies over the mean (`update_expert_bias`).
         """
-        window_seconds, window_steps = max(seconds, 1e-9), steps
-        if self._logged_before:  # every window but the first (init, compile) counts for the ETA
-            self._steady_seconds += window_seconds
-            self._steady_steps += window_steps
-        first_window_sec_per_step = window_seconds / max(window_steps, 1)
-
-        tps = self.tokens_per_step * window_steps / window_seconds
+        seconds = max(seconds, 1e-9)
+        tps = self.tokens_per_step * steps / seconds
         tflops = self.num_flops_per_token * tps / 1e12
         mfu = 100.0 * tflops * 1e12 / self.peak_flops if self.peak_flops else None
         memory = self.memory_monitor.get_peak_stats()
 
-        eta_seconds = None
-        if total_steps is not None:
-            sec_per_step = (
-                self._steady_seconds / self._steady_steps if self._steady_steps else first_window_sec_per_step
-            )
-            eta_seconds = max(total_steps - step, 0) * sec_per_step
+        # The ETA's pace: the steady windows', or this first window's until there is one.
+        if self._logged_before:
+            self._steady_seconds += seconds
+            self._steady_steps += steps
+        sec_per_step = self._steady_seconds / self._steady_steps if self._steady_steps else seconds / max(steps, 1)
+        eta_seconds = max(total_steps - step, 0) * sec_per_step if total_steps is not None else None
 
         record = {
             "step": step,
@@ -235,9 +216,7 @@ class MetricsProcessor:
         if self.is_logging_rank:
             logger.info(format_metrics_line(record, memory, total_steps, eta_seconds))
             self._write_tensorboard(record, memory)
-            if self.jsonl_file is not None:
-                self.jsonl_file.write(json.dumps(record) + "\n")
-                self.jsonl_file.flush()
+            self._write_jsonl(record)
 
         self._logged_before = True
         self.memory_monitor.reset_peak_stats()
@@ -250,18 +229,17 @@ class MetricsProcessor:
             scalars = {"validation/loss": loss, "validation/perplexity": math.exp(min(loss, 700.0))}
             logger.info(f"step: {step}  " + "  ".join(f"{tag}: {value:.4f}" for tag, value in scalars.items()))
             self._write_scalars(scalars, step)
-            if self.jsonl_file is not None:
-                self.jsonl_file.write(json.dumps({"step": step, **scalars, "validation/seconds": seconds}) + "\n")
-                self.jsonl_file.flush()
+            self._write_jsonl({"step": step, **scalars, "validation/seconds": seconds})
+
+    def _write_jsonl(self, record: dict[str, Any]) -> None:
+        if self.jsonl_file is not None:
+            self.jsonl_file.write(json.dumps(record) + "\n")
+            self.jsonl_file.flush()
 
     def _write_tensorboard(self, record: dict[str, Any], memory: MemoryStats | None) -> None:
-        scalars = {k: record[k] for k in ("loss", "grad_norm", "tps", "tflops", "mfu", "lr", "graphs_compiled")}
-        scalars["mtp_loss"] = record.get("mtp_loss")
-        scalars["ep_load_imbalance_max"] = record.get("ep_load_imbalance_max")
+        scalars = {k: record.get(k) for k in _SCALARS}
         for layer, value in enumerate(record.get("ep_load_imbalance", [])):
             scalars[f"ep_load_imbalance/moe_layer_{layer}"] = value
-        scalars["memory_gib"] = record["memory_gib"]
-        scalars["memory_allocated_gib"] = record["memory_allocated_gib"]
         scalars["memory_pct"] = memory.max_reserved_pct if memory else None
         self._write_scalars(scalars, record["step"])
 
@@ -285,6 +263,12 @@ class MetricsProcessor:
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None
+
+
+# The record's values that go to TensorBoard and W&B (besides the per-layer imbalance and memory_pct).
+_SCALARS = (
+    "loss grad_norm tps tflops mfu lr graphs_compiled mtp_loss ep_load_imbalance_max memory_gib memory_allocated_gib"
+).split()
 
 
 def format_metrics_line(
@@ -320,11 +304,11 @@ def _record_step(line: str) -> float:
         return math.inf
 
 
-def _tokens_per_device_step(job_config: JobConfig, world_size: int | None) -> float:
-    if world_size is None:
-        world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+def _tokens_per_device_step(job_config: JobConfig) -> float:
+    """Tokens one device processes per optimizer step."""
     training, parallelism = job_config.training, job_config.parallelism
     if training.global_batch_size > 0:
+        world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         return training.global_batch_size * training.seq_len / world_size
     # No accumulation: every DP rank runs local_batch_size sequences, shared by its TP x PP devices.
     non_dp = parallelism.tensor_parallel_degree * parallelism.pipeline_parallel_degree
