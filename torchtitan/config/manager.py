@@ -21,8 +21,6 @@ from torchtitan.config.job_config import JobConfig
 
 _HELP_FLAGS = ("-h", "--help")
 _NONE_STRINGS = ("none", "None")
-_TRUE_STRINGS = ("true", "1")
-_FALSE_STRINGS = ("false", "0")
 
 
 class ConfigError(ValueError):
@@ -43,10 +41,7 @@ class HelpRequested(SystemExit):
 
 
 class ConfigManager:
-    """Parses argv into a validated `JobConfig`; `self.config` keeps the last result."""
-
-    def __init__(self) -> None:
-        self.config = JobConfig()
+    """Parses argv into a validated `JobConfig`."""
 
     def parse_args(self, argv: list[str] | None = None) -> JobConfig:
         """Defaults, then `--job.config_file` TOML, then CLI flags; then `validate`. Raises ConfigError for bad keys,
@@ -59,7 +54,6 @@ class ConfigManager:
 
         config = _resolve(_parse_cli(argv))
         validate(config)
-        self.config = config
         return config
 
 
@@ -217,7 +211,7 @@ def validate(job_config: JobConfig) -> None:
         "(per-op SAC, none or whole-block recompute): it needs --activation_checkpoint.mode selective, "
         "selective_ac_option op and no num_blocks, and no pipeline parallelism yet; drop the budget or those flags",
     )
-    option = job_config.activation_checkpoint.selective_ac_option
+    option = ac.selective_ac_option
     _require(
         option == "op" or (option.isascii() and option.isdigit() and int(option) > 0),
         f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, got {option!r}; "
@@ -312,9 +306,8 @@ def _fields() -> dict[str, _Field]:
 
 def _field_docs(cls: type) -> dict[str, str]:
     """The string literal right under each annotated field (the convention `job_config.py` follows)."""
-    class_def = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {}
-    body = class_def.body
     for node, following in zip(body, body[1:], strict=False):
         doc = following.value if isinstance(following, ast.Expr) else None
         is_doc = isinstance(doc, ast.Constant) and isinstance(doc.value, str)
@@ -342,8 +335,7 @@ def _suggestion(key: str) -> str:
     -> `training.steps`)."""
     if key in _REMOVED_KEYS:
         return _REMOVED_KEYS[key]
-    keys = list(_fields())
-    match = _closest(key, keys)
+    match = _closest(key, _fields())
     if match is None:
         by_name = {spec.name: spec.key for spec in reversed(_fields().values())}  # the first section's wins
         name_match = _closest(key.rpartition(".")[2], by_name)
@@ -412,7 +404,7 @@ def _negated_bool_key(name: str, arg: str) -> str | None:
         candidates.append(f"{section}.{field_name[3:]}")
     for key in candidates:
         spec = _fields().get(key)
-        if spec is not None and key != name:
+        if spec is not None:
             if spec.type is not bool:
                 raise ConfigError(f"{arg!r}: only booleans have a --no- form; {key} is {_type_name(spec.type)}")
             return key
@@ -426,9 +418,9 @@ def _from_cli(spec: _Field, text: str) -> Any:
     if optional and text in _NONE_STRINGS:
         return None
     if inner is bool:
-        if text.lower() in _TRUE_STRINGS:
+        if text.lower() in ("true", "1"):
             return True
-        if text.lower() in _FALSE_STRINGS:
+        if text.lower() in ("false", "0"):
             return False
     elif inner in (int, float):
         try:
@@ -438,7 +430,7 @@ def _from_cli(spec: _Field, text: str) -> Any:
     elif inner is str:
         return text
     elif get_origin(inner) is Literal:
-        return _choose(spec, text, where)
+        return _choose(get_args(inner), text, where)
     elif get_origin(inner) is list:
         return [item.strip() for item in text.split(",") if item.strip()]
     raise ConfigError(f"{where} expects {_type_name(spec.type)}, got {text!r}")
@@ -501,7 +493,7 @@ def _from_toml(spec: _Field, value: Any, path: str) -> Any:
         ok = isinstance(value, str)
     elif get_origin(inner) is Literal:
         if isinstance(value, str):
-            return _choose(spec, value, where)
+            return _choose(get_args(inner), value, where)
         ok = False
     elif get_origin(inner) is list:
         ok = isinstance(value, list) and all(isinstance(item, str) for item in value)
@@ -514,8 +506,7 @@ def _from_toml(spec: _Field, value: Any, path: str) -> Any:
     return value
 
 
-def _choose(spec: _Field, text: str, where: str) -> str:
-    choices = get_args(_unwrap_optional(spec.type)[0])
+def _choose(choices: tuple[str, ...], text: str, where: str) -> str:
     if text in choices:
         return text
     match = _closest(text, choices)
@@ -554,7 +545,5 @@ def _type_name(tp: Any) -> str:
     return f"{name} | None" if optional else name
 
 
-def _show(default: Any) -> str:
-    if isinstance(default, list):
-        return ",".join(map(str, default))
-    return str(default)
+def _show(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
