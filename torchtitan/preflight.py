@@ -59,7 +59,7 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, Any]:
     check_validation(job_config, model_args, parallel_dims)
     if job_config.metrics.enable_wandb:
         check_wandb(job_config)
-    from torchtitan.models.moe.exchange import get_backend
+    from torchtitan.models.moe.exchange import get_backend  # last: importing it loads torch._dynamo
 
     get_backend(job_config.parallelism.expert_parallel_comm_backend).check(parallel_dims)
     return job_config, model_args
@@ -153,11 +153,11 @@ def check_batch_sizes(job_config: JobConfig, dp_degree: int) -> int:
             f"training.local_batch_size x data-parallel degree ({training.local_batch_size} x {dp_degree} = "
             f"{per_step}); set --training.global_batch_size to a multiple of {per_step}"
         )
-    pp = job_config.parallelism
-    if pp.pipeline_parallel_degree > 1 and training.local_batch_size % pp.pipeline_parallel_microbatch_size:
+    par = job_config.parallelism
+    if par.pipeline_parallel_degree > 1 and training.local_batch_size % par.pipeline_parallel_microbatch_size:
         raise ConfigError(
             f"training.local_batch_size ({training.local_batch_size}) must be divisible by "
-            f"parallelism.pipeline_parallel_microbatch_size ({pp.pipeline_parallel_microbatch_size})"
+            f"parallelism.pipeline_parallel_microbatch_size ({par.pipeline_parallel_microbatch_size})"
         )
     return global_batch_size // per_step
 
@@ -239,10 +239,8 @@ def check_dump_folder(dump_folder: str) -> None:
 
 
 def check_checkpoint_folder(job_config: JobConfig) -> None:
-    """The checkpoint folder (a folder: `check_output_paths`) must be reachable, without files where its saves go
-    when checkpointing is on, and hold no earlier run's checkpoints when it is off (the run would start over beside
-    them); an initial checkpoint must be a folder that exists; flags that need checkpointing or a DCP checkpoint must
-    have them."""
+    """The checkpoint folders and the flags that need them. With checkpointing off, an earlier run's checkpoints are
+    refused: this run would start over beside them."""
     checkpoint = job_config.checkpoint
     initial = checkpoint.initial_load_path
     if initial and not os.path.isdir(initial):
@@ -365,14 +363,14 @@ def check_profiling(job_config: JobConfig) -> None:
 
     from torchtitan.tools.profiling import MIN_PROFILE_FREQ
 
-    profiling = job_config.profiling
-    if (profiling.enable_profiling or profiling.enable_memory_snapshot) and profiling.profile_freq < MIN_PROFILE_FREQ:
+    profiling, steps = job_config.profiling, job_config.training.steps
+    freq, profiles = profiling.profile_freq, profiling.enable_profiling or profiling.enable_memory_snapshot
+    if profiles and freq < MIN_PROFILE_FREQ:
         raise ConfigError(
-            f"profiling.profile_freq={profiling.profile_freq}: use >= {MIN_PROFILE_FREQ} (the profiler warms up for "
+            f"profiling.profile_freq={freq}: use >= {MIN_PROFILE_FREQ} (the profiler warms up for "
             f"{MIN_PROFILE_FREQ - 1} steps before the step it records)"
         )
-    steps, freq = job_config.training.steps, profiling.profile_freq
-    if (profiling.enable_profiling or profiling.enable_memory_snapshot) and freq > steps:
+    if profiles and freq > steps:
         lower = f" or --profiling.profile_freq {steps}" if steps >= MIN_PROFILE_FREQ else ""
         logger.warning(
             f"profiling.profile_freq={freq} records step {freq}, but training.steps is {steps}: no step will be "

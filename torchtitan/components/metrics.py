@@ -101,9 +101,8 @@ class MetricsProcessor:
         self.num_flops_per_token = num_flops_per_token
         self.is_logging_rank = is_logging_rank
         self.tokens_per_step = _tokens_per_device_step(job_config)
-        device = torch.device(device)
         self.memory_monitor = DeviceMemoryMonitor(device)
-        self.peak_flops = get_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        self.peak_flops = get_peak_flops(torch.cuda.get_device_name(device)) if self.memory_monitor.is_cuda else None
 
         self._logged_before = False
         # Seconds and steps of every window but the first (which holds init, compile and checkpoint load).
