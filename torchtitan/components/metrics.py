@@ -309,6 +309,9 @@ def _tokens_per_device_step(job_config: JobConfig) -> float:
     if training.global_batch_size > 0:
         world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         return training.global_batch_size * training.seq_len / world_size
-    # No accumulation: every DP rank runs local_batch_size sequences, shared by its TP x PP devices.
-    non_dp = parallelism.tensor_parallel_degree * parallelism.pipeline_parallel_degree
+    # No accumulation: every DP rank runs local_batch_size sequences, shared by its TP x PP devices and split along the
+    # sequence over its CP devices (CP ranks load the same samples).
+    non_dp = (
+        parallelism.tensor_parallel_degree * parallelism.pipeline_parallel_degree * parallelism.context_parallel_degree
+    )
     return training.local_batch_size * training.seq_len / non_dp

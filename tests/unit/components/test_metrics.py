@@ -79,6 +79,17 @@ def test_tps_counts_tokens_per_device_over_the_windows_steps_and_seconds(tmp_pat
     assert processor.log(10, loss=1.0, grad_norm=1.0, seconds=0.5, steps=1)["tps"] == pytest.approx(8 / 0.5)
 
 
+def test_tps_counts_a_cp_rank_its_share_of_the_sequence(tmp_path):
+    """CP ranks load the same samples and each runs 1/cp of every sequence: with CP=2 and TP=2 a device runs a quarter
+    of its DP rank's 16 tokens per step."""
+    config = job_config(tmp_path)
+    config.parallelism.context_parallel_degree = 2
+    config.parallelism.tensor_parallel_degree = 2
+    processor = MetricsProcessor(config, num_flops_per_token=6.0, device=torch.device("cpu"), is_logging_rank=False)
+    assert processor.tokens_per_step == 4
+    assert processor.log(2, loss=1.0, grad_norm=1.0, seconds=4.0, steps=2)["tps"] == pytest.approx(2 * 4 / 4)
+
+
 def test_jsonl_gets_one_flushed_record_per_logged_step(tmp_path):
     processor = MetricsProcessor(
         job_config(tmp_path), num_flops_per_token=1.0, device=torch.device("cpu"), is_logging_rank=True
