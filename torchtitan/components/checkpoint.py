@@ -90,7 +90,6 @@ class StateDictAdapter(Protocol):
 
     def hf_config(self) -> dict[str, Any] | None:
         """A config.json for exports, or None."""
-        ...
 
 
 class CheckpointManager:
@@ -117,8 +116,6 @@ class CheckpointManager:
         self.config = config
         self.enable = config.enable
         self.folder = os.path.join(job_config.job.dump_folder, config.folder)
-        self.interval = config.interval
-        self.keep_latest_k = config.keep_latest_k  # the values were checked where they entered (config.manager)
         self.export_dtype = DTYPES[config.export_dtype]
         self.shape_source = job_config.model.shape_source()
 
@@ -140,10 +137,12 @@ class CheckpointManager:
         self.train_state = train_state
         self.dp_rank = dp_rank
         self.state_dict_adapter = state_dict_adapter
-        needs_hf = (config.last_save_in_hf and self.enable) or (config.initial_load_path and config.initial_load_in_hf)
-        if needs_hf and state_dict_adapter is None:
+        # the adapter's modules a checkpoint may lack or a run may leave out (MTP)
+        self.optional_prefixes = state_dict_adapter.optional_prefixes if state_dict_adapter is not None else ()
+        export_hf = config.last_save_in_hf and self.enable
+        if (export_hf or (config.initial_load_path and config.initial_load_in_hf)) and state_dict_adapter is None:
             raise ValueError("HF checkpoint import/export needs CheckpointManager(state_dict_adapter=...)")
-        if config.last_save_in_hf and self.enable and any(_is_pipeline_stage(part) for part in model_parts):
+        if export_hf and any(_is_pipeline_stage(part) for part in model_parts):
             raise ValueError(
                 "checkpoint.last_save_in_hf is not supported with pipeline parallelism yet; use "
                 "--checkpoint.last_save_model_only and convert the DCP checkpoint offline"
@@ -164,7 +163,7 @@ class CheckpointManager:
 
     def saves_at(self, curr_step: int, last_step: bool = False) -> bool:
         """Whether `save` writes a checkpoint at this step: every `interval`-th step and the last step."""
-        return self.enable and (last_step or curr_step % self.interval == 0)
+        return self.enable and (last_step or curr_step % self.config.interval == 0)
 
     @torch.no_grad()
     def save(self, curr_step: int, last_step: bool = False) -> None:
@@ -188,8 +187,7 @@ class CheckpointManager:
             # DCP stages (copies) the state to CPU memory before returning; only the write runs in the background,
             # and so does this rank's checksumming of what it wrote.
             future = dcp.async_save(self._states(), checkpoint_id=tmp_path, process_group=self.pg)
-            rank = self.rank
-            future.add_done_callback(lambda done: done.exception() or write_rank_checksums(tmp_path, rank))
+            future.add_done_callback(lambda done: done.exception() or write_rank_checksums(tmp_path, self.rank))
             self._pending = _PendingSave(curr_step, tmp_path, future)
             logger.info(
                 f"checkpoint step {curr_step}: staged in {time.monotonic() - begin:.2f}s, writing in background"
@@ -247,17 +245,14 @@ class CheckpointManager:
         )
 
     def _publish(self, step: int, tmp_path: str, fmt: str) -> None:
-        """Rank 0: make `step-N` visible atomically, then purge old checkpoints."""
+        """Rank 0: make `step-N` visible atomically, then purge all but the latest `keep_latest_k` checkpoints."""
         publish(self.folder, step, tmp_path, fmt, num_ranks=self.world_size)
-        self._purge_old_checkpoints()
-
-    def _purge_old_checkpoints(self) -> None:
-        if self.keep_latest_k <= 0:
+        keep = self.config.keep_latest_k
+        if keep <= 0:
             return
-        complete = sorted(complete_checkpoints(self.folder))
-        for step in complete[: -self.keep_latest_k]:
-            path = os.path.join(self.folder, f"step-{step}")
-            logger.info(f"keep_latest_k={self.keep_latest_k}: deleting {path}")
+        for old_step in sorted(complete_checkpoints(self.folder))[:-keep]:
+            path = os.path.join(self.folder, f"step-{old_step}")
+            logger.info(f"keep_latest_k={keep}: deleting {path}")
             shutil.rmtree(path, ignore_errors=True)
 
     def _in_export_dtype(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -265,9 +260,8 @@ class CheckpointManager:
 
     def _save_hf(self, tmp_path: str) -> None:
         full_state: dict[str, Any] = {}
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to CPU on global rank 0 only
         for part in self.model_parts:
-            # Gathered to CPU on global rank 0 only (other ranks get nothing).
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             full_state.update(get_model_state_dict(part, options=options))
         if self.rank == 0:
             from torchtitan.components.hf_safetensors import save_hf_safetensors
@@ -286,23 +280,22 @@ class CheckpointManager:
         """Resume from `step-<step>` (-1: the latest complete full checkpoint), else initialize from
         `checkpoint.initial_load_path` if set. True if training state resumed (from an initial checkpoint only when
         initial_load_model_only=False)."""
-        if self.enable:
-            found = self._rank0_decides(lambda: self._checkpoint_to_resume(step))
-            if found is not None:
-                path, fix = found  # fix: what to do should the checkpoint turn out damaged
-                begin = time.monotonic()
-                if self.config.initial_load_path:
-                    logger.info(
-                        f"resuming from {path}: checkpoint.initial_load_path {self.config.initial_load_path} is not "
-                        "used (it only starts a run whose checkpoint folder holds no checkpoint yet)"
-                    )
-                self._verify_checksums(path, fix)
-                keys = checkpoint_keys(path, fix)
-                self._check_same_model(path, keys)
-                self._dcp_load(self._states_present_in(path, keys), path)
-                self._check_finite_weights(path)
-                logger.info(f"resumed from {path} in {time.monotonic() - begin:.2f}s")
-                return True
+        found = self._rank0_decides(lambda: self._checkpoint_to_resume(step)) if self.enable else None
+        if found is not None:
+            path, fix = found  # fix: what to do should the checkpoint turn out damaged
+            begin = time.monotonic()
+            if self.config.initial_load_path:
+                logger.info(
+                    f"resuming from {path}: checkpoint.initial_load_path {self.config.initial_load_path} is not "
+                    "used (it only starts a run whose checkpoint folder holds no checkpoint yet)"
+                )
+            self._verify_checksums(path, fix)
+            keys = checkpoint_keys(path, fix)
+            self._check_same_model(path, keys)
+            self._dcp_load(self._states_present_in(path, keys), path)
+            self._check_finite_weights(path)
+            logger.info(f"resumed from {path} in {time.monotonic() - begin:.2f}s")
+            return True
         if self.config.initial_load_path:
             resumed = self._load_initial(self.config.initial_load_path)
             self._check_finite_weights(self.config.initial_load_path)
@@ -312,8 +305,7 @@ class CheckpointManager:
     def _check_same_model(self, path: str, keys: set[str]) -> None:
         """A resume into a model that lacks some of the checkpoint's tensors (fewer MTP modules, say) would load
         without them, and its next save would drop them: refuse."""
-        extra = self._tensors_not_built(keys, "model.")
-        if extra:
+        if extra := self._tensors_not_built(keys, "model."):
             raise CheckpointError(
                 f"cannot resume from {path}: it holds {len(extra)} model tensors this run does not build, e.g. "
                 f"{extra[:3]}; resume with the model flags it was saved with (--model.mtp_layers, --model.flavor, "
@@ -325,8 +317,8 @@ class CheckpointManager:
         """An initial checkpoint may hold optional modules this run leaves out (MTP): one line says so. Any other
         tensor the model does not build means another model's checkpoint: refuse rather than load part of it."""
         extra = self._tensors_not_built(keys, prefix)
-        left_out = [name for name in extra if name.startswith(self._optional_prefixes)]
-        other = [name for name in extra if not name.startswith(self._optional_prefixes)]
+        left_out = [name for name in extra if name.startswith(self.optional_prefixes)]
+        other = [name for name in extra if not name.startswith(self.optional_prefixes)]
         if other:
             raise CheckpointError(
                 f"checkpoint.initial_load_path {path} holds {len(other)} model tensors this run does not build, "
@@ -342,17 +334,12 @@ class CheckpointManager:
     def _tensors_not_built(self, keys: set[str], prefix: str) -> list[str]:
         """The checkpoint's model tensor names (keys under `prefix`) that no rank's model has (a pipeline stage
         holds only its own, so the names are gathered over the ranks)."""
-        ours = set(self.model.state_dict())
-        if self.pg is not None:
-            gathered: list[Any] = [None] * dist.get_world_size(self.pg)
-            dist.all_gather_object(gathered, ours, group=self.pg)
-            ours = set().union(*gathered)
+        ours = set().union(*self._all_gather(set(self.model.state_dict())))
         return sorted(name for key in keys if key.startswith(prefix) and (name := key[len(prefix) :]) not in ours)
 
     def _check_finite_weights(self, path: str) -> None:
         """A loaded weight that is inf or NaN makes every loss non-finite: name the checkpoint, not the lr."""
-        where = nonfinite_weight(self.model_parts)
-        if where is not None:
+        if (where := nonfinite_weight(self.model_parts)) is not None:
             raise CheckpointError(
                 f"{path} holds inf or NaN weights ({where}): the checkpoint is corrupt; resume from an older one "
                 "(--checkpoint.load_step N) or initialize from another (--checkpoint.initial_load_path)"
@@ -406,7 +393,7 @@ class CheckpointManager:
         """(path, damage fix) of `step-<step>` once its files match its manifest and the manifest's step matches the
         name (a renamed folder would resume at another step than the one it holds)."""
         path = complete[step]
-        fix = self._damage_fix(path, complete)
+        fix = self._damage_fix(complete, step)
         manifest = validate_checkpoint(path, fix=f"Nothing was loaded; {fix}")
         if manifest.get("step") != step:
             raise CheckpointError(
@@ -415,11 +402,11 @@ class CheckpointManager:
             )
         return path, fix
 
-    def _damage_fix(self, path: str, complete: dict[int, str]) -> str:
-        """What to do about damaged checkpoint `path` of this run's folder (its `complete` checkpoints): resume from
-        an older one if there is one; else nothing earlier exists to resume from, and deleting it starts over."""
-        step = next((s for s, p in complete.items() if p == path), None)
-        older = sorted(s for s in complete if step is not None and s < step)
+    def _damage_fix(self, complete: dict[int, str], step: int) -> str:
+        """What to do about damaged checkpoint `step-<step>` of this run's folder (its `complete` checkpoints): resume
+        from an older one if there is one; else nothing earlier exists to resume from, and deleting it starts over."""
+        path = complete[step]
+        older = sorted(s for s in complete if s < step)
         if older:
             return (
                 f"delete {path} (or move it out of the folder), then resume from the previous checkpoint "
@@ -435,13 +422,9 @@ class CheckpointManager:
         with open(os.path.join(path, MANIFEST_NAME)) as f:
             manifest = json.load(f)
         bad = corrupt_files(path, manifest, self.rank, self.world_size)
-        if self.pg is not None and self.world_size > 1:
-            gathered: list[Any] = [None] * self.world_size
-            dist.all_gather_object(gathered, bad, group=self.pg)
-            bad = sorted(name for names in gathered for name in names)
-        if not bad:
-            return
-        raise corrupt_checkpoint_error(path, bad, fix)
+        bad = sorted(name for names in self._all_gather(bad) for name in names)
+        if bad:
+            raise corrupt_checkpoint_error(path, bad, fix)
 
     def _load_initial(self, path: str) -> bool:
         begin = time.monotonic()
@@ -474,12 +457,7 @@ class CheckpointManager:
         """The adapter's optional module prefixes the checkpoint (its model tensor names) holds nothing under: those
         modules keep their fresh init (the model args decided to build them, and said so)."""
         names = list(checkpoint_names)
-        return tuple(prefix for prefix in self._optional_prefixes if not any(name.startswith(prefix) for name in names))
-
-    @property
-    def _optional_prefixes(self) -> tuple[str, ...]:
-        """The adapter's modules a checkpoint may lack or a run may leave out (MTP); none without an adapter."""
-        return self.state_dict_adapter.optional_prefixes if self.state_dict_adapter is not None else ()
+        return tuple(prefix for prefix in self.optional_prefixes if not any(name.startswith(prefix) for name in names))
 
     def _load_hf(self, path: str) -> None:
         from torchtitan.components.hf_safetensors import load_hf_safetensors
@@ -569,6 +547,14 @@ class CheckpointManager:
     def _barrier(self) -> None:
         if self.pg is not None:
             dist.barrier(group=self.pg)
+
+    def _all_gather(self, value: Any) -> list[Any]:
+        """`value` of every rank (only this rank's without a process group)."""
+        if self.pg is None:
+            return [value]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value, group=self.pg)
+        return gathered
 
     def _rank0_decides(self, decide: Any) -> Any:
         """Run `decide()` on rank 0 and give its result (or its CheckpointError) to every rank."""
