@@ -286,9 +286,9 @@ def exports(folder: str) -> list[str]:
             continue
         for name in os.listdir(parent):
             path = os.path.join(parent, name)
-            if _STEP_DIR.match(name) and _has_manifest(path):
+            if (match := _STEP_DIR.match(name)) and _has_manifest(path):
                 if parent == exports_dir or _format(path) in _EXPORT_FORMATS:
-                    found.append((int(name.split("-")[1]), path))
+                    found.append((int(match.group(1)), path))
     return [path for _, path in sorted(found)]
 
 
@@ -303,10 +303,10 @@ def _format(path: str) -> str | None:
 def resolve_tmp_folders(folder: str) -> None:
     """Startup, rank 0: finish renames that a crash interrupted after the manifest; delete other `.tmp` folders."""
     for name in sorted(os.listdir(folder)):
-        if not (name.endswith(TMP_SUFFIX) and _STEP_DIR.match(name[: -len(TMP_SUFFIX)])):
+        match = _STEP_DIR.match(name.removesuffix(TMP_SUFFIX))
+        if not (name.endswith(TMP_SUFFIX) and match):
             continue
-        tmp_path = os.path.join(folder, name)
-        step = int(name[len("step-") : -len(TMP_SUFFIX)])
+        tmp_path, step = os.path.join(folder, name), int(match.group(1))
         complete = manifest_problem(tmp_path) is None
         fmt = _format(tmp_path) if complete else None
         if complete and not os.path.exists(_final_path(folder, step, fmt)):
