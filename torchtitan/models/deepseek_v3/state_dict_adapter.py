@@ -117,14 +117,14 @@ class DeepSeekV3StateDictAdapter:
         held_layers = set()
         beyond: dict[int, list[str]] = {}  # layer past the model's blocks -> its tensor names
         for key, value in hf_state_dict.items():
-            layer = re.match(r"model\.layers\.(\d+)\.(.*)", key)
-            if layer:
-                held_layers.add(int(layer.group(1)))
-            if layer and int(layer.group(1)) >= n_blocks:
-                beyond.setdefault(int(layer.group(1)), []).append(key)
-                continue
-            if layer and int(layer.group(1)) >= n_layers and layer.group(2) in _MTP_SHARED_COPIES:
-                continue
+            if layer := re.match(r"model\.layers\.(\d+)\.(.*)", key):
+                i, rest = int(layer.group(1)), layer.group(2)
+                held_layers.add(i)
+                if i >= n_blocks:
+                    beyond.setdefault(i, []).append(key)
+                    continue
+                if i >= n_layers and rest in _MTP_SHARED_COPIES:
+                    continue
             if expert := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight", key):
                 layer_id, j, name = expert.groups()
                 experts.setdefault((layer_id, hf_to_ours[name]), {})[int(j)] = value
@@ -133,8 +133,7 @@ class DeepSeekV3StateDictAdapter:
 
         _leave_out_layers_beyond(beyond, n_layers, self.model_args.mtp_layers)
         for (layer_id, name), per_expert in experts.items():
-            if sorted(per_expert) != list(range(num_experts)):
-                found = sorted(per_expert)
+            if (found := sorted(per_expert)) != list(range(num_experts)):
                 raise ValueError(f"layer {layer_id} {name}: expected experts 0..{num_experts - 1}, found {found}")
             stacked = torch.stack([per_expert[j] for j in range(num_experts)])  # (E, out, in)
             state_dict[f"layers.{layer_id}.moe.experts.{name}"] = stacked
@@ -271,7 +270,7 @@ def model_args_from_hf_config(config: dict[str, Any]) -> DeepSeekV3ModelArgs:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     rope_theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     max_seq_len = config.get("max_position_embeddings", 4096)
-    yarn = {}
+    yarn = dict(original_seq_len=max_seq_len)  # no YaRN: the whole length is the original one
     if rope_type == "yarn":
         mscale, mscale_all_dim = rope.get("mscale", 1.0), rope.get("mscale_all_dim", 1.0)
         if mscale != mscale_all_dim:
@@ -288,8 +287,6 @@ def model_args_from_hf_config(config: dict[str, Any]) -> DeepSeekV3ModelArgs:
         )
     elif rope_type != "default":
         raise ValueError(f"rope type {rope_type!r} is not supported (only default and yarn)")
-    else:
-        yarn = dict(original_seq_len=max_seq_len)
 
     eos = config.get("eos_token_id", 0)
     return DeepSeekV3ModelArgs(
