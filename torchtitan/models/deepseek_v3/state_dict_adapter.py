@@ -81,6 +81,8 @@ class DeepSeekV3StateDictAdapter:
 
         MTP module k becomes model.layers.{n_layers + k}, with copies of the embedding and the output head.
         """
+        # gathered first, in the same order on every rank (a collective each), so the MTP copies below are full too
+        state_dict = {key: v.full_tensor() if isinstance(v, DTensor) else v for key, v in state_dict.items()}
         hf_state_dict = {}
         n_layers = self.model_args.n_layers
         for k in range(self.model_args.mtp_layers):
@@ -89,8 +91,6 @@ class DeepSeekV3StateDictAdapter:
                     hf_state_dict[f"model.layers.{n_layers + k}.{hf_name}"] = state_dict[ours]
         state_dict = {_mtp_to_layer_key(key, n_layers): value for key, value in state_dict.items()}
         for key, value in state_dict.items():
-            if isinstance(value, DTensor):
-                value = value.full_tensor()
             if expert := re.fullmatch(r"layers\.(\d+)\.moe\.experts\.(w[123])", key):
                 layer, name = expert.groups()
                 for j in range(value.shape[0]):  # (E, out, in) -> E x (out, in)

@@ -232,3 +232,27 @@ def test_preflight_accepts_mtp_with_pipeline_parallelism():
 def test_negative_mtp_layers_is_rejected():
     with pytest.raises(ValueError, match="mtp_layers=-1"):
         check_job([*DEBUG_TOML, "--model.mtp_layers", "-1"], world_size=1)
+
+
+def _to_hf_of_sharded_state(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    args = tiny_args(mtp_layers=1)
+    full = _model(args).state_dict()
+    mesh = init_device_mesh("cpu", (world_size,))
+    sharded = {key: distribute_tensor(value, mesh, [Shard(0)]) if value.dim() else value for key, value in full.items()}
+    hf = DeepSeekV3StateDictAdapter(args).to_hf(sharded)
+    assert not any(isinstance(value, DTensor) for value in hf.values())
+    expected = DeepSeekV3StateDictAdapter(args).to_hf(full)
+    assert hf.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(hf[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_to_hf_gathers_sharded_tensors_into_the_mtp_layers_copies_too():
+    """A DTensor state dict gives the full HF tensors, the MTP layer's copies of the embedding and the head among them
+    (they were taken before the gather and stayed sharded)."""
+    from tests.unit.distributed._spawn import run_distributed
+
+    run_distributed(_to_hf_of_sharded_state, 2)
