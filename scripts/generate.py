@@ -37,6 +37,7 @@ from torchtitan.components.checkpoint_folder import (  # noqa: E402
     checkpoint_metadata,
     dcp_error_text,
     model_key_prefix,
+    model_mismatch,
     verify_checkpoint_files,
 )
 from torchtitan.components.hf_safetensors import load_hf_safetensors  # noqa: E402
@@ -261,11 +262,8 @@ def _check_same_model(path: str, shape: str, state: dict[str, torch.Tensor], hel
     """The checkpoint's tensors (`held`: our name -> size) are the model's (`state`) that `shape` builds, or one error
     naming `shape`. MTP modules are not built here (sampling uses the main head): the checkpoint's are not read."""
     other = f"{path} holds another model than {shape} builds"
-    if missing := [name for name in state if name not in held]:
-        raise ValueError(f"{other}: it lacks {len(missing)} of its tensors, e.g. {missing[:3]}; {_SHAPE_FIX}")
-    if wrong := next((name for name, value in state.items() if tuple(held[name]) != value.shape), None):
-        there, here = list(held[wrong]), list(state[wrong].shape)
-        raise ValueError(f"{other}: {wrong} is {there} there, {here} here; {_SHAPE_FIX}")
+    if mismatch := model_mismatch({name: value.shape for name, value in state.items()}, held):
+        raise ValueError(f"{other}: {mismatch}; {_SHAPE_FIX}")
     if extra := sorted(name for name in held if name not in state and not name.startswith("mtp.")):
         raise ValueError(f"{other}: it has {len(extra)} tensors more, e.g. {extra[:3]}; {_SHAPE_FIX}")
 

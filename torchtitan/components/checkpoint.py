@@ -49,6 +49,7 @@ from torchtitan.components.checkpoint_folder import (
     dcp_error_text,
     exports,
     model_key_prefix,
+    model_mismatch,
     publish,
     resolve_tmp_folders,
     unfinished_checkpoints,
@@ -478,17 +479,12 @@ class CheckpointManager:
         except ValueError as err:  # names what differs from the model's shape
             raise CheckpointError(f"{other_model}: {err}; {fix}") from None
         fresh = self._absent_optional_modules(state)
+        held = {key: value.shape for key, value in state.items()}
         for part in self.model_parts:
-            ours = get_model_state_dict(part)
-            if missing := [key for key in sorted(set(ours) - set(state)) if not key.startswith(fresh)]:
-                raise CheckpointError(
-                    f"{other_model}: it lacks {len(missing)} of its tensors, e.g. {missing[:3]}; {fix}"
-                )
-            # otherwise set_model_state_dict raises one line per tensor (a wrong flavor: nearly all of them)
-            for key in sorted(set(ours) & set(state)):
-                if tuple(ours[key].shape) != tuple(state[key].shape):
-                    there, here = list(state[key].shape), list(ours[key].shape)
-                    raise CheckpointError(f"{other_model}: {key} is {there} there, {here} here; {fix}")
+            # else set_model_state_dict raises one line per tensor (a wrong flavor: nearly all of them)
+            ours = {key: value.shape for key, value in sorted(get_model_state_dict(part).items())}
+            if mismatch := model_mismatch(ours, held, fresh):
+                raise CheckpointError(f"{other_model}: {mismatch}; {fix}")
             set_model_state_dict(part, state, options=StateDictOptions(full_state_dict=True, strict=False))
 
     def _states(self) -> dict[str, Any]:

@@ -235,6 +235,17 @@ def model_key_prefix(keys) -> str:
     return "model." if any(key.startswith("model.") for key in keys) else ""
 
 
+def model_mismatch(ours: dict[str, Any], held: dict[str, Any], optional: tuple[str, ...] = ()) -> str | None:
+    """How a checkpoint's tensors (`held`: name -> shape) are another model's than ours (name -> shape), in the
+    order of `ours`: the tensors of ours it lacks (but those under `optional` prefixes), else the first it holds in
+    another shape; None when neither. Said after "<checkpoint> holds another model than <shape source> builds: "."""
+    if missing := [name for name in ours if name not in held and not name.startswith(optional)]:
+        return f"it lacks {len(missing)} of its tensors, e.g. {missing[:3]}"
+    if wrong := next((name for name in ours if name in held and tuple(held[name]) != tuple(ours[name])), None):
+        return f"{wrong} is {list(held[wrong])} there, {list(ours[wrong])} here"
+    return None
+
+
 def is_step_name(name: str) -> bool:
     """Whether `name` is where a save goes: `step-N` or its `step-N.tmp`."""
     return _STEP_DIR.match(name.removesuffix(TMP_SUFFIX)) is not None
