@@ -12,7 +12,7 @@ moe.expert_bias <-> mlp.gate.e_score_correction_bias (V3 only).
 import json
 import logging
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
@@ -147,10 +147,15 @@ class DeepSeekV3StateDictAdapter:
         return {_layer_to_mtp_key(key, n_layers): value for key, value in state_dict.items()}
 
 
+def _is_mtp_layer(hf_keys: Iterable[str]) -> bool:
+    """Whether an HF layer's tensor names are an MTP module's (it has a tensor only those have)."""
+    return any(map(_MTP_ONLY_KEY.match, hf_keys))
+
+
 def _leave_out_layers_beyond(beyond: dict[int, list[str]], n_layers: int, mtp_layers: int) -> None:
     """Checkpoint layers past the model's (`beyond`: layer -> tensor names): MTP layers the model does not build are
     left out, said in one line; a transformer layer there (no MTP-only tensor) means a deeper model: ValueError."""
-    if blocks := sorted(i for i, keys in beyond.items() if not any(map(_MTP_ONLY_KEY.match, keys))):
+    if blocks := sorted(i for i, keys in beyond.items() if not _is_mtp_layer(keys)):
         raise ValueError(
             f"transformer layers past the {n_layers} (and {mtp_layers} MTP) of the model shape given: "
             f"model.layers.{blocks[0]}.* to model.layers.{blocks[-1]}.* (a deeper model)"
@@ -183,7 +188,7 @@ def mtp_layers_for_checkpoint(
         prefixes.append(prefix)
         if not any(key.startswith(prefix) for key in keys):
             continue
-        if in_hf and not any(_MTP_ONLY_KEY.match(key) for key in keys if key.startswith(prefix)):
+        if in_hf and not _is_mtp_layer(key for key in keys if key.startswith(prefix)):
             raise ValueError(
                 f"{path}: {prefix}* is a transformer layer, not an MTP module: the checkpoint is a deeper model than "
                 f"the {n_layers} layers given; give its own model shape (its config.json)"
