@@ -130,7 +130,7 @@ def drop_past_capacity(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_idx (T, K) global expert ids, topk_weights (T, K) -> both with the copies past `capacity` per destination
     rank masked (id -1, weight 0), the lowest routing weights first; ties keep the earlier token. No host sync, and
-    only 1-D scans (a scan along the long dim of a (T*K, ranks) tensor runs serially on CUDA: 5 ms a call)."""
+    only 1-D scans (a scan along the long dim of a (T*K, ranks) tensor runs serially on CUDA)."""
     flat_idx = topk_idx.reshape(-1)
     dest = torch.where(flat_idx >= 0, flat_idx // (num_experts // num_ranks), num_ranks)  # masked: one more column
     # the copies grouped by destination, heaviest first within each: two stable sorts
