@@ -64,11 +64,7 @@ from torchtitan.tools.dtypes import DTYPES
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointManager",
-    "StateDictAdapter",
-]
+__all__ = ["CheckpointError", "CheckpointManager", "StateDictAdapter"]
 
 
 class Stateful(Protocol):
@@ -78,8 +74,7 @@ class Stateful(Protocol):
 
 
 class StateDictAdapter(Protocol):
-    """A model's Hugging Face interop, which its package provides (`DeepSeekV3StateDictAdapter`): this layer knows no
-    model."""
+    """A model's Hugging Face interop, provided by its package (`DeepSeekV3StateDictAdapter`)."""
 
     optional_prefixes: tuple[str, ...]
     """Modules an initial checkpoint may hold none of (DeepSeek-V3's MTP modules): where the model args build them
@@ -96,9 +91,8 @@ class StateDictAdapter(Protocol):
 class CheckpointManager:
     """Saves every `checkpoint.interval` steps (and the last step) and resumes from the latest complete one.
 
-    model_parts: the model, or this rank's pipeline stages. dataloader, train_state: stateful objects or None. dp_rank:
-    this rank's data-parallel rank, which keys the dataloader state (required on several ranks with a dataloader).
-    state_dict_adapter: the model's HF interop, for HF import and export.
+    model_parts: the model, or this rank's pipeline stages. dp_rank: this rank's data-parallel rank, which keys the
+    dataloader state (required on several ranks with a dataloader). state_dict_adapter: for HF import and export.
     """
 
     def __init__(
@@ -138,7 +132,6 @@ class CheckpointManager:
         self.train_state = train_state
         self.dp_rank = dp_rank
         self.state_dict_adapter = state_dict_adapter
-        # the adapter's modules a checkpoint may lack or a run may leave out (MTP)
         self.optional_prefixes = state_dict_adapter.optional_prefixes if state_dict_adapter is not None else ()
         export_hf = config.last_save_in_hf and self.enable
         if (export_hf or (config.initial_load_path and config.initial_load_in_hf)) and state_dict_adapter is None:
@@ -163,7 +156,7 @@ class CheckpointManager:
     # ---- save ----------------------------------------------------------------------------------------
 
     def saves_at(self, curr_step: int, last_step: bool = False) -> bool:
-        """Whether `save` writes a checkpoint at this step: every `interval`-th step and the last step."""
+        """Whether `save` writes a checkpoint at this step."""
         return self.enable and (last_step or curr_step % self.config.interval == 0)
 
     @torch.no_grad()
@@ -185,8 +178,7 @@ class CheckpointManager:
             self._dcp_save({"model": self._in_export_dtype(self.model.state_dict())}, curr_step, tmp_path)
             fmt = FORMAT_MODEL_ONLY
         elif self.config.async_mode == "async" and not last_step:
-            # DCP stages (copies) the state to CPU memory before returning; only the write runs in the background,
-            # and so does this rank's checksumming of what it wrote.
+            # DCP stages (copies) the state to CPU memory before returning; the write and checksums run in background.
             future = dcp.async_save(self._states(), checkpoint_id=tmp_path, process_group=self.pg)
             future.add_done_callback(lambda done: done.exception() or write_rank_checksums(tmp_path, self.rank))
             self._pending = _PendingSave(curr_step, tmp_path, future)
@@ -204,8 +196,8 @@ class CheckpointManager:
         logger.info(f"checkpoint step {curr_step} ({fmt}) saved in {time.monotonic() - begin:.2f}s")
 
     def maybe_wait_for_staging(self) -> None:
-        """Call once per step before the optimizer step: publishes a background save that has finished. Staging is
-        synchronous inside `dcp.async_save`, so the parameters may already change; nothing waits."""
+        """Call once per step before the optimizer step: publishes a finished background save. Nothing waits: staging
+        is synchronous inside `dcp.async_save`."""
         if self._pending is not None and self._pending.future.done():
             self._finish_pending_save()
 
@@ -260,10 +252,8 @@ class CheckpointManager:
         return {k: v.to(self.export_dtype) if torch.is_floating_point(v) else v for k, v in state.items()}
 
     def _save_hf(self, tmp_path: str) -> None:
-        full_state: dict[str, Any] = {}
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to CPU on global rank 0 only
-        for part in self.model_parts:
-            full_state.update(get_model_state_dict(part, options=options))
+        full_state = {k: v for part in self.model_parts for k, v in get_model_state_dict(part, options=options).items()}
         if self.rank == 0:
             from torchtitan.components.hf_safetensors import save_hf_safetensors
 
@@ -278,9 +268,8 @@ class CheckpointManager:
 
     @torch.no_grad()
     def load(self, step: int = -1) -> bool:
-        """Resume from `step-<step>` (-1: the latest complete full checkpoint), else initialize from
-        `checkpoint.initial_load_path` if set. True if training state resumed (from an initial checkpoint only when
-        initial_load_model_only=False)."""
+        """Resume from `step-<step>` (-1: the latest), else initialize from `checkpoint.initial_load_path` if set.
+        True if training state resumed (from an initial checkpoint only with initial_load_model_only=False)."""
         found = self._rank0_decides(lambda: self._checkpoint_to_resume(step)) if self.enable else None
         if found is not None:
             path, fix = found  # fix: what to do should the checkpoint turn out damaged
@@ -333,8 +322,8 @@ class CheckpointManager:
             )
 
     def _tensors_not_built(self, keys: set[str], prefix: str) -> list[str]:
-        """The checkpoint's model tensor names (keys under `prefix`) that no rank's model has (a pipeline stage
-        holds only its own, so the names are gathered over the ranks)."""
+        """The checkpoint's model tensor names (keys under `prefix`) that no rank's model has (gathered over ranks:
+        a pipeline stage holds only its own)."""
         ours = set().union(*self._all_gather(set(self.model.state_dict())))
         return sorted(name for key in keys if key.startswith(prefix) and (name := key[len(prefix) :]) not in ours)
 
@@ -455,8 +444,8 @@ class CheckpointManager:
         return True
 
     def _absent_optional_modules(self, checkpoint_names: Iterable[str]) -> tuple[str, ...]:
-        """The adapter's optional module prefixes the checkpoint (its model tensor names) holds nothing under: those
-        modules keep their fresh init (the model args decided to build them, and said so)."""
+        """The optional module prefixes the checkpoint's model tensor names hold nothing under: those modules keep
+        their fresh init."""
         names = list(checkpoint_names)
         return tuple(prefix for prefix in self.optional_prefixes if not any(name.startswith(prefix) for name in names))
 
@@ -497,9 +486,8 @@ class CheckpointManager:
         return states
 
     def _states_present_in(self, path: str, keys: set[str]) -> dict[str, Any]:
-        """All states, minus per-rank ones checkpoint `path` (its DCP `keys`) has no entry for (another DP degree /
-        world size). A dataloader entry missing for this DP rank is read from DP rank 0's, whose position the
-        dataloader reshards."""
+        """All states, minus per-rank ones the checkpoint's DCP `keys` lack (another DP degree / world size). A
+        dataloader entry missing for this DP rank is read from DP rank 0's, whose position the dataloader reshards."""
         states = self._states()
         own_key = f"dataloader.dp_rank_{self.dp_rank}"
         if own_key in states and not any(key.startswith(own_key + ".") for key in keys):
@@ -583,10 +571,7 @@ class ModelWrapper:
         self.model_parts = model_parts
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {}
-        for part in self.model_parts:
-            state.update(get_model_state_dict(part))
-        return state
+        return {name: value for part in self.model_parts for name, value in get_model_state_dict(part).items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # strict=False: each part takes its own FQNs; DCP already failed on any key missing from the checkpoint.

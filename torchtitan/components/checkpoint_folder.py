@@ -31,6 +31,7 @@ _EXPORT_FORMATS = (FORMAT_MODEL_ONLY, FORMAT_HF)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _CHECKSUMS = re.compile(r"^checksums\.rank(\d+)\.json$")
 _CHUNK_BYTES = 16 << 20
+_WAIT_S = 600.0  # how long `publish` waits for checksum files (async saves write them in the background)
 
 
 class CheckpointError(RuntimeError):
@@ -57,12 +58,10 @@ def file_crc32(path: str) -> str:
     return f"{crc:08x}"
 
 
-def publish(folder: str, step: int, tmp_path: str, fmt: str, num_ranks: int = 1, wait_s: float = 600.0) -> str:
-    """Rank 0, after every rank wrote: manifest, fsync, rename `step-N.tmp` into place; returns the final path.
-
-    Waits up to `wait_s` for the checksum files of `num_ranks` ranks (async saves write them in the background).
-    """
-    _wait_for_checksums(tmp_path, num_ranks if fmt != FORMAT_HF else 0, wait_s)
+def publish(folder: str, step: int, tmp_path: str, fmt: str, num_ranks: int = 1) -> str:
+    """Rank 0, once the checksum files of `num_ranks` ranks are there: manifest, fsync, rename `step-N.tmp` into
+    place; returns the final path."""
+    _wait_for_checksums(tmp_path, num_ranks if fmt != FORMAT_HF else 0)
     checksums: dict[str, str] = {}
     for name in os.listdir(tmp_path):
         if _CHECKSUMS.match(name):
@@ -90,20 +89,19 @@ def publish(folder: str, step: int, tmp_path: str, fmt: str, num_ranks: int = 1,
     return _move_into_place(folder, step, tmp_path, fmt)
 
 
-def _wait_for_checksums(tmp_path: str, num_ranks: int, wait_s: float) -> None:
-    deadline = time.monotonic() + wait_s
+def _wait_for_checksums(tmp_path: str, num_ranks: int) -> None:
+    deadline = time.monotonic() + _WAIT_S
     while True:
         found = {int(m.group(1)) for m in map(_CHECKSUMS.match, os.listdir(tmp_path)) if m}
         missing = sorted(set(range(num_ranks)) - found)
         if not missing:
             return
         if time.monotonic() > deadline:
-            raise CheckpointError(f"save into {tmp_path}: ranks {missing} wrote no checksums in {wait_s:.0f}s")
+            raise CheckpointError(f"save into {tmp_path}: ranks {missing} wrote no checksums in {_WAIT_S:.0f}s")
         time.sleep(0.05)
 
 
 def _final_path(folder: str, step: int, fmt: str) -> str:
-    """Where a finished save of `fmt` lives: `step-N` for a resumable checkpoint, `exports/step-N` for an export."""
     parent = folder if fmt == FORMAT_FULL else os.path.join(folder, EXPORTS_DIR)
     return os.path.join(parent, f"step-{step}")
 
@@ -169,9 +167,8 @@ def corrupt_files(path: str, manifest: dict[str, Any], rank: int, num_ranks: int
 
 
 def verify_checkpoint_files(path: str, fix: str, manifest_fix: str | None = None) -> None:
-    """One process about to read checkpoint `path` (the scripts): with a manifest (one of ours), every file's size
-    and crc32 against it, as the trainer checks before a resume; `fix` (and `manifest_fix` for a size or manifest
-    problem, default "Nothing was loaded; <fix>") ends the error. Without a manifest there is nothing to check."""
+    """The scripts' check of checkpoint `path`, if it has a manifest: every file's size and crc32, as before a resume.
+    `fix` ends the error (`manifest_fix` that of a size or manifest problem; default "Nothing was loaded; <fix>")."""
     if not _has_manifest(path):
         return
     manifest = validate_checkpoint(path, fix=manifest_fix or f"Nothing was loaded; {fix}")
@@ -214,13 +211,12 @@ def validate_foreign_dcp(path: str) -> None:
 
 
 def checkpoint_keys(path: str, fix: str = "use an intact checkpoint") -> set[str]:
-    """The DCP keys of checkpoint `path`; an unreadable `.metadata` raises with `fix` (the caller knows whether
-    the folder is this run's own checkpoint or someone's source weights)."""
+    """The DCP keys of checkpoint `path`; an unreadable `.metadata` raises with `fix`."""
     return set(checkpoint_metadata(path, fix))
 
 
 def checkpoint_metadata(path: str, fix: str = "use an intact checkpoint") -> dict[str, Any]:
-    """The DCP metadata of checkpoint `path` by key (a tensor's gives its size), as `checkpoint_keys` reads it."""
+    """The DCP metadata of checkpoint `path` by key (a tensor's gives its size)."""
     import torch.distributed.checkpoint as dcp
 
     try:
@@ -236,9 +232,9 @@ def model_key_prefix(keys) -> str:
 
 
 def model_mismatch(ours: dict[str, Any], held: dict[str, Any], optional: tuple[str, ...] = ()) -> str | None:
-    """How a checkpoint's tensors (`held`: name -> shape) are another model's than ours (name -> shape), in the
-    order of `ours`: the tensors of ours it lacks (but those under `optional` prefixes), else the first it holds in
-    another shape; None when neither. Said after "<checkpoint> holds another model than <shape source> builds: "."""
+    """How a checkpoint's tensors (`held`: name -> shape) are another model's than `ours`: the tensors of ours it lacks
+    (but those under `optional` prefixes), else the first in another shape; None when neither. Said after
+    "<checkpoint> holds another model than <shape source> builds: "."""
     if missing := [name for name in ours if name not in held and not name.startswith(optional)]:
         return f"it lacks {len(missing)} of its tensors, e.g. {missing[:3]}"
     if wrong := next((name for name in ours if name in held and tuple(held[name]) != tuple(ours[name])), None):
@@ -252,8 +248,8 @@ def is_step_name(name: str) -> bool:
 
 
 def _has_manifest(path: str) -> bool:
-    """Whether folder `path` holds a manifest (the one test of it everywhere). A folder that cannot be read is an
-    error, not an unfinished save: treated as one it would be skipped, then deleted by the save of its step."""
+    """Whether folder `path` holds a manifest. An unreadable folder is an error, not an unfinished save (which would
+    be skipped, then deleted by the save of its step)."""
     try:
         return stat.S_ISREG(os.stat(os.path.join(path, MANIFEST_NAME)).st_mode)
     except (FileNotFoundError, NotADirectoryError):
@@ -292,9 +288,7 @@ def exports(folder: str) -> list[str]:
     """Export folders (model-only / HF), newest last: `exports/step-N` and older top-level ones."""
     found = []
     exports_dir = os.path.join(folder, EXPORTS_DIR)
-    for parent in (folder, exports_dir):
-        if not os.path.isdir(parent):
-            continue
+    for parent in filter(os.path.isdir, (folder, exports_dir)):
         for name in os.listdir(parent):
             path = os.path.join(parent, name)
             if (match := _STEP_DIR.match(name)) and _has_manifest(path):
