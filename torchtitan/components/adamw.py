@@ -13,10 +13,9 @@ foreach ops (the same update). DTensor parameters are updated through their loca
 fp32 master and writes it back split in the same pass. Its state is made at construction (DCP's own state init sets
 zero gradients of the parameter's dtype, refused where `grad_dtype` is fp32).
 
-`moments_dtype=torch.bfloat16`: both moments stored in bf16, the update still in fp32; made at construction too, and
-kept bf16 by a load. They are rounded stochastically (`_round_to_bf16_stochastically`): rounded to nearest, a change
-smaller than half a bf16 ulp (0.2-0.4% of the moment) is lost every time, an error of one sign that adds up over
-steps; rounded stochastically, each stored moment is right in expectation.
+`moments_dtype=torch.bfloat16`: both moments stored in bf16 (made at construction, kept bf16 by a load), the update
+still in fp32. They are rounded stochastically, so each is right in expectation: rounded to nearest, a change below
+half a bf16 ulp (0.2-0.4% of the moment) would be lost every step, a one-signed error that adds up.
 """
 
 from collections import defaultdict
@@ -27,7 +26,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.master_weights import join_fp32, split_fp32
+from torchtitan.components.master_weights import join_fp32, local_shard, split_fp32
 from torchtitan.kernels.multi_tensor import cuda_kernels
 
 __all__ = ["MultiTensorAdamW"]
@@ -61,16 +60,8 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         moments_dtype: torch.dtype | None = None,
     ) -> None:
         _check_supported({"amsgrad": amsgrad, "maximize": maximize})
-        defaults = {
-            "lr": lr,
-            "betas": betas,
-            "eps": eps,
-            "weight_decay": weight_decay,
-            "amsgrad": amsgrad,
-            "maximize": maximize,
-            **_TORCH_ADAMW_IMPLEMENTATION_KEYS,
-        }
-        super().__init__(params, defaults)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
+        super().__init__(params, {**defaults, **_TORCH_ADAMW_IMPLEMENTATION_KEYS})
         self.master_low_bits = dict(master_low_bits or {})
         self.moments_dtype = moments_dtype
         if self.master_low_bits or moments_dtype is not None:
@@ -105,15 +96,15 @@ class MultiTensorAdamW(torch.optim.Optimizer):
                 # a checkpoint of torch's fused AdamW keeps steps on the GPU: one copy here, then no syncs
                 state["step"] = state["step"].cpu()
             low_bits = self.master_low_bits.get(param)
-            local_param, local_grad = _local(param), _local(_grad_like_param(param))
+            local_param, local_grad = local_shard(param), local_shard(_grad_like_param(param))
             key = (local_param.device, local_param.dtype, local_grad.dtype, low_bits is not None)
             bucket = buckets.setdefault(key, _Bucket())
             if low_bits is not None:
-                bucket.low_bits.append(_local(low_bits))
+                bucket.low_bits.append(local_shard(low_bits))
             bucket.params.append(local_param)
             bucket.grads.append(local_grad)
-            bucket.exp_avgs.append(_local(state["exp_avg"]))
-            bucket.exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+            bucket.exp_avgs.append(local_shard(state["exp_avg"]))
+            bucket.exp_avg_sqs.append(local_shard(state["exp_avg_sq"]))
             bucket.steps.append(state["step"])
         return buckets
 
@@ -174,7 +165,8 @@ def _step_bucket(bucket: _Bucket, group: dict[str, Any], grad_scale: torch.Tenso
     # per parameter, in float64 on the host as torch computes them (steps may differ: a parameter without a
     # gradient in some step did not advance)
     steps = torch.stack(bucket.steps).tolist()
-    rounding_seed = _rounding_seed(steps[0])
+    # stochastic rounding: a new seed each step, the same on every rank and after a resume, an int32 for the kernel
+    rounding_seed = int(steps[0]) * 0x9E3779B1 % 2**31
     step_sizes = [lr / (1 - beta1**step) for step in steps]
     bias_correction2_sqrts = [(1 - beta2**step) ** 0.5 for step in steps]
     device = bucket.params[0].device
@@ -194,12 +186,6 @@ def _step_bucket(bucket: _Bucket, group: dict[str, Any], grad_scale: torch.Tenso
         low_bits=bucket.low_bits or None,
         rounding_seed=rounding_seed,
     )
-
-
-def _rounding_seed(step: float) -> int:
-    """The seed of a step's stochastic rounding: a new one each step, the same on every rank and after a resume,
-    below 2^31 (the kernel's int32 argument)."""
-    return int(step) * 0x9E3779B1 % 2**31
 
 
 def _round_to_bf16_stochastically(value: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -276,7 +262,3 @@ def _grad_like_param(param: torch.Tensor) -> torch.Tensor:
     if isinstance(grad, DTensor) and (grad.placements != param.placements or grad.device_mesh != param.device_mesh):
         return grad.redistribute(param.device_mesh, param.placements)
     return grad
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -1,13 +1,10 @@
 """bf16 weights with fp32 masters held as the weight plus 16 low bits: mixed precision for a model FSDP does not wrap.
 
 Under autocast every fp32 weight is cast at each use (and again in recompute). Weights that compute in bf16 are
-stored in bf16 instead, and the optimizer updates their fp32 masters and writes the new bf16 weights in one pass
-(`MultiTensorAdamW(master_low_bits=...)`).
-
-An fp32 number is its upper 16 bits (a bf16 number) and 16 lower bits, so the master is the bf16 weight plus an
-int16 tensor of low bits (`split_fp32` / `join_fp32`): 4 bytes per weight instead of 6. The weight is rounded to
-nearest, ties away from zero (the upper half plus one where the low half is >= 0x8000; ties to even could not be
-undone). The split is exact: every fp32 value, NaN and inf included, joins back to itself bit for bit.
+stored in bf16 instead; the optimizer updates their fp32 masters and writes the new bf16 weights in one pass
+(`MultiTensorAdamW(master_low_bits=...)`). The master is the bf16 weight plus an int16 tensor of the fp32 value's low
+16 bits: 4 bytes per weight instead of 6. The weight is rounded to nearest, ties away from zero (ties to even could
+not be undone); every fp32 value, NaN and inf included, joins back to itself bit for bit.
 
 Gradients are bf16, or fp32 (`grad_dtype`) with gradient accumulation so the sum does not round per micro-batch.
 The state dict holds the masters (same keys, fp32, joined on the CPU to spare GPU memory), so checkpoints see fp32
@@ -22,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["join_fp32", "split_fp32", "store_weights_in_bf16"]
+__all__ = ["join_fp32", "local_shard", "split_fp32", "store_weights_in_bf16"]
 
 _LOW = 0xFFFF
 _HALF = 0x8000
@@ -47,7 +44,7 @@ def store_weights_in_bf16(
     model_parts: list[nn.Module], module_types: tuple[type[nn.Module], ...], fp32_grads: bool
 ) -> dict[nn.Parameter, torch.Tensor]:
     """Store the parameters of the modules of `module_types` in bf16 (after their fp32 init); returns {parameter:
-    the int16 low bits of its fp32 master}. fp32_grads: their gradients are fp32 (gradient accumulation)."""
+    the int16 low bits of its fp32 master}."""
     low_bits: dict[nn.Parameter, torch.Tensor] = {}
     replaced: dict[nn.Parameter, nn.Parameter] = {}  # DTensor fp32 parameter -> its bf16 one
     for part in model_parts:
@@ -60,7 +57,7 @@ def store_weights_in_bf16(
                     param = replaced[param]
                     module.register_parameter(name, param)
                 elif param not in low_bits:
-                    weight, low = split_fp32(_local(param.detach()))
+                    weight, low = split_fp32(local_shard(param.detach()))
                     if isinstance(param, DTensor):  # a new bf16 parameter (setting .data would keep the fp32 shard)
                         replaced[param] = nn.Parameter(_like(param, weight), requires_grad=param.requires_grad)
                         param = replaced[param]
@@ -79,7 +76,7 @@ def store_weights_in_bf16(
 def _masters_in_state_dict(masters: dict[str, tuple], module: nn.Module, state_dict: dict, prefix: str, *_: Any):
     for name, (param, low_bits) in masters.items():
         if prefix + name in state_dict:
-            master = join_fp32(_local(param.detach()).cpu(), low_bits.cpu())
+            master = join_fp32(local_shard(param.detach()).cpu(), low_bits.cpu())
             if isinstance(param, DTensor):  # a DTensor of the parameter's layout holding the CPU shard
                 value = param.detach().to(device="cpu", dtype=torch.float32)
                 value.to_local().copy_(master)
@@ -91,15 +88,16 @@ def _load_into_masters(masters: dict[str, tuple], module: nn.Module, state_dict:
     for name, (param, low_bits) in masters.items():
         value = state_dict.get(prefix + name)
         if isinstance(value, torch.Tensor) and value is not param and value.shape == param.shape:
-            weight, low = split_fp32(_local(value.detach()).to(param.device))
+            weight, low = split_fp32(local_shard(value.detach()).to(param.device))
             with torch.no_grad():
-                _local(param).copy_(weight)
+                local_shard(param).copy_(weight)
                 low_bits.copy_(low)
             # the loader's own copy into the parameter must not round the master again
             state_dict[prefix + name] = param
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor as is."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
