@@ -23,13 +23,7 @@ from torchtitan.config.job_config import JobConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "DeviceMemoryMonitor",
-    "MemoryStats",
-    "MetricsProcessor",
-    "format_metrics_line",
-    "get_peak_flops",
-]
+__all__ = ["DeviceMemoryMonitor", "MemoryStats", "MetricsProcessor", "format_metrics_line", "get_peak_flops"]
 
 # Dense (no sparsity) bf16 tensor-core peak FLOPS per device, matched by substring of the CUDA device name,
 # first match wins (so "H100 PCIe" comes before the plain "H100" of the SXM parts).
@@ -214,7 +208,11 @@ class MetricsProcessor:
             record["ep_load_imbalance_max"] = max(ep_load_imbalance)
         if self.is_logging_rank:
             logger.info(format_metrics_line(record, memory, total_steps, eta_seconds))
-            self._write_tensorboard(record, memory)
+            scalars = {k: record.get(k) for k in _SCALARS}
+            for layer, value in enumerate(record.get("ep_load_imbalance", [])):
+                scalars[f"ep_load_imbalance/moe_layer_{layer}"] = value
+            scalars["memory_pct"] = memory.max_reserved_pct if memory else None
+            self._write_scalars(scalars, step)
             self._write_jsonl(record)
 
         self._logged_before = True
@@ -222,8 +220,7 @@ class MetricsProcessor:
         return record
 
     def log_validation(self, step: int, loss: float, seconds: float) -> None:
-        """A validation pass's loss and perplexity: the console, a metrics.jsonl record of their own, TensorBoard and
-        W&B."""
+        """A validation pass's loss and perplexity: the console, TensorBoard, W&B and a metrics.jsonl record."""
         if self.is_logging_rank:
             scalars = {"validation/loss": loss, "validation/perplexity": math.exp(min(loss, 700.0))}
             logger.info(f"step: {step}  " + "  ".join(f"{tag}: {value:.4f}" for tag, value in scalars.items()))
@@ -234,13 +231,6 @@ class MetricsProcessor:
         if self.jsonl_file is not None:
             self.jsonl_file.write(json.dumps(record) + "\n")
             self.jsonl_file.flush()
-
-    def _write_tensorboard(self, record: dict[str, Any], memory: MemoryStats | None) -> None:
-        scalars = {k: record.get(k) for k in _SCALARS}
-        for layer, value in enumerate(record.get("ep_load_imbalance", [])):
-            scalars[f"ep_load_imbalance/moe_layer_{layer}"] = value
-        scalars["memory_pct"] = memory.max_reserved_pct if memory else None
-        self._write_scalars(scalars, record["step"])
 
     def _write_scalars(self, scalars: dict[str, float | None], step: int) -> None:
         """The same scalars to TensorBoard and W&B (None: not measured on this device)."""

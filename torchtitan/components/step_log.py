@@ -53,14 +53,11 @@ class StepLog:
         self._unchecked = report
 
     def flush(self) -> None:
-        """Check and log the step not yet checked, if any (waits for the device to finish it)."""
-        if self._unchecked is not None:
-            report, self._unchecked = self._unchecked, None
-            self._check_and_log(report)
-
-    def _check_and_log(self, report: _StepReport) -> None:
-        """Stop on a diverged step (non-finite loss, zero or non-finite grad norm); log every `log_freq`-th step
-        and the last."""
+        """Check the step not yet checked, if any (waits for the device to finish it): stop if it diverged
+        (non-finite loss, zero or non-finite grad norm); log it if it is a `log_freq`-th step or the last."""
+        if self._unchecked is None:
+            return
+        report, self._unchecked = self._unchecked, None
         values = report.scalars.wait()
         loss, grad_norm, *mtp_loss = values[: report.num_scalars]
         ep_load_imbalance = values[report.num_scalars :] or None
