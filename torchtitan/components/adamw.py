@@ -33,13 +33,7 @@ __all__ = ["MultiTensorAdamW"]
 
 # Param-group keys of torch.optim.AdamW that say how torch steps, not what: kept so that DCP's flattened state dict,
 # which reads every key of the loading optimizer's groups, finds them in both directions. This class ignores them.
-_TORCH_ADAMW_IMPLEMENTATION_KEYS = {
-    "foreach": None,
-    "fused": None,
-    "capturable": False,
-    "differentiable": False,
-    "decoupled_weight_decay": True,
-}
+_TORCH_ONLY_KEYS = dict(foreach=None, fused=None, capturable=False, differentiable=False, decoupled_weight_decay=True)
 
 
 class MultiTensorAdamW(torch.optim.Optimizer):
@@ -61,7 +55,7 @@ class MultiTensorAdamW(torch.optim.Optimizer):
     ) -> None:
         _check_supported({"amsgrad": amsgrad, "maximize": maximize})
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
-        super().__init__(params, {**defaults, **_TORCH_ADAMW_IMPLEMENTATION_KEYS})
+        super().__init__(params, {**defaults, **_TORCH_ONLY_KEYS})
         self.master_low_bits = dict(master_low_bits or {})
         self.moments_dtype = moments_dtype
         if self.master_low_bits or moments_dtype is not None:

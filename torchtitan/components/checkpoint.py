@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan.components.checkpoint_folder import (
     FORMAT_FULL,
@@ -65,12 +66,6 @@ from torchtitan.tools.dtypes import DTYPES
 logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointError", "CheckpointManager", "StateDictAdapter"]
-
-
-class Stateful(Protocol):
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 class StateDictAdapter(Protocol):

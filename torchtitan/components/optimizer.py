@@ -25,7 +25,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["OptimizersContainer", "build_optimizers", "updates_master_weights"]
 
-# hook(optimizers_container, args, kwargs) -> None, same signature as torch.optim.Optimizer step hooks.
 StepHook = Callable[["OptimizersContainer", tuple, dict], None]
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
