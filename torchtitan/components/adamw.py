@@ -205,10 +205,9 @@ def _foreach_adamw_update_(
     low_bits: list[torch.Tensor] | None = None,
     rounding_seed: int = 0,
 ) -> None:
-    """The update on any device with torch's foreach ops, in the order of torch's foreach AdamW. With `low_bits`, the
-    bf16 `params` and their low bits hold fp32 masters (`master_weights.py`): the update runs on the joined masters,
-    then splits them back. Moments of another dtype than the (master) params are updated in the params' dtype and
-    rounded back, stochastically where they are bf16 (random bits from `rounding_seed`)."""
+    """The update with torch's foreach ops, in torch's foreach AdamW's order. With `low_bits` it runs on the joined fp32
+    masters and splits them back; moments of another dtype are updated in the (master) params' dtype and rounded back
+    (stochastically into bf16, seeded by `rounding_seed`)."""
     bf16_params = None
     if low_bits is not None:
         bf16_params, params = params, [join_fp32(param, low) for param, low in zip(params, low_bits, strict=True)]

@@ -95,8 +95,7 @@ class OptimizersContainer:
 
 
 def updates_master_weights(config: Any) -> bool:
-    """Whether the optimizer `optimizer` config builds can update fp32 masters of bf16 weights (`MultiTensorAdamW`):
-    AdamW with implementation 'triton'."""
+    """Whether the optimizer that `config` builds can update fp32 masters of bf16 weights (`MultiTensorAdamW`)."""
     return config.name == "AdamW" and config.implementation == "triton"
 
 
@@ -105,9 +104,8 @@ def build_optimizers(
     job_config: JobConfig,
     master_low_bits: dict[torch.Tensor, torch.Tensor] | None = None,
 ) -> OptimizersContainer:
-    """One optimizer per model part, configured by `job_config.optimizer`: `MultiTensorAdamW` for AdamW with
-    implementation 'triton', else `torch.optim.{AdamW,Adam}`. master_low_bits: {bf16 parameter: the low bits of its
-    fp32 master} (`store_weights_in_bf16`), which the optimizer updates; needs `updates_master_weights`."""
+    """One optimizer per model part. master_low_bits: {bf16 parameter: the low bits of its fp32 master}
+    (`store_weights_in_bf16`), which the optimizer updates; needs `updates_master_weights`."""
     config = job_config.optimizer
     if master_low_bits and not updates_master_weights(config):
         raise ValueError(f"fp32 master weights need optimizer AdamW with implementation 'triton', got {config}")
