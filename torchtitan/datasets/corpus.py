@@ -24,9 +24,7 @@ if TYPE_CHECKING:
 TINYCORPUS_PATH = Path(__file__).resolve().parents[1] / "assets" / "tinycorpus" / "austen_chapters.jsonl.gz"
 DOCUMENT_SUFFIXES = (".jsonl", ".jsonl.gz", ".txt", ".txt.gz", ".parquet", ".arrow")
 _HF_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")  # a saved Hugging Face dataset folder
-CACHE_DIR_ENV = "TORCHTITAN_CACHE_DIR"
-"""Where tokenized corpora are cached on disk (default ~/.cache/torchtitan)."""
-
+CACHE_DIR_ENV = "TORCHTITAN_CACHE_DIR"  # see disk_cache_dir
 TEXT_FIELD = "text"
 
 
@@ -34,15 +32,11 @@ class DatasetError(ValueError):
     """A corpus file that cannot be read as documents; the message names the file (and line) and the fix."""
 
 
-def check_corpus(
-    dataset: str, dataset_path: str | None, section: str = "training", records_per_file: int = 100
-) -> None:
-    """Preflight: every corpus file exists, has a known format, and its first records decode to text.
-
-    Reads at most `records_per_file` documents of each file (the trainer reads them all, and a bad record further
-    in fails there with the same one-line message)."""
+def check_corpus(dataset: str, dataset_path: str | None, section: str = "training") -> None:
+    """Preflight: every corpus file exists, has a known format, and its first 100 records decode to text (the
+    trainer reads them all, and a bad record further in fails there with the same one-line message)."""
     files = resolve_corpus_files(dataset, dataset_path, section)
-    if not any(doc.strip() for path in files for doc in read_documents(path, limit=records_per_file)):
+    if not any(doc.strip() for path in files for doc in read_documents(path, limit=100)):
         raise empty_corpus_error(files)
 
 
@@ -62,32 +56,27 @@ def resolve_corpus_files(dataset: str, dataset_path: str | None, section: str = 
             )
         return [TINYCORPUS_PATH]
 
-    path = Path(dataset_path).expanduser()
+    path, flag = Path(dataset_path).expanduser(), f"--{section}.dataset_path={dataset_path!r}"
     if not path.exists():
-        raise FileNotFoundError(f"--{section}.dataset_path={dataset_path!r} does not exist")
+        raise FileNotFoundError(f"{flag} does not exist")
     if path.is_file():
         if not _has_document_suffix(path):
             raise DatasetError(
-                f"--{section}.dataset_path={dataset_path!r}: unsupported file type; "
+                f"{flag}: unsupported file type; "
                 f"expected one of {', '.join(DOCUMENT_SUFFIXES)}, a folder of them, or a saved HF dataset"
             )
         return [path]
     if not path.is_dir():
-        raise DatasetError(f"--{section}.dataset_path={dataset_path!r} is neither a file nor a folder")
-    flag = f"--{section}.dataset_path={dataset_path!r}"
-    if (path / "dataset_dict.json").is_file():
-        return _saved_hf_dataset_dict_files(path, flag)
-    if (path / "state.json").is_file() or (path / "dataset_info.json").is_file():
+        raise DatasetError(f"{flag} is neither a file nor a folder")
+    if any((path / marker).is_file() for marker in _HF_MARKERS):
         return _saved_hf_dataset_files(path, flag)
     broken = sorted(str(p) for p in path.rglob("*") if p.is_symlink() and not p.exists() and _has_document_suffix(p))
     if broken:
-        raise DatasetError(
-            f"--{section}.dataset_path={dataset_path!r} holds links to nothing: {', '.join(broken)}; fix or remove them"
-        )
+        raise DatasetError(f"{flag} holds links to nothing: {', '.join(broken)}; fix or remove them")
     files = sorted(p for p in path.rglob("*") if p.is_file() and _has_document_suffix(p))
     if not files:
         raise DatasetError(
-            f"--{section}.dataset_path={dataset_path!r} is a folder with no {', '.join(DOCUMENT_SUFFIXES)} files "
+            f"{flag} is a folder with no {', '.join(DOCUMENT_SUFFIXES)} files "
             "and no saved HF dataset (state.json / dataset_info.json)"
         )
     return files
@@ -155,6 +144,15 @@ def _read_jsonl(path: Path, limit: int | None) -> list[str]:
 
 
 def _saved_hf_dataset_files(folder: Path, flag: str) -> list[Path]:
+    """The .arrow files of a saved Dataset (in state.json's order), or of a saved DatasetDict's train split."""
+    if (folder / "dataset_dict.json").is_file():
+        splits = _read_json(folder / "dataset_dict.json").get("splits", [])
+        if "train" not in splits:
+            raise DatasetError(
+                f"{flag} is a saved DatasetDict without a 'train' split (splits: {splits}); "
+                "point it at one split's folder"
+            )
+        folder = folder / "train"
     state_file = folder / "state.json"
     if state_file.is_file():
         entries = _read_json(state_file).get("_data_files", [])
@@ -171,15 +169,6 @@ def _saved_hf_dataset_files(folder: Path, flag: str) -> list[Path]:
     if missing:
         raise FileNotFoundError(f"{flag}: state.json lists missing {missing}")
     return files
-
-
-def _saved_hf_dataset_dict_files(folder: Path, flag: str) -> list[Path]:
-    splits = _read_json(folder / "dataset_dict.json").get("splits", [])
-    if "train" not in splits:
-        raise DatasetError(
-            f"{flag} is a saved DatasetDict without a 'train' split (splits: {splits}); point it at one split's folder"
-        )
-    return _saved_hf_dataset_files(folder / "train", flag)
 
 
 def _read_arrow(path: Path) -> "pa.Table":

@@ -30,7 +30,6 @@ CHANGED_SETTING = {
     "dp_world_size": "the data-parallel degree",
 }
 
-
 logger = logging.getLogger(__name__)
 
 
@@ -43,20 +42,11 @@ class ParallelAwareDataloader(StatefulDataLoader):
     sample stream is global, so every layout has consumed the same samples after S steps.
     """
 
-    def __init__(
-        self,
-        dataset: PackedTextDataset,
-        identity: dict[str, Any],
-        dp_rank: int,
-        dp_world_size: int,
-        batch_size: int,
-        num_workers: int = 0,
-    ):
-        super().__init__(dataset, batch_size=batch_size, num_workers=num_workers)
+    def __init__(self, dataset: PackedTextDataset, identity: dict[str, Any], num_workers: int = 0):
+        super().__init__(dataset, batch_size=dataset.local_batch_size, num_workers=num_workers)
         self.identity = identity
-        self.dp_rank = dp_rank
-        self.dp_world_size = dp_world_size
-        self._rank_key = f"dp_rank_{dp_rank}"
+        self.dp_world_size = dataset.dp_world_size
+        self._rank_key = f"dp_rank_{dataset.dp_rank}"
 
     def state_dict(self) -> dict[str, Any]:
         rank_state = {"identity": self.identity, "loader": super().state_dict()}
@@ -135,4 +125,4 @@ def build_dataloader(
     """Loader yielding `({"input": (L, seq_len) int64}, labels (L, seq_len) int64)` forever, with the training's or
     the validation split's L and seq_len. Every dp degree sees the same global batches (see text_datasets)."""
     dataset, identity = build_text_dataset(job_config, tokenizer, dp_rank, dp_world_size, split)
-    return ParallelAwareDataloader(dataset, identity, dp_rank, dp_world_size, dataset.local_batch_size, num_workers)
+    return ParallelAwareDataloader(dataset, identity, num_workers)

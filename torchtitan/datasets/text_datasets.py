@@ -40,12 +40,9 @@ logger = logging.getLogger(__name__)
 class PackedTextDataset(IterableDataset):
     """Endless stream of packed (input_dict, labels) samples for one data-parallel rank.
 
-    Every rank holds the whole token stream (tokenized once, then loaded from the disk cache): simple and exactly
-    reproducible for any dp degree, at the cost of W-fold memory (fine up to tens of millions of tokens; a large
-    corpus would need pre-tokenized shards instead).
-
-    State (`state_dict` / `load_state_dict`) is this rank's (per loader worker) position: how many samples it
-    has yielded, and the epoch the next sample starts in.
+    Every rank holds the whole token stream: simple and exactly reproducible for any dp degree, at the cost of W-fold
+    memory (fine up to tens of millions of tokens; a large corpus would need pre-tokenized shards).
+    State: this rank's (per loader worker) samples yielded, and the epoch the next sample starts in.
     """
 
     def __init__(
@@ -76,7 +73,7 @@ class PackedTextDataset(IterableDataset):
         num_tokens = self.token_stream.numel()
         start = sample_index * (self.seq_len + 1) % num_tokens
         end = start + self.seq_len + 1
-        if end <= num_tokens:  # a slice: an index over the positions took ~5 ms per sample on a busy host
+        if end <= num_tokens:  # a slice: indexing by positions is far slower
             return self.token_stream[start:end].clone()
         return self.token_stream[torch.arange(start, end) % num_tokens]
 
@@ -132,8 +129,6 @@ def build_text_dataset(
             )
     dataset = PackedTextDataset(token_stream, seq_len, batch_size, dp_rank, dp_world_size)
     identity = {
-        # Informational only (a resumed run may read the same corpus from another folder); the content
-        # hash below is what must match.
         "dataset": training.dataset if source.dataset_path is None else str(source.dataset_path),
         "tokens_sha256": hashlib.sha256(token_stream.numpy().tobytes()).hexdigest()[:16],
         "num_documents": num_documents,
@@ -159,9 +154,8 @@ def split_documents(token_stream: torch.Tensor, bos_id: int, held_out: bool, eve
     return token_stream[in_split], int(document[in_split].unique().numel())
 
 
-# Tokenized corpora are cached on disk, keyed by (files with their size and mtime, tokenizer fingerprint, format),
-# so every rank of every later run loads the token stream instead of tokenizing the corpus again (seconds per process
-# even for the shipped corpus).
+# Tokenized corpora are cached on disk, keyed by (files with their size and mtime, tokenizer fingerprint, format):
+# every rank of every later run loads the token stream instead of tokenizing again (seconds, even for a small corpus).
 _CACHE_FORMAT = 1  # bump when the token stream a corpus maps to changes (BOS/EOS rules, document reading)
 
 

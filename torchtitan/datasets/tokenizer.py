@@ -10,8 +10,7 @@ from torchtitan.config.job_config import JobConfig
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
 
-# Relative paths are looked up from the working directory, then from the repository root, so the default
-# `torchtitan/assets/tokenizer/tokenizer.json` works when the trainer is started from any folder.
+# Relative tokenizer paths: from the working directory, then the repository root (so the default works anywhere).
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -37,8 +36,7 @@ class Tokenizer:
         self.fingerprint: str = hashlib.sha256(self._tokenizer.to_str().encode("utf-8")).hexdigest()[:16]
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
-        return self._wrap(ids, add_bos, add_eos)
+        return self._wrap(self._tokenizer.encode(text, add_special_tokens=False).ids, add_bos, add_eos)
 
     def encode_batch(self, texts: list[str], add_bos: bool = False, add_eos: bool = False) -> list[list[int]]:
         """`encode` for many texts at once (parallel inside `tokenizers`)."""
