@@ -6,11 +6,7 @@ import os
 
 from .args import DeepSeekV3ModelArgs, benchmark_flavors, deepseekv3_flavors
 from .model import DeepSeekV3Model
-from .state_dict_adapter import (
-    DeepSeekV3StateDictAdapter,
-    load_hf_config,
-    mtp_layers_for_checkpoint,
-)
+from .state_dict_adapter import DeepSeekV3StateDictAdapter, load_hf_config, mtp_layers_for_checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -55,10 +55,6 @@ class DeepSeekV3ModelArgs:
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
-    @property
-    def n_moe_layers(self) -> int:
-        return self.n_layers - self.n_dense_layers
-
     def nparams_total(self) -> int:
         """Parameters of the model built from these args, counted from the shapes alone."""
         return self._count_params(routed_experts_per_token=self.moe_args.num_experts)
@@ -85,30 +81,23 @@ class DeepSeekV3ModelArgs:
         moe += 3 * dim * self.moe_inter_dim * routed_experts_per_token
         moe += 3 * dim * self.moe_inter_dim * m.num_shared_experts
 
-        layers = self.n_layers * (attn + norms) + self.n_dense_layers * dense_ffn + self.n_moe_layers * moe
+        n_moe_layers = self.n_layers - self.n_dense_layers
+        layers = self.n_layers * (attn + norms) + self.n_dense_layers * dense_ffn + n_moe_layers * moe
         embed_and_head = 2 * self.vocab_size * dim + dim  # tok_embeddings, output, final norm
         # MTP module: enorm, hnorm, eh_proj (2 dim -> dim), one block (MoE past the dense layers), its head norm
         mtp_block = attn + norms + (moe if self.n_layers >= self.n_dense_layers else dense_ffn)
         mtp = self.mtp_layers * (2 * dim + 2 * dim * dim + mtp_block + dim)
         return layers + embed_and_head + mtp
 
-    def attention_flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token of the score (QK^T) and mix (AV) matmuls, summed over layers: per layer and head,
-        the forward's 2 * (qk_head_dim + v_head_dim) * seq_len, and twice that for the backward. No causal discount
-        (the usual PaLM / torchtitan convention)."""
-        return 6 * (self.n_layers + self.mtp_layers) * self.n_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
-
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
-        """(parameters of `model`, training FLOPs per token).
+        """(parameters of `model`, training FLOPs per token). Works on DTensor-sharded models (global numel).
 
-        flops_per_token = 6 * (active params - token embedding) + attention_flops_per_token(seq_len)
-        + 6 * dim * vocab per MTP module (each runs the shared output head once more),
-        where active params count only top_k / num_experts of the routed-expert weights.
-        Works on DTensor-sharded models (numel of a DTensor is its global size).
+        flops_per_token = 6 * (active params - token embedding) + 6 * dim * vocab per MTP module (each runs the shared
+        output head once more) + attention, where active params count top_k / num_experts of the routed experts.
+        Attention: the score (QK^T) and mix (AV) matmuls, per layer (MTP modules too) and head 2 * (qk_head_dim +
+        v_head_dim) * seq_len forward and twice that backward; no causal discount (the PaLM / torchtitan convention).
         """
-        nparams = 0
-        routed_expert_params = 0
-        embedding_params = 0
+        nparams = routed_expert_params = embedding_params = 0
         for name, param in model.named_parameters():
             nparams += param.numel()
             if ".moe.experts." in f".{name}":  # layers.N.moe.experts and mtp.K.moe.experts
@@ -119,7 +108,8 @@ class DeepSeekV3ModelArgs:
         inactive = routed_expert_params * (m.num_experts - m.top_k) // m.num_experts
         active = nparams - inactive - embedding_params
         mtp_head = self.mtp_layers * self.dim * self.vocab_size
-        return nparams, 6 * (active + mtp_head) + self.attention_flops_per_token(seq_len)
+        attention = (self.n_layers + self.mtp_layers) * self.n_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
+        return nparams, 6 * (active + mtp_head + attention)
 
 
 deepseekv3_flavors: dict[str, DeepSeekV3ModelArgs] = {

@@ -68,7 +68,6 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
     # and, on CUDA, the shared experts' side stream (`ExchangeContext`).
     regions = MoERegions.build(compile_config.backend, run_routed_experts) if compiled else None
     permutation = regions.permutation if regions is not None else EAGER_PERMUTATION
-    on_cuda = device_type() == "cuda"
 
     if parallel_dims.cp_enabled:
         model.context_parallel = ContextParallel(parallel_dims.get_mesh("cp"))
@@ -76,7 +75,7 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
             block.attention.context_parallel = model.context_parallel
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.get_mesh("tp"), parallel_dims.loss_parallel_enabled)
-    apply_moe_parallel(model, parallel_dims, backend, ExchangeContext(job_config, permutation, on_cuda))
+    apply_moe_parallel(model, parallel_dims, backend, ExchangeContext(job_config, permutation, device_type() == "cuda"))
     if job_config.quantize.float8_experts:
         check_float8_supported(torch.device(device_type()))
         # FSDP gathers the weights anew every forward: quantized at every use there, else once per optimizer step
@@ -97,20 +96,11 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
         apply_compile(model, compile_config.backend, regions)
 
     if parallel_dims.fsdp_enabled:
-        dense_mesh = (
-            parallel_dims.get_mesh(["dp_replicate", "dp_shard_cp"])
-            if parallel_dims.dp_replicate_enabled
-            else parallel_dims.get_mesh("dp_shard_cp")
-        )
-        experts_mesh = (
-            parallel_dims.get_mesh(["dp_replicate", "dp_shard_mod_ep"])
-            if parallel_dims.dp_replicate_enabled
-            else parallel_dims.get_mesh("dp_shard_mod_ep")
-        )
+        replicate = ["dp_replicate"] if parallel_dims.dp_replicate_enabled else []  # HSDP
         apply_fsdp(
             model,
-            dense_mesh,
-            experts_mesh if parallel_dims.ep_enabled else None,
+            parallel_dims.get_mesh([*replicate, "dp_shard_cp"]),
+            parallel_dims.get_mesh([*replicate, "dp_shard_mod_ep"]) if parallel_dims.ep_enabled else None,
             param_dtype=DTYPES[job_config.training.mixed_precision_param],
             reduce_dtype=DTYPES[job_config.training.mixed_precision_reduce],
             reshard_after_forward_policy=parallelism.fsdp_reshard_after_forward,
@@ -168,16 +158,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
                 {"attention.wq_a": NoParallel(), "attention.q_norm": NoParallel(), "attention.wq_b": ColwiseParallel()}
             )
         if not block.moe_enabled:
-            plan.update(
-                {
-                    "feed_forward": PrepareModuleInput(
-                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-                    ),
-                    "feed_forward.w1": ColwiseParallel(),
-                    "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-                    "feed_forward.w3": ColwiseParallel(),
-                }
-            )
+            plan |= {
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                ),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w3": ColwiseParallel(),
+            }
         parallelize_module(block, tp_mesh, plan)
         # The model slices freqs_cis to the length of its (sequence-sharded) hidden states; attention runs on the
         # all-gathered sequence and needs the rotary table for all positions. Registered after PrepareModuleInput's

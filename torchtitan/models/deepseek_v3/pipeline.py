@@ -106,9 +106,7 @@ def pipeline_deepseekv3(
         loss_fn=loss_fn,
         scale_grads=False,
     )
-    has_first = any(stage.is_first for stage in stages)
-    has_last = any(stage.is_last for stage in stages)
-    return schedule, model_parts, has_first, has_last
+    return schedule, model_parts, any(stage.is_first for stage in stages), any(stage.is_last for stage in stages)
 
 
 def stages_per_rank(parallelism: Any, pp_degree: int, num_layers: int) -> int:

@@ -34,8 +34,12 @@ def precompute_freqs_cis(args: DeepSeekV3ModelArgs, device: torch.device | str |
     if yarn_enabled(args):
         # High-frequency pairs (many rotations within original_seq_len) keep their frequency, low-frequency pairs
         # are interpolated by 1 / rope_factor, with a linear ramp between the two correction dims.
-        low, high = _correction_range(args.beta_fast, args.beta_slow, dim, base, args.original_seq_len)
-        smooth = 1 - _linear_ramp(low, high, dim // 2, device)
+        low = max(math.floor(_correction_dim(args.beta_fast, dim, base, args.original_seq_len)), 0)
+        high = min(math.ceil(_correction_dim(args.beta_slow, dim, base, args.original_seq_len)), dim - 1)
+        if low == high:
+            high += 0.001  # avoid dividing by zero
+        ramp = (torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)
+        smooth = 1 - ramp.clamp(0, 1)
         freqs = freqs / args.rope_factor * (1 - smooth) + freqs * smooth
 
     positions = torch.arange(args.max_seq_len, dtype=torch.float32, device=device)
@@ -58,18 +62,3 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
 def _correction_dim(num_rotations: float, dim: int, base: float, original_seq_len: int) -> float:
     """The rotary dim whose wavelength fits `num_rotations` times into original_seq_len."""
     return dim * math.log(original_seq_len / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
-
-
-def _correction_range(
-    beta_fast: float, beta_slow: float, dim: int, base: float, original_seq_len: int
-) -> tuple[int, int]:
-    low = math.floor(_correction_dim(beta_fast, dim, base, original_seq_len))
-    high = math.ceil(_correction_dim(beta_slow, dim, base, original_seq_len))
-    return max(low, 0), min(high, dim - 1)
-
-
-def _linear_ramp(low: float, high: float, n: int, device: torch.device | str | None) -> torch.Tensor:
-    if low == high:
-        high += 0.001  # avoid dividing by zero
-    ramp = (torch.arange(n, dtype=torch.float32, device=device) - low) / (high - low)
-    return ramp.clamp(0, 1)
