@@ -63,8 +63,7 @@ class PackedTextDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         while True:
-            sample_index = self._global_sample_index(self._samples_yielded)
-            window = self.sample(sample_index)
+            window = self.sample(self._global_sample_index(self._samples_yielded))
             self._samples_yielded += 1
             yield {"input": window[:-1]}, window[1:]
 
@@ -78,8 +77,7 @@ class PackedTextDataset(IterableDataset):
         return self.token_stream[torch.arange(start, end) % num_tokens]
 
     def _global_sample_index(self, local_index: int) -> int:
-        # A DataLoader with N workers takes whole batches from them round-robin: worker w builds this rank's
-        # local batches w, w + N, w + 2N, ...
+        # N loader workers hand out whole batches round-robin: worker w builds this rank's batches w, w + N, ...
         worker = get_worker_info()
         num_workers, worker_id = (1, 0) if worker is None else (worker.num_workers, worker.id)
         local_batch = (local_index // self.local_batch_size) * num_workers + worker_id

@@ -31,8 +31,7 @@ class Tokenizer:
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.bos_id: int = self._special_token_id(BOS_TOKEN)
         self.eos_id: int = self._special_token_id(EOS_TOKEN)
-        # Identity of the vocabulary and merges, stored in dataloader state so a resume with another
-        # tokenizer fails loudly instead of silently feeding different token ids.
+        # Stored in the dataloader state: a resume with another vocabulary or merges fails instead of feeding other ids.
         self.fingerprint: str = hashlib.sha256(self._tokenizer.to_str().encode("utf-8")).hexdigest()[:16]
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
@@ -60,7 +59,6 @@ class Tokenizer:
 
 
 def build_tokenizer(job_config: JobConfig) -> Tokenizer:
-    """The tokenizer named by `job_config.model.tokenizer_path`."""
     return Tokenizer(resolve_tokenizer_path(job_config.model.tokenizer_path))
 
 

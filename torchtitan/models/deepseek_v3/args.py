@@ -190,9 +190,8 @@ deepseekv3_flavors["debugmodel_tiny"] = replace(
     qk_rope_head_dim=16,
     v_head_dim=32,
 )
-# The benchmarks' shapes (scripts/bench/; `--model.flavor` takes them too), trained from scratch (no YaRN): the 16B
-# layer shape in 8 layers (~4.6B params) for 2-4 GPUs and in 3 (~1.7B) for the GPU acceptance's save and resume, and
-# 671B's routing and expert sizes in 1 dense + 2 MoE layers (~25B params) for 8 GPUs.
+# The benchmarks' shapes (scripts/bench/, also --model.flavor), from scratch (no YaRN): 16B's layers, 8 (~4.6B) for
+# 2-4 GPUs and 3 (~1.7B) for the GPU acceptance's save/resume; 671B's routing in 1 dense + 2 MoE layers (~25B), 8 GPUs.
 benchmark_flavors = {
     "16B_bench4": replace(deepseekv3_flavors["16B"], n_layers=8, max_seq_len=4096),
     "16B_accept": replace(deepseekv3_flavors["16B"], n_layers=3, max_seq_len=4096),

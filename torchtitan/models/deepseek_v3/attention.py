@@ -44,7 +44,6 @@ def _load_flex_attention() -> None:
 class MLA(nn.Module):
     def __init__(self, args: DeepSeekV3ModelArgs):
         super().__init__()
-        self.n_heads = args.n_heads
         self.q_lora_rank = args.q_lora_rank
         self.kv_lora_rank = args.kv_lora_rank
         self.qk_nope_head_dim = args.qk_nope_head_dim
@@ -54,15 +53,15 @@ class MLA(nn.Module):
         self.softmax_scale = softmax_scale(args)
 
         if self.q_lora_rank == 0:
-            self.wq = nn.Linear(args.dim, self.n_heads * self.qk_head_dim, bias=False)
+            self.wq = nn.Linear(args.dim, args.n_heads * self.qk_head_dim, bias=False)
         else:
             self.wq_a = nn.Linear(args.dim, self.q_lora_rank, bias=False)
             self.q_norm = nn.RMSNorm(self.q_lora_rank, eps=args.norm_eps)
-            self.wq_b = nn.Linear(self.q_lora_rank, self.n_heads * self.qk_head_dim, bias=False)
+            self.wq_b = nn.Linear(self.q_lora_rank, args.n_heads * self.qk_head_dim, bias=False)
         self.wkv_a = nn.Linear(args.dim, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
         self.kv_norm = nn.RMSNorm(self.kv_lora_rank, eps=args.norm_eps)
-        self.wkv_b = nn.Linear(self.kv_lora_rank, self.n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
-        self.wo = nn.Linear(self.n_heads * self.v_head_dim, args.dim, bias=False)
+        self.wkv_b = nn.Linear(self.kv_lora_rank, args.n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
+        self.wo = nn.Linear(args.n_heads * self.v_head_dim, args.dim, bias=False)
         self.context_parallel: ContextParallel | None = None
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, attention_mask: AttentionMask) -> torch.Tensor:

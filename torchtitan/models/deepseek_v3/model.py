@@ -31,8 +31,7 @@ class DeepSeekV3Model(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: OutputHead | None = OutputHead(args.dim, args.vocab_size)
-        # Multi-token prediction modules "0".."D-1" (HF: model.layers.{n_layers + k}); they share the embedding and
-        # the output head with the main model.
+        # Multi-token prediction modules "0".."D-1" (HF: model.layers.{n_layers + k}), sharing embedding and head.
         self.mtp = nn.ModuleDict({str(k): MTPBlock(args.n_layers + k, args) for k in range(args.mtp_layers)})
         self.register_buffer("freqs_cis", precompute_freqs_cis(args), persistent=False)
         # context parallelism (set by parallelize, like every MLA's): forward gets a part of each sequence
@@ -49,16 +48,14 @@ class DeepSeekV3Model(nn.Module):
         labels: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """tokens: (bs, seqlen) int, or hidden states (bs, seqlen, dim) on a pipeline stage without tok_embeddings.
-
         document_ids: (bs, seqlen), equal ids = same packed document; switches to block-causal attention.
         next_tokens: (bs, seqlen) the token after each position (the labels); with MTP modules, also returns their
         logits: MTP module k (0-based) at position i predicts token i + k + 2 from token i + k + 1's embedding.
-        mtp_embeddings: (mtp_layers, bs, seqlen, dim), those embeddings, passed between pipeline stages: the stage
-        holding the embedding computes them and every later stage carries them to the MTP modules on the last one.
+        mtp_embeddings: (mtp_layers, bs, seqlen, dim), those embeddings, computed on the embedding's pipeline stage
+        and carried by every later stage to the MTP modules on the last one.
         labels: (bs, seqlen) targets (IGNORE_INDEX: none); returns the fp32 cross-entropy token SUM instead of the
-        logits, computed by the output head in row chunks (`OutputHead`). With MTP modules and next_tokens:
-        (bs, 1 + modules, seqlen), the labels followed by each module's targets (`mtp_targets`), and returns the
-        token sums (main, each module). Not on pipeline stages.
+        logits (`OutputHead`, in row chunks). With MTP modules and next_tokens: (bs, 1 + modules, seqlen), the labels
+        then each module's targets (`mtp_targets`), returning the token sums (main, each module). Not on PP stages.
         positions: (seqlen,) under context parallelism: the global positions of tokens (and labels) in sequences
         of context_parallel.degree x seqlen tokens (`ContextParallel.positions`), for RoPE and the causal mask;
         document_ids and next_tokens then cover the whole sequences: (bs, degree x seqlen).

@@ -167,9 +167,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
                 "feed_forward.w3": ColwiseParallel(),
             }
         parallelize_module(block, tp_mesh, plan)
-        # The model slices freqs_cis to the length of its (sequence-sharded) hidden states; attention runs on the
-        # all-gathered sequence and needs the rotary table for all positions. Registered after PrepareModuleInput's
-        # hook, so x is already gathered here. Slicing the model's buffer is a no-op when freqs_cis already fits.
+        # The model slices freqs_cis to its sequence-sharded hidden states; attention needs all positions'. This
+        # hook runs after PrepareModuleInput's, so x is already gathered; a freqs_cis that fits passes unchanged.
         attention.register_forward_pre_hook(partial(_full_sequence_freqs_cis, model))
 
 

@@ -90,8 +90,10 @@ def pipeline_deepseekv3(
     n_microbatches = job_config.training.local_batch_size // parallelism.pipeline_parallel_microbatch_size
 
     pp_rank, pp_size = pp_mesh.get_local_rank(), pp_mesh.size()
-    v_style = schedule_class in (ScheduleZBVZeroBubble, ScheduleDualPipeV)
-    stage_ids = _stage_ids_of_rank(pp_rank, pp_size, per_rank, v_style)
+    if schedule_class in (ScheduleZBVZeroBubble, ScheduleDualPipeV):  # V style: rank r holds r and 2 pp - 1 - r
+        stage_ids = [pp_rank, 2 * pp_size - 1 - pp_rank]
+    else:  # loop style: r, r + pp, ...
+        stage_ids = [pp_rank + i * pp_size for i in range(per_rank)]
 
     stages, model_parts = [], []
     for stage_id in stage_ids:
@@ -112,7 +114,8 @@ def pipeline_deepseekv3(
 def stages_per_rank(parallelism: Any, pp_degree: int, num_layers: int) -> int:
     """Pipeline stages per rank for the schedule and `pipeline_parallel_layers_per_stage` (the layers, the embedding
     and the head counted as layers); raises naming the fix where they do not fit. Preflight calls it too."""
-    single_stage = issubclass(get_schedule_class(parallelism.pipeline_parallel_schedule), PipelineScheduleSingle)
+    schedule = parallelism.pipeline_parallel_schedule
+    single_stage = issubclass(get_schedule_class(schedule), PipelineScheduleSingle)
     layers_per_stage = parallelism.pipeline_parallel_layers_per_stage
     if layers_per_stage is None:
         return 1 if single_stage else 2
@@ -126,15 +129,11 @@ def stages_per_rank(parallelism: Any, pp_degree: int, num_layers: int) -> int:
     per_rank = num_stages // pp_degree
     if single_stage and per_rank != 1:
         raise ValueError(
-            f"schedule {parallelism.pipeline_parallel_schedule} runs one stage per rank but "
-            f"pipeline_parallel_layers_per_stage gives {per_rank}; raise layers_per_stage or use an interleaved "
-            "schedule."
+            f"schedule {schedule} runs one stage per rank but pipeline_parallel_layers_per_stage gives {per_rank}; "
+            "raise layers_per_stage or use an interleaved schedule."
         )
     if not single_stage and per_rank < 2:
-        raise ValueError(
-            f"schedule {parallelism.pipeline_parallel_schedule} needs >= 2 stages per rank; lower "
-            "pipeline_parallel_layers_per_stage."
-        )
+        raise ValueError(f"schedule {schedule} needs >= 2 stages per rank; lower pipeline_parallel_layers_per_stage.")
     return per_rank
 
 
@@ -168,13 +167,6 @@ def module_names_per_stage(num_stages: int, num_layers: int, mtp_layers: int = 0
             raise ValueError(f"pipeline stage {stage} of {num_stages} would have no layer; use fewer stages.")
         names.append(stage_names)
     return names
-
-
-def _stage_ids_of_rank(pp_rank: int, pp_size: int, stages_per_rank: int, v_style: bool) -> list[int]:
-    """Loop style: rank r owns r, r + pp, ...; V style (zero-bubble V): r and 2*pp - 1 - r."""
-    if v_style:
-        return [pp_rank, 2 * pp_size - 1 - pp_rank]
-    return [pp_rank + i * pp_size for i in range(stages_per_rank)]
 
 
 def _split(model: nn.Module, keep: list[str]) -> nn.Module:

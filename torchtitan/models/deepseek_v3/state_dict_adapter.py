@@ -95,9 +95,7 @@ class DeepSeekV3StateDictAdapter:
                 layer, name = expert.groups()
                 for j in range(value.shape[0]):  # (E, out, in) -> E x (out, in)
                     hf_state_dict[_HF_EXPERT_KEY.format(layer, j, _EXPERT_NAMES[name])] = value[j]
-            elif key.rsplit(".", 1)[-1] in _OURS_ONLY:
-                continue
-            else:
+            elif key.rsplit(".", 1)[-1] not in _OURS_ONLY:
                 hf_state_dict[_translate(key, self.to_hf_map)] = value
         return hf_state_dict
 
