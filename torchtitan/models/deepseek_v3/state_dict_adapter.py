@@ -77,10 +77,8 @@ class DeepSeekV3StateDictAdapter:
         return hf_config_from_model_args(self.model_args)
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Our (full or DTensor) state dict -> HF keys with per-expert tensors. DTensors are gathered.
-
-        MTP module k becomes model.layers.{n_layers + k}, with copies of the embedding and the output head.
-        """
+        """Our (full or DTensor, gathered here) state dict -> HF keys with per-expert tensors. MTP module k becomes
+        model.layers.{n_layers + k}, with copies of the embedding and the output head."""
         # gathered first, in the same order on every rank (a collective each), so the MTP copies below are full too
         state_dict = {key: v.full_tensor() if isinstance(v, DTensor) else v for key, v in state_dict.items()}
         hf_state_dict = {}
@@ -100,13 +98,11 @@ class DeepSeekV3StateDictAdapter:
         return hf_state_dict
 
     def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """HF state dict -> our full state dict (loadable with strict=True).
-
-        Layers n_layers .. n_layers + mtp_layers - 1 become the MTP modules (without their copies of the embedding and
-        head); later MTP layers are left out with a log line, a later transformer layer is a ValueError (a deeper model
-        than these args). An MTP module with no tensor in the checkpoint is left out (keeps its init); a checkpoint
-        without e_score_correction_bias (DeepSeek-V2) gets a zero expert_bias.
-        """
+        """HF state dict -> our full state dict (loadable with strict=True). The mtp_layers layers after the n_layers
+        transformer layers become the MTP modules (without their copies of the embedding and head); later MTP layers
+        are left out with a log line, a later transformer layer is a ValueError (a deeper model than these args). An
+        MTP module with no tensor in the checkpoint is left out (keeps its init); a checkpoint without
+        e_score_correction_bias (DeepSeek-V2) gets a zero expert_bias."""
         n_layers, num_experts = self.model_args.n_layers, self.model_args.moe_args.num_experts
         n_blocks = n_layers + self.model_args.mtp_layers
         state_dict: dict[str, torch.Tensor] = {}
