@@ -33,14 +33,6 @@ _flex_attention = None
 _compiled_flex_attention = None  # flex_attention is only fast compiled; compilation happens at the first CUDA call
 
 
-def _load_flex_attention() -> None:
-    global _flex_attention, _compiled_flex_attention
-    if _flex_attention is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _flex_attention, _compiled_flex_attention = flex_attention, torch.compile(flex_attention)
-
-
 class MLA(nn.Module):
     def __init__(self, args: DeepSeekV3ModelArgs):
         super().__init__()
@@ -155,9 +147,11 @@ def build_attention_mask(
         position = query_position(q_idx)
         return (kv_idx <= position) & (document_ids[b, position] == document_ids[b, kv_idx])
 
-    from torch.nn.attention.flex_attention import create_block_mask
+    global _flex_attention, _compiled_flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    _load_flex_attention()
+    if _flex_attention is None:
+        _flex_attention, _compiled_flex_attention = flex_attention, torch.compile(flex_attention)
     # _compile on CUDA: builds the block mask without materializing a dense (bs, seqlen, kv_len) mask
     return create_block_mask(
         causal if document_ids is None else block_causal,
