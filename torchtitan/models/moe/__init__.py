@@ -4,9 +4,4 @@ from torchtitan.models.moe.args import MoEArgs
 from torchtitan.models.moe.experts import GroupedExperts
 from torchtitan.models.moe.moe import ExpertBiasHook, MoE
 
-__all__ = [
-    "ExpertBiasHook",
-    "GroupedExperts",
-    "MoE",
-    "MoEArgs",
-]
+__all__ = ["ExpertBiasHook", "GroupedExperts", "MoE", "MoEArgs"]

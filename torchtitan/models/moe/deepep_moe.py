@@ -1,11 +1,9 @@
-"""`DeepEPMoE`: the MoE layer of DeepEP expert parallelism, made by `parallelize` from a built `MoE` and its DeepEP
-dispatcher. Same parameters, routing and forward as `MoE`; only where the shared experts run differs.
-
-While DeepEP's kernels hold their SMs for the exchange, the shared experts run on a side stream, launched before the
-dispatch. The side stream waits for the current stream before starting, the current stream for the side stream
-before the sum, and `record_stream` keeps the cross-stream tensors alive; autograd syncs the backward the same way.
-On CPU, without a side stream and while compiling, the shared experts run inline. All layers share one side stream:
-the allocator keeps a pool per stream, and a pool per layer would hold its activations until backward.
+"""`DeepEPMoE`: the MoE layer of DeepEP expert parallelism, made by `parallelize` from a built `MoE`. Same parameters,
+routing and forward; only the shared experts differ: they run on a side stream while DeepEP's kernels hold their SMs
+for the exchange, launched before the dispatch and joined before the sum (`wait_stream` both ways; `record_stream`
+keeps the cross-stream tensors alive; autograd syncs the backward the same way). On CPU, without a side stream and
+while compiling, they run inline. All layers share one side stream: the allocator keeps a pool per stream, and a
+pool per layer would hold its activations until backward.
 """
 
 from __future__ import annotations

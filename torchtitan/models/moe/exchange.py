@@ -1,10 +1,5 @@
-"""Token-exchange backends of expert parallelism, in one registry looked up by
-`parallelism.expert_parallel_comm_backend` (`get_backend`).
-
-A backend checks that it can run here (`check`), builds the ParallelStyle that shards an MoE layer's routed experts
-over the EP mesh and installs its dispatcher (`style`), may give the layer a subclass (`layer`), names the ops
-per-op SAC must save so a recompute never sends tokens again (`sac_save_ops`), and frees what it holds after a run
-(`release`). A new backend is an `ExchangeBackend` subclass that calls `register_backend` when imported. Tensor
+"""Token-exchange backends of expert parallelism, looked up by `parallelism.expert_parallel_comm_backend`
+(`get_backend`). A new backend is an `ExchangeBackend` subclass registered (`register_backend`) when imported. Tensor
 parallelism inside the experts (ETP) keeps its own all-to-all style.
 """
 
@@ -40,8 +35,7 @@ class ExchangeContext:
 
     @cached_property
     def side_stream(self) -> torch.cuda.Stream | None:
-        """One stream for all layers of the model, made when a backend first asks (the caching allocator keeps a
-        pool per stream); None off CUDA."""
+        """One stream for all the model's layers (the allocator keeps a pool per stream); None off CUDA."""
         return torch.cuda.Stream() if self.on_cuda else None
 
 
@@ -66,7 +60,7 @@ class ExchangeBackend:
         return set()
 
     def release(self) -> None:
-        """After a finished run, before the process groups go."""
+        """Free what the backend holds, after a finished run and before the process groups go."""
 
 
 BACKENDS: dict[str, ExchangeBackend] = {}

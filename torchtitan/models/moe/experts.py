@@ -2,11 +2,9 @@
 
     out_t = W2_e (silu(W1_e x_t) * W3_e x_t)      for every row t of expert e's group
 
-`run_routed_experts` gathers the copies a dispatcher hands them (`ExpertTokens`) into padded expert-major rows (each
-group starts at a multiple of `token_group_alignment` rows, as `torch._grouped_mm` needs: 8 rows for bf16, 16 for
-fp8; padding rows are zero), runs the grouped-GEMM SwiGLU and sums the outputs back per token. Compiled, the three
-are one graph, and per-op SAC (`recompute`) is a checkpoint inside it: the grouped GEMMs' outputs are kept and the
-gathers and SwiGLU recomputed in the compiled backward.
+`run_routed_experts` gathers a dispatcher's token copies (`ExpertTokens`) into padded expert-major rows (each group
+starts at a multiple of `token_group_alignment` rows, as `torch._grouped_mm` needs; padding rows are zero), runs the
+SwiGLU and sums the outputs back per token: one graph when compiled, per-op SAC (`recompute`) a checkpoint inside it.
 """
 
 from collections.abc import Callable
@@ -67,13 +65,8 @@ def run_routed_experts(
     float8_weights: tuple[Float8Weights, Float8Weights] | None = None,
     recompute: bool = False,
 ) -> torch.Tensor:
-    """tokens -> (T, dim): the copies into padded expert-major rows, the grouped-GEMM SwiGLU
-    (`run_experts_grouped_mm`), the per-token sum back. recompute: per-op SAC, the grouped GEMMs' outputs kept
-    and everything else recomputed in backward (the policy of `activation_checkpoint.py`)."""
-
-    def rows_fn(rows: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
-        return run_experts_grouped_mm(rows, group_ends, w1, w2, w3, float8, float8_weights)
-
+    """tokens -> (T, dim), as the module docstring says; recompute: as `GroupedExperts.recompute`."""
+    rows_fn = partial(run_experts_grouped_mm, w1=w1, w2=w2, w3=w3, float8=float8, float8_weights=float8_weights)
     return _run(partial(run_on_expert_rows, tokens, rows_fn, alignment, torch.bfloat16), recompute)
 
 
@@ -84,12 +77,10 @@ def _run(routed: Callable[[], torch.Tensor], recompute: bool) -> torch.Tensor:
 
 
 class GroupedExperts(nn.Module):
-    """w1 (E, hidden, dim), w2 (E, dim, hidden), w3 (E, hidden, dim).
-
-    forward(tokens: ExpertTokens) -> (T, dim): per token of `tokens.x`, the sum of its copies' outputs (weighted by
-    `tokens.out_weights` if given) in `tokens.out_dtype`. `use_grouped_mm=True` computes in bf16 (what
+    """w1 (E, hidden, dim), w2 (E, dim, hidden), w3 (E, hidden, dim); under EP, DTensors sharded on dim 0 (forward
+    uses the local shard). forward(tokens) -> (T, dim): per token of `tokens.x`, the sum of its copies' outputs
+    (weighted by `tokens.out_weights` if given) in `tokens.out_dtype`. `use_grouped_mm=True` computes in bf16 (what
     `torch._grouped_mm` supports); False is a per-expert loop in the tokens' dtype (reference; syncs with the host).
-    Under EP the weights are DTensors sharded on dim 0; forward uses the local shard.
     """
 
     token_group_alignment: int = 8
@@ -107,8 +98,7 @@ class GroupedExperts(nn.Module):
     recompute the gathers into the rows and the SwiGLU in backward."""
 
     run_routed = staticmethod(run_routed_experts)
-    """The gathers, grouped GEMMs and sum back; `MoE.compile_parts` sets the compiled region its model's layers
-    share."""
+    """The gathers, grouped GEMMs and sum back; `MoE.compile_parts` sets the compiled region the layers share."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
         super().__init__()

@@ -2,11 +2,9 @@
 
 Auxiliary-loss-free balancing: every MoE layer counts the tokens routed to each expert (`tokens_per_expert`);
 before each optimizer step the counts are summed over the data-parallel ranks and each expert's selection bias moves
-towards balance:  b_i += coeff * sign(mean_j c_j - c_i).
-
-Counting happens in the BACKWARD of an identity autograd function on the routing scores: checkpointing re-runs the
-forward but each backward node runs once, so every trained token is counted once, forward-only passes count nothing,
-and gradient-accumulation micro-batches add up until the optimizer step.
+towards balance: b_i += coeff * sign(mean_j c_j - c_i). Counting happens in the BACKWARD of an identity autograd
+function on the routing scores: checkpointing re-runs the forward but each backward node runs once, so every trained
+token counts once, forward-only passes count nothing, and accumulation micro-batches add up until the step.
 
 Complementary sequence-wise balance loss (optional, `seq_aux_loss_coeff` = alpha):
     L_Bal = alpha * sum_i f_i P_i,   f_i = E / (K T) * sum_t 1[expert i selected by token t],
@@ -28,13 +26,11 @@ from torch.distributed.tensor import DTensor, Replicate
 def update_expert_bias(
     moe_modules: Iterable[nn.Module], reduce_group: dist.ProcessGroup | None, ep_degree: int = 1
 ) -> torch.Tensor | None:
-    """b += coeff * sign(mean(c) - c); b -= mean(b); c = 0, for every MoE layer with a load_balance_coeff.
-
-    `reduce_group` spans the ranks that see different tokens of the same layers (dp x cp; None: no reduction); all
-    layers' counts go through one all-reduce. Returns, with EP (`ep_degree` > 1), each layer's load imbalance on the
-    device: the token copies routed to the busiest EP rank over the mean per rank (1.0 = balanced). None without EP or
-    without counting layers.
-    """
+    """b += coeff * sign(mean(c) - c); b -= mean(b); c = 0, for every MoE layer with a load_balance_coeff. All
+    layers' counts go through one all-reduce over `reduce_group`: the ranks that see other tokens of the same layers
+    (dp x cp; None: no reduction). Returns, with EP (`ep_degree` > 1), each layer's load imbalance on the device: the
+    token copies routed to the busiest EP rank over the mean per rank (1.0 = balanced); else (or without counting
+    layers) None."""
     layers = [m for m in moe_modules if m.load_balance_coeff is not None]
     if not layers:
         return None
@@ -90,10 +86,8 @@ class _CountTokensInBackward(torch.autograd.Function):
 def sequence_balance_loss(
     scores: torch.Tensor, selected_experts: torch.Tensor, top_k: int, num_experts: int
 ) -> torch.Tensor:
-    """L = mean over sequences of sum_i f_i P_i (without alpha).
-
-    scores: (bs, slen, E) unbiased fp32 affinities; selected_experts: (bs, slen, k) the experts actually routed to.
-    """
+    """L = mean over sequences of sum_i f_i P_i (without alpha). scores: (bs, slen, E) unbiased fp32 affinities;
+    selected_experts: (bs, slen, k) the experts actually routed to."""
     bs, slen, _ = scores.shape
     selected = selected_experts.reshape(bs, slen * top_k)
     counts = torch.zeros(bs, num_experts, dtype=scores.dtype, device=scores.device)

@@ -47,13 +47,11 @@ class MoE(nn.Module):
         )
         self.dispatcher: TokenDispatcher = LocalTokenDispatcher(num_experts, moe_args.score_before_experts)
         """Replaced by the expert-parallel ParallelStyles (`parallelize`); not a module, holds no parameters."""
+        self.tokens_per_optimizer_step: int | None = None
+        """Tokens of one optimizer step over all ranks and micro-batches (set by the trainer): each micro-batch's
+        sequence aux loss is weighted by its share (load_balance.py). None: unweighted (one micro-batch, one rank)."""
         # Aux-loss-free balancing state. expert_bias is always used for selection (it may come from a checkpoint);
         # load_balance_coeff=None only stops updating it. Both are updated outside the forward (load_balance.py).
-        self.tokens_per_optimizer_step: int | None = None
-        """Tokens of one optimizer step over all ranks and micro-batches (set by the trainer). The sequence aux
-        loss of a micro-batch is weighted by its share of them, so the step's total is alpha x the mean over the
-        step whatever the data-parallel degree and accumulation, like the globally normalized cross-entropy
-        (FSDP sums the ranks' gradients). None: unweighted (one micro-batch, one rank)."""
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=True)
 

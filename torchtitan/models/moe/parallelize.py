@@ -1,10 +1,7 @@
-"""Parallelisms of an MoE transformer that do not depend on its attention or its dense layers' names: the MoE layers'
-expert parallelism (EP / ETP / TP on the experts, the exchange backend's dispatcher, the layouts at the MoE boundary)
-and FSDP2 over the blocks (the routed experts in their own unit on the expert-FSDP mesh, or left out of FSDP where
-every expert lives on one rank). A model's own parallelize (e.g. `models/deepseek_v3/parallelize.py`) applies its
-tensor-parallel plan, then these, in the order its docstring gives.
-
-The model is expected to have `layers` (a dict of blocks with `moe_enabled`, and `moe` for MoE blocks), optionally
+"""Parallelisms of an MoE transformer independent of its attention and dense layers: the MoE layers' expert
+parallelism (EP / ETP / TP on the experts, the exchange backend's dispatcher, the layouts at the MoE boundary) and
+FSDP2 over the blocks. A model's own parallelize (e.g. `models/deepseek_v3/parallelize.py`) applies its tensor-parallel
+plan, then these. The model has `layers` (a dict of blocks with `moe_enabled`, and `moe` for MoE blocks), optionally
 `mtp`, `tok_embeddings`, `norm` and `output` (None where a pipeline stage does not hold them).
 """
 
@@ -49,23 +46,20 @@ __all__ = [
 
 def experts_outside_fsdp(parallel_dims: ParallelDims, job_config: Any) -> bool:
     """Whether FSDP leaves the routed experts alone: every expert lives on one rank (the experts' FSDP mesh has one
-    rank, e.g. EP = the data-parallel degree), so there is nothing to shard, gather or reduce. Wrapped anyway, FSDP
-    copies their weights in each forward and their gradients through a one-rank reduce-scatter in each backward
-    (16B_bench4 at FSDP2 x EP2: 2.7 ms of host time and ~2 ms of device copies per MoE layer). Unwrapped, they
-    compute in the dtype they are stored in: fp32, or for bf16 compute bf16 weights whose fp32 masters the optimizer
-    updates (`components/master_weights.py`; the trainer stores them so), which needs AdamW 'triton'."""
-    if not parallel_dims.ep_enabled or parallel_dims.dp_replicate * parallel_dims.dp_shard_mod_ep != 1:
-        return False
-    if job_config.training.enable_cpu_offload:
+    rank, e.g. EP = the data-parallel degree), so there is nothing to shard, gather or reduce, and wrapping them would
+    only copy their weights in each forward and their gradients in each backward. Unwrapped, they compute in the
+    dtype they are stored in: fp32, or for bf16 compute bf16 weights whose fp32 masters the optimizer updates
+    (`components/master_weights.py`; the trainer stores them so), which needs AdamW 'triton'."""
+    one_rank_experts = parallel_dims.ep_enabled and parallel_dims.dp_replicate * parallel_dims.dp_shard_mod_ep == 1
+    if not one_rank_experts or job_config.training.enable_cpu_offload:
         return False
     param_dtype = job_config.training.mixed_precision_param
     return param_dtype == "float32" or (param_dtype == "bfloat16" and updates_master_weights(job_config.optimizer))
 
 
 def say_experts_stay_bf16(model: nn.Module, param_dtype: str) -> None:
-    """torch._grouped_mm (and its compile path) takes bf16 only: with other parameter dtypes the routed experts
-    still compute in bf16. Say so once instead of changing precision silently (an info line: it is how the model
-    runs, e.g. the debug config's fp32 on a CPU, not a mistake in the job)."""
+    """torch._grouped_mm takes bf16 only, so with other parameter dtypes the routed experts still compute in bf16:
+    say so once (info: it is how the model runs, e.g. the debug config's fp32 on a CPU, not a mistake in the job)."""
     uses_grouped_mm = any(isinstance(m, GroupedExperts) and m.use_grouped_mm for m in model.modules())
     if param_dtype == "bfloat16" or not uses_grouped_mm:
         return
@@ -76,12 +70,11 @@ def say_experts_stay_bf16(model: nn.Module, param_dtype: str) -> None:
 
 
 def expert_bias_reduce_group(parallel_dims: ParallelDims) -> dist.ProcessGroup | None:
-    """The group over which MoE token counts are summed before the expert-bias update.
+    """The group over which MoE token counts are summed before the expert-bias update (None: nothing to reduce).
 
     Counts differ between batch ranks (dp) and context-parallel ranks (cp: other tokens of the same sequences). TP
-    ranks route identical (all-gathered) tokens, so they are not reduced over tp, except when EP borrows the tp ranks
-    (etp == 1): then each tp rank routes its own sequence shard. Pipeline stages hold different layers, so pp is
-    never part of the group. None: nothing to reduce.
+    ranks route identical (all-gathered) tokens, except when EP borrows the tp ranks (etp == 1): then each routes its
+    own sequence shard. Pipeline stages hold different layers, so pp is never in the group.
     """
     if parallel_dims.moe_tokens_sequence_sharded:
         return parallel_dims.get_mesh("dp_tp").get_group()
@@ -141,13 +134,9 @@ def apply_moe_parallel(
                 "moe.router.gate": NoParallel(),
             }
             if moe.shared_experts is not None:
-                plan.update(
-                    {
-                        "moe.shared_experts.w1": ColwiseParallel(),
-                        "moe.shared_experts.w2": RowwiseParallel(output_layouts=Partial()),
-                        "moe.shared_experts.w3": ColwiseParallel(),
-                    }
-                )
+                plan["moe.shared_experts.w1"] = ColwiseParallel()
+                plan["moe.shared_experts.w2"] = RowwiseParallel(output_layouts=Partial())
+                plan["moe.shared_experts.w3"] = ColwiseParallel()
             parallelize_module(block, tp_mesh, plan)
 
         # the experts' sharding and the token dispatcher that feeds them
@@ -197,10 +186,9 @@ def apply_fsdp(
         case "never":
             reshard_after_forward = False
         case "default":
-            # With PP, resharding would all-gather again for every micro-batch. With EP, each backward all-gather
-            # is one more collective between the EP ranks (which already meet at every DeepEP barrier), and on an
-            # expert mesh of one rank a gather is a copy of the experts' weights: keeping every unit's gathered
-            # weights until its backward trades memory (the bf16 copies of all layers) for time (benchmarks/NOTES.md).
+            # With PP, resharding would all-gather again for every micro-batch; with EP, each backward all-gather is
+            # one more collective between the EP ranks (on a one-rank expert mesh, a copy of the experts' weights).
+            # Keeping the gathered weights until backward trades memory for time (benchmarks/NOTES.md).
             reshard_after_forward = not pp_enabled and experts_mesh is None
         case _:
             raise ValueError(
@@ -242,8 +230,7 @@ def apply_fsdp(
             module.set_custom_reduce_scatter(reduce_scatter)
             module.set_force_sum_reduction_for_comms(True)
             # plain SUM (gloo has no PREMUL_SUM; a factor of 1 makes the post-division a no-op). On one rank FSDP
-            # divides by nothing already, and a factor there only makes it copy the gradients through a temporary
-            # (1 GiB per MoE layer on 16B_bench4 at EP = FSDP degree).
+            # divides by nothing already, and a factor there only copies the gradients through a temporary.
             if dp_mesh.size() > 1 and not any(module is unit for unit in one_rank_units):
                 module.set_gradient_divide_factor(1.0)
 
