@@ -82,8 +82,7 @@ class LRScheduler:
     """Steps of linear warmup from near zero to the peak lr."""
 
     decay_ratio: float | None = None
-    """Fraction of steps spent decaying at the end (warmup-stable-decay).
-    None: decay over all post-warmup steps."""
+    """Fraction of steps spent decaying at the end (warmup-stable-decay). None: decay over all post-warmup steps."""
 
     decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
     """Shape of the decay phase."""
@@ -142,8 +141,7 @@ class Parallelism:
 
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """After each unit's forward, free its gathered weights (`always`) and all-gather them again in backward, or keep
-    them (`never`: memory for fewer collectives). `default`: never with PP or EP (with EP a backward all-gather is
-    one more collective between the EP ranks); else every unit but the final norm and output head."""
+    them (`never`: memory for fewer collectives). `default`: never with PP or EP, else all but the final norm + head."""
 
     fsdp_blocks_per_unit: int = 1
     """FSDP2 units of this many consecutive transformer blocks: fewer, larger collectives and less FSDP host time per
@@ -184,15 +182,13 @@ class Parallelism:
     """SMs DeepEP's communication kernels may use (even number)."""
 
     deepep_sync_free_dispatch: bool = False
-    """DeepEP dispatch without a host wait: receive buffers sized for the worst case (DeepEP's `num_worst_tokens`),
-    so the host can queue work ahead; the routed experts' rows grow EP-fold (see the capacity factor below). Needs
-    the deepep backend within one node."""
+    """DeepEP dispatch without a host wait: receive buffers sized for the worst case (`num_worst_tokens`), so the host
+    can queue work ahead; the routed experts' rows grow EP-fold (see the capacity factor). Needs deepep in one node."""
 
     deepep_sync_free_capacity_factor: float | None = None
-    """With deepep_sync_free_dispatch: the token copies a rank receives are at most this factor x its balanced load
-    (local tokens x top_k), so the routed experts' rows grow by the factor instead of EP-fold. Each rank sends every
-    rank at most its share and drops the copies past it, lowest routing weight first (Megatron's expert capacity
-    factor, per destination rank): training differs from a dropless run once a copy is dropped. None: no drops."""
+    """With deepep_sync_free_dispatch: a rank receives at most this factor x its balanced load of token copies (local
+    tokens x top_k), so the routed experts' rows grow by the factor, not EP-fold. Senders drop the copies past that,
+    lowest routing weight first (Megatron's expert capacity factor, per destination rank). None: no drops."""
 
 
 @dataclass
@@ -247,9 +243,8 @@ class ActivationCheckpoint:
     others keep every activation. -1: every block `mode` selects."""
 
     memory_budget_gib: float = 0.0
-    """With per-op SAC on a GPU: the peak reserved memory per GPU to stay within. The first two steps measure, then
-    each MoE block runs with per-op SAC, no checkpointing or full recompute, the fastest choice predicted to fit
-    (distributed/activation_budget.py). 0: off."""
+    """With per-op SAC on a GPU: the peak reserved GiB per GPU to stay within. After two measured steps each MoE block
+    runs whichever of per-op SAC, no checkpointing or full recompute is fastest yet predicted to fit. 0: off."""
 
 
 @dataclass
@@ -353,9 +348,8 @@ class Quantize:
     cores (compute capability 8.9+; CPU emulates them) and dim / moe_inter_dim multiples of 16."""
 
     float8_linears: bool = False
-    """Run the attention projections, dense FFNs and shared experts in FP8 with the experts' recipe (router, output
-    head and MTP projection stay bf16). Needs FP8 tensor cores, seq_len a multiple of 16 and no TP. Only large
-    linears (671B's) gain."""
+    """Attention projections, dense FFNs and shared experts in FP8 with the experts' recipe (router, output head, MTP
+    projection stay bf16). Needs FP8 tensor cores, seq_len a multiple of 16, no TP. Only large (671B) linears gain."""
 
     float8_dispatch: bool = False
     """DeepEP's dispatch sends the tokens as FP8 with one scale per 128 channels, dequantized on arrival; combine and
