@@ -35,8 +35,7 @@ def run_experts_grouped_mm(
     end are undefined (no caller reads them). float8: the three GEMMs in FP8 with rowwise scales, forward and
     backward (float8.py); needs groups aligned to 16 rows. float8_weights: (w1 and w3 stacked, w2) quantized
     already (`GroupedExperts.float8_weight_caches`), else the weights are quantized here."""
-    # A no-op in training. FSDP casts module inputs to its parameter dtype (fp32 with mixed_precision_param=float32),
-    # so the rows may arrive in another dtype than the dispatcher wrote them in.
+    # a no-op, unless FSDP cast the rows to its parameter dtype (fp32 with mixed_precision_param=float32)
     x = x.bfloat16()
     if float8:  # gate and up in one GEMM: x quantized once each way; the weights in their own dtype (no bf16 copy)
         w13_float8, w2_float8 = float8_weights or (None, None)

@@ -70,12 +70,10 @@ def say_experts_stay_bf16(model: nn.Module, param_dtype: str) -> None:
 
 
 def expert_bias_reduce_group(parallel_dims: ParallelDims) -> dist.ProcessGroup | None:
-    """The group over which MoE token counts are summed before the expert-bias update (None: nothing to reduce).
-
-    Counts differ between batch ranks (dp) and context-parallel ranks (cp: other tokens of the same sequences). TP
-    ranks route identical (all-gathered) tokens, except when EP borrows the tp ranks (etp == 1): then each routes its
-    own sequence shard. Pipeline stages hold different layers, so pp is never in the group.
-    """
+    """The group over which MoE token counts are summed before the expert-bias update; None: nothing to reduce. Counts
+    differ between batch ranks (dp) and context-parallel ranks (cp: other tokens of the same sequences). TP ranks
+    route identical (all-gathered) tokens, except when EP borrows the tp ranks (etp == 1): then each routes its own
+    sequence shard. Pipeline stages hold different layers, so pp is never in the group."""
     if parallel_dims.moe_tokens_sequence_sharded:
         return parallel_dims.get_mesh("dp_tp").get_group()
     mesh = parallel_dims.get_optional_mesh("dp_cp")
@@ -83,10 +81,7 @@ def expert_bias_reduce_group(parallel_dims: ParallelDims) -> dist.ProcessGroup |
 
 
 def apply_moe_parallel(
-    model: nn.Module,
-    parallel_dims: ParallelDims,
-    backend: ExchangeBackend,
-    exchange: ExchangeContext,
+    model: nn.Module, parallel_dims: ParallelDims, backend: ExchangeBackend, exchange: ExchangeContext
 ) -> None:
     """Layouts at the MoE boundary plus the experts' ParallelStyle.
 
@@ -95,10 +90,8 @@ def apply_moe_parallel(
     | tp == etp, ep > 1     | all-gather: Replicate | gate replicated, shared TP     | ExpertTensorParallel (ep,etp)|
     | tp > 1, etp == 1, ep  | local sequence shard  | replicated weights, own tokens | the backend's style (ep)    |
     | tp == 1, ep > 1       | plain tensor          | plain                          | the backend's style (ep)    |
-    With a Replicate input the MoE output is a partial sum over tp, reduce-scattered to the sequence shard.
-    The all-to-all dispatchers are built with `exchange.permutation`; under EP without ETP the exchange `backend` gives
-    each layer its style and, maybe, a subclass (`models/moe/exchange.py`). Without TP or EP the layers keep a local
-    dispatcher.
+    With a Replicate input the MoE output is a partial sum over tp, reduce-scattered to the sequence shard. The
+    all-to-all dispatchers are built with `exchange.permutation`; the backend may give each layer a subclass.
     """
     style = backend.style(exchange) if parallel_dims.ep_enabled and not parallel_dims.etp_enabled else None
     tp_mesh = parallel_dims.get_optional_mesh("tp")
@@ -106,40 +99,29 @@ def apply_moe_parallel(
         if not block.moe_enabled:
             continue
         moe = block.moe
-        if tp_mesh is not None and parallel_dims.moe_tokens_sequence_sharded:
+        if tp_mesh is not None:
+            # each tp rank routes its own sequence shard, or all of them (all-gathered; a partial sum out)
+            sequence_sharded = parallel_dims.moe_tokens_sequence_sharded
             plan: dict[str, Any] = {
                 "moe": PrepareModuleInputOutput(
                     input_layouts=(Shard(1),),
-                    desired_input_layouts=(Shard(1),),
+                    desired_input_layouts=(Shard(1),) if sequence_sharded else (Replicate(),),
                     use_local_input=True,
-                    output_layouts=(Shard(1),),
+                    output_layouts=(Shard(1),) if sequence_sharded else (Partial(),),
                     desired_output_layouts=(Shard(1),),
                     use_local_output=True,
                 ),
-                "moe.router.gate": ReplicateOverTokenShards(),
+                "moe.router.gate": ReplicateOverTokenShards() if sequence_sharded else NoParallel(),
             }
-            if moe.shared_experts is not None:
+            if moe.shared_experts is not None and sequence_sharded:
                 plan["moe.shared_experts"] = ReplicateOverTokenShards()
-            parallelize_module(block, tp_mesh, plan)
-        elif tp_mesh is not None:
-            plan = {
-                "moe": PrepareModuleInputOutput(
-                    input_layouts=(Shard(1),),
-                    desired_input_layouts=(Replicate(),),
-                    use_local_input=True,
-                    output_layouts=(Partial(),),
-                    desired_output_layouts=(Shard(1),),
-                    use_local_output=True,
-                ),
-                "moe.router.gate": NoParallel(),
-            }
-            if moe.shared_experts is not None:
+            elif moe.shared_experts is not None:
                 plan["moe.shared_experts.w1"] = ColwiseParallel()
                 plan["moe.shared_experts.w2"] = RowwiseParallel(output_layouts=Partial())
                 plan["moe.shared_experts.w3"] = ColwiseParallel()
             parallelize_module(block, tp_mesh, plan)
 
-        # the experts' sharding and the token dispatcher that feeds them
+        # the experts' sharding and the token dispatcher that feeds them (without TP or EP: a local one)
         if parallel_dims.etp_enabled:
             parallelize_module(moe, parallel_dims.get_mesh(["ep", "etp"]), ExpertTensorParallel(exchange.permutation))
         elif style is not None:
@@ -165,18 +147,13 @@ def apply_fsdp(
     blocks_per_unit: int = 1,
 ) -> None:
     """FSDP2 (HSDP when dp_mesh is 2-D): embedding, the blocks in units of `blocks_per_unit` consecutive blocks (each
-    MTP module its own), [norm, output], the root.
-
-    With EP (`experts_mesh` set), each MoE block's routed experts form their own unit on the expert-FSDP mesh (the
-    dp ranks EP did not take); the router and shared experts stay in the block's unit. `experts_outside`
-    (`experts_outside_fsdp`): the experts' parameters are left out of every unit instead.
-    """
+    MTP module its own), [norm, output], the root. With EP (`experts_mesh` set), each MoE block's routed experts form
+    their own unit on the expert-FSDP mesh (the dp ranks EP did not take); the router and shared experts stay in the
+    block's unit. `experts_outside` (`experts_outside_fsdp`): the experts' parameters are left out of every unit."""
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     config: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp_policy}
+    moe_blocks = [unwrapped_block(b) for b in transformer_blocks(model) if unwrapped_block(b).moe_enabled]  # MTP too
     if experts_outside:
-        moe_blocks = [
-            unwrapped_block(block) for block in transformer_blocks(model) if unwrapped_block(block).moe_enabled
-        ]
         config["ignored_params"] = {param for block in moe_blocks for param in block.moe.experts.parameters()}
     if cpu_offload:
         config["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
@@ -199,9 +176,8 @@ def apply_fsdp(
         fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard_after_forward)
     blocks = list(model.layers.values())
     one_rank_units = []  # units whose mesh has one rank: nothing to reduce
-    for block in transformer_blocks(model):  # MTP modules: units like blocks, outside the explicit prefetch
-        if experts_mesh is not None and not experts_outside and unwrapped_block(block).moe_enabled:
-            experts = unwrapped_block(block).moe.experts
+    if experts_mesh is not None and not experts_outside:
+        for experts in (block.moe.experts for block in moe_blocks):
             if experts_mesh.size() == 1:
                 one_rank_units.append(experts)
             # EP already split dim 0 (experts); when the FSDP ranks outnumber the local experts, shard dim 1 instead
@@ -215,7 +191,7 @@ def apply_fsdp(
                 shard_placement_fn=placement_fn,
             )
     block_units = [blocks[i : i + blocks_per_unit] for i in range(0, len(blocks), blocks_per_unit)]
-    block_units += [[block] for block in transformer_blocks(model)[len(blocks) :]]  # the MTP modules
+    block_units += [[block] for block in transformer_blocks(model)[len(blocks) :]]  # the MTP modules, outside prefetch
     for unit in block_units:
         fully_shard(unit if len(unit) > 1 else unit[0], **config, reshard_after_forward=reshard_after_forward)
     if model.norm is not None and model.output is not None:
