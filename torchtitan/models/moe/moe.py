@@ -1,8 +1,7 @@
 """DeepSeek-V3 MoE layer:  h_t' = u_t + sum_i FFN_i^(s)(u_t) + sum_i g_{i,t} FFN_i^(r)(u_t)   (arXiv:2412.19437).
 
 forward: route (fp32 scores, bias only for selection) -> shared experts -> dispatch (`ExpertTokens`) -> experts ->
-combine -> + shared experts (the block adds the residual u_t). `self.dispatcher` is a `LocalTokenDispatcher` until
-`parallelize` installs its backend's.
+combine -> + shared experts (the block adds the residual u_t).
 """
 
 from typing import Any
