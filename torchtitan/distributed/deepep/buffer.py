@@ -9,6 +9,7 @@ Buffers are created or grown only by `get_or_create_buffer` (from `DeepEPExpertP
 from __future__ import annotations
 
 import socket
+from collections import Counter
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -45,7 +46,6 @@ class EPBuffer:
 
     group: dist.ProcessGroup
     group_name: str
-    rank: int
     world_size: int
     device_type: str
     hidden_dim: int
@@ -115,20 +115,21 @@ def get_or_create_buffer(
         _release(current)
 
     if device_type == "cuda":
-        buffer = _create_cuda_buffer(group, hidden_dim, num_sms)
+        layout, deep_ep_fields = _create_cuda_runtime(group, hidden_dim, num_sms)
     elif device_type == "cpu":
-        buffer = EPBuffer(
-            group=group,
-            group_name=group_name,
-            rank=group.rank(),
-            world_size=group.size(),
-            device_type="cpu",
-            hidden_dim=hidden_dim,
-            num_sms=num_sms,
-            layout=cpu_layout(group.size()),
-        )
+        layout, deep_ep_fields = cpu_layout(group.size()), {}
     else:
         raise ValueError(f"deepep supports device types 'cuda' and 'cpu' (gloo reference), got {device_type!r}.")
+    buffer = EPBuffer(
+        group=group,
+        group_name=group_name,
+        world_size=group.size(),
+        device_type=device_type,
+        hidden_dim=hidden_dim,
+        num_sms=num_sms,
+        layout=layout,
+        **deep_ep_fields,
+    )
     _BUFFERS[group_name] = buffer
     return buffer
 
@@ -148,7 +149,8 @@ def _release(buffer: EPBuffer) -> None:
         buffer.runtime = None
 
 
-def _create_cuda_buffer(group: dist.ProcessGroup, hidden_dim: int, num_sms: int) -> EPBuffer:
+def _create_cuda_runtime(group: dist.ProcessGroup, hidden_dim: int, num_sms: int) -> tuple[HandleLayout, dict]:
+    """The group's handle layout and the `EPBuffer` fields of its `deep_ep.Buffer`."""
     deep_ep = import_deep_ep()
     world_size = group.size()
     num_rdma_ranks = _check_topology(group)
@@ -171,19 +173,8 @@ def _create_cuda_buffer(group: dist.ProcessGroup, hidden_dim: int, num_sms: int)
         if num_rdma_ranks == 1
         else internode_layout(world_size, num_rdma_ranks, num_sms)
     )
-    return EPBuffer(
-        group=group,
-        group_name=group.group_name,
-        rank=group.rank(),
-        world_size=world_size,
-        device_type="cuda",
-        hidden_dim=hidden_dim,
-        num_sms=num_sms,
-        layout=layout,
-        runtime=runtime,
-        dispatch_config=dispatch_config,
-        combine_config=combine_config,
-        deep_ep=deep_ep,
+    return layout, dict(
+        runtime=runtime, dispatch_config=dispatch_config, combine_config=combine_config, deep_ep=deep_ep
     )
 
 
@@ -191,9 +182,7 @@ def _check_topology(group: dist.ProcessGroup) -> int:
     """Number of nodes the group spans; raises for layouts DeepEP v1 cannot serve."""
     hosts: list[str | None] = [None] * group.size()
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    ranks_per_host: dict[str, int] = {}
-    for host in hosts:
-        ranks_per_host[host] = ranks_per_host.get(host, 0) + 1
+    ranks_per_host = Counter(hosts)
     if len(ranks_per_host) == 1:
         if group.size() > _NVL_PEERS:
             raise RuntimeError(f"DeepEP intranode supports at most {_NVL_PEERS} GPUs, the EP group has {group.size()}.")

@@ -82,14 +82,7 @@ def dispatch(
     )
     # slots of the non-masked (received token, local expert) pairs, local-expert-major
     slots = expert_major_order(recv_topk_idx, num_local_experts)[: sum(num_recv_list)].clone()
-    return (
-        recv_x.to(x.dtype),
-        recv_topk_idx,
-        recv_topk_weights,
-        num_recv_tokens_per_expert,
-        slots,
-        list(handle),
-    )
+    return recv_x.to(x.dtype), recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, slots, list(handle)
 
 
 def combine(

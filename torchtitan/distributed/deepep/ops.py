@@ -62,39 +62,14 @@ def combine(
     return torch.ops.deepep.combine(x, handle, group_name, topk_weights)
 
 
-# Kernels. Looked up at call time so tests can wrap them (e.g. to count communication calls).
+def _kernel(kernels, name: str):
+    """`kernels.<name>`, looked up at call time so tests can wrap it (e.g. to count communication calls)."""
+    return lambda *args, **kwargs: getattr(kernels, name)(*args, **kwargs)
 
 
-def _dispatch_cpu(x, topk_idx, topk_weights, num_experts, group_name, sync_free, fp8):
-    return cpu_kernels.dispatch(x, topk_idx, topk_weights, num_experts, group_name, sync_free, fp8)
-
-
-def _dispatch_cuda(x, topk_idx, topk_weights, num_experts, group_name, sync_free, fp8):
-    return cuda_kernels.dispatch(x, topk_idx, topk_weights, num_experts, group_name, sync_free, fp8)
-
-
-def _combine_cpu(x, handle, group_name, topk_weights=None):
-    return cpu_kernels.combine(x, handle, group_name, topk_weights)
-
-
-def _combine_cuda(x, handle, group_name, topk_weights=None):
-    return cuda_kernels.combine(x, handle, group_name, topk_weights)
-
-
-def _cached_dispatch_cpu(x, handle, group_name):
-    return cpu_kernels.cached_dispatch(x, handle, group_name)
-
-
-def _cached_dispatch_cuda(x, handle, group_name):
-    return cuda_kernels.cached_dispatch(x, handle, group_name)
-
-
-_LIB.impl("dispatch", _dispatch_cpu, "CPU")
-_LIB.impl("dispatch", _dispatch_cuda, "CUDA")
-_LIB.impl("combine", _combine_cpu, "CPU")
-_LIB.impl("combine", _combine_cuda, "CUDA")
-_LIB.impl("cached_dispatch", _cached_dispatch_cpu, "CPU")
-_LIB.impl("cached_dispatch", _cached_dispatch_cuda, "CUDA")
+for _name in ("dispatch", "combine", "cached_dispatch"):
+    _LIB.impl(_name, _kernel(cpu_kernels, _name), "CPU")
+    _LIB.impl(_name, _kernel(cuda_kernels, _name), "CUDA")
 
 
 # Fake kernels: shapes only, data-dependent sizes as unbacked symbols.

@@ -151,7 +151,6 @@ def order(monkeypatch):
     stand_in = buffer_registry.EPBuffer(
         group=None,
         group_name=GROUP,
-        rank=0,
         world_size=WORLD_SIZE,
         device_type="cuda",
         hidden_dim=HIDDEN,
