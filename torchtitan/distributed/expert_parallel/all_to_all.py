@@ -63,8 +63,6 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
     etp_mesh: the experts are also tensor-parallel over these ranks (`ExpertTensorParallel`).
     """
 
-    backend = "standard"
-
     def __init__(
         self,
         num_experts: int,

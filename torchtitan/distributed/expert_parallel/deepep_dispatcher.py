@@ -45,8 +45,6 @@ class DeepEPDispatchState(DispatchState):
 
 
 class DeepEPTokenDispatcher(TokenDispatcher):
-    backend = "deepep"
-
     def __init__(
         self,
         group_name: str,

@@ -90,9 +90,6 @@ class TokenDispatcher(ABC):
     token, the routing-weighted sum of its copies' outputs.
     """
 
-    backend: str = ""
-    """Name of the `parallelism.expert_parallel_comm_backend` behind it ('local' when nothing is exchanged)."""
-
     def __init__(self, num_experts: int, score_before_experts: bool = False):
         self.num_experts = num_experts
         self.score_before_experts = score_before_experts
@@ -136,8 +133,6 @@ class LocalTokenDispatcher(TokenDispatcher):
     """All experts on this rank: the local tokens go to the experts as they are, with their expert-major order; the
     experts' output is already the per-token sum. Exchanging subclasses override the communication stages and the
     local re-ordering around them."""
-
-    backend = "local"
 
     def expert_order(self, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """topk_idx (N, k) -> the slots sorted by global expert (N * k,), tokens per global expert (E,)."""
