@@ -7,16 +7,14 @@ Each MoE block can run at one of three levels, from least memory (slowest) to mo
     none   no recompute: it keeps every activation
 
 The run's first step (or the first after a resume) runs every MoE block at `full` but the last, at `sac`: the least
-memory that still shows each level's cost (per-op SAC everywhere would not fit the 16B model at FSDP4 x EP4 on 80 GB
-cards). Hooks read the peak reserved memory and, per MoE block, what its forward leaves allocated and the rows its
-routed experts computed, maximized over ranks (every rank must choose the same levels: a `full` block exchanges
-tokens in its recompute). `plan_levels` then picks: `sac` everywhere if the predicted peak fits, then the last
-blocks to `none` while it fits; else the first blocks to `full` until it fits. What a plan adds to the measured step
-counts 25% extra (`PLAN_MARGIN`), and the measured step 5% (`STEADY_GROWTH`). The second step is measured once more
-and planned again, since the model misses the allocator's free blocks and first-step-only allocations. The
-allocator's cache is released after each choice so one step's high-water mark does not carry into the next.
-The last block's `sac` measurement stands for every block's, scaled by rows. What `none` adds to `sac` is the routed
-experts' input rows and SwiGLU output, rows x (dim + hidden) values.
+memory that still shows each level's cost (per-op SAC everywhere may not fit). Hooks read the peak reserved memory
+and, per MoE block, what its forward leaves allocated and the rows its routed experts computed, maximized over ranks
+(every rank must choose the same levels: a `full` block exchanges tokens in its recompute). `plan_levels` then picks
+`sac` everywhere if the predicted peak fits, then the last blocks to `none` while it fits; else the first blocks to
+`full` until it fits. The second step is measured and planned again (the model misses the allocator's free blocks
+and first-step-only allocations); the allocator's cache is released after each choice so one step's high-water mark
+does not carry into the next. The last block's `sac` measurement stands for every block's, scaled by rows; `none`
+adds the routed experts' input rows and SwiGLU output, rows x (dim + hidden) values.
 """
 
 from __future__ import annotations
@@ -36,12 +34,11 @@ logger = logging.getLogger(__name__)
 LEVELS = ("full", "sac", "none")
 GIB = 1024**3
 PLAN_MARGIN = 1.25
-"""A plan counts what it adds to the measured step this much above the model's estimate (what it frees, as
-estimated): the model misses the allocator's free blocks (measured in benchmarks/NOTES.md, "Four H100s")."""
-
+"""What a plan adds to the measured step counts this much above the estimate (what it frees counts as estimated):
+the model misses the allocator's free blocks (benchmarks/NOTES.md, "Four H100s")."""
 STEADY_GROWTH = 0.05
-"""The steps after the first two reserve up to this much more at the same levels: the allocator fragments and the
-routing grows less even (4.4% on 2 GPUs: benchmarks/NOTES.md, "Capacity-bounded sync-free dispatch")."""
+"""Later steps reserve up to this much more at the same levels: the allocator fragments and the routing grows less
+even (benchmarks/NOTES.md, "Capacity-bounded sync-free dispatch")."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +62,10 @@ def plan_levels(
     levels = ["sac"] * len(costs)
 
     def peak() -> float:
-        return predicted_peak(measured_peak, measured_levels, costs, levels, margin)
+        """What the blocks hold at their highest (`_held_at_peak`) changes by what the plan holds there more than
+        the measured step did (an increase times `margin`); the rest (weights, the loss, buffers) stays as measured."""
+        change = _held_at_peak(costs, levels) - _held_at_peak(costs, measured_levels)
+        return measured_peak + (change * margin if change > 0 else change)
 
     if peak() > budget:
         for i in range(len(costs)):
@@ -79,16 +79,6 @@ def plan_levels(
             levels[i] = "sac"
             break
     return levels, peak()
-
-
-def predicted_peak(
-    measured_peak: float, measured_levels: list[str], costs: list[BlockCost], levels: list[str], margin: float = 1.0
-) -> float:
-    """The peak of a plan: what the blocks hold at their highest (`_held_at_peak`) changes by what the plan holds
-    there more than the measured step did (an increase times `margin`); everything else (weights, the loss,
-    buffers) stays as measured."""
-    change = _held_at_peak(costs, levels) - _held_at_peak(costs, measured_levels)
-    return measured_peak + (change * margin if change > 0 else change)
 
 
 def _held_at_peak(costs: list[BlockCost], levels: list[str]) -> float:
@@ -203,9 +193,8 @@ class ActivationBudget:
         )
 
     def _recalibrate(self, device: torch.device) -> None:
-        """From the first step at the chosen levels, which the prediction was made for: the levels again, predicted
-        from this nearer measurement (it also holds what the model misses: the allocator's free blocks, where
-        in the step the peak falls), applied and logged."""
+        """From the first step at the chosen levels: the levels again from this nearer measurement (which holds what
+        the model misses: the allocator's free blocks, where in the step the peak falls), applied and logged."""
         (measured_peak,) = _max_over_ranks([self.max_memory_reserved()], device)
         levels, predicted = plan_levels(self.budget, measured_peak * (1 + STEADY_GROWTH), self.levels, self._costs)
         message = f"the second step reserved {measured_peak / GIB:.1f} GiB (predicted {self.predicted / GIB:.1f})"
