@@ -1,15 +1,11 @@
 """Activation checkpointing per transformer block: none, full, every Nth block, or per-op selective (SAC).
 
-Per-op SAC saves the outputs of expensive or communicating ops and recomputes the rest in backward:
-
-- every matmul (mm, bmm, addmm, _grouped_mm, _scaled_grouped_mm and its CPU emulation; torchtitan saves every other
-  one, but the expert GEMMs dominate the MoE's activations), and topk and the stable sort, so the order of token
-  copies cannot change on recompute;
-- attention kernels (SDPA variants, flex attention);
-- collectives (all-to-all, reduce-scatter, `torchtitan::cp_all_gather`) and device-to-host copies, so recompute
-  neither communicates nor syncs; full AC gathers the CP latent again in backward;
-- aten.max (amax-like reductions that low-precision recipes reuse);
-- the exchange backend's ops (`ExchangeBackend.sac_save_ops`), passed in.
+Per-op SAC saves the outputs of expensive or communicating ops (`op_sac_save_list`) and recomputes the rest in
+backward: every matmul (torchtitan saves every other one, but the expert GEMMs dominate the MoE's activations); topk
+and the stable sort, so the order of token copies cannot change on recompute; attention kernels; collectives and
+device-to-host copies, so recompute neither communicates nor syncs (full AC gathers the CP latent again in backward);
+aten.max (amax-like reductions that low-precision recipes reuse); the exchange backend's ops, passed in
+(`ExchangeBackend.sac_save_ops`).
 
 In MoE blocks per-op SAC checkpoints only the routed experts (`GroupedExperts.recompute`), whose per-copy activations
 are most of the block's memory; the rest keeps its activations, since an eager checkpoint of the whole block replays

@@ -1,17 +1,15 @@
 """torch.compile per transformer block (after activation checkpointing, before FSDP).
 
-Dense blocks compile whole with fullgraph=True. MoE blocks compile their parts (a block declares them by implementing
-`CompiledParts`), because two things in them cannot be traced into one graph:
-- the token exchange (`moe.dispatcher`) runs eager: under EP its split sizes are copied to the host, and the routed
-  experts may be their own FSDP2 unit whose hooks are graph breaks. Between the exchanges, the routed experts
-  (`GroupedExperts.run_routed`, with per-op SAC's checkpoint inside) are one `CompiledRegion` shared by every layer
-  (`MoERegions`, created per model by `parallelize`), with dynamic token-row dims. The all-to-all dispatcher's send
-  buffer (`MoERegions.permutation`) is compiled the same way.
-Also compiled inside an MoE block, on a fixed number of tokens: attention with its norm and residual add
-(`attention_residual`, so they fuse), the router's selection, the shared experts, `ffn_input` and `MoE.sum_experts`.
-(A bare `torch.nn` module compiled as its own root frame is on dynamo's skip list, hence the block method.)
-A dense block's checkpoint is compiled with it; a whole MoE block's checkpoint (full AC, or the budget's `full`)
-stays eager around the compiled children. Modules are compiled in place, so parameter names do not change.
+Dense blocks compile whole with fullgraph=True, their checkpoint included. MoE blocks compile their parts
+(`CompiledParts`): the token exchange (`moe.dispatcher`) runs eager, since under EP its split sizes are copied to the
+host and the routed experts may be their own FSDP2 unit, whose hooks are graph breaks. Between the exchanges the
+routed experts (`GroupedExperts.run_routed`, per-op SAC's checkpoint inside) are one `CompiledRegion` shared by every
+layer (`MoERegions`, created per model by `parallelize`), with dynamic token-row dims; so is the all-to-all
+dispatcher's send buffer (`MoERegions.permutation`). Also compiled, on a fixed number of tokens: attention with its
+norm and residual add (`attention_residual`, so they fuse), the router's selection, the shared experts, `ffn_input`
+and `MoE.sum_experts` (a bare `torch.nn` module compiled as its own root frame is on dynamo's skip list, hence the
+block method). A whole MoE block's checkpoint (full AC, or the budget's `full`) stays eager around the compiled
+children. Modules are compiled in place, so parameter names do not change.
 """
 
 from __future__ import annotations
@@ -82,19 +80,16 @@ class CompiledRegion:
 
     Every layer and step sees another number of token rows. With automatic dynamic shapes dynamo compiles a static
     graph at the first size and a dynamic one at the next; a checkpoint recompute of an earlier layer then runs the
-    newer graph, which saves other tensors, and backward fails. Marking the row dims dynamic before every call
-    (size-oblivious) gives one graph for every row count.
-
-    `token_dims` maps a positional argument's index to its row dim, or for a dataclass argument to {field: row dim}
-    (None arguments and fields are skipped). `num_graphs` counts the graphs compiled, `graphs_in_checkpoints` those
-    compiled inside a whole MoE block's checkpoint (what the activation-checkpoint guard reads).
+    newer graph, which saves other tensors, and backward fails. Marked dynamic before every call (size-oblivious),
+    the row dims give one graph for every row count. `token_dims` maps a positional argument's index to its row dim,
+    or for a dataclass argument to {field: row dim} (None arguments and fields are skipped).
     """
 
     def __init__(self, fn: Callable, backend: str, token_dims: dict[int, int | dict[str, int]]):
         self.name = fn.__name__
         self.token_dims = token_dims
         self.num_graphs = 0
-        self.graphs_in_checkpoints = 0
+        self.graphs_in_checkpoints = 0  # compiled inside a whole MoE block's checkpoint (the recompile guard reads it)
         self.checkpoints_running = 0  # MoE checkpoints (forward or recompute) running now (the guard's contexts)
         self._compiled = torch.compile(fn, backend=backend, fullgraph=True)
 

@@ -89,20 +89,14 @@ class ParallelDims:
             meshes[("dp_replicate", "dp_shard_cp")] = fsdp["dp_replicate", "dp_shard_cp"]
             loss = world._unflatten(0, (self.pp, self.dp_size * self.cp, self.tp), ("pp", "dp_cp", "tp"))
             meshes["dp_cp"] = loss["dp_cp"]
+        sparse_sizes = (self.pp, self.dp_replicate, self.dp_shard_mod_ep, self.ep)
+        sparse_names = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep")
         if self.etp > 1:
-            sparse = world._unflatten(
-                0,
-                (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.etp),
-                ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "etp"),
-            )
+            sparse = world._unflatten(0, (*sparse_sizes, self.etp), (*sparse_names, "etp"))
             meshes["etp"] = sparse["etp"]
             meshes[("ep", "etp")] = sparse["ep", "etp"]
         else:
-            sparse = world._unflatten(
-                0,
-                (self.pp, self.dp_replicate, self.dp_shard * self.cp * self.tp // self.ep, self.ep),
-                ("pp", "dp_replicate", "dp_shard_mod_ep", "ep"),
-            )
+            sparse = world._unflatten(0, sparse_sizes, sparse_names)
         meshes["ep"] = sparse["ep"]
         meshes["dp_shard_mod_ep"] = sparse["dp_shard_mod_ep"]
         meshes[("dp_replicate", "dp_shard_mod_ep")] = sparse["dp_replicate", "dp_shard_mod_ep"]
