@@ -51,11 +51,7 @@ class BlockCost:
 
 
 def plan_levels(
-    budget: float,
-    measured_peak: float,
-    measured_levels: list[str],
-    costs: list[BlockCost],
-    margin: float = PLAN_MARGIN,
+    budget: float, measured_peak: float, measured_levels: list[str], costs: list[BlockCost], margin: float = PLAN_MARGIN
 ) -> tuple[list[str], float]:
     """The levels of the MoE blocks (in forward order) and their predicted peak: the fastest plan that fits `budget`
     bytes, from a step that reserved `measured_peak` at `measured_levels`. All `full` when nothing fits."""
@@ -204,8 +200,7 @@ class ActivationBudget:
         self._log(message)
 
     def _log(self, measured: str) -> None:
-        counts = {level: self.levels.count(level) for level in LEVELS if level in self.levels}
-        summary = ", ".join(f"{count} {level}" for level, count in counts.items())
+        summary = ", ".join(f"{self.levels.count(level)} {level}" for level in LEVELS if level in self.levels)
         message = (
             f"activation_checkpoint.memory_budget_gib={self.budget / GIB:g}: {measured}; from the next step the "
             f"{len(self.blocks)} MoE blocks run {summary} (predicted peak {self.predicted / GIB:.1f} GiB)"

@@ -27,13 +27,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torchtitan.distributed.compile import CompiledRegion, recompile_guard_contexts
 from torchtitan.distributed.utils import transformer_blocks
 
-__all__ = [
-    "PartialRecompute",
-    "SwitchableCheckpointWrapper",
-    "apply_ac",
-    "budget_blocks",
-    "per_op_sac_contexts",
-]
+__all__ = ["PartialRecompute", "SwitchableCheckpointWrapper", "apply_ac", "budget_blocks", "per_op_sac_contexts"]
 
 
 @runtime_checkable
@@ -113,9 +107,7 @@ def apply_ac(
     def selected(position: int) -> bool:
         return position % every == 0 and (num_blocks == -1 or position < num_blocks)
 
-    sac_save_ops = None
-    if mode == "selective" and option == "op":
-        sac_save_ops = op_sac_save_list() | set(exchange_ops)
+    sac_save_ops = op_sac_save_list() | set(exchange_ops) if mode == "selective" and option == "op" else None
     _wrap_blocks(model, selected, sac_save_ops, compiled_regions, switchable=ac_config.memory_budget_gib > 0)
 
 
@@ -180,9 +172,7 @@ def _wrap_blocks(
 
 
 def _checkpoint_contexts(
-    sac_save_ops: set[Any] | None,
-    guard_name: str | None,
-    compiled_regions: tuple[CompiledRegion, ...],
+    sac_save_ops: set[Any] | None, guard_name: str | None, compiled_regions: tuple[CompiledRegion, ...]
 ):
     """checkpoint's context_fn: (forward, recompute) contexts of SAC or, for a whole MoE block, the recompile guard
     (never both: `_wrap_blocks` does not checkpoint an MoE block whole under per-op SAC)."""

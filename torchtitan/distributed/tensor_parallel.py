@@ -1,10 +1,4 @@
-"""Small ParallelStyles and autograd helpers for tensor parallelism beyond torch's Colwise/Rowwise/Sequence styles.
-
-- `NoParallel`: weights replicated, input replicated (router gate and norms under TP).
-- `ReplicateOverTokenShards`: weights replicated, each rank its own token shard (EP borrowing the tp ranks).
-- `SyncGradColumns`: all-reduce the gradient of some output columns (MLA's shared RoPE key).
-- `sum_grad_over`: identity forward, gradient all-reduced over a mesh (tokens feeding tensor-parallel experts).
-"""
+"""Small ParallelStyles and autograd helpers for tensor parallelism beyond torch's Colwise/Rowwise/Sequence styles."""
 
 from __future__ import annotations
 
@@ -25,8 +19,8 @@ def sum_grad_over(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 
 class NoParallel(ParallelStyle):
-    """Weights and input replicated over the mesh: the input is wrapped as a Replicate DTensor (its backward all-reduces
-    a partial input gradient) and the output returned as a local tensor."""
+    """Weights and input replicated over the mesh (the router gate and norms under TP): the input is wrapped as a
+    Replicate DTensor (its backward all-reduces a partial input gradient) and the output returned as a local tensor."""
 
     def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         x = inputs[0]

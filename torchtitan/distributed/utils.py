@@ -41,10 +41,9 @@ def device_type() -> str:
 
 
 def autocast_dtype(parallel_dims: Any, param_dtype: str) -> torch.dtype | None:
-    """The dtype a forward autocasts to for `training.mixed_precision_param` (None: no autocast).
-
-    FSDP2 computes in the parameter dtype it casts to; a one-device run gets bf16 compute from autocast instead, as
-    torchtitan does. With TP or PP and no FSDP, compute stays fp32 and a warning says so."""
+    """The dtype a forward autocasts to for `training.mixed_precision_param` (None: no autocast). FSDP2 computes in
+    the parameter dtype it casts to; a one-device run gets it from autocast instead, as torchtitan does. With TP or PP
+    and no FSDP, compute stays fp32 and a warning says so."""
     if param_dtype == "float32" or parallel_dims.fsdp_enabled:
         return None
     if parallel_dims.tp_enabled or parallel_dims.pp_enabled:
@@ -82,10 +81,8 @@ def init_distributed(comm_config: Any, device_type: str) -> None:
 
 
 def set_pg_timeouts(timeout_seconds: int, world_mesh: DeviceMesh) -> None:
-    """Apply the training timeout to every process group, after the first step (which may compile / warm up).
-
-    Barrier first so no rank still waits in a collective that was started under the long init timeout.
-    """
+    """Apply the training timeout to every process group, after the first step (which may compile / warm up). Barrier
+    first so no rank still waits in a collective that was started under the long init timeout."""
     timeout = timedelta(seconds=timeout_seconds)
     if world_mesh.device_type == "cuda":
         dist.barrier(device_ids=[torch.cuda.current_device()])
@@ -98,13 +95,11 @@ def set_pg_timeouts(timeout_seconds: int, world_mesh: DeviceMesh) -> None:
 
 
 def destroy_process_groups() -> None:
-    """Destroy every process group and free it now, while the interpreter is fully alive.
-
-    destroy_process_group() only unregisters the groups; meshes (kept by DTensor's caches) hold them in
-    `_pg_registry`, so they would be freed during interpreter finalization, where a gloo thread taking the GIL
-    aborts the process (pytorch/pytorch#190489). Remove once torch frees them itself. Callers drop their own
-    references (model, optimizer, DeepEP buffers) first.
-    """
+    """Destroy every process group and free it now, while the interpreter is fully alive: destroy_process_group()
+    only unregisters the groups, and meshes (kept by DTensor's caches) hold them in `_pg_registry`, so they would be
+    freed during interpreter finalization, where a gloo thread taking the GIL aborts the process
+    (pytorch/pytorch#190489). Remove once torch frees them itself. Callers drop their own references (model,
+    optimizer, DeepEP buffers) first."""
     if not dist.is_initialized():
         return
     gc.collect()  # reference cycles (the model, FSDP states) hold groups
@@ -117,10 +112,8 @@ def destroy_process_groups() -> None:
 
 def set_determinism(world_mesh: DeviceMesh | None, device: torch.device, seed: int | None, deterministic: bool) -> int:
     """Seed every RNG identically on all ranks (so a full-model init is the same everywhere); returns the seed.
-
-    seed=None draws one on rank 0 and broadcasts it. deterministic=True turns on deterministic algorithms
-    (slower; needed for bitwise-reproducible runs on GPU).
-    """
+    seed=None draws one on rank 0 and broadcasts it. deterministic=True turns on deterministic algorithms (slower;
+    needed for bitwise-reproducible runs on GPU)."""
     if seed is None:
         seed_tensor = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
         if world_mesh is not None and world_mesh.size() > 1:
@@ -141,13 +134,10 @@ def set_determinism(world_mesh: DeviceMesh | None, device: torch.device, seed: i
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor], max_norm: float, pp_mesh: DeviceMesh | None = None
 ) -> torch.Tensor:
-    """Clip gradients to the total 2-norm over all parameters of all meshes (and all pipeline stages).
-
-    DTensor gradients on different meshes (dense params on (dp, tp), experts on (dp_shard_mod_ep, ep)) cannot be
-    stacked, so each (mesh, placements) group's norm is made a plain tensor with full_tensor() and the groups are
-    combined: total = (sum_g norm_g^2)^(1/2), the squares summed over the pp mesh. Returns the total norm (before
-    clipping) as a 0-dim tensor.
-    """
+    """Clip gradients to the total 2-norm over all parameters of all meshes and pipeline stages; returns that norm
+    (before clipping) as a 0-dim tensor. DTensor gradients on different meshes (dense params on (dp, tp), experts on
+    (dp_shard_mod_ep, ep)) cannot be stacked, so each (mesh, placements) group's norm is made a plain tensor with
+    full_tensor(): total = (sum_g norm_g^2)^(1/2), the squares summed over the pp mesh."""
     groups = _params_by_grad_mesh(parameters)
     group_norms = []
     for group in groups.values():
@@ -177,12 +167,10 @@ def grad_norm_and_clip_coef(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The total gradient 2-norm over all meshes and pipeline stages, as `clip_grad_norm_` computes it, and torch's
     clip coefficient min(1, max_norm / (norm + 1e-6)): two 0-dim fp32 tensors that stay on the device (no host sync).
-
     The gradients are NOT clipped (partial sums are reduced to their parameter's layout, in place): an optimizer
     folds the coefficient into its update (`OptimizersContainer.step(grad_scale=coef)`). Each (mesh, placements)
     group's local sum of squares is one `sum_of_squares` launch, summed over the mesh dims where the gradient is
-    sharded, then over `pp_mesh`.
-    """
+    sharded, then over `pp_mesh`."""
     parameters = list(parameters)
     for param in parameters:
         grad = param.grad

@@ -17,12 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchtitan.distributed.deepep.handle_layout import (
-    HandleLayout,
-    cpu_layout,
-    internode_layout,
-    intranode_layout,
-)
+from torchtitan.distributed.deepep.handle_layout import HandleLayout, cpu_layout, internode_layout, intranode_layout
 
 __all__ = ["EPBuffer", "destroy_buffers", "get_buffer", "get_or_create_buffer", "import_deep_ep"]
 
@@ -93,11 +88,7 @@ def get_buffer(group_name: str) -> EPBuffer:
 
 
 def get_or_create_buffer(
-    group: dist.ProcessGroup,
-    hidden_dim: int,
-    *,
-    device_type: str = "cuda",
-    num_sms: int = 24,
+    group: dist.ProcessGroup, hidden_dim: int, *, device_type: str = "cuda", num_sms: int = 24
 ) -> EPBuffer:
     """Return the group's buffer, creating it (or growing it for a larger `hidden_dim` / new `num_sms`, which destroys
     the old `deep_ep.Buffer`). Collective over `group` on CUDA (DeepEP exchanges IPC handles): every rank calls it with

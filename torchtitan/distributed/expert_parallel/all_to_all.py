@@ -1,8 +1,5 @@
-"""Token dispatchers over `torch.distributed` collectives (any backend): all-to-all expert parallelism, and the
-tensor-parallel experts' local dispatcher.
-
-- `AllToAllTokenDispatcher` (`ExpertParallel`, `ExpertTensorParallel`): variable-size all-to-alls of the token copies.
-- `TensorParallelTokenDispatcher` (`TensorParallel`, ep == 1): all tokens stay; their gradient is summed over tp.
+"""Token dispatchers over `torch.distributed` collectives (any backend): all-to-all expert parallelism
+(`ExpertParallel`, `ExpertTensorParallel`), and the tensor-parallel experts' local dispatcher (`TensorParallel`).
 """
 
 from __future__ import annotations

@@ -4,11 +4,8 @@
     combine:   combine_preprocess  -> token_combine  -> combine_postprocess
 
 `token_dispatch` / `token_combine` communicate; the others compute locally. What combine needs from dispatch travels
-in the `DispatchState` that dispatch returns (no module state).
-
-`LocalTokenDispatcher` (no EP) is the default; `parallelize` installs all-to-all (`all_to_all.py`) or DeepEP
-(`deepep_dispatcher.py`) through the ParallelStyles of `styles.py`. A dispatcher is never changed after it is built.
-Every backend hands its experts `ExpertTokens` (tokens and the expert-major order of their copies).
+in the `DispatchState` that dispatch returns (no module state). `LocalTokenDispatcher` (no EP) is the default; the
+ParallelStyles of `styles.py` install the others. A dispatcher is never changed after it is built.
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
 """ParallelStyles for an `MoE` layer's routed experts: each shards `moe.experts` and installs the layer's token
 dispatcher; the experts module never changes and no hooks rewrite its arguments.
-
-- `ExpertParallel` (ep mesh): weights Shard(0) (each rank owns E / ep experts); all-to-all token exchange.
-- `ExpertTensorParallel` ([ep, etp] mesh): EP plus TP inside each expert: w1/w3 [Shard(0), Shard(1)], w2
-  [Shard(0), Shard(2)]. The expert output is a partial sum over etp, reduced by the MoE module's output layout.
-- `TensorParallel` (tp mesh, ep == 1): TP inside experts, no token exchange.
-- `DeepEPExpertParallel` (1-D ep mesh): weights Shard(0); DeepEP's dispatch and combine; creates the group's buffer
-  at parallelize time.
 """
 
 from __future__ import annotations
@@ -45,7 +38,8 @@ class ExpertParallel(_ExpertStyle):
 
 
 class ExpertTensorParallel(_ExpertStyle):
-    """On an `MoE`: EP x TP on the experts over a 2-D [ep, etp] mesh."""
+    """On an `MoE`: EP x TP on the experts over a 2-D [ep, etp] mesh. The experts' output is a partial sum over etp,
+    reduced by the MoE module's output layout."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         # w1, w3: (E, hidden, dim) column-wise on hidden; w2: (E, dim, hidden) row-wise on hidden.
@@ -72,17 +66,12 @@ class TensorParallel(ParallelStyle):
 
 class DeepEPExpertParallel(ParallelStyle):
     """On an `MoE` (parallelize makes it a `DeepEPMoE`): experts sharded on dim 0 over the 1-D EP mesh, tokens exchanged
-    with DeepEP. num_sms, sync_free, capacity_factor, fp8: `parallelism.deepep_num_sms`,
-    `parallelism.deepep_sync_free_dispatch`, `parallelism.deepep_sync_free_capacity_factor`,
-    `quantize.float8_dispatch`."""
+    with DeepEP through the group's buffer, created here. num_sms, sync_free, capacity_factor, fp8:
+    `parallelism.deepep_num_sms`, `parallelism.deepep_sync_free_dispatch`,
+    `parallelism.deepep_sync_free_capacity_factor`, `quantize.float8_dispatch`."""
 
     def __init__(
-        self,
-        *,
-        num_sms: int = 24,
-        sync_free: bool = False,
-        capacity_factor: float | None = None,
-        fp8: bool = False,
+        self, *, num_sms: int = 24, sync_free: bool = False, capacity_factor: float | None = None, fp8: bool = False
     ):
         super().__init__()
         self.num_sms = num_sms
