@@ -9,14 +9,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-# Wrappers added by activation checkpointing and torch.compile; FQNs are compared without them.
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
 
 def canonical_fqn(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+    """`name` without the wrappers that activation checkpointing and torch.compile add."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
 @torch.no_grad()

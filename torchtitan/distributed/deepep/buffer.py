@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from torchtitan.distributed.deepep.handle_layout import HandleLayout, cpu_layout, internode_layout, intranode_layout
 
-__all__ = ["EPBuffer", "destroy_buffers", "get_buffer", "get_or_create_buffer", "import_deep_ep"]
+__all__ = ["EPBuffer", "destroy_buffers", "get_buffer", "get_or_create_buffer", "import_deep_ep", "kernel_buffer"]
 
 _DEEP_EP_INSTALL_HINT = (
     "parallelism.expert_parallel_comm_backend='deepep' on CUDA needs the optional `deep_ep` package. Install it "
@@ -54,14 +54,6 @@ class EPBuffer:
     combine_config: Any = None
     deep_ep: ModuleType | None = None
 
-    def check_hidden_dim(self, hidden_dim: int) -> None:
-        if hidden_dim > self.hidden_dim:
-            raise RuntimeError(
-                f"DeepEP buffer of group {self.group_name!r} was sized for hidden_dim {self.hidden_dim} but got "
-                f"tokens of hidden_dim {hidden_dim}; call get_or_create_buffer(group, {hidden_dim}) at "
-                "parallelize time (DeepEPExpertParallel does this for every experts module it is applied to)."
-            )
-
 
 _BUFFERS: dict[str, EPBuffer] = {}
 
@@ -83,6 +75,22 @@ def get_buffer(group_name: str) -> EPBuffer:
             f"no DeepEP buffer for process group {group_name!r}: apply DeepEPExpertParallel to the experts "
             "module (or call torchtitan.distributed.deepep.get_or_create_buffer(group, hidden_dim)) before "
             "running the deepep ops."
+        )
+    return buffer
+
+
+def kernel_buffer(group_name: str, device_type: str, hidden_dim: int) -> EPBuffer:
+    """The buffer a kernel of `device_type` runs on, for tokens of `hidden_dim`; raises if it cannot serve them."""
+    buffer = get_buffer(group_name)
+    if buffer.device_type != device_type or (device_type == "cuda" and buffer.runtime is None):
+        raise RuntimeError(
+            f"deepep group {group_name!r} has a {buffer.device_type} buffer but got {device_type.upper()} tensors."
+        )
+    if hidden_dim > buffer.hidden_dim:
+        raise RuntimeError(
+            f"DeepEP buffer of group {group_name!r} was sized for hidden_dim {buffer.hidden_dim} but got "
+            f"tokens of hidden_dim {hidden_dim}; call get_or_create_buffer(group, {hidden_dim}) at "
+            "parallelize time (DeepEPExpertParallel does this for every experts module it is applied to)."
         )
     return buffer
 

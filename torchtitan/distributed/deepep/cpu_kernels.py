@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from torchtitan.distributed.deepep.buffer import EPBuffer, get_buffer
+from torchtitan.distributed.deepep.buffer import kernel_buffer
 from torchtitan.kernels.float8 import FP8_DTYPE, dequantize_blockwise, quantize_blockwise
 from torchtitan.kernels.permute import expert_major_order
 
@@ -32,7 +32,7 @@ def dispatch(
     sync_free: bool = False,
     fp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    buffer = _cpu_buffer(group_name, x)
+    buffer = kernel_buffer(group_name, "cpu", x.shape[-1])
     num_ranks, num_local_experts = buffer.world_size, num_experts // buffer.world_size
     num_tokens, top_k = topk_idx.shape
 
@@ -92,7 +92,7 @@ def dispatch(
 def combine(
     x: torch.Tensor, handle: list[torch.Tensor], group_name: str, topk_weights: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    buffer = _cpu_buffer(group_name, x)
+    buffer = kernel_buffer(group_name, "cpu", x.shape[-1])
     is_token_in_rank, num_recv_per_rank, _ = handle
     num_tokens = is_token_in_rank.shape[0]
     _, send_token = is_token_in_rank.t().nonzero(as_tuple=True)
@@ -113,7 +113,7 @@ def combine(
 
 
 def cached_dispatch(x: torch.Tensor, handle: list[torch.Tensor], group_name: str) -> torch.Tensor:
-    buffer = _cpu_buffer(group_name, x)
+    buffer = kernel_buffer(group_name, "cpu", x.shape[-1])
     is_token_in_rank, num_recv_per_rank, recv_src_idx = handle
     _, send_token = is_token_in_rank.t().nonzero(as_tuple=True)
     send_splits = is_token_in_rank.sum(0).tolist()
@@ -126,11 +126,3 @@ def cached_dispatch(x: torch.Tensor, handle: list[torch.Tensor], group_name: str
 def _pad(t: torch.Tensor, rows: int, value: float) -> torch.Tensor:
     """t with rows appended up to `rows`, filled with `value`."""
     return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), value)])
-
-
-def _cpu_buffer(group_name: str, x: torch.Tensor) -> EPBuffer:
-    buffer = get_buffer(group_name)
-    if buffer.device_type != "cpu":
-        raise RuntimeError(f"deepep group {group_name!r} has a {buffer.device_type} buffer but got CPU tensors.")
-    buffer.check_hidden_dim(x.shape[-1])
-    return buffer

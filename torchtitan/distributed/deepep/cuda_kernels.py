@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from torchtitan.distributed.deepep.buffer import WIRE_DTYPE, EPBuffer, get_buffer
+from torchtitan.distributed.deepep.buffer import WIRE_DTYPE, kernel_buffer
 from torchtitan.kernels.float8 import dequantize_blockwise, quantize_blockwise
 from torchtitan.kernels.permute import expert_major_order
 
@@ -31,7 +31,7 @@ def dispatch(
     sync_free: bool = False,
     fp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    buffer = _cuda_buffer(group_name, x)
+    buffer = kernel_buffer(group_name, "cuda", x.shape[-1])
     runtime = buffer.runtime
     num_local_experts = num_experts // buffer.world_size
     # intranode only: DeepEPExpertParallel refuses it for a group that spans nodes
@@ -88,7 +88,7 @@ def dispatch(
 def combine(
     x: torch.Tensor, handle: list[torch.Tensor], group_name: str, topk_weights: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    buffer = _cuda_buffer(group_name, x)
+    buffer = kernel_buffer(group_name, "cuda", x.shape[-1])
     if topk_weights is not None:
         topk_weights = topk_weights.to(torch.float32).contiguous()
     wire_x = _to_wire(x)
@@ -108,7 +108,7 @@ def combine(
 
 
 def cached_dispatch(x: torch.Tensor, handle: list[torch.Tensor], group_name: str) -> torch.Tensor:
-    buffer = _cuda_buffer(group_name, x)
+    buffer = kernel_buffer(group_name, "cuda", x.shape[-1])
     wire_x = _to_wire(x)
     recv_x, _, _, _, _, event = buffer.runtime.dispatch(
         wire_x,
@@ -124,11 +124,3 @@ def cached_dispatch(x: torch.Tensor, handle: list[torch.Tensor], group_name: str
 
 def _to_wire(x: torch.Tensor) -> torch.Tensor:
     return x.to(WIRE_DTYPE).contiguous()
-
-
-def _cuda_buffer(group_name: str, x: torch.Tensor) -> EPBuffer:
-    buffer = get_buffer(group_name)
-    if buffer.device_type != "cuda" or buffer.runtime is None:
-        raise RuntimeError(f"deepep group {group_name!r} has a {buffer.device_type} buffer but got CUDA tensors.")
-    buffer.check_hidden_dim(x.shape[-1])
-    return buffer
