@@ -1,13 +1,6 @@
-"""CPU reference kernels of `torch.ops.deepep.*` over torch.distributed (gloo all_to_all_single).
-
-The DeepEP contract that the CUDA kernels are checked against:
-- dispatch sends each token once to every rank holding one of its top-k experts, received rank-major (source rank,
-  then source order); `recv_topk_idx` holds local expert ids or -1, `recv_topk_weights` the weights (0 if masked).
-- combine sends each received token's output back and sums per source token (in fp32); cached dispatch replays a
-  dispatch's layout (combine's backward); fp8 dequantizes on arrival (ops.py).
-- sync_free pads to T x ranks received tokens; every rank must send the same T (this reference raises). Padding
-  rows hold NaN and recv_topk_idx -1, so a test sees any use of them.
-
+"""CPU reference kernels of `torch.ops.deepep.*` over torch.distributed (gloo all_to_all_single): the contract of
+ops.py, which the CUDA kernels are checked against. Combine sums per source token in fp32. Sync-free, every rank must
+send the same T (this reference raises); padding rows hold NaN and recv_topk_idx -1, so a test sees any use of them.
 Host syncs (`.tolist()`) are fine here: this is the reference, not the hot path.
 """
 
