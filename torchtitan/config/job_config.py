@@ -178,8 +178,9 @@ class Parallelism:
     expert_parallel_comm_backend: str = "standard"
     """Token exchange backend (`models/moe/exchange.py`): `standard` all-to-all, or `deepep` (deep_ep, CUDA)."""
 
-    deepep_num_sms: int = 24
-    """SMs DeepEP's communication kernels may use (even number)."""
+    deepep_num_sms: int = 48
+    """SMs DeepEP's communication kernels may use (even number). 48 beat DeepEP's usual 24 at EP2 and EP4 inside
+    one host (benchmarks/NOTES.md); across hosts it is not measured."""
 
     deepep_sync_free_dispatch: bool = False
     """DeepEP dispatch without a host wait: receive buffers sized for the worst case (`num_worst_tokens`), so the host
