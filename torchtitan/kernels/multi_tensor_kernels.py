@@ -60,16 +60,11 @@ def _adamw_kernel(
     else:
         param_ptr = tl.load(addresses_ptr + tensor).to(tl.pointer_type(tl.float32))
         low_ptr = addresses_ptr  # never read
-    if MOMENTS_BF16:
-        exp_avg_ptr = tl.load(addresses_ptr + 2 * num_tensors + tensor).to(tl.pointer_type(tl.bfloat16))
-        exp_avg_sq_ptr = tl.load(addresses_ptr + 3 * num_tensors + tensor).to(tl.pointer_type(tl.bfloat16))
-    else:
-        exp_avg_ptr = tl.load(addresses_ptr + 2 * num_tensors + tensor).to(tl.pointer_type(tl.float32))
-        exp_avg_sq_ptr = tl.load(addresses_ptr + 3 * num_tensors + tensor).to(tl.pointer_type(tl.float32))
-    if GRAD_BF16:
-        grad_ptr = tl.load(addresses_ptr + num_tensors + tensor).to(tl.pointer_type(tl.bfloat16))
-    else:
-        grad_ptr = tl.load(addresses_ptr + num_tensors + tensor).to(tl.pointer_type(tl.float32))
+    moment_type = tl.pointer_type(tl.bfloat16 if MOMENTS_BF16 else tl.float32)
+    exp_avg_ptr = tl.load(addresses_ptr + 2 * num_tensors + tensor).to(moment_type)
+    exp_avg_sq_ptr = tl.load(addresses_ptr + 3 * num_tensors + tensor).to(moment_type)
+    grad_type = tl.pointer_type(tl.bfloat16 if GRAD_BF16 else tl.float32)
+    grad_ptr = tl.load(addresses_ptr + num_tensors + tensor).to(grad_type)
     if ALIGNED:
         param_ptr = tl.multiple_of(param_ptr, 16)
         grad_ptr = tl.multiple_of(grad_ptr, 16)
@@ -78,10 +73,7 @@ def _adamw_kernel(
         low_ptr = tl.multiple_of(low_ptr, 16)
     step_size = tl.load(scalars_ptr + tensor)
     bias_correction2_sqrt = tl.load(scalars_ptr + num_tensors + tensor)
-    if HAS_GRAD_SCALE:
-        grad_scale = tl.load(grad_scale_ptr)
-    else:
-        grad_scale = 1.0
+    grad_scale = tl.load(grad_scale_ptr) if HAS_GRAD_SCALE else 1.0
 
     if start + CHUNK <= numel:
         for offset in range(0, CHUNK, BLOCK):
@@ -124,24 +116,16 @@ def _adamw_block(
     MOMENTS_BF16: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    if MASKED:
-        mask = offsets < numel
-        if SPLIT_MASTERS:
-            weight_bits = tl.load(param_ptr + offsets, mask=mask, other=0)
-            param = _join_fp32(weight_bits, tl.load(low_ptr + offsets, mask=mask, other=0))
-        else:
-            param = tl.load(param_ptr + offsets, mask=mask, other=0.0)
-        grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    mask = offsets < numel if MASKED else None  # full chunks load and store unmasked (vectorized)
+    other = 0 if MASKED else None
+    if SPLIT_MASTERS:
+        weight_bits = tl.load(param_ptr + offsets, mask=mask, other=other)
+        param = _join_fp32(weight_bits, tl.load(low_ptr + offsets, mask=mask, other=other))
     else:
-        if SPLIT_MASTERS:
-            param = _join_fp32(tl.load(param_ptr + offsets), tl.load(low_ptr + offsets))
-        else:
-            param = tl.load(param_ptr + offsets)
-        grad = tl.load(grad_ptr + offsets).to(tl.float32)
-        exp_avg = tl.load(exp_avg_ptr + offsets).to(tl.float32)
-        exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets).to(tl.float32)
+        param = tl.load(param_ptr + offsets, mask=mask, other=other)
+    grad = tl.load(grad_ptr + offsets, mask=mask, other=other).to(tl.float32)
+    exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask, other=other).to(tl.float32)
+    exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=other).to(tl.float32)
 
     grad = grad * grad_scale  # the clip coefficient: the gradient in memory stays unclipped
     param = param * decay_factor
@@ -157,22 +141,13 @@ def _adamw_block(
         random_avg, random_avg_sq, _, _ = tl.randint4x(rounding_seed, offsets.to(tl.int32))
         exp_avg = _round_to_bf16_stochastically(exp_avg, random_avg)
         exp_avg_sq = _round_to_bf16_stochastically(exp_avg_sq, random_avg_sq)
-    if MASKED:
-        if SPLIT_MASTERS:
-            tl.store(param_ptr + offsets, weight_bits, mask=mask)
-            tl.store(low_ptr + offsets, low_bits, mask=mask)
-        else:
-            tl.store(param_ptr + offsets, param, mask=mask)
-        tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
-        tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
+    if SPLIT_MASTERS:
+        tl.store(param_ptr + offsets, weight_bits, mask=mask)
+        tl.store(low_ptr + offsets, low_bits, mask=mask)
     else:
-        if SPLIT_MASTERS:
-            tl.store(param_ptr + offsets, weight_bits)
-            tl.store(low_ptr + offsets, low_bits)
-        else:
-            tl.store(param_ptr + offsets, param)
-        tl.store(exp_avg_ptr + offsets, exp_avg)
-        tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq)
+        tl.store(param_ptr + offsets, param, mask=mask)
+    tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
+    tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
 
 
 @triton.jit
@@ -217,10 +192,7 @@ def _sum_of_squares_kernel(
     tensor = tl.load(tensor_of_chunk_ptr + chunk)
     start = tl.load(chunk_in_tensor_ptr + chunk).to(tl.int64) * CHUNK
     numel = tl.load(numels_ptr + tensor)
-    if BF16:
-        ptr = tl.load(addresses_ptr + tensor).to(tl.pointer_type(tl.bfloat16))
-    else:
-        ptr = tl.load(addresses_ptr + tensor).to(tl.pointer_type(tl.float32))
+    ptr = tl.load(addresses_ptr + tensor).to(tl.pointer_type(tl.bfloat16 if BF16 else tl.float32))
     if ALIGNED:
         ptr = tl.multiple_of(ptr, 16)
     total = tl.zeros((BLOCK,), dtype=tl.float32)
