@@ -10,14 +10,11 @@ and is applied to the fp32 result:
 
 W_e's scales s_e vary along the grad-input GEMM's reduction (N), so they multiply dout's columns before dout is
 quantized and the forward's FP8 weights serve again, transposed (cheaper than re-quantizing the bf16 weights).
-Otherwise this is torchao's rowwise float8 MoE recipe. On CUDA the GEMMs are `torch._scaled_grouped_mm` and the
-quantization runs in Triton (float8_kernels.py); elsewhere the same quantized operands are multiplied in bf16/fp32
-(exact: FP8 values are bf16 values), so CPU tests see the same rounding. Callers whose weights do not change between
-uses pass FP8 copies from a `Float8WeightCache`; otherwise weights are quantized at every use.
-
-Accumulation: the grouped GEMMs accumulate fast (no fp32 promotion), as torchao's recipe does: the precise kernel
-runs at half bf16's speed for groups under 2,048 rows, and on sums of random sign the error is close to precise
-accumulation's. The dense linears accumulate fast only in the forward, as torchao's Float8Linear does.
+Otherwise this is torchao's rowwise float8 MoE recipe, fast (no fp32 promotion) accumulation included: the precise
+kernel runs at half bf16's speed on groups under 2,048 rows, for an error close to the fast one's on sums of random
+sign. The dense linears accumulate fast only in the forward, as torchao's Float8Linear does. On CUDA the GEMMs are
+`torch._scaled_grouped_mm` and the quantization runs in Triton (float8_kernels.py); elsewhere the same quantized
+operands are multiplied in bf16/fp32 (exact: FP8 values are bf16 values), so CPU tests see the same rounding.
 
 Rows past the last group end belong to no group: left out of every scale, their outputs unspecified.
 """
@@ -108,9 +105,8 @@ def dequantize(quantized: torch.Tensor, scale: torch.Tensor, dim: int = -1) -> t
 
 
 class Float8Weights(NamedTuple):
-    """Weights (E, N, K) (a pair stacked along N) in FP8 for both GEMMs that read them: `values` (E, N, K) row-major
-    with `scales` (E, N) for the forward, and the same values column-major (`transposed`, (E, N, K) strides
-    (N K, 1, N)) for the grad-input GEMM."""
+    """Weights (E, N, K) (a pair stacked along N) in FP8: `values` row-major with `scales` (E, N) for the forward,
+    and the same values column-major (`transposed`, strides (N K, 1, N)) for the grad-input GEMM."""
 
     values: torch.Tensor
     scales: torch.Tensor
@@ -210,8 +206,7 @@ class _Float8GroupedMM(torch.autograd.Function):
         x, offsets, w_q, w_scale, w_q_t = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[0]:
-            # W_e's forward scales vary along this GEMM's reduction (N): they multiply grad_out's columns before its
-            # rows are quantized, and W_e's FP8 values are reused, transposed into the column-major (N, K) operand
+            # the module docstring's grad input: grad_out * s_e quantized by rows, W_e's FP8 values column-major
             g_q, g_scale = _rowwise_group_scaled(grad_out, w_scale, offsets)  # (M, N), (M,)
             if w_q_t is None:
                 w_q_t = _column_major(w_q)
@@ -311,24 +306,15 @@ def _grad_weight_operands(
 
 @_grad_weight_operands.register_fake
 def _(grad_out: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor):
-    num_rows, num_groups = x.shape[0], offsets.shape[0]
-    return tuple(
-        tensor
-        for t in (grad_out, x)
-        for tensor in (
-            t.new_empty((t.shape[1], num_rows), dtype=FP8_DTYPE),
-            t.new_empty((num_groups, t.shape[1]), dtype=torch.float32),
-        )
-    )
+    def operand(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scales = t.new_empty((offsets.shape[0], t.shape[1]), dtype=torch.float32)
+        return t.new_empty((t.shape[1], x.shape[0]), dtype=FP8_DTYPE), scales
+
+    return (*operand(grad_out), *operand(x))
 
 
 def _scaled_grouped_mm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale_a: torch.Tensor,
-    scale_b: torch.Tensor,
-    offsets: torch.Tensor,
-    forward: bool,
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, offsets: torch.Tensor, forward: bool
 ) -> torch.Tensor:
     """Two forms, as torch._scaled_grouped_mm: a (M, K) 2D x b (E, K, N) 3D -> (M, N), scale_a (M,), scale_b
     (E, N); or a (N, M) x b (M, K), both 2D, grouped along M -> (E, N, K), scale_a (E, N), scale_b (E, K).
