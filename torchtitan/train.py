@@ -95,7 +95,8 @@ class Trainer:
         )
 
         # Every DP rank reads its slice of one global batch stream; its CP ranks read the same samples.
-        dp_rank, dp_degree = self._dp_rank_and_degree()
+        dp_mesh = self.parallel_dims.get_mesh("dp") if self.parallel_dims.dp_enabled else None
+        dp_rank, dp_degree = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
         self.tokenizer = build_tokenizer(job_config)
         self.dataloader = build_dataloader(job_config, self.tokenizer, dp_rank, dp_degree)
         if job_config.validation.enable:
@@ -199,18 +200,10 @@ class Trainer:
     def _dp_group(self) -> dist.ProcessGroup | None:
         return self.parallel_dims.get_mesh("dp").get_group() if self.parallel_dims.dp_enabled else None
 
-    def _dp_rank_and_degree(self) -> tuple[int, int]:
-        if not self.parallel_dims.dp_enabled:
-            return 0, 1
-        dp_mesh = self.parallel_dims.get_mesh("dp")
-        return dp_mesh.get_local_rank(), dp_mesh.size()
-
-    def _next_microbatches(self, data_iterator: Iterator) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        batches = []
-        for _ in range(self.grad_accum_steps):
-            input_dict, labels = next(data_iterator)
-            batches.append((batch_to_device(input_dict["input"], self.device), batch_to_device(labels, self.device)))
-        return batches
+    def _on_device(self, batch: tuple[dict, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A dataloader batch -> (tokens, labels) on the device."""
+        input_dict, labels = batch
+        return batch_to_device(input_dict["input"], self.device), batch_to_device(labels, self.device)
 
     def _document_ids(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """Block-causal attention: a new document starts at every BOS token."""
@@ -277,10 +270,8 @@ class Trainer:
         losses: list[torch.Tensor] = []
         target = target if self.has_last_stage else None
         run = self.pp_schedule.step if backward else self.pp_schedule.eval
-        if self.has_first_stage:
-            run(tokens, target=target, losses=losses, **kwargs)
-        else:
-            run(target=target, losses=losses, **kwargs)
+        inputs = [tokens] if self.has_first_stage else []
+        run(*inputs, target=target, losses=losses, **kwargs)
         if self.has_last_stage:
             return torch.stack(losses).sum().detach()
         return torch.zeros((), device=self.device)
@@ -289,7 +280,7 @@ class Trainer:
         """One optimizer step; returns (global mean loss, grad norm, the lr this step used). With MTP the loss is the
         main model's and `last_mtp_loss` the MTP modules' mean (the backward used main + lambda x MTP)."""
         self.optimizers.zero_grad()
-        microbatches = self._next_microbatches(data_iterator)
+        microbatches = [self._on_device(next(data_iterator)) for _ in range(self.grad_accum_steps)]
         # whole sequences (every context-parallel rank holds them): valid tokens are counted over the dp ranks only
         self.loss_fn.global_valid_tokens = count_valid_tokens((labels for _, labels in microbatches), self._dp_group())
         # per micro-batch, the targets of each MTP module; their valid counts over the step, per module
@@ -299,10 +290,7 @@ class Trainer:
         ]
         if self.model_args.mtp_layers:
             self.step_loss.start_step(
-                [
-                    count_valid_tokens((targets[k] for targets in mtp_labels), self._dp_group())
-                    for k in range(self.model_args.mtp_layers)
-                ]
+                [count_valid_tokens(targets, self._dp_group()) for targets in zip(*mtp_labels, strict=True)]
             )
         loss = torch.zeros((), device=self.device)
         for (tokens, labels), targets in zip(microbatches, mtp_labels, strict=True):
@@ -329,8 +317,8 @@ class Trainer:
         mtp_layers = self.model_args.mtp_layers
         token_sum, all_labels = torch.zeros((), device=self.device), []
         self.validation_loader.dataset.load_state_dict({"samples_yielded": 0})  # every pass reads the same batches
-        for input_dict, labels in itertools.islice(self.validation_loader, self.job_config.validation.steps):
-            tokens, labels = batch_to_device(input_dict["input"], self.device), batch_to_device(labels, self.device)
+        for batch in itertools.islice(self.validation_loader, self.job_config.validation.steps):
+            tokens, labels = self._on_device(batch)
             if mtp_layers:  # the MTP heads run as in training; only the main loss is kept
                 self.step_loss.start_step([1.0] * mtp_layers)
             mtp_labels = [mtp_targets(tokens, labels, k, self.tokenizer.bos_id) for k in range(mtp_layers)]
@@ -351,8 +339,7 @@ class Trainer:
         return dist_utils.clip_grad_norm_(params, max_norm, pp_mesh=pp_mesh), {}
 
     def _reduce_loss_for_logging(self, loss: torch.Tensor) -> torch.Tensor:
-        """Each rank holds its share of the global mean: sum shares over DP x CP, then share the last PP stage's
-        value."""
+        """Each rank holds its share of the global mean: sum them over DP x CP, then share the last PP stage's."""
         loss = loss.detach().clone()
         if (dp_cp := self.parallel_dims.get_optional_mesh("dp_cp")) is not None:
             dist.all_reduce(loss, group=dp_cp.get_group())
@@ -453,9 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata noise on every start
     # CPU autocast feeds bf16 into the fp32-weight RMSNorms; torch notes on every run that it cannot fuse them
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
-    # Under TP the embedding returns DTensor.to_local()'s output, a view by design (autograd); FSDP warns that an
-    # in-place op on a view would skip its pre-backward hook, and nothing writes into the embedding's output in place.
-    # Drop once torch's FSDP no longer warns for to_local() views.
+    # Under TP the embedding returns a DTensor.to_local() view, which nothing writes in place: FSDP's warning that an
+    # in-place op would skip its pre-backward hook does not apply. Drop once FSDP no longer warns for to_local() views.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
     if "--help" in argv or "-h" in argv:
         print(help_for(argv))
