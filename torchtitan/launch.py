@@ -66,10 +66,7 @@ def _torchrun_flags_parse(argv: list[str]) -> bool:
     try:
         parser.parse_args(argv)
     except ValueError as err:
-        print(
-            f"error: torchrun flags: {err}; check TORCHRUN_ARGS (torchrun --help lists the flags)",
-            file=sys.stderr,
-        )
+        print(f"error: torchrun flags: {err}; check TORCHRUN_ARGS (torchrun --help lists the flags)", file=sys.stderr)
         return False
     return True
 
@@ -120,9 +117,8 @@ def _where_it_stopped(argv: list[str]) -> str:
             f" after step {last_step}, before its first checkpoint (every {job.checkpoint.interval} steps): rerunning "
             "the same command starts over"
         )
-    latest = max(checkpoints)
     return (
-        f" after step {last_step}; the latest complete checkpoint is {checkpoints[latest]}: run the same "
+        f" after step {last_step}; the latest complete checkpoint is {checkpoints[max(checkpoints)]}: run the same "
         "command again to resume from it"
     )
 

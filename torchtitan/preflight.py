@@ -21,9 +21,8 @@ logger = logging.getLogger(__name__)
 
 
 def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, Any]:
-    """Parse the config and validate everything that depends on it, the world size and the model args. Returns the
-    job config and the model args (resolved once, so their warnings print once); raises ConfigError / ValueError
-    naming the fix."""
+    """Parse the config and validate it with the world size and the model args -> (job config, model args: resolved
+    once, so their warnings print once); raises ConfigError / ValueError naming the fix."""
     job_config = ConfigManager().parse_args(argv)
     # Config, dump folder and corpus errors come before the model code (and torch) is imported: in well under a second.
     check_dump_folder(job_config.job.dump_folder)

@@ -179,12 +179,11 @@ class _UnpermuteTokens(torch.autograd.Function):
 
 
 def expert_major_order(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Positions of the flattened `expert_ids` (-1: no expert) sorted stably by expert, the -1 entries last; returns
-    (expert_ids.numel(),) int64. The one ordering every backend uses.
+    """Positions of the flattened `expert_ids` (-1: no expert) sorted stably by expert, the -1 entries last:
+    (expert_ids.numel(),) int64, the one ordering every backend uses.
 
-    The keys are sorted as int16 (num_experts < 32767): a radix sort then makes 2 passes instead of int64's 8, which
-    cuts the host's launches right after DeepEP's dispatch, where the GPU waits for them. The mask to 15 bits sends
-    -1 (0xFFFF) to 32767, after every expert."""
+    The keys sort as int16 (num_experts < 32767): 2 radix passes instead of int64's 8, fewer host launches right
+    after DeepEP's dispatch, where the GPU waits for them. The 15-bit mask sends -1 (0xFFFF) after every expert."""
     if num_experts >= 2**15 - 1:
         raise ValueError(f"expert_major_order sorts int16 keys: num_experts={num_experts} must be below 32767")
     keys = expert_ids.reshape(-1).to(torch.int16).bitwise_and(2**15 - 1)
@@ -200,8 +199,7 @@ def permute_to_experts(
     alignment: int | None,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, PermutePlan]:
-    """x (T, dim), order (C,) slots of (T, top_k) in expert-major order -> (rows, plan): the copies in padded
-    expert-major rows (`permute.py`), scaled by `weights` (T, top_k) if given, and the plan that maps them back.
-    Every backend's permutation into the experts' rows."""
+    """x (T, dim), order (C,) slots of (T, top_k) in expert-major order -> (rows, plan): every backend's copies in
+    padded expert-major rows, scaled by `weights` (T, top_k) if given, and the plan that maps them back."""
     plan = plan_permutation(order, x.shape[0] * top_k, tokens_per_expert, alignment)
     return permute_tokens(x, plan, top_k, weights, dtype), plan

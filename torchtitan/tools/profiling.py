@@ -166,13 +166,11 @@ def step_summary(trace: dict, top: int = 40) -> dict:
     dispatch_ops = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("name") == "deepep::dispatch"]
     summaries = []
     for step in steps:
-        kernels, blocking = defaultdict(lambda: [0.0, 0]), defaultdict(lambda: [0.0, 0])
-        for event in step.device_events:
-            kernels[event["name"]][0] += event["dur"] / 1e3
-            kernels[event["name"]][1] += 1
-        for call in step.blocking_calls():
-            blocking[call["name"]][0] += call["dur"] / 1e3
-            blocking[call["name"]][1] += 1
+        kernels, blocking = defaultdict(lambda: [0.0, 0]), defaultdict(lambda: [0.0, 0])  # name -> [ms, count]
+        for totals, events in ((kernels, step.device_events), (blocking, step.blocking_calls())):
+            for event in events:
+                totals[event["name"]][0] += event["dur"] / 1e3
+                totals[event["name"]][1] += 1
         device_ms = sum(ms for ms, _ in kernels.values())
         summaries.append(
             {
