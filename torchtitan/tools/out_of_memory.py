@@ -29,6 +29,5 @@ def out_of_memory_line(rank: int, step: int, device: torch.device | None) -> str
         reserved = torch.cuda.memory_reserved(device) / 2**30
         total = torch.cuda.get_device_properties(device).total_memory / 2**30
         held, budget = f" with {reserved:.1f} of {total:.1f} GiB reserved", str(int(total * BUDGET_SHARE))
-    return f"error: rank {rank} ran out of device memory {where}{held}; lower the peak with " + LOWER_MEMORY.format(
-        budget=budget
-    )
+    lower = LOWER_MEMORY.format(budget=budget)
+    return f"error: rank {rank} ran out of device memory {where}{held}; lower the peak with {lower}"
