@@ -28,7 +28,7 @@ FAST_ARGS = [
     "--metrics.log_freq", "1",
     "--training.mixed_precision_param", "float32",
     "--debug.deterministic",
-]
+]  # fmt: skip
 
 
 def _free_port() -> int:

@@ -34,7 +34,7 @@ COMMON = [
     "--activation_checkpoint.mode", "none",
     "--checkpoint.enable=false",
     "--validation.enable", "--validation.freq", "3", "--validation.steps", "1",
-]
+]  # fmt: skip
 
 
 def _local_batch(dp: int, accumulation: int = 1) -> list[str]:
@@ -87,7 +87,7 @@ LAYOUTS = {
          "--parallelism.expert_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
          *_local_batch(2)],
     ),
-}
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
