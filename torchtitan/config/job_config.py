@@ -179,7 +179,7 @@ class Parallelism:
     """Token exchange backend (`models/moe/exchange.py`): `standard` all-to-all, or `deepep` (deep_ep, CUDA)."""
 
     deepep_num_sms: int = 48
-    """SMs DeepEP's communication kernels may use (even number). 48 beat DeepEP's usual 24 at EP2 and EP4 inside
+    """SMs DeepEP's communication kernels may use (even number). 48 beat 24 and 32 at EP2 and 24 at EP4 inside
     one host (benchmarks/NOTES.md); across hosts it is not measured."""
 
     deepep_sync_free_dispatch: bool = False
