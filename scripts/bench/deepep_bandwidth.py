@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--num-experts", type=int, default=256)
     parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--num-sms", type=int, default=48)
+    parser.add_argument("--num-sms", type=int, default=64)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--fp8", action="store_true", help="also time the FP8 dispatch")
     args = parser.parse_args()

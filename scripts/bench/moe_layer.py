@@ -128,7 +128,7 @@ def main() -> None:
     parser.add_argument("--layer", choices=sorted(LAYERS), required=True)
     parser.add_argument("--backend", choices=["standard", "deepep"], required=True)
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192], help="tokens per rank")
-    parser.add_argument("--num-sms", type=int, default=48)
+    parser.add_argument("--num-sms", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--compile", action="store_true", help="compile the layer as the trainer does (inductor)")
@@ -183,7 +183,7 @@ def main() -> None:
         ("_syncfree", args.sync_free),
         ("_fp8", args.float8_experts),
         ("_fp8dispatch", args.float8_dispatch),
-        (f"_sms{args.num_sms}", args.backend == "deepep" and args.num_sms != 48),
+        (f"_sms{args.num_sms}", args.backend == "deepep" and args.num_sms != 64),
     )
     variant_tag = "".join(tag for tag, on in tags if on)
 

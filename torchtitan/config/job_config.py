@@ -178,9 +178,9 @@ class Parallelism:
     expert_parallel_comm_backend: str = "standard"
     """Token exchange backend (`models/moe/exchange.py`): `standard` all-to-all, or `deepep` (deep_ep, CUDA)."""
 
-    deepep_num_sms: int = 48
-    """SMs DeepEP's communication kernels may use (even number). 48 beat 24 and 32 at EP2 and 24 at EP4 inside
-    one host (benchmarks/NOTES.md); across hosts it is not measured."""
+    deepep_num_sms: int = 64
+    """SMs DeepEP's communication kernels may use (even number). On one host 64 beat 48, 32 and 24 at EP2, and 48
+    beat 24 at EP4 (64 not measured there); across hosts nothing is measured (benchmarks/NOTES.md)."""
 
     deepep_sync_free_dispatch: bool = False
     """DeepEP dispatch without a host wait: receive buffers sized for the worst case (`num_worst_tokens`), so the host

@@ -96,7 +96,7 @@ def kernel_buffer(group_name: str, device_type: str, hidden_dim: int) -> EPBuffe
 
 
 def get_or_create_buffer(
-    group: dist.ProcessGroup, hidden_dim: int, *, device_type: str = "cuda", num_sms: int = 48
+    group: dist.ProcessGroup, hidden_dim: int, *, device_type: str = "cuda", num_sms: int = 64
 ) -> EPBuffer:
     """Return the group's buffer, creating it (or growing it for a larger `hidden_dim` / new `num_sms`, which destroys
     the old `deep_ep.Buffer`). Collective over `group` on CUDA (DeepEP exchanges IPC handles): every rank calls it with

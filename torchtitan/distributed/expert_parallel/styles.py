@@ -71,7 +71,7 @@ class DeepEPExpertParallel(ParallelStyle):
     `parallelism.deepep_sync_free_capacity_factor`, `quantize.float8_dispatch`."""
 
     def __init__(
-        self, *, num_sms: int = 48, sync_free: bool = False, capacity_factor: float | None = None, fp8: bool = False
+        self, *, num_sms: int = 64, sync_free: bool = False, capacity_factor: float | None = None, fp8: bool = False
     ):
         super().__init__()
         self.num_sms = num_sms
