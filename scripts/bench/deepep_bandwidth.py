@@ -9,6 +9,10 @@ Same workload and formula as DeepEP's own intranode test, so the numbers compare
 reported as the minimum over ranks of the median over iterations. `--fp8` also times the FP8 dispatch
 (`--quantize.float8_dispatch`: e4m3 values plus one fp32 scale per 128 channels, quantization and dequantization
 included), reported against the same bf16 bytes so the two rates compare as speeds.
+
+`--sweep` also times every NVL send-chunk size DeepEP's own tuning tries (dispatch 4-32 tokens, combine 1-16, the
+receive buffer kept at the config's), since DeepEP's configs were tuned for 20-24 SMs and the trainer uses 64. The
+16B model's exchange is `--num-tokens 16384 --hidden 2048 --num-experts 64 --top-k 6`.
 """
 
 import argparse
@@ -21,7 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.bench.common import cuda_time_ms, init_nccl_from_torchrun, write_result  # noqa: E402
 from torchtitan.distributed.deepep import ops  # noqa: E402
-from torchtitan.distributed.deepep.buffer import destroy_buffers, get_or_create_buffer  # noqa: E402
+from torchtitan.distributed.deepep.buffer import EPBuffer, destroy_buffers, get_or_create_buffer  # noqa: E402
 from torchtitan.distributed.utils import destroy_process_groups  # noqa: E402
 
 
@@ -34,12 +38,13 @@ def main() -> None:
     parser.add_argument("--num-sms", type=int, default=64)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--fp8", action="store_true", help="also time the FP8 dispatch")
+    parser.add_argument("--sweep", action="store_true", help="also time DeepEP's NVL send-chunk sizes")
     args = parser.parse_args()
 
     device = init_nccl_from_torchrun()
     group = dist.group.WORLD
     ep = dist.get_world_size()
-    get_or_create_buffer(group, args.hidden, device_type="cuda", num_sms=args.num_sms)
+    buffer = get_or_create_buffer(group, args.hidden, device_type="cuda", num_sms=args.num_sms)
     group_name = group.group_name
 
     torch.manual_seed(dist.get_rank())
@@ -60,6 +65,7 @@ def main() -> None:
                 args.iters,
                 barrier=True,
             )
+        sweep = chunk_sweep(buffer, x, topk_idx, topk_weights, recv_x, handle, args) if args.sweep else {}
     recv_bytes = recv_x.numel() * recv_x.element_size()
     times = (dispatch_ms, combine_ms, fp8_ms)
     rates = torch.tensor([recv_bytes / 1e6 / ms for ms in times], device=device)
@@ -77,10 +83,39 @@ def main() -> None:
             dispatch_gbps=rates[0].item(),
             combine_gbps=rates[1].item(),
             **({"fp8_dispatch_ms": fp8_ms, "fp8_dispatch_bf16_equivalent_gbps": rates[2].item()} if args.fp8 else {}),
+            **sweep,
             formula="recv_x bytes (num_recv_tokens*hidden*2, bf16) / time; min over ranks of the median",
         )
         write_result(result, f"deepep_bandwidth_ep{ep}" + ("_fp8" if args.fp8 else ""))
         print(f"ep={ep}: dispatch {rates[0].item():.1f} GB/s, combine {rates[1].item():.1f} GB/s", flush=True)
+
+
+def chunk_sweep(buffer: EPBuffer, x, topk_idx, topk_weights, recv_x, handle, args) -> dict:
+    """Median ms of dispatch and combine at each NVL send-chunk size (receive buffer 256 tokens, as in every DeepEP
+    intranode config), max over ranks; the buffer's own configs (timed above) are put back."""
+    deep_ep, group_name = buffer.deep_ep, buffer.group_name
+    default_dispatch, default_combine = buffer.dispatch_config, buffer.combine_config
+
+    def slowest_rank_ms(fn) -> float:
+        t = torch.tensor([cuda_time_ms(fn, 3, args.iters, barrier=True)], device=x.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    dispatch, combine = {}, {}
+    for chunk in range(4, 33, 2):
+        buffer.dispatch_config = deep_ep.Config(args.num_sms, chunk, 256)
+        dispatch[chunk] = slowest_rank_ms(lambda: ops.dispatch(x, topk_idx, topk_weights, args.num_experts, group_name))
+    buffer.dispatch_config = default_dispatch
+    for chunk in range(1, 17):
+        buffer.combine_config = deep_ep.Config(args.num_sms, chunk, 256)
+        combine[chunk] = slowest_rank_ms(lambda: ops.combine(recv_x, handle, group_name, None))
+    buffer.combine_config = default_combine
+    return dict(
+        sweep_dispatch_ms=dispatch,
+        sweep_combine_ms=combine,
+        best_dispatch_chunk=min(dispatch, key=dispatch.get),
+        best_combine_chunk=min(combine, key=combine.get),
+    )
 
 
 if __name__ == "__main__":
