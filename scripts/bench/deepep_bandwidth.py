@@ -24,9 +24,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.bench.common import cuda_time_ms, init_nccl_from_torchrun, write_result  # noqa: E402
+from torchtitan.config import JobConfig  # noqa: E402
 from torchtitan.distributed.deepep import ops  # noqa: E402
 from torchtitan.distributed.deepep.buffer import EPBuffer, destroy_buffers, get_or_create_buffer  # noqa: E402
 from torchtitan.distributed.utils import destroy_process_groups  # noqa: E402
+
+TRAINER_NUM_SMS = JobConfig().parallelism.deepep_num_sms  # the trainer's default DeepEP SM count
 
 
 def main() -> None:
@@ -35,7 +38,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--num-experts", type=int, default=256)
     parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--num-sms", type=int, default=64)
+    parser.add_argument("--num-sms", type=int, default=TRAINER_NUM_SMS)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--fp8", action="store_true", help="also time the FP8 dispatch")
     parser.add_argument("--sweep", action="store_true", help="also time DeepEP's NVL send-chunk sizes")

@@ -53,6 +53,9 @@ LAYERS = {
 }
 
 
+TRAINER_NUM_SMS = JobConfig().parallelism.deepep_num_sms  # the trainer's default DeepEP SM count
+
+
 def matmul_bound_ms(layer: dict, tokens: int) -> tuple[float, float]:
     fwd_flops = 2 * 3 * layer["dim"] * layer["moe_inter"] * tokens * (layer["top_k"] + layer["num_shared"])
     fwd_ms = fwd_flops / (MEASURED_H200_BF16_TFLOPS * 1e12) * 1e3
@@ -128,7 +131,7 @@ def main() -> None:
     parser.add_argument("--layer", choices=sorted(LAYERS), required=True)
     parser.add_argument("--backend", choices=["standard", "deepep"], required=True)
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192], help="tokens per rank")
-    parser.add_argument("--num-sms", type=int, default=64)
+    parser.add_argument("--num-sms", type=int, default=TRAINER_NUM_SMS)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--compile", action="store_true", help="compile the layer as the trainer does (inductor)")
@@ -183,7 +186,7 @@ def main() -> None:
         ("_syncfree", args.sync_free),
         ("_fp8", args.float8_experts),
         ("_fp8dispatch", args.float8_dispatch),
-        (f"_sms{args.num_sms}", args.backend == "deepep" and args.num_sms != 64),
+        (f"_sms{args.num_sms}", args.backend == "deepep" and args.num_sms != TRAINER_NUM_SMS),
     )
     variant_tag = "".join(tag for tag, on in tags if on)
 
