@@ -45,7 +45,7 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, Any]:
     check_float8_linears(job_config, parallel_dims)
     check_float8_dispatch(job_config, model_args)
     check_profiling(job_config)
-    check_memory_budget(job_config)
+    resolve_memory_budget(job_config)
     check_pipeline_schedule(job_config, parallel_dims)
     check_compile_backend(job_config)
     if job_config.training.enable_cpu_offload and not parallel_dims.fsdp_enabled:
@@ -348,12 +348,33 @@ def check_compile_backend(job_config: JobConfig) -> None:
         raise ConfigError(f"compile.backend={backend!r} is not a torch.compile backend; pass one of {known}")
 
 
-def check_memory_budget(job_config: JobConfig) -> None:
+def resolve_memory_budget(job_config: JobConfig) -> None:
+    """A GiB budget needs a GPU; `auto` becomes BUDGET_SHARE of this GPU's memory where the budget applies, else 0
+    (off), said in one line, so what runs after this sees a number."""
     import torch
 
-    if job_config.activation_checkpoint.memory_budget_gib > 0 and not torch.cuda.is_available():
+    from torchtitan.tools.out_of_memory import BUDGET_SHARE
+
+    ac = job_config.activation_checkpoint
+    if ac.memory_budget_gib == "auto":
+        applies = ac.mode == "selective" and ac.selective_ac_option == "op" and ac.num_blocks == -1
+        applies = applies and job_config.parallelism.pipeline_parallel_degree == 1
+        if not torch.cuda.is_available() or not applies:
+            why = "no GPU here" if applies else "it needs per-op SAC on every block and no pipeline parallelism"
+            logger.info(f"activation_checkpoint.memory_budget_gib=auto: off ({why})")
+            ac.memory_budget_gib = 0.0
+            return
+        device = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+        properties = torch.cuda.get_device_properties(device)
+        ac.memory_budget_gib = round(BUDGET_SHARE * properties.total_memory / 2**30, 1)
+        logger.info(
+            f"activation_checkpoint.memory_budget_gib=auto: {ac.memory_budget_gib:g} GiB ({BUDGET_SHARE:g} of the "
+            f"{properties.name}'s {properties.total_memory / 2**30:.1f} GiB)"
+        )
+    elif ac.memory_budget_gib > 0 and not torch.cuda.is_available():
         raise ConfigError(
-            "activation_checkpoint.memory_budget_gib measures the GPU's memory in step 1; no GPU here: drop it"
+            "activation_checkpoint.memory_budget_gib measures the GPU's memory in step 1; no GPU here: drop it (or "
+            "pass auto, which is off without a GPU)"
         )
 
 

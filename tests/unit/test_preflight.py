@@ -162,6 +162,16 @@ def test_a_memory_budget_without_a_gpu_is_one_error(tmp_path):
         check_job(args, world_size=1)
 
 
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_an_auto_memory_budget_is_off_without_a_gpu_or_per_op_sac(tmp_path, caplog, mode):
+    args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--activation_checkpoint.memory_budget_gib", "auto"]
+    with caplog.at_level(logging.INFO, logger="torchtitan.preflight"):
+        job_config, _ = check_job([*args, "--activation_checkpoint.mode", mode], world_size=1)
+    assert job_config.activation_checkpoint.memory_budget_gib == 0.0
+    why = "no GPU here" if mode == "selective" else "it needs per-op SAC on every block and no pipeline parallelism"
+    assert [r.getMessage() for r in caplog.records] == [f"activation_checkpoint.memory_budget_gib=auto: off ({why})"]
+
+
 def test_tokenizer_problems_are_one_error_each(tmp_path):
     args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path / "dump")]
     (tmp_path / "garbage.json").write_text("not json")

@@ -205,9 +205,10 @@ def validate(job_config: JobConfig) -> None:
         "none; pass --activation_checkpoint.mode selective (or full), or drop --activation_checkpoint.num_blocks",
     )
     per_op_sac = ac.mode == "selective" and ac.selective_ac_option == "op"
+    budget = ac.memory_budget_gib  # `auto` turns itself off where it does not apply (preflight)
     _require(
-        ac.memory_budget_gib == 0 or (per_op_sac and ac.num_blocks == -1 and par.pipeline_parallel_degree == 1),
-        f"activation_checkpoint.memory_budget_gib={ac.memory_budget_gib:g} picks each MoE block's checkpointing "
+        budget in (0, "auto") or (per_op_sac and ac.num_blocks == -1 and par.pipeline_parallel_degree == 1),
+        f"activation_checkpoint.memory_budget_gib={_show(budget)} picks each MoE block's checkpointing "
         "(per-op SAC, none or whole-block recompute): it needs --activation_checkpoint.mode selective, "
         "selective_ac_option op and no num_blocks, and no pipeline parallelism yet; drop the budget or those flags",
     )
@@ -250,7 +251,11 @@ _RANGES = (
     ("checkpoint.keep_latest_k", lambda v: v >= 0, ">= 0 (0 keeps all)"),
     ("checkpoint.load_step", lambda v: v == -1 or v >= 1, "-1 (the latest checkpoint) or a step >= 1"),
     ("activation_checkpoint.num_blocks", lambda v: v >= -1, "-1 (every block) or a number of blocks >= 0"),
-    ("activation_checkpoint.memory_budget_gib", lambda v: math.isfinite(v) and v >= 0, "a number of GiB >= 0 (0: off)"),
+    (
+        "activation_checkpoint.memory_budget_gib",
+        lambda v: v == "auto" or (math.isfinite(v) and v >= 0),
+        "auto or a number of GiB >= 0 (0: off)",
+    ),
     (
         "parallelism.deepep_sync_free_capacity_factor",
         lambda v: v is None or (math.isfinite(v) and v > 0),
@@ -417,6 +422,10 @@ def _from_cli(spec: _Field, text: str) -> Any:
     inner, optional = _unwrap_optional(spec.type)
     if optional and text in _NONE_STRINGS:
         return None
+    if (words := _number_or_words(inner)) is not None:
+        if text in words:
+            return text
+        inner = float
     if inner is bool:
         if text.lower() in ("true", "1"):
             return True
@@ -482,6 +491,10 @@ def _from_toml(spec: _Field, value: Any, path: str) -> Any:
     inner, optional = _unwrap_optional(spec.type)
     if optional and value in _NONE_STRINGS:  # TOML has no null; the CLI's `none` spelling works here too
         return None
+    if (words := _number_or_words(inner)) is not None:
+        if value in words:
+            return value
+        inner = float
     if inner is bool:
         ok = isinstance(value, bool)
     elif inner is int:
@@ -534,9 +547,22 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def _number_or_words(tp: Any) -> tuple[str, ...] | None:
+    """`float | Literal["auto", ...]` -> ("auto", ...): a number or one of those words; None for any other type."""
+    if get_origin(tp) not in (Union, types.UnionType):
+        return None
+    args = get_args(tp)
+    words = [a for a in args if get_origin(a) is Literal]
+    if len(args) != 2 or float not in args or len(words) != 1:
+        return None
+    return get_args(words[0])
+
+
 def _type_name(tp: Any) -> str:
     inner, optional = _unwrap_optional(tp)
-    if get_origin(inner) is Literal:
+    if (words := _number_or_words(inner)) is not None:
+        name = "float | {" + ",".join(words) + "}"
+    elif get_origin(inner) is Literal:
         name = "{" + ",".join(map(str, get_args(inner))) + "}"
     elif get_origin(inner) is list:
         name = f"list[{get_args(inner)[0].__name__}]"
@@ -546,4 +572,6 @@ def _type_name(tp: Any) -> str:
 
 
 def _show(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
     return ",".join(map(str, value)) if isinstance(value, list) else str(value)

@@ -85,7 +85,8 @@ def test_negative_number_is_a_value():
         (["--checkpoint.enable", "--checkpoint.load_step", "0"], "checkpoint.load_step must be -1"),
         (["--activation_checkpoint.num_blocks", "-2"], "activation_checkpoint.num_blocks must be -1"),
         (["--activation_checkpoint.mode", "none", "--activation_checkpoint.num_blocks", "3"], "but the mode is none"),
-        (["--activation_checkpoint.memory_budget_gib", "-1"], "memory_budget_gib must be a number of GiB >= 0"),
+        (["--activation_checkpoint.memory_budget_gib", "-1"], "memory_budget_gib must be auto or a number of GiB >= 0"),
+        (["--activation_checkpoint.memory_budget_gib", "max"], "memory_budget_gib expects float | {auto}, got 'max'"),
         (
             ["--activation_checkpoint.memory_budget_gib", "60", "--activation_checkpoint.mode", "full"],
             "memory_budget_gib=60 picks each MoE block's checkpointing",
@@ -460,3 +461,18 @@ def test_help_for_a_bad_command_line_names_the_error_and_still_lists_fields():
     text = help_for(["--help", "--bogus.key", "1"])
     assert text.startswith("error: unknown config key 'bogus.key'")
     assert "--training.steps  (int, default: 10000)" in text
+
+
+def test_memory_budget_takes_auto_or_a_number_from_toml_and_cli(tmp_path):
+    toml = tmp_path / "job.toml"
+    toml.write_text('[activation_checkpoint]\nmemory_budget_gib = "auto"\n')
+    assert parse("--job.config_file", str(toml)).activation_checkpoint.memory_budget_gib == "auto"
+    toml.write_text("[activation_checkpoint]\nmemory_budget_gib = 70\n")
+    assert parse("--job.config_file", str(toml)).activation_checkpoint.memory_budget_gib == 70.0
+    assert parse("--activation_checkpoint.memory_budget_gib", "auto").activation_checkpoint.memory_budget_gib == "auto"
+    assert parse("--activation_checkpoint.memory_budget_gib", "12.5").activation_checkpoint.memory_budget_gib == 12.5
+    toml.write_text('[activation_checkpoint]\nmemory_budget_gib = "big"\n')
+    with pytest.raises(ConfigError, match="memory_budget_gib in .* expects float \\| {auto}, got 'big'"):
+        parse("--job.config_file", str(toml))
+    # auto is never refused for the AC mode: it turns itself off where a budget does not apply (preflight)
+    assert parse("--activation_checkpoint.memory_budget_gib", "auto", "--activation_checkpoint.mode", "full")
