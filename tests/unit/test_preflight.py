@@ -7,6 +7,7 @@ import logging
 import os
 
 import pytest
+import torch
 
 from torchtitan.config import ConfigError
 from torchtitan.preflight import check_job, main
@@ -160,6 +161,37 @@ def test_a_memory_budget_without_a_gpu_is_one_error(tmp_path):
     ]
     with pytest.raises(ConfigError, match="memory_budget_gib measures the GPU's memory in step 1; no GPU here"):
         check_job(args, world_size=1)
+
+
+@pytest.mark.parametrize(
+    "gpu, args, world_size, message",
+    [
+        (False, [], 1, "compile.cuda_graphs captures the step on a CUDA GPU, and none is visible: drop the flag"),
+        (True, ["--parallelism.expert_parallel_degree", "2"], 2,
+         "compile.cuda_graphs captures the step of one GPU, and this job runs 2 processes (FSDP's hooks and the "
+         "exchanges of EP, TP, CP and PP are driven by the host between kernels): run one process (NGPU=1) or drop "
+         "--compile.cuda_graphs"),
+        (True, ["--activation_checkpoint.memory_budget_gib", "60", "--activation_checkpoint.mode", "selective",
+                "--activation_checkpoint.selective_ac_option", "op"], 1,
+         "compile.cuda_graphs captures step 3, the first to run the recompute that activation_checkpoint."
+         "memory_budget_gib chose after steps 1 and 2, which capture cannot compile: pass "
+         "--activation_checkpoint.memory_budget_gib 0 or drop --compile.cuda_graphs"),
+    ],
+    ids=["no-gpu", "several-processes", "memory-budget"],
+)  # fmt: skip
+def test_cuda_graphs_refuse_what_they_cannot_capture_in_one_line(tmp_path, monkeypatch, capsys, gpu, args, world_size,
+                                                                 message):  # fmt: skip
+    """What the launcher prints before any process starts; every rank runs the same check (CPU: graphs are CUDA's)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    job = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--compile.cuda_graphs", *args]
+    assert main(["--world-size", str(world_size), *job]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_cuda_graphs_on_one_gpu_pass_preflight(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    job_config, _ = check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--compile.cuda_graphs"], 1)
+    assert job_config.compile.cuda_graphs
 
 
 def test_tokenizer_problems_are_one_error_each(tmp_path):
