@@ -14,8 +14,10 @@ logger = logging.getLogger(__name__)
 class CudaGraphed:
     """`fn(*inputs) -> tuple of tensors`: eager for its first `warmup_calls` calls, then captured once and replayed.
 
-    The warm-up calls do what capture cannot: compile, autotune, initialize libraries, grow the allocator's pools. The
-    next call is captured into a `torch.cuda.CUDAGraph` (capture records the work without running it, so the graph is
+    The warm-up calls do what capture cannot: compile, autotune, initialize libraries, grow the allocator's pools. They
+    run on the side stream the capture uses, as PyTorch's recipe has it, so that state made lazily per stream (library
+    workspaces, autograd's gradient accumulators) exists before capture; the caller's stream waits for them. The next
+    call is captured into a `torch.cuda.CUDAGraph` (capture records the work without running it, so the graph is
     replayed once for that call); every later call copies its inputs into the captured ones and replays. Replays write
     the same output tensors: a caller that keeps an output past the next call clones it. What fn does on the host
     (Python state, a tensor made on the CPU) happens once, at capture: fn must queue the same device work on inputs of
@@ -38,6 +40,7 @@ class CudaGraphed:
         self.before_capture = before_capture
         self.calls = 0
         self.replays = 0
+        self._stream: torch.cuda.Stream | None = None  # made at the first call, so that constructing needs no GPU
         self._graph: torch.cuda.CUDAGraph | None = None
         self._inputs: tuple[torch.Tensor, ...] = ()
         self._outputs: tuple[torch.Tensor, ...] = ()
@@ -49,8 +52,10 @@ class CudaGraphed:
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         self.calls += 1
         if self._graph is None:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
             if self.calls <= self.warmup_calls:
-                return tuple(self.fn(*inputs))
+                return self._run_eagerly(inputs)
             self._capture(inputs)
         else:
             self._copy_inputs(inputs)
@@ -58,13 +63,23 @@ class CudaGraphed:
         self.replays += 1
         return self._outputs
 
+    def _run_eagerly(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """fn on the capture's stream, between two waits: it starts after the caller's queued work and the caller's
+        later work waits for it, so memory either stream frees is never reused under the other's pending kernels."""
+        caller = torch.cuda.current_stream()
+        self._stream.wait_stream(caller)
+        with torch.cuda.stream(self._stream):
+            outputs = tuple(self.fn(*inputs))
+        caller.wait_stream(self._stream)
+        return outputs
+
     def _capture(self, inputs: tuple[torch.Tensor, ...]) -> None:
         self._inputs = tuple(t.detach().clone() for t in inputs)
         if self.before_capture is not None:
             self.before_capture()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):  # synchronizes the device first: once, here
+            with torch.cuda.graph(graph, stream=self._stream):  # synchronizes the device first: once, here
                 outputs = tuple(self.fn(*self._inputs))
         except RuntimeError as err:
             raise RuntimeError(
