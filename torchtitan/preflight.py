@@ -366,7 +366,7 @@ def check_cuda_graphs(job_config: JobConfig, parallel_dims) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        raise ConfigError("compile.cuda_graphs captures the step on a CUDA GPU, and none is visible: drop the flag")
+        raise ConfigError("compile.cuda_graphs captures the step on a GPU; none is visible: drop --compile.cuda_graphs")
     if parallel_dims.world_size > 1:
         raise ConfigError(
             f"compile.cuda_graphs captures the step of one GPU, and this job runs {parallel_dims.world_size} processes "

@@ -28,14 +28,14 @@ def eager_reference(weight: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor
 
 def test_replays_compute_each_calls_loss_and_gradient_as_an_eager_call():
     torch.manual_seed(0)
-    weight = torch.randn(256, 256, device="cuda", requires_grad=True)
+    weight = (torch.randn(256, 256, device="cuda") / 16).requires_grad_()  # x @ weight ~ N(0, 1): tanh unsaturated
     graphed = CudaGraphed(training_step(weight), warmup_calls=2, name="test step")
     for call in range(1, 7):
         x = torch.randn(128, 256, device="cuda")
         (loss,) = graphed(x)
         expected_loss, expected_grad = eager_reference(weight, x)
-        torch.testing.assert_close(loss, expected_loss)
-        torch.testing.assert_close(weight.grad, expected_grad)
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-4, atol=1e-6)  # same kernels on another stream
+        torch.testing.assert_close(weight.grad, expected_grad, rtol=1e-4, atol=1e-6)
         assert graphed.captured == (call > 2)
         with torch.no_grad():
             weight -= 0.1 * weight.grad  # an optimizer between steps: replays read the updated weight
@@ -52,7 +52,7 @@ def test_a_replay_overwrites_the_previous_calls_outputs():
     x = torch.randn(32, 64, device="cuda")
     second = graphed(x)[0]
     assert second is first
-    torch.testing.assert_close(second, eager_reference(weight, x)[0])
+    torch.testing.assert_close(second, eager_reference(weight, x)[0], rtol=1e-4, atol=1e-6)
     assert not torch.equal(kept, second)
 
 

@@ -166,7 +166,7 @@ def test_a_memory_budget_without_a_gpu_is_one_error(tmp_path):
 @pytest.mark.parametrize(
     "gpu, args, world_size, message",
     [
-        (False, [], 1, "compile.cuda_graphs captures the step on a CUDA GPU, and none is visible: drop the flag"),
+        (False, [], 1, "compile.cuda_graphs captures the step on a GPU; none is visible: drop --compile.cuda_graphs"),
         (True, ["--parallelism.expert_parallel_degree", "2"], 2,
          "compile.cuda_graphs captures the step of one GPU, and this job runs 2 processes (FSDP's hooks and the "
          "exchanges of EP, TP, CP and PP are driven by the host between kernels): run one process (NGPU=1) or drop "
