@@ -46,6 +46,7 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, Any]:
     check_float8_dispatch(job_config, model_args)
     check_profiling(job_config)
     resolve_memory_budget(job_config)
+    check_cuda_graphs(job_config, parallel_dims)
     check_pipeline_schedule(job_config, parallel_dims)
     check_compile_backend(job_config)
     if job_config.training.enable_cpu_offload and not parallel_dims.fsdp_enabled:
@@ -358,9 +359,15 @@ def resolve_memory_budget(job_config: JobConfig) -> None:
     ac = job_config.activation_checkpoint
     if ac.memory_budget_gib == "auto":
         applies = ac.mode == "selective" and ac.selective_ac_option == "op" and ac.num_blocks == -1
-        applies = applies and job_config.parallelism.pipeline_parallel_degree == 1
+        applies = (
+            applies and job_config.parallelism.pipeline_parallel_degree == 1 and not job_config.compile.cuda_graphs
+        )
         if not torch.cuda.is_available() or not applies:
-            why = "no GPU here" if applies else "it needs per-op SAC on every block and no pipeline parallelism"
+            why = (
+                "no GPU here"
+                if applies
+                else "it needs per-op SAC on every block, no pipeline parallelism and no CUDA graphs"
+            )
             logger.info(f"activation_checkpoint.memory_budget_gib=auto: off ({why})")
             ac.memory_budget_gib = 0.0
             return
@@ -375,6 +382,29 @@ def resolve_memory_budget(job_config: JobConfig) -> None:
         raise ConfigError(
             "activation_checkpoint.memory_budget_gib measures the GPU's memory in step 1; no GPU here: drop it (or "
             "pass auto, which is off without a GPU)"
+        )
+
+
+def check_cuda_graphs(job_config: JobConfig, parallel_dims) -> None:
+    """compile.cuda_graphs captures one GPU's forward and backward at step 3 and replays it: a GPU, no exchange or
+    sharding that the host drives between kernels, and nothing that changes the step after it was captured."""
+    if not job_config.compile.cuda_graphs:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("compile.cuda_graphs captures the step on a GPU; none is visible: drop --compile.cuda_graphs")
+    if parallel_dims.world_size > 1:
+        raise ConfigError(
+            f"compile.cuda_graphs captures the step of one GPU, and this job runs {parallel_dims.world_size} processes "
+            "(FSDP's hooks and the exchanges of EP, TP, CP and PP are driven by the host between kernels): run one "
+            "process (NGPU=1) or drop --compile.cuda_graphs"
+        )
+    if job_config.activation_checkpoint.memory_budget_gib > 0:
+        raise ConfigError(
+            "compile.cuda_graphs captures step 3, the first to run the recompute that "
+            "activation_checkpoint.memory_budget_gib chose after steps 1 and 2, which capture cannot compile: pass "
+            "--activation_checkpoint.memory_budget_gib 0 or drop --compile.cuda_graphs"
         )
 
 

@@ -56,6 +56,7 @@ from torchtitan.models.output_head import chunk_loss_and_grad
 from torchtitan.models.spec import get_model_spec
 from torchtitan.preflight import check_batch_sizes, check_job
 from torchtitan.tools.async_readback import DeviceMark
+from torchtitan.tools.cuda_graph import CudaGraphed
 from torchtitan.tools.out_of_memory import is_out_of_memory, out_of_memory_line
 from torchtitan.tools.profiling import StepProfiler
 
@@ -181,6 +182,17 @@ class Trainer:
             self.model_parts, expert_bias_reduce_group(self.parallel_dims), self.parallel_dims.ep
         )
         self.optimizers.register_step_pre_hook(self.expert_bias_hook)
+        self.accumulate_gradients = self._accumulate_gradients
+        if job_config.compile.cuda_graphs:
+            # captured at step 3: step 1 compiles, autotunes and initializes; step 2 runs what step 1 compiled, where
+            # dynamo would recompile what step 1's state specialized. Gradients are dropped before the capture, which
+            # allocates them in the graph's own memory and writes them in every replay.
+            self.accumulate_gradients = CudaGraphed(
+                self._accumulate_gradients,
+                warmup_calls=2,
+                name="compile.cuda_graphs: the forward and backward of each step",
+                before_capture=self.optimizers.zero_grad,
+            )
 
         self.train_state = TrainState()
         self.checkpointer = CheckpointManager(
@@ -279,8 +291,23 @@ class Trainer:
     def train_step(self, data_iterator: Iterator) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step; returns (global mean loss, grad norm, the lr this step used). With MTP the loss is the
         main model's and `last_mtp_loss` the MTP modules' mean (the backward used main + lambda x MTP)."""
-        self.optimizers.zero_grad()
         microbatches = [self._on_device(next(data_iterator)) for _ in range(self.grad_accum_steps)]
+        # eager, or one CUDA graph's replay (compile.cuda_graphs), whose outputs the next step overwrites
+        loss, *mtp_loss = self.accumulate_gradients(*itertools.chain.from_iterable(microbatches))
+        grad_norm, step_kwargs = self._clip_gradients()
+        self.checkpointer.maybe_wait_for_staging()
+        lr = self.lr_schedulers.get_last_lr()
+        self.optimizers.step(**step_kwargs)
+        self.lr_schedulers.step()
+        self.last_mtp_loss = self._reduce_loss_for_logging(mtp_loss[0]) if mtp_loss else None
+        return self._reduce_loss_for_logging(loss), grad_norm, lr
+
+    def _accumulate_gradients(self, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The step's gradients from its micro-batches (tokens, labels, tokens, labels, ...) -> (loss,), or with MTP
+        (main loss, MTP loss), each this rank's share (zero on ranks without the last pipeline stage). All that
+        `compile.cuda_graphs` captures: the step reads nothing else it sets."""
+        self.optimizers.zero_grad()
+        microbatches = list(zip(batch[0::2], batch[1::2], strict=True))
         # whole sequences (every context-parallel rank holds them): valid tokens are counted over the dp ranks only
         self.loss_fn.global_valid_tokens = count_valid_tokens((labels for _, labels in microbatches), self._dp_group())
         # per micro-batch, the targets of each MTP module; their valid counts over the step, per module
@@ -295,18 +322,9 @@ class Trainer:
         loss = torch.zeros((), device=self.device)
         for (tokens, labels), targets in zip(microbatches, mtp_labels, strict=True):
             loss = loss + self.forward_backward(tokens, labels, targets)
-
-        grad_norm, step_kwargs = self._clip_gradients()
-        self.checkpointer.maybe_wait_for_staging()
-        lr = self.lr_schedulers.get_last_lr()
-        self.optimizers.step(**step_kwargs)
-        self.lr_schedulers.step()
-        self.last_mtp_loss = None
-        if self.model_args.mtp_layers:
-            # the backward used main + lambda x MTP; log the parts (zero on ranks without the last stage)
-            loss = self.step_loss.main_total.to(self.device)
-            self.last_mtp_loss = self._reduce_loss_for_logging(self.step_loss.mtp_total.to(self.device))
-        return self._reduce_loss_for_logging(loss), grad_norm, lr
+        if self.model_args.mtp_layers:  # the backward used main + lambda x MTP; log the parts
+            return self.step_loss.main_total.to(self.device), self.step_loss.mtp_total.to(self.device)
+        return (loss,)
 
     @torch.no_grad()
     def validate(self) -> torch.Tensor:

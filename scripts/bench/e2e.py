@@ -5,7 +5,8 @@
 
 Writes benchmarks/results/e2e_<name>.json (or $BENCH_OUT) with median tokens/s per GPU, TFLOPS, MFU,
 peak memory, the losses, the graphs torch.compile compiled per step (recompiles after warm-up should be 0) and the
-routing ("natural": the router's own; "balanced": forced round-robin), read from the run's metrics.jsonl. With
+routing ("natural": the router's own; "balanced": forced round-robin), read from the run's metrics.jsonl, and whether
+the step ran as a CUDA graph (`cuda_graphs`, with the log's lines about capture in `cuda_graph_log`). With
 `--profile-step N`: rank 0's summary of step N (`profile_rank0`), its kernels by class (`profile_breakdown`,
 scripts/bench/trace_breakdown.py) and every rank's compute, exposed communication, waiting for other ranks and idle
 time (`profile_ranks`, scripts/bench/rank_profile.py). $BENCH_TRACES names a folder to copy the traces into.
@@ -53,6 +54,7 @@ def run_settings(config_file: str, train_args: list[str], ngpu: int) -> dict:
         "float8_linears": job.quantize.float8_linears,
         "float8_dispatch": job.quantize.float8_dispatch,
         "compile": job.compile.enable,
+        "cuda_graphs": job.compile.cuda_graphs,
         "activation_checkpoint": job.activation_checkpoint.mode
         + (
             f":{job.activation_checkpoint.selective_ac_option}" if job.activation_checkpoint.mode == "selective" else ""
@@ -62,6 +64,13 @@ def run_settings(config_file: str, train_args: list[str], ngpu: int) -> dict:
         "tokens_per_gpu_per_step": job.training.local_batch_size * job.training.seq_len,
         "routing": "balanced" if job.debug.moe_force_load_balance else "natural",
     }
+
+
+def cuda_graph_lines(output: str) -> list[str]:
+    """The log lines about CUDA graphs: the trainer's capture (compile.cuda_graphs) or its failure, and inductor's
+    cudagraph decisions ("skipping cudagraphs due to ...")."""
+    keys = ("cuda_graphs", "CUDA graph", "cudagraph")
+    return [line.strip()[-400:] for line in output.splitlines() if any(key in line for key in keys)][:20]
 
 
 def train_and_measure(
@@ -96,6 +105,7 @@ def train_and_measure(
         "command": f"CONFIG_FILE={config} NGPU={ngpu} ./run_train.sh " + shlex.join(train_args),
         "returncode": proc.returncode,
         "wall_s": round(time.time() - start, 1),
+        "cuda_graph_log": cuda_graph_lines(proc.stdout + proc.stderr),
     }
     if proc.returncode != 0:
         result["error_log_tail"] = (proc.stdout + proc.stderr)[-6000:]
@@ -174,6 +184,7 @@ def main() -> None:
     os.environ["BENCH_COMMAND"] = result.pop("command")
     path = write_result(result, f"e2e_{args.name}")
     if result["returncode"] != 0:
+        print(json.dumps({k: result.get(k) for k in ("name", "returncode", "cuda_graphs", "cuda_graph_log")}))
         print(result["error_log_tail"])
         sys.exit(result["returncode"])
     keys = (
@@ -183,6 +194,8 @@ def main() -> None:
         "peak_memory_gib",
         "peak_memory_allocated_gib",
         "recompiles_after_warmup",
+        "cuda_graphs",
+        "cuda_graph_log",
         "ep_load_imbalance_max",
         "memory_budget_gib",  # 0 unless given: the job's own budget is off in a benchmark (module docstring)
         "wall_s",

@@ -5,8 +5,12 @@ change is faster (or not slower) and trains the same, with both numbers from one
         --repeats 2 -- --model.flavor 16B_bench4 --parallelism.expert_parallel_degree 1 --training.steps 18 \\
         --checkpoint.enable=false --metrics.enable_tensorboard=false
 
+Without --old both are this tree, and `--new-args` gives the new runs' extra train args: one setting against its
+default in one call (`--new-args=--compile.cuda_graphs`: the step as a CUDA graph against eager).
+
 Runs alternate, old first (old, new, old, new with --repeats 2), each `scripts/bench/e2e.py` in its own tree, named
-`<name>_<commit>_r<i>` (GIT_COMMIT tells each tree its commit: a `git archive` copy has no .git). The comparison,
+`<name>_<commit>_r<i>` (`<name>_<commit>_old_r<i>` / `_new_r<i>` in one tree; GIT_COMMIT tells each tree its commit:
+a `git archive` copy has no .git). The comparison,
 written to `compare_<name>.json` next to the runs' JSONs ($BENCH_OUT or benchmarks/results/): tokens/s of each tree
 (median over its runs) and their ratio, peak memory, and the first runs' losses: the largest relative difference at
 one step and over windows of --window steps (`loss_curve.window_gaps`). With --repeats 2 or more, also the old tree's
@@ -16,6 +20,7 @@ first two runs against each other (the run-to-run noise of the same code) and ea
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -81,8 +86,9 @@ def run_e2e(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--old", type=Path, required=True, help="the other source tree (e.g. a `git archive` of it)")
-    parser.add_argument("--old-commit", required=True, help="the old tree's commit (named in its results)")
+    parser.add_argument("--old", type=Path, help="the other source tree (e.g. a `git archive` of it); default: this")
+    parser.add_argument("--old-commit", help="the old tree's commit (named in its results); needs --old")
+    parser.add_argument("--new-args", default="", help="train args only the new runs get, one string (shlex)")
     parser.add_argument("--name", required=True)
     parser.add_argument("--ngpu", type=int, required=True)
     parser.add_argument("--config", default="./train_configs/deepseek_v3_16b.toml", help="relative to each tree")
@@ -92,24 +98,35 @@ def main() -> int:
     parser.add_argument("--window", type=int, default=20, help="steps per window of the loss comparison")
     args, train_args = parser.parse_known_args()
     train_args = [a for a in train_args if a != "--"]
-    trees = {"old": (args.old.resolve(), args.old_commit), "new": (REPO_ROOT, git_commit()[:12])}
+    if (args.old is None) != (args.old_commit is None):
+        parser.error("--old and --old-commit go together (neither: both runs use this tree)")
+    new_commit = git_commit()[:12]
+    trees = {"old": (args.old.resolve(), args.old_commit) if args.old else (REPO_ROOT, new_commit)}
+    trees["new"] = (REPO_ROOT, new_commit)
+    one_tree = args.old is None
+    run_args = {"old": train_args, "new": [*train_args, *shlex.split(args.new_args)]}
     out_dir = Path(os.environ.get("BENCH_OUT") or RESULTS_DIR).resolve()
     results: dict[str, list[dict]] = {"old": [], "new": []}
     for repeat in range(1, args.repeats + 1):
         for name, (tree, commit) in trees.items():
-            run_name = f"{args.name}_{commit}_r{repeat}"
-            results[name].append(run_e2e(tree, commit, run_name, out_dir, args, train_args))
+            run_name = f"{args.name}_{commit}_{name}_r{repeat}" if one_tree else f"{args.name}_{commit}_r{repeat}"
+            results[name].append(run_e2e(tree, commit, run_name, out_dir, args, run_args[name]))
     failed = [r["name"] for runs in results.values() for r in runs if r["returncode"] != 0]
+    for run in (r for runs in results.values() for r in runs if r["returncode"] != 0):
+        print(f"{run['name']} failed; its log ends:\n" + "\n".join(run["error_log_tail"].splitlines()[-25:]))
     comparison = {"failed": failed} if failed else compare(results["old"], results["new"], args.window)
     summary = {
         "name": args.name,
         "commits": {name: commit for name, (_, commit) in trees.items()},
         "runs": {name: [r["name"] for r in runs] for name, runs in results.items()},
         "train_args": train_args,
+        "new_args": shlex.split(args.new_args),
+        "cuda_graphs": {name: runs[0].get("cuda_graphs") for name, runs in results.items()},
         **comparison,
     }
     write_result(summary, f"compare_{args.name}", out_dir)  # with the command, device, torch and commit
-    print(json.dumps({k: v for k, v in summary.items() if k in ("speedup", "tokens_per_sec_per_gpu", "failed")}))
+    shown = ("speedup", "tokens_per_sec_per_gpu", "max_rel_loss_diff", "cuda_graphs", "failed")
+    print(json.dumps({k: v for k, v in summary.items() if k in shown}))
     return 1 if failed else 0
 
 

@@ -7,6 +7,7 @@ import logging
 import os
 
 import pytest
+import torch
 
 from torchtitan.config import ConfigError
 from torchtitan.preflight import check_job, main
@@ -168,8 +169,47 @@ def test_an_auto_memory_budget_is_off_without_a_gpu_or_per_op_sac(tmp_path, capl
     with caplog.at_level(logging.INFO, logger="torchtitan.preflight"):
         job_config, _ = check_job([*args, "--activation_checkpoint.mode", mode], world_size=1)
     assert job_config.activation_checkpoint.memory_budget_gib == 0.0
-    why = "no GPU here" if mode == "selective" else "it needs per-op SAC on every block and no pipeline parallelism"
+    why = (
+        "no GPU here"
+        if mode == "selective"
+        else "it needs per-op SAC on every block, no pipeline parallelism and no CUDA graphs"
+    )
     assert [r.getMessage() for r in caplog.records] == [f"activation_checkpoint.memory_budget_gib=auto: off ({why})"]
+
+
+@pytest.mark.parametrize(
+    "gpu, args, world_size, message",
+    [
+        (False, [], 1, "compile.cuda_graphs captures the step on a GPU; none is visible: drop --compile.cuda_graphs"),
+        (True, ["--parallelism.expert_parallel_degree", "2"], 2,
+         "compile.cuda_graphs captures the step of one GPU, and this job runs 2 processes (FSDP's hooks and the "
+         "exchanges of EP, TP, CP and PP are driven by the host between kernels): run one process (NGPU=1) or drop "
+         "--compile.cuda_graphs"),
+        (True, ["--activation_checkpoint.memory_budget_gib", "60", "--activation_checkpoint.mode", "selective",
+                "--activation_checkpoint.selective_ac_option", "op"], 1,
+         "compile.cuda_graphs captures step 3, the first to run the recompute that activation_checkpoint."
+         "memory_budget_gib chose after steps 1 and 2, which capture cannot compile: pass "
+         "--activation_checkpoint.memory_budget_gib 0 or drop --compile.cuda_graphs"),
+    ],
+    ids=["no-gpu", "several-processes", "memory-budget"],
+)  # fmt: skip
+def test_cuda_graphs_refuse_what_they_cannot_capture_in_one_line(tmp_path, monkeypatch, capsys, gpu, args, world_size,
+                                                                 message):  # fmt: skip
+    """What the launcher prints before any process starts; every rank runs the same check (CPU: graphs are CUDA's)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    job = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--compile.cuda_graphs", *args]
+    assert main(["--world-size", str(world_size), *job]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_cuda_graphs_on_one_gpu_pass_preflight(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    job_config, _ = check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--compile.cuda_graphs"], 1)
+    assert job_config.compile.cuda_graphs
+    # an auto budget steps aside (the 16B job's default): graphs capture one fixed recompute
+    auto = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.memory_budget_gib", "auto"]
+    job_config, _ = check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--compile.cuda_graphs", *auto], 1)
+    assert job_config.activation_checkpoint.memory_budget_gib == 0.0
 
 
 def test_tokenizer_problems_are_one_error_each(tmp_path):

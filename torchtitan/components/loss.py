@@ -130,8 +130,9 @@ class LossWithMTP:
         main_sum, *mtp_sums = token_sums
         main = self.main_loss.from_token_sums(main_sum)
         mtp = mtp_loss(mtp_sums, self.valid_tokens)
-        self.main_total = self.main_total.to(main.device) + main.detach()
-        self.mtp_total = self.mtp_total.to(mtp.device) + mtp.detach()
+        # a total starts as a CPU zero, which a CUDA sum reads as a scalar: no copy to the device, no host wait
+        self.main_total = main.detach() + self.main_total
+        self.mtp_total = mtp.detach() + self.mtp_total
         return main + self.weight * mtp
 
 

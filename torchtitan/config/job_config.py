@@ -261,6 +261,11 @@ class Compile:
     backend: str = "inductor"
     """torch.compile backend (`inductor`, `aot_eager`, `eager`)."""
 
+    cuda_graphs: bool = False
+    """Capture the forward and backward of all micro-batches of a step in one CUDA graph at step 3 (after two eager
+    steps) and replay it every step after, so the host launches one graph instead of each kernel; clipping, the
+    expert-bias update and the optimizer run eagerly after it. One GPU only; with or without compile.enable."""
+
 
 @dataclass
 class Metrics:
