@@ -32,20 +32,30 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, Any]:
     check_corpus(job_config.training.dataset, job_config.training.dataset_path)
     if job_config.validation.enable and job_config.validation.dataset_path:
         check_corpus("", job_config.validation.dataset_path, "validation")
+    model_args, _ = check_layout(job_config, world_size, this_host=True)
+    return job_config, model_args
+
+
+def check_layout(job_config: JobConfig, world_size: int, this_host: bool = False) -> tuple[Any, Any]:
+    """The checks that need the world size or the model shape -> (model args, ParallelDims). this_host: also what
+    depends on the machine running the check (the tokenizer file, a GPU, installed packages); a plan for another
+    cluster (`torchtitan.plan`) leaves those out."""
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.models.spec import get_model_spec
 
     parallel_dims = ParallelDims.from_config(job_config.parallelism, world_size)
     spec = get_model_spec(job_config.model.name)
     model_args = spec.model_args(job_config)
-    check_tokenizer(job_config, model_args)
+    if this_host:
+        check_tokenizer(job_config, model_args)
     check_parallel_dims(parallel_dims, model_args)
     check_batch_sizes(job_config, parallel_dims.dp_size)
     check_mtp(job_config, model_args, parallel_dims)
     check_float8_linears(job_config, parallel_dims)
     check_float8_dispatch(job_config, model_args)
-    check_profiling(job_config)
-    check_memory_budget(job_config)
+    if this_host:
+        check_profiling(job_config)
+        check_memory_budget(job_config)
     check_pipeline_schedule(job_config, parallel_dims)
     check_compile_backend(job_config)
     if job_config.training.enable_cpu_offload and not parallel_dims.fsdp_enabled:
@@ -56,12 +66,12 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, Any]:
     if parallel_dims.pp_enabled:
         spec.check_pipeline(job_config, parallel_dims, model_args)
     check_validation(job_config, model_args, parallel_dims)
-    if job_config.metrics.enable_wandb:
+    if this_host and job_config.metrics.enable_wandb:
         check_wandb(job_config)
     from torchtitan.models.moe.exchange import get_backend  # last: importing it loads torch._dynamo
 
     get_backend(job_config.parallelism.expert_parallel_comm_backend).check(parallel_dims)
-    return job_config, model_args
+    return model_args, parallel_dims
 
 
 WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # wandb.Settings.mode (wandb 0.31)
