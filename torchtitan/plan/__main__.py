@@ -10,7 +10,7 @@ from pathlib import Path
 
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.plan.estimate import Plan, plan_job
-from torchtitan.plan.fixes import Change, cheapest_fit
+from torchtitan.plan.fixes import Change, fitting_changes
 from torchtitan.plan.hardware import GPUS
 from torchtitan.plan.report import format_plan
 from torchtitan.preflight import check_layout
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.disable(logging.WARNING)  # the model args' notes (e.g. YaRN) are the trainer's to print
     try:
         plan = plan_from_argv(job_argv, args.nnodes, args.gpus_per_node, args.gpu)
-        fix = None
+        fits = []
         if not plan.fits:
 
             def replan(change: Change) -> Plan | None:
@@ -65,11 +65,11 @@ def main(argv: list[str] | None = None) -> int:
                 except (ConfigError, ValueError):
                     return None
 
-            fix = cheapest_fit(plan, replan)
+            fits = fitting_changes(plan, replan)
     except (ConfigError, ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(format_plan(plan, fix, accuracy_line()))
+    print(format_plan(plan, fits, accuracy_line()))
     return 0
 
 

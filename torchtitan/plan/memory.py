@@ -36,22 +36,22 @@ __all__ = [
 ]
 
 GIB = 1024**3
-ACTIVATION_SCALE = 1.034
-"""Measured over counted activations: 16B_bench4 on one H100 allocated 68.45 GiB at its peak, of which the counted
-state and output head leave 15.29 GiB to activations counted at 14.79 (e2e_16b8L_ep1_compile_sac_d128255.json;
+ACTIVATION_SCALE = 1.033
+"""Measured over counted activations: 16B_bench4 on one H100 allocated 68.45 GiB at its peak; the state and output
+head counted here take 53.16, leaving 15.29 GiB to activations counted at 14.79 (e2e_16b8L_ep1_compile_sac_d128255.json;
 `tests/unit/plan/test_rates.py` re-derives it)."""
 FRAGMENTATION = 0.005
 """Reserved over allocated on one GPU: 68.77 / 68.45 GiB (same JSON)."""
 FSDP_POOLS = 2.0 * GIB
 """What FSDP runs reserve beyond their allocated peak and its fragmentation: the all-gather and reduce-scatter
-streams' pools and the shared experts' side stream. The FSDP x EP runs' gaps: 2.16 GiB at EP2
-(e2e_16b8L_ep2_24steps_deepep64_8f39102.json), 2.21 at EP4 (e2e_16b8L_ep4_deepep_sms48_d128255.json)."""
+streams' pools and the shared experts' side stream. The mean of the FSDP x EP runs' gaps: 1.93 GiB at EP2
+(e2e_16b8L_ep2_24steps_deepep64_8f39102.json), 2.04 at EP4 (e2e_16b8L_ep4_deepep_sms48_d128255.json)."""
 PLAIN_HEAD_BYTES_PER_LOGIT = 3.7
 """The plain output head's peak above its inputs per logit: 5.80 GiB at 16,384 x 102,400
 (output_head_16384x2048x102400_ebd51e2.json)."""
 FUSED_HEAD_BYTES_PER_CHUNK_LOGIT = 4.0
-"""The fused head's peak above its fp32 weight gradient per logit of one chunk: 1.625 GiB at 2,048-row chunks, less
-the 0.78 GiB weight gradient (same JSON)."""
+"""The fused head's peak above its inputs per logit of one chunk: 1.625 GiB at 2,048-row chunks, less the 0.78 GiB
+fp32 weight gradient and the input's bf16 gradient (same JSON)."""
 CHUNK_ROWS = 2048
 
 
@@ -232,7 +232,6 @@ def rank_memory(layout: Layout, rank: int, levels: list[list[str]]) -> RankMemor
     stages = layout.stages[rank]
     state = state_bytes(layout, stages)
     tokens = layout.microbatch_tokens
-    kinds = storage(layout)
 
     units = [unit for stage in stages for unit in stage.units(args)]
     gathered = [gathered_bytes(layout, unit) for unit in units]
@@ -242,36 +241,33 @@ def rank_memory(layout: Layout, rank: int, levels: list[list[str]]) -> RankMemor
 
     blocks = [(block, level) for stage, stage_levels in zip(stages, levels, strict=True)
               for block, level in zip(stage.blocks, stage_levels, strict=True)]  # fmt: skip
-    kept, again, grads, working, received = [], [], [], [], []
-    for block, level in blocks:
-        kept.append(block_bytes_per_token(layout, block, level) * tokens * ACTIVATION_SCALE)
-        again.append(block_bytes_per_token(layout, block, "none") * tokens * ACTIVATION_SCALE if level == "full" else 0)
-        grads.append(sum(n * kinds[k].local / kinds[k].shard * kinds[k].grad for k, n in block.params.items()))
-        # its backward's gradient buffers: the rows' gradients, FSDP's unsharded gradients and their fp32 copy
-        rows = args.moe_args.top_k * imbalance(dims.ep) * (args.dim + 2 * args.moe_inter_dim) if block.moe else (
-            2 * args.inter_dim // dims.tp)  # fmt: skip
-        working.append(2 * rows * tokens * ACTIVATION_SCALE + 3 * gathered_bytes(layout, block.params))
-        received.append(received_per_token(layout) * tokens * ACTIVATION_SCALE if block.moe and level != "full" else 0)
-
+    per_block = [_block_bytes(layout, block, level) for block, level in blocks]
     head = _head_bytes(layout, stages, tokens)
     inflight = _inflight(layout, rank)
     if dims.pp > 1 or layout.accumulation_steps > 1:
         # earlier micro-batches' gradients are held throughout; the busiest moment is the first backward's start
-        peak_grads = state["gradients"]
-        busiest = max((a + w for a, w in zip(again, working, strict=True)), default=0.0)
-        activations, exchange = inflight * sum(kept) + busiest, inflight * sum(received)
+        busiest = max(per_block, key=lambda b: b.recompute + b.working + b.fsdp, default=_BlockBytes())
+        peak = {
+            "gradients": state["gradients"],
+            "activations": inflight * sum(b.kept for b in per_block) + busiest.recompute + busiest.working,
+            "received": inflight * sum(b.received for b in per_block),
+            "fsdp": busiest.fsdp,
+            "head": head,
+        }
     else:
-        peak_grads, activations, exchange, head = _backward_peak(kept, again, working, grads, received, head)
-        peak_grads += (state["gradients"] - sum(grads)) if peak_grads else 0.0  # the embedding's, the head's
+        peak = _backward_peak(per_block, head)
+        if peak["gradients"]:  # the embedding's and the head's come first in backward
+            peak["gradients"] += state["gradients"] - sum(b.grads for b in per_block)
     categories = {
         "weights": state["weights"],
         "fp32 master bits": state["master bits"],
         "optimizer moments": state["moments"],
-        "gradients (held at the peak)": peak_grads,
-        "FSDP gathered weights": held_gathered,
-        "activations": activations - exchange,
-        "exchange: received tokens": exchange,
-        "output head and loss": head,
+        "gradients (held at the peak)": peak["gradients"],
+        "FSDP gathered weights (all-gathers)": held_gathered,
+        "FSDP reduce-scatter buffers": peak["fsdp"],
+        f"activations ({inflight} micro-batch{'es' * (inflight > 1)})": peak["activations"] - peak["received"],
+        "exchange: received tokens": peak["received"],
+        "output head and loss": peak["head"],
     }
     extra = FRAGMENTATION * sum(categories.values())
     if dims.fsdp_enabled:
@@ -283,18 +279,55 @@ def rank_memory(layout: Layout, rank: int, levels: list[list[str]]) -> RankMemor
     return RankMemory(rank, categories, extra, outside, state["gradients"], inflight, flat)
 
 
-def _backward_peak(kept, again, working, grads, received, head) -> tuple[float, float, float, float]:
-    """(gradients, activations, received tokens among them, head) at the largest moment of one micro-batch's
-    backward: its start (every activation and the output head's buffers) or block i's backward (the blocks before
-    it, its recompute and gradient buffers, the gradients of the blocks after it)."""
-    best = (0.0, sum(kept), sum(received), head)
-    best_total = best[0] + best[1] + best[3]
-    for i in range(len(kept)):
-        held = sum(kept[: i + 1]) + again[i] + working[i]
-        produced = sum(grads[i + 1 :])
-        if held + produced > best_total:
-            best, best_total = (produced, held, sum(received[: i + 1]), 0.0), held + produced
-    return best
+@dataclass(frozen=True)
+class _BlockBytes:
+    """One block's bytes for one micro-batch: kept for its backward (of which received tokens), re-created by its
+    recompute, its backward's gradient buffers (the rows' gradients; FSDP's unsharded gradients and their fp32 copy
+    to reduce), the gradients it leaves."""
+
+    kept: float = 0.0
+    received: float = 0.0
+    recompute: float = 0.0
+    working: float = 0.0
+    fsdp: float = 0.0
+    grads: float = 0.0
+
+
+def _block_bytes(layout: Layout, block: Block, level: str) -> _BlockBytes:
+    args, dims = layout.args, layout.dims
+    kinds = storage(layout)
+    tokens = layout.microbatch_tokens * ACTIVATION_SCALE
+    if block.moe:
+        rows = args.moe_args.top_k * imbalance(dims.ep) * (args.dim + 2 * args.moe_inter_dim)
+    else:
+        rows = 2 * args.inter_dim // dims.tp
+    return _BlockBytes(
+        kept=block_bytes_per_token(layout, block, level) * tokens,
+        received=received_per_token(layout) * tokens if block.moe and level != "full" else 0.0,
+        recompute=block_bytes_per_token(layout, block, "none") * tokens if level == "full" else 0.0,
+        working=2 * rows * tokens,
+        fsdp=3 * gathered_bytes(layout, block.params),
+        grads=sum(n * kinds[k].local / kinds[k].shard * kinds[k].grad for k, n in block.params.items()),
+    )
+
+
+def _backward_peak(blocks: list[_BlockBytes], head: float) -> dict[str, float]:
+    """The largest moment of one micro-batch's backward: its start (every activation and the output head's buffers)
+    or block i's backward (the blocks before it, its recompute and buffers, the gradients of the blocks after it)."""
+    start = {"gradients": 0.0, "activations": sum(b.kept for b in blocks), "fsdp": 0.0, "head": head}
+    moments = [{**start, "received": sum(b.received for b in blocks)}]
+    for i, block in enumerate(blocks):
+        before = blocks[: i + 1]
+        moments.append(
+            {
+                "gradients": sum(b.grads for b in blocks[i + 1 :]),
+                "activations": sum(b.kept for b in before) + block.recompute + block.working,
+                "received": sum(b.received for b in before),
+                "fsdp": block.fsdp,
+                "head": 0.0,
+            }
+        )
+    return max(moments, key=lambda m: m["gradients"] + m["activations"] + m["fsdp"] + m["head"])
 
 
 def _head_bytes(layout: Layout, stages: list[Stage], tokens: int) -> float:

@@ -95,7 +95,7 @@ GPU_RATES = {
             other=3.03,
             moe_glue=14.05,
             exposed=15.8,
-            hidden=8.44,
+            hidden=8.36,
         ),
     ),  # fmt: skip
 }

@@ -16,12 +16,12 @@ __all__ = ["format_plan"]
 ACCURACY = "benchmarks/plan_check.json"
 
 
-def format_plan(plan: Plan, fix: tuple[list[Change], Plan] | None = None, accuracy: str = "") -> str:
+def format_plan(plan: Plan, fits: list[tuple[Change, Plan]] | None = None, accuracy: str = "") -> str:
     lines = _header(plan) + [""] + _memory(plan) + [""] + _time(plan) + [""] + _assumptions(plan)
     if accuracy:
         lines += ["", accuracy]
     if not plan.fits:
-        lines += [""] + _fix(plan, fix)
+        lines += [""] + _fixes(plan, fits or [])
     return "\n".join(lines)
 
 
@@ -165,19 +165,17 @@ def _assumptions(plan: Plan) -> list[str]:
     return lines
 
 
-def _fix(plan: Plan, fix: tuple[list[Change], Plan] | None) -> list[str]:
-    if fix is None:
-        return ["no single change or combination of up to three fits; raise the node count or shrink the model"]
-    changes, fitted = fix
-    flags = " ".join(flag for change in changes for flag in change.flags)
-    nodes = sum(change.nodes for change in changes)
-    lines = [
-        f"cheapest change that fits: {' + '.join(change.what for change in changes)}",
-        f"  {fitted.peak.total / GIB + NON_ALLOCATOR_GIB:.1f} GiB per GPU, {fitted.tokens_per_sec_per_gpu:,.0f} "
-        f"tokens/s/GPU (MFU {fitted.mfu:.1%})",
-    ]
-    if flags:
-        lines.append(f"  flags: {flags}")
-    if nodes:
-        lines.append(f"  nodes: {plan.nnodes + nodes}")
+def _fixes(plan: Plan, fits: list[tuple[Change, Plan]]) -> list[str]:
+    if not fits:
+        return ["no change the plan knows (alone or up to three together) fits: more nodes, or a smaller model"]
+    lines = ["changes that fit, fastest first (the first is the cheapest):"]
+    for change, fitted in fits[:3]:
+        card = fitted.peak.total / GIB + NON_ALLOCATOR_GIB
+        nodes = f", {plan.nnodes + change.nodes} nodes" if change.nodes else ""
+        lines.append(
+            f"  {change.what}: {card:.1f} GiB per GPU, {fitted.tokens_per_sec_per_gpu:,.0f} tokens/s/GPU "
+            f"(MFU {fitted.mfu:.1%}){nodes}"
+        )
+        if change.flags:
+            lines.append(f"    {' '.join(change.flags)}")
     return lines
