@@ -16,8 +16,6 @@ from torchtitan.models.deepseek_v3.pipeline import module_names_per_stage, stage
 
 __all__ = ["Block", "Layout", "Stage", "block_params", "ranks_per_token"]
 
-KINDS = ("linear", "experts", "norm", "embedding")
-
 
 @dataclass(frozen=True)
 class Block:
@@ -103,12 +101,9 @@ class Layout:
         if pp == 1:
             self.stages = [[_stage(args, [f"layers.{i}" for i in range(args.n_layers)], True, True)]]
             return
-        from torch.distributed.pipelining.schedules import get_schedule_class
-
         per_rank = stages_per_rank(par, pp, args.n_layers)
         names = module_names_per_stage(pp * per_rank, args.n_layers, mtp_layers=args.mtp_layers)
         v_shape = par.pipeline_parallel_schedule in ("ZBVZeroBubble", "DualPipeV")
-        get_schedule_class(par.pipeline_parallel_schedule)  # preflight has checked the name
         for rank in range(pp):
             ids = [rank, 2 * pp - 1 - rank] if v_shape else [rank + i * pp for i in range(per_rank)]
             self.stages.append(
@@ -132,12 +127,6 @@ class Layout:
         training, par = self.job.training, self.job.parallelism
         sequences = par.pipeline_parallel_microbatch_size if self.dims.pp > 1 else training.local_batch_size
         return sequences * training.seq_len // self.dims.cp
-
-    @property
-    def step_tokens(self) -> int:
-        """Tokens one rank runs per optimizer step."""
-        training = self.job.training
-        return self.accumulation_steps * training.local_batch_size * training.seq_len // self.dims.cp
 
     def spans_nodes(self, group_size: int, stride: int = 1) -> bool:
         """Whether a group of `group_size` ranks `stride` apart (ranks are laid out pp, dp_replicate, dp_shard, cp,
