@@ -45,10 +45,16 @@ def accuracy_line() -> str:
     )
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torchtitan.plan", description=__doc__)
-    parser.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    parser.add_argument("--nnodes", type=_positive, default=1, help="nodes (default 1)")
+    parser.add_argument("--gpus-per-node", type=_positive, default=8, help="GPUs per node (default 8)")
     parser.add_argument("--gpu", choices=sorted(GPUS), required=True, help="the GPU the plan is made for")
     args, job_argv = parser.parse_known_args(argv)
     logging.disable(logging.WARNING)  # the model args' notes (e.g. YaRN) are the trainer's to print
