@@ -32,21 +32,31 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, Any]:
     check_corpus(job_config.training.dataset, job_config.training.dataset_path)
     if job_config.validation.enable and job_config.validation.dataset_path:
         check_corpus("", job_config.validation.dataset_path, "validation")
+    model_args, _ = check_layout(job_config, world_size, this_host=True)
+    return job_config, model_args
+
+
+def check_layout(job_config: JobConfig, world_size: int, this_host: bool = False) -> tuple[Any, Any]:
+    """The checks that need the world size or the model shape -> (model args, ParallelDims). this_host: also what
+    depends on the machine running the check (the tokenizer file, a GPU, installed packages); a plan for another
+    cluster (`torchtitan.plan`) leaves those out."""
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.models.spec import get_model_spec
 
     parallel_dims = ParallelDims.from_config(job_config.parallelism, world_size)
     spec = get_model_spec(job_config.model.name)
     model_args = spec.model_args(job_config)
-    check_tokenizer(job_config, model_args)
+    if this_host:
+        check_tokenizer(job_config, model_args)
     check_parallel_dims(parallel_dims, model_args)
     check_batch_sizes(job_config, parallel_dims.dp_size)
     check_mtp(job_config, model_args, parallel_dims)
     check_float8_linears(job_config, parallel_dims)
     check_float8_dispatch(job_config, model_args)
-    check_profiling(job_config)
-    resolve_memory_budget(job_config)
-    check_cuda_graphs(job_config, parallel_dims)
+    if this_host:
+        check_profiling(job_config)
+        resolve_memory_budget(job_config)
+        check_cuda_graphs(job_config, parallel_dims)
     check_pipeline_schedule(job_config, parallel_dims)
     check_compile_backend(job_config)
     if job_config.training.enable_cpu_offload and not parallel_dims.fsdp_enabled:
@@ -57,12 +67,12 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, Any]:
     if parallel_dims.pp_enabled:
         spec.check_pipeline(job_config, parallel_dims, model_args)
     check_validation(job_config, model_args, parallel_dims)
-    if job_config.metrics.enable_wandb:
+    if this_host and job_config.metrics.enable_wandb:
         check_wandb(job_config)
     from torchtitan.models.moe.exchange import get_backend  # last: importing it loads torch._dynamo
 
     get_backend(job_config.parallelism.expert_parallel_comm_backend).check(parallel_dims)
-    return job_config, model_args
+    return model_args, parallel_dims
 
 
 WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # wandb.Settings.mode (wandb 0.31)
@@ -350,39 +360,42 @@ def check_compile_backend(job_config: JobConfig) -> None:
 
 
 def resolve_memory_budget(job_config: JobConfig) -> None:
-    """A GiB budget needs a GPU; `auto` becomes BUDGET_SHARE of this GPU's memory where the budget applies, else 0
-    (off), said in one line, so what runs after this sees a number."""
+    """A GiB budget needs a GPU; `auto` becomes `auto_memory_budget` of this GPU, said in one line, so what runs after
+    this sees a number."""
     import torch
-
-    from torchtitan.tools.out_of_memory import BUDGET_SHARE
 
     ac = job_config.activation_checkpoint
     if ac.memory_budget_gib == "auto":
-        applies = ac.mode == "selective" and ac.selective_ac_option == "op" and ac.num_blocks == -1
-        applies = (
-            applies and job_config.parallelism.pipeline_parallel_degree == 1 and not job_config.compile.cuda_graphs
-        )
-        if not torch.cuda.is_available() or not applies:
-            why = (
-                "no GPU here"
-                if applies
-                else "it needs per-op SAC on every block, no pipeline parallelism and no CUDA graphs"
+        card = None
+        if torch.cuda.is_available():
+            properties = torch.cuda.get_device_properties(
+                int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
             )
-            logger.info(f"activation_checkpoint.memory_budget_gib=auto: off ({why})")
-            ac.memory_budget_gib = 0.0
-            return
-        device = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
-        properties = torch.cuda.get_device_properties(device)
-        ac.memory_budget_gib = round(BUDGET_SHARE * properties.total_memory / 2**30, 1)
-        logger.info(
-            f"activation_checkpoint.memory_budget_gib=auto: {ac.memory_budget_gib:g} GiB ({BUDGET_SHARE:g} of the "
-            f"{properties.name}'s {properties.total_memory / 2**30:.1f} GiB)"
-        )
+            card = (properties.name, properties.total_memory / 2**30)
+        ac.memory_budget_gib, why = auto_memory_budget(job_config, card)
+        logger.info(f"activation_checkpoint.memory_budget_gib=auto: {why}")
     elif ac.memory_budget_gib > 0 and not torch.cuda.is_available():
         raise ConfigError(
             "activation_checkpoint.memory_budget_gib measures the GPU's memory in step 1; no GPU here: drop it (or "
             "pass auto, which is off without a GPU)"
         )
+
+
+def auto_memory_budget(job_config: JobConfig, card: tuple[str, float] | None) -> tuple[float, str]:
+    """(GiB, what it is) of `memory_budget_gib = auto` on `card` ((name, GiB); None: no GPU): BUDGET_SHARE of the
+    card, or 0 (off) where a budget does not apply."""
+    from torchtitan.tools.out_of_memory import BUDGET_SHARE
+
+    ac = job_config.activation_checkpoint
+    applies = ac.mode == "selective" and ac.selective_ac_option == "op" and ac.num_blocks == -1
+    applies = applies and job_config.parallelism.pipeline_parallel_degree == 1 and not job_config.compile.cuda_graphs
+    if not applies:
+        return 0.0, "off (it needs per-op SAC on every block, no pipeline parallelism and no CUDA graphs)"
+    if card is None:
+        return 0.0, "off (no GPU here)"
+    name, total_gib = card
+    budget = round(BUDGET_SHARE * total_gib, 1)
+    return budget, f"{budget:g} GiB ({BUDGET_SHARE:g} of the {name}'s {total_gib:.1f} GiB)"
 
 
 def check_cuda_graphs(job_config: JobConfig, parallel_dims) -> None:

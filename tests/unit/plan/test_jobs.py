@@ -1,0 +1,54 @@
+"""The real-size jobs pass preflight at the world sizes they are sized for and the plan prints them (the 16B on one
+node of 8 H100s or H200s, the 671B on 16 nodes of 8 H200s, with 671.0B parameters); a job that ran out of memory on
+GPUs is planned not to fit, with a change that fits."""
+
+import pytest
+
+from torchtitan.plan.__main__ import main
+from torchtitan.preflight import check_job
+
+JOBS = {
+    "train_configs/deepseek_v3_16b.toml": 8,  # NGPU=8
+    "train_configs/deepseek_v3_671b.toml": 128,  # NNODES=16 NGPU=8
+}
+
+
+@pytest.mark.parametrize("config, world_size", JOBS.items())
+def test_each_real_size_job_passes_preflight_at_its_world_size(config, world_size, tmp_path):
+    """As run_train.sh runs it; on this CPU host the 16B job's auto memory budget is off and deepep's install is not
+    looked for (both need a GPU)."""
+    job_config, model_args = check_job(["--job.config_file", config, "--job.dump_folder", str(tmp_path)], world_size)
+    assert job_config.parallelism.expert_parallel_degree == 8
+    if "671b" in config:
+        assert (job_config.model.flavor, model_args.mtp_layers) == ("671B", 1)
+
+
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_the_plan_prints_the_16b_job_on_one_node(gpu, capsys):
+    assert main(["--job.config_file", "train_configs/deepseek_v3_16b.toml", "--gpu", gpu]) == 0
+    out = capsys.readouterr().out
+    assert "on 1 node(s) x 8" in out and "15.7B parameters" in out
+    assert "PP 1 x FSDP 8 x EP 8 (deepep)" in out
+    assert ": fits" in out and "tokens/s/GPU" in out
+
+
+def test_the_plan_prints_the_671b_job_on_its_cluster(capsys):
+    argv = ["--job.config_file", "train_configs/deepseek_v3_671b.toml", "--nnodes", "16", "--gpu", "h200"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "= 128 GPUs" in out
+    assert "671.0B parameters, 37.6B active per token" in out  # as published, without the MTP module
+    assert "PP 16 x FSDP 8 x EP 8 (deepep)" in out and "the EP group inside one node" in out
+    assert ": fits" in out
+
+
+def test_a_job_that_ran_out_of_memory_is_planned_not_to_fit_with_a_change_that_fits(capsys):
+    """The whole 16B at FSDP4 x EP4 under per-op SAC everywhere died in step 1 on 4 H100s
+    (e2e_16b_ep4_sac_everywhere_oom_2251419.json)."""
+    argv = ["--job.config_file", "train_configs/deepseek_v3_16b.toml", "--gpus-per-node", "4", "--gpu", "h100",
+            "--parallelism.expert_parallel_degree", "4", "--activation_checkpoint.memory_budget_gib", "0"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out
+    fixes = out.split("changes that fit, fastest first (the first is the cheapest):\n")[1].splitlines()
+    assert "GiB per GPU" in fixes[0] and fixes[1].strip().startswith("--")
