@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 from torchtitan.components.checkpoint_folder import CheckpointError, complete_checkpoints, is_step_name
@@ -366,12 +367,14 @@ def resolve_memory_budget(job_config: JobConfig) -> None:
 
     ac = job_config.activation_checkpoint
     if ac.memory_budget_gib == "auto":
-        card = None
-        if torch.cuda.is_available():
-            properties = torch.cuda.get_device_properties(
-                int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
-            )
-            card = (properties.name, properties.total_memory / 2**30)
+
+        def card() -> tuple[str, float] | None:
+            if not torch.cuda.is_available():
+                return None
+            device = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+            properties = torch.cuda.get_device_properties(device)
+            return properties.name, properties.total_memory / 2**30
+
         ac.memory_budget_gib, why = auto_memory_budget(job_config, card)
         logger.info(f"activation_checkpoint.memory_budget_gib=auto: {why}")
     elif ac.memory_budget_gib > 0 and not torch.cuda.is_available():
@@ -381,9 +384,9 @@ def resolve_memory_budget(job_config: JobConfig) -> None:
         )
 
 
-def auto_memory_budget(job_config: JobConfig, card: tuple[str, float] | None) -> tuple[float, str]:
-    """(GiB, what it is) of `memory_budget_gib = auto` on `card` ((name, GiB); None: no GPU): BUDGET_SHARE of the
-    card, or 0 (off) where a budget does not apply."""
+def auto_memory_budget(job_config: JobConfig, card: Callable[[], tuple[str, float] | None]) -> tuple[float, str]:
+    """(GiB, what it is) of `memory_budget_gib = auto` on the GPU `card()` names ((name, GiB); None: no GPU; asked only
+    where a budget applies): BUDGET_SHARE of the card, or 0 (off) where a budget does not apply."""
     from torchtitan.tools.out_of_memory import BUDGET_SHARE
 
     ac = job_config.activation_checkpoint
@@ -391,9 +394,9 @@ def auto_memory_budget(job_config: JobConfig, card: tuple[str, float] | None) ->
     applies = applies and job_config.parallelism.pipeline_parallel_degree == 1 and not job_config.compile.cuda_graphs
     if not applies:
         return 0.0, "off (it needs per-op SAC on every block, no pipeline parallelism and no CUDA graphs)"
-    if card is None:
+    if (found := card()) is None:
         return 0.0, "off (no GPU here)"
-    name, total_gib = card
+    name, total_gib = found
     budget = round(BUDGET_SHARE * total_gib, 1)
     return budget, f"{budget:g} GiB ({BUDGET_SHARE:g} of the {name}'s {total_gib:.1f} GiB)"
 

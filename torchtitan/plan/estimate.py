@@ -87,7 +87,7 @@ def plan_job(job: JobConfig, model_args: Any, dims: Any, gpus_per_node: int, gpu
         raise ValueError(f"--gpu {gpu!r}: plans are made for {', '.join(GPUS)}")
     layout = Layout(model_args, dims, job, gpus_per_node)
     if job.activation_checkpoint.memory_budget_gib == "auto":  # what the trainer resolves it to on this card
-        job.activation_checkpoint.memory_budget_gib, _ = auto_memory_budget(job, (gpu, GPUS[gpu].memory_gib))
+        job.activation_checkpoint.memory_budget_gib, _ = auto_memory_budget(job, lambda: (gpu, GPUS[gpu].memory_gib))
     budget = job.activation_checkpoint.memory_budget_gib * GIB
     memory, time = [], []
     for rank in range(dims.pp):
