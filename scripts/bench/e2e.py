@@ -47,7 +47,7 @@ def run_settings(config_file: str, train_args: list[str], ngpu: int) -> dict:
         "parallel": {name: getattr(dims, name) for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "etp")},
         "ep_backend": par.expert_parallel_comm_backend,
         "deepep_sync_free_dispatch": par.deepep_sync_free_dispatch,
-        "deepep_sync_free_capacity_factor": par.deepep_sync_free_capacity_factor,
+        "expert_parallel_capacity_factor": par.expert_parallel_capacity_factor,
         "mtp_layers": get_model_spec(job.model.name).model_args(job).mtp_layers,
         "float8_experts": job.quantize.float8_experts,
         "float8_linears": job.quantize.float8_linears,
