@@ -256,7 +256,7 @@ def _buffers(group_name: str) -> SymmMemBuffers:
 
 
 @exchange_counts.register_kernel("cuda")
-def _(counts: torch.Tensor, group_name: str) -> torch.Tensor:
+def exchange_counts_cuda(counts: torch.Tensor, group_name: str) -> torch.Tensor:
     buffers = _buffers(group_name)
     buffers.counts_send.copy_(counts)
     torch.ops.symm_mem.all_to_all_vdev(
@@ -270,7 +270,7 @@ def _(counts: torch.Tensor, group_name: str) -> torch.Tensor:
 
 
 @all_to_all_v.register_kernel("cuda")
-def _(x, send_splits, recv_splits, group_name, out_rows, lane) -> torch.Tensor:
+def all_to_all_v_cuda(x, send_splits, recv_splits, group_name, out_rows, lane) -> torch.Tensor:
     buffers = _buffers(group_name)
     send, recv = buffers.rows(lane, True, x.shape[0], x), buffers.rows(lane, False, out_rows, x)
     # on the device, queued before the exchange: past the bound the receive buffer would overflow
