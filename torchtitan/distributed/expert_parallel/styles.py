@@ -123,6 +123,12 @@ class SymmMemExpertParallel(_ExpertStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if device_mesh.device_type == "cuda":
             dim = module.experts.w1.shape[2]  # (E, hidden, dim)
+            if dim % 16:
+                raise ValueError(
+                    f"expert_parallel_comm_backend='symm_mem': the model dim {dim} must be a multiple of 16 (NVSHMEM's "
+                    "all-to-all-v splits each peer's rows into up to 32 equal parts of bytes); use another "
+                    "--parallelism.expert_parallel_comm_backend for this shape"
+                )
             ep, top_k = device_mesh.size(), module.top_k
             send_rows = self.max_tokens * top_k
             recv_rows = receive_rows(self.max_tokens, top_k, ep, self.capacity_factor)
