@@ -132,6 +132,8 @@ def train_and_measure(
         mtp_losses=[r["mtp_loss"] for r in records if "mtp_loss" in r],
         # per steady step, the busiest EP rank's token copies over the mean, worst MoE layer (None without EP)
         ep_load_imbalance_max=summary("ep_load_imbalance_max", median),
+        # the steady steps' share of routed token copies dropped at the capacity factor (None without one)
+        dropped_fraction=summary("dropped_fraction", median),
         graphs_compiled_per_step=[r.get("graphs_compiled", 0) for r in records],
         recompiles_after_warmup=sum(r.get("graphs_compiled", 0) for r in records if r["step"] > warm),
     )
@@ -184,6 +186,7 @@ def main() -> None:
         "peak_memory_allocated_gib",
         "recompiles_after_warmup",
         "ep_load_imbalance_max",
+        "dropped_fraction",
         "memory_budget_gib",  # 0 unless given: the job's own budget is off in a benchmark (module docstring)
         "wall_s",
     )
