@@ -395,7 +395,10 @@ def test_uncaught_help_exits_process_with_zero():
             "capacity_factor .* or deepep with --parallelism.deepep_sync_free_dispatch",
         ),
         (
-            ["--parallelism.expert_parallel_capacity_factor=1.2", "--parallelism.expert_parallel_comm_backend=symm_mem"],
+            [
+                "--parallelism.expert_parallel_capacity_factor=1.2",
+                "--parallelism.expert_parallel_comm_backend=symm_mem",
+            ],
             r"capacity_factor .* needs expert_parallel_degree > 1 .*got 'symm_mem', 1",
         ),
         (["--parallelism.expert_parallel_capacity_factor=0"], "capacity_factor must be none or a finite number > 0"),

@@ -145,7 +145,7 @@ def _compiled_matches_eager(rank: int, world_size: int) -> None:
         eager = _run(moe, x)
         moe.zero_grad()
         compiled = torch.compile(moe, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break raises
-        _assert_same(_run(moe, x, lambda _, x: compiled(x)), eager, f"compiled, capacity factor {factor}")
+        _assert_same(_run(moe, x, lambda _, x, fn=compiled: fn(x)), eager, f"compiled, capacity factor {factor}")
 
 
 def _module_checks(rank: int, world_size: int) -> None:
