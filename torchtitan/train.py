@@ -401,6 +401,7 @@ class Trainer:
                     [loss, grad_norm, *mtp_loss],
                     graphs_compiled(),
                     ep_load_imbalance=self.expert_bias_hook.ep_load_imbalance,
+                    dropped_fraction=self.expert_bias_hook.dropped_fraction,
                 )
                 validates = job_config.validation.enable and (step % job_config.validation.freq == 0 or step == steps)
                 saves = self.checkpointer.saves_at(step, last_step=step == steps)

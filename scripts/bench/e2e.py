@@ -48,7 +48,7 @@ def run_settings(config_file: str, train_args: list[str], ngpu: int) -> dict:
         "parallel": {name: getattr(dims, name) for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "etp")},
         "ep_backend": par.expert_parallel_comm_backend,
         "deepep_sync_free_dispatch": par.deepep_sync_free_dispatch,
-        "deepep_sync_free_capacity_factor": par.deepep_sync_free_capacity_factor,
+        "expert_parallel_capacity_factor": par.expert_parallel_capacity_factor,
         "mtp_layers": get_model_spec(job.model.name).model_args(job).mtp_layers,
         "float8_experts": job.quantize.float8_experts,
         "float8_linears": job.quantize.float8_linears,
@@ -142,6 +142,8 @@ def train_and_measure(
         mtp_losses=[r["mtp_loss"] for r in records if "mtp_loss" in r],
         # per steady step, the busiest EP rank's token copies over the mean, worst MoE layer (None without EP)
         ep_load_imbalance_max=summary("ep_load_imbalance_max", median),
+        # the steady steps' share of routed token copies dropped at the capacity factor (None without one)
+        dropped_fraction=summary("dropped_fraction", median),
         graphs_compiled_per_step=[r.get("graphs_compiled", 0) for r in records],
         recompiles_after_warmup=sum(r.get("graphs_compiled", 0) for r in records if r["step"] > warm),
     )
@@ -197,6 +199,7 @@ def main() -> None:
         "cuda_graphs",
         "cuda_graph_log",
         "ep_load_imbalance_max",
+        "dropped_fraction",
         "memory_budget_gib",  # 0 unless given: the job's own budget is off in a benchmark (module docstring)
         "wall_s",
     )

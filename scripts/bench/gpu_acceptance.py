@@ -71,6 +71,8 @@ def all_rows() -> list[Row]:
         Row("base", [], 0.0, "the reference"),
         Row("standard_backend", ["--parallelism.expert_parallel_comm_backend", "standard"], OTHER_KERNELS,
             "other exchange kernels", needs_ep=True),
+        Row("symm_mem_backend", ["--parallelism.expert_parallel_comm_backend", "symm_mem"], OTHER_KERNELS,
+            "all-to-all-v over NVSHMEM symmetric memory, worst-case receive buffers", needs_ep=True),
         Row("full_ac", ["--activation_checkpoint.mode", "full"], SAME_MATH, "recomputation only"),
         Row("no_ac", ["--activation_checkpoint.mode", "none"], SAME_MATH, "recomputation only"),
         Row("memory_budget", [], SAME_MATH, "recompute per MoE block fit to a budget between the full_ac row's "
@@ -80,7 +82,7 @@ def all_rows() -> list[Row]:
         Row("sync_free_dispatch", ["--parallelism.deepep_sync_free_dispatch"], SAME_MATH, "padded layout",
             needs_ep=True),
         Row("sync_free_capacity", ["--parallelism.deepep_sync_free_dispatch",
-                                   "--parallelism.deepep_sync_free_capacity_factor", "1.5"], DROPS,
+                                   "--parallelism.expert_parallel_capacity_factor", "1.5"], DROPS,
             "padded layout bounded at 1.5x the balanced load: drops the copies past it (few or none)", needs_ep=True),
         Row("fp8_experts", fp8_experts, FP8, "FP8 grouped GEMMs"),
         Row("fp8_linears", ["--quantize.float8_linears"], FP8, "FP8 dense GEMMs"),

@@ -3,7 +3,7 @@
 match one process, with block-causal attention over packed documents.
 
 Tolerance: fp32 parameters, bf16 grouped GEMMs in every run; measured equal to 1e-6 relative over 6 steps (2
-cores). RTOL 1e-4, as test_deepep_parity: a wrong target shift, a missing gradient or a mis-normalised MTP loss
+cores). RTOL 1e-4, as test_exchange_parity: a wrong target shift, a missing gradient or a mis-normalised MTP loss
 shows at step 1-2 at the 1e-2 level.
 """
 

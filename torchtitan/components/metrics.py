@@ -6,6 +6,8 @@ Every `metrics.log_freq` steps the logging rank logs (the leading fields are a f
 
 and a progress part `  [step 10/100  lr 8.0e-04  eta 0:01:23]`. tps: tokens per second per device since the last
 log; tflops = flops_per_token x tps / 1e12; mfu = tflops / the device's dense bf16 peak (memory and mfu n/a on CPU).
+With a capacity-bounded exchange, `dropped: 0.12%` is the share of routed token copies dropped at capacity over the
+window (`dropped_fraction`); past `DROPPED_FRACTION_WARNING` the run says once which factor to raise.
 """
 
 import json
@@ -36,6 +38,8 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     ("B200", 2.25e15),
 )
 FALLBACK_PEAK_FLOPS = 312e12
+DROPPED_FRACTION_WARNING = 0.01
+"""A logging window dropping more than this share of the routed token copies at capacity warns (once per run)."""
 
 
 def get_peak_flops(device_name: str) -> float:
@@ -97,6 +101,8 @@ class MetricsProcessor:
         self.tokens_per_step = _tokens_per_device_step(job_config)
         self.memory_monitor = DeviceMemoryMonitor(device)
         self.peak_flops = get_peak_flops(torch.cuda.get_device_name(device)) if self.memory_monitor.is_cuda else None
+        self.capacity_factor = job_config.parallelism.expert_parallel_capacity_factor
+        self._warned_about_drops = False
 
         self._logged_before = False
         # Seconds and steps of every window but the first (which holds init, compile and checkpoint load).
@@ -167,13 +173,15 @@ class MetricsProcessor:
         graphs_compiled: int = 0,
         mtp_loss: float | None = None,
         ep_load_imbalance: list[float] | None = None,
+        dropped_fraction: float | None = None,
     ) -> dict[str, Any]:
         """Log one step's metrics for the window of steps since the previous call; returns the jsonl record.
 
         seconds, steps: the device time of the window's steps and their number (`StepLog`; validation and saves between
         steps excluded). graphs_compiled: graphs compiled in the window (more than 0 after warm-up means recompiles).
         mtp_loss: the MTP modules' mean loss (`loss` is then the main model's). ep_load_imbalance: per MoE layer, the
-        busiest EP rank's token copies over the mean (`update_expert_bias`).
+        busiest EP rank's token copies over the mean (`update_expert_bias`). dropped_fraction: the window's share of
+        routed token copies dropped at the exchange's capacity (`capacity_dropped_fraction`).
         """
         seconds = max(seconds, 1e-9)
         tps = self.tokens_per_step * steps / seconds
@@ -206,8 +214,12 @@ class MetricsProcessor:
         if ep_load_imbalance:
             record["ep_load_imbalance"] = [round(v, 4) for v in ep_load_imbalance]
             record["ep_load_imbalance_max"] = max(ep_load_imbalance)
+        if dropped_fraction is not None:
+            record["dropped_fraction"] = dropped_fraction
         if self.is_logging_rank:
             logger.info(format_metrics_line(record, memory, total_steps, eta_seconds))
+            if dropped_fraction is not None and dropped_fraction > DROPPED_FRACTION_WARNING:
+                self._warn_about_drops(dropped_fraction, steps)
             scalars = {k: record.get(k) for k in _SCALARS}
             for layer, value in enumerate(record.get("ep_load_imbalance", [])):
                 scalars[f"ep_load_imbalance/moe_layer_{layer}"] = value
@@ -218,6 +230,18 @@ class MetricsProcessor:
         self._logged_before = True
         self.memory_monitor.reset_peak_stats()
         return record
+
+    def _warn_about_drops(self, dropped_fraction: float, steps: int) -> None:
+        if self._warned_about_drops:
+            return
+        self._warned_about_drops = True
+        factor = self.capacity_factor
+        logger.warning(
+            f"{dropped_fraction:.2%} of the routed token copies were dropped at capacity over the last {steps} steps "
+            f"(more than {DROPPED_FRACTION_WARNING:.0%}): raise parallelism.expert_parallel_capacity_factor={factor} "
+            f"(e.g. --parallelism.expert_parallel_capacity_factor {factor * 1.25:g}) or unset it for a dropless "
+            "exchange; this is said once per run"
+        )
 
     def log_validation(self, step: int, loss: float, seconds: float) -> None:
         """A validation pass's loss and perplexity: the console, TensorBoard, W&B and a metrics.jsonl record."""
@@ -256,7 +280,8 @@ class MetricsProcessor:
 
 # The record's values that go to TensorBoard and W&B (besides the per-layer imbalance and memory_pct).
 _SCALARS = (
-    "loss grad_norm tps tflops mfu lr graphs_compiled mtp_loss ep_load_imbalance_max memory_gib memory_allocated_gib"
+    "loss grad_norm tps tflops mfu lr graphs_compiled mtp_loss ep_load_imbalance_max dropped_fraction memory_gib "
+    "memory_allocated_gib"
 ).split()
 
 
@@ -273,6 +298,8 @@ def format_metrics_line(
         line += f"  mtp_loss: {record['mtp_loss']:.4f}"
     if "ep_load_imbalance_max" in record:
         line += f"  ep_imbalance: {record['ep_load_imbalance_max']:.2f}"
+    if "dropped_fraction" in record:
+        line += f"  dropped: {record['dropped_fraction']:.2%}"
     if record.get("graphs_compiled"):
         line += f"  compiled: {record['graphs_compiled']} graphs"
     progress = []

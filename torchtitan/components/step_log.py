@@ -19,8 +19,9 @@ class _StepReport:
     lr: float
     graphs_compiled: int  # graphs dynamo had compiled in this process once the step was launched
     started: DeviceMark  # before the step loaded its batch: its time runs from here to `scalars.ready`
-    scalars: HostScalars  # loss, grad norm[, MTP loss][, EP load imbalance per MoE layer]
-    num_scalars: int  # loss, grad norm[, MTP loss]: the values before the imbalance
+    scalars: HostScalars  # loss, grad norm[, MTP loss][, dropped fraction][, EP load imbalance per MoE layer]
+    num_scalars: int  # loss, grad norm[, MTP loss]: the values before the others
+    has_dropped_fraction: bool
 
 
 class StepLog:
@@ -34,6 +35,7 @@ class StepLog:
         self._graphs_at_last_log = graphs_compiled
         self._seconds_since_last_log = 0.0
         self._steps_since_last_log = 0
+        self._dropped_since_last_log: list[float] = []
 
     def add(
         self,
@@ -43,12 +45,21 @@ class StepLog:
         scalars: list[torch.Tensor],
         graphs_compiled: int,
         ep_load_imbalance: torch.Tensor | None = None,
+        dropped_fraction: torch.Tensor | None = None,
     ) -> None:
         """A launched step (`started` marked before it loaded its batch; scalars: loss, grad norm[, MTP loss];
-        ep_load_imbalance: (MoE layers,), `ExpertBiasHook`). Checks and logs the step before it, whose work has run
-        by the time this one's is queued."""
-        values = scalars if ep_load_imbalance is None else [*scalars, ep_load_imbalance]
-        report = _StepReport(step, lr, graphs_compiled, started, HostScalars(values), len(scalars))
+        ep_load_imbalance: (MoE layers,), dropped_fraction: 0-d, both from `ExpertBiasHook`). Checks and logs the step
+        before it, whose work has run by the time this one's is queued."""
+        extra = [t for t in (dropped_fraction, ep_load_imbalance) if t is not None]
+        report = _StepReport(
+            step,
+            lr,
+            graphs_compiled,
+            started,
+            HostScalars([*scalars, *extra]),
+            len(scalars),
+            dropped_fraction is not None,
+        )
         self.flush()
         self._unchecked = report
 
@@ -60,7 +71,10 @@ class StepLog:
         report, self._unchecked = self._unchecked, None
         values = report.scalars.wait()
         loss, grad_norm, *mtp_loss = values[: report.num_scalars]
-        ep_load_imbalance = values[report.num_scalars :] or None
+        rest = values[report.num_scalars :]
+        if report.has_dropped_fraction:
+            self._dropped_since_last_log.append(rest.pop(0))
+        ep_load_imbalance = rest or None
         check_finite_loss(loss, report.step, self.rank)
         check_grad_norm(grad_norm, report.step)
         # The step's own time on the device: when its values are read (one step late, or at once) does not matter,
@@ -77,8 +91,15 @@ class StepLog:
                 graphs_compiled=report.graphs_compiled - self._graphs_at_last_log,
                 mtp_loss=mtp_loss[0] if mtp_loss else None,
                 ep_load_imbalance=ep_load_imbalance,
+                # every step routes the same number of copies: the window's share is the mean of its steps'
+                dropped_fraction=_mean(self._dropped_since_last_log),
                 seconds=self._seconds_since_last_log,
                 steps=self._steps_since_last_log,
             )
             self._graphs_at_last_log = report.graphs_compiled
             self._seconds_since_last_log, self._steps_since_last_log = 0.0, 0
+            self._dropped_since_last_log = []
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None

@@ -176,7 +176,16 @@ class Parallelism:
     """Tensor parallel degree inside experts: 1, or equal to tensor_parallel_degree."""
 
     expert_parallel_comm_backend: str = "standard"
-    """Token exchange backend (`models/moe/exchange.py`): `standard` all-to-all, or `deepep` (deep_ep, CUDA)."""
+    """Token exchange backend (`models/moe/exchange.py`): `standard` all-to-all, `deepep` (deep_ep, CUDA), or
+    `symm_mem` (all-to-all-v over NVSHMEM symmetric memory, CUDA: no host wait; worst-case or capacity-bounded
+    receive buffers)."""
+
+    expert_parallel_capacity_factor: float | None = None
+    """A rank sends each EP rank at most this factor x its balanced share of its token copies (local tokens x top_k
+    / EP); the copies past it are dropped, lowest routing weight first (Megatron's expert capacity factor, per
+    destination rank), and the dropped share is logged. Bounds the receive buffers of the sync-free exchanges
+    (`symm_mem`, and `deepep` with deepep_sync_free_dispatch), which otherwise hold EP x the balanced load. None: no
+    drops."""
 
     deepep_num_sms: int = 64
     """SMs DeepEP's communication kernels may use (even number). On one host 64 beat 48, 32 and 24 at EP2, and 48
@@ -185,11 +194,6 @@ class Parallelism:
     deepep_sync_free_dispatch: bool = False
     """DeepEP dispatch without a host wait: receive buffers sized for the worst case (`num_worst_tokens`), so the host
     can queue work ahead; the routed experts' rows grow EP-fold (see the capacity factor). Needs deepep in one node."""
-
-    deepep_sync_free_capacity_factor: float | None = None
-    """With deepep_sync_free_dispatch: a rank receives at most this factor x its balanced load of token copies (local
-    tokens x top_k), so the routed experts' rows grow by the factor, not EP-fold. Senders drop the copies past that,
-    lowest routing weight first (Megatron's expert capacity factor, per destination rank). None: no drops."""
 
 
 @dataclass

@@ -160,17 +160,20 @@ def validate(job_config: JobConfig) -> None:
         f"({tp}), got {par.expert_tensor_parallel_degree}",
     )
     backend, ep = par.expert_parallel_comm_backend, par.expert_parallel_degree
-    _require(
-        par.deepep_sync_free_capacity_factor is None or par.deepep_sync_free_dispatch,
-        "parallelism.deepep_sync_free_capacity_factor bounds what a sync-free dispatch receives: it needs "
-        "--parallelism.deepep_sync_free_dispatch; drop it or add that flag",
-    )
+    # DeepEP's own settings: set to anything but their default, they need DeepEP to be the exchange
     for flag in ("parallelism.deepep_sync_free_dispatch", "quantize.float8_dispatch"):
         _require(
-            not _value(job_config, flag) or (backend == "deepep" and ep > 1),
+            _value(job_config, flag) == _fields()[flag].default or (backend == "deepep" and ep > 1),
             f"{flag} needs --parallelism.expert_parallel_comm_backend deepep and expert_parallel_degree > 1 (it is "
             f"a DeepEP feature; got {backend!r}, {ep}); drop the flag or switch the backend",
         )
+    bounded = backend == "symm_mem" or (backend == "deepep" and par.deepep_sync_free_dispatch)
+    _require(
+        par.expert_parallel_capacity_factor is None or (bounded and ep > 1),
+        "parallelism.expert_parallel_capacity_factor bounds what a sync-free exchange receives: it needs "
+        "expert_parallel_degree > 1 and --parallelism.expert_parallel_comm_backend symm_mem, or deepep with "
+        f"--parallelism.deepep_sync_free_dispatch (got {backend!r}, {ep}); drop the factor or switch the backend",
+    )
 
     opt = job_config.optimizer
     _require(
@@ -257,7 +260,7 @@ _RANGES = (
         "auto or a number of GiB >= 0 (0: off)",
     ),
     (
-        "parallelism.deepep_sync_free_capacity_factor",
+        "parallelism.expert_parallel_capacity_factor",
         lambda v: v is None or (math.isfinite(v) and v > 0),
         "none or a finite number > 0",
     ),
@@ -328,11 +331,15 @@ def _lookup(key: str, where: str) -> _Field:
     return spec
 
 
-_REMOVED_KEYS = dict.fromkeys(
-    ("parallelism.expert_parallel_overlap", "parallelism.deepep_overlap_num_sms"),
-    "the two-micro-batch expert-parallel overlap was removed: it lost to the plain step on every machine measured "
-    "(benchmarks/NOTES.md); drop the key",
-)
+_REMOVED_KEYS = {
+    **dict.fromkeys(
+        ("parallelism.expert_parallel_overlap", "parallelism.deepep_overlap_num_sms"),
+        "the two-micro-batch expert-parallel overlap was removed: it lost to the plain step on every machine measured "
+        "(benchmarks/NOTES.md); drop the key",
+    ),
+    "parallelism.deepep_sync_free_capacity_factor": "it is now parallelism.expert_parallel_capacity_factor (the same "
+    "factor, for every capacity-bounded exchange); rename the key",
+}
 
 
 def _suggestion(key: str) -> str:

@@ -269,3 +269,22 @@ def test_expert_parallel_imbalance_goes_to_the_line_the_jsonl_and_tensorboard(tm
     events.Reload()
     assert events.Scalars("ep_load_imbalance/moe_layer_1")[0].value == pytest.approx(1.5)
     assert events.Scalars("ep_load_imbalance_max")[0].value == pytest.approx(1.5)
+
+
+def test_dropped_share_goes_to_the_line_and_the_jsonl_and_warns_once_past_the_threshold(tmp_path, caplog):
+    config = job_config(tmp_path)
+    config.parallelism.expert_parallel_capacity_factor = 1.0
+    processor = MetricsProcessor(config, num_flops_per_token=1.0, device="cpu", is_logging_rank=True)
+    with caplog.at_level(logging.INFO):
+        processor.log(2, loss=1.5, grad_norm=0.5, seconds=1.0, steps=2, dropped_fraction=0.004)
+        processor.log(4, loss=1.5, grad_norm=0.5, seconds=1.0, steps=2, dropped_fraction=0.025)
+        processor.log(6, loss=1.5, grad_norm=0.5, seconds=1.0, steps=2, dropped_fraction=0.03)
+        processor.log(8, loss=1.5, grad_norm=0.5, seconds=1.0, steps=2)  # no capacity: no field
+    processor.close()
+    assert "dropped: 0.40%" in caplog.text and "dropped: 2.50%" in caplog.text
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("2.50% of the routed token copies were dropped at capacity over the last 2 steps")
+    assert "--parallelism.expert_parallel_capacity_factor 1.25" in warnings[0]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("dropped_fraction") for r in records] == [0.004, 0.025, 0.03, None]

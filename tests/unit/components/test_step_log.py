@@ -60,6 +60,21 @@ def test_the_expert_parallel_imbalance_per_layer_is_logged_with_its_step(clock):
     assert second["ep_load_imbalance"] is None and second["mtp_loss"] is None
 
 
+def test_the_dropped_share_is_the_mean_of_the_window_and_comes_before_the_imbalance(clock):
+    metrics = _Metrics()
+    metrics.log_freq = 2
+    step_log = StepLog(metrics, rank=0, total_steps=4, graphs_compiled=0)
+    for step, dropped in enumerate((0.1, 0.3, 0.0, 0.0), start=1):
+        clock.append(0.0)
+        scalars = [torch.tensor(5.0), torch.tensor(1.0)]
+        imbalance = torch.tensor([1.5, 1.25])
+        step_log.add(step, 1e-3, DeviceMark(torch.device("cpu")), scalars, 0, imbalance, torch.tensor(dropped))
+    step_log.flush()
+    (_, first), (_, second) = metrics.logged
+    assert first["dropped_fraction"] == pytest.approx(0.2) and second["dropped_fraction"] == 0.0
+    assert first["ep_load_imbalance"] == [1.5, 1.25] and first["loss"] == 5.0
+
+
 def test_a_window_counts_the_steps_this_run_took(clock):
     # resumed after step 5 with log_freq 10: the first window holds steps 6..10 only
     metrics = _Metrics()

@@ -203,6 +203,18 @@ def test_removed_overlap_keys_are_unknown_keys_on_cli_and_in_toml(tmp_path, name
         parse("--job.config_file", path)
 
 
+def test_the_renamed_capacity_factor_key_names_its_new_name_on_cli_and_in_toml(tmp_path):
+    renamed = (
+        "unknown config key 'parallelism.deepep_sync_free_capacity_factor' .*; it is now "
+        "parallelism.expert_parallel_capacity_factor"
+    )
+    with pytest.raises(ConfigError, match=renamed):
+        parse("--parallelism.deepep_sync_free_capacity_factor=1.5")
+    path = write_toml(tmp_path, "[parallelism]\ndeepep_sync_free_capacity_factor = 1.5\n")
+    with pytest.raises(ConfigError, match=renamed):
+        parse("--job.config_file", path)
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
@@ -374,12 +386,31 @@ def test_uncaught_help_exits_process_with_zero():
         (["--parallelism.deepep_num_sms=0"], "deepep_num_sms must be a positive even"),
         (["--parallelism.deepep_sync_free_dispatch"], "deepep_sync_free_dispatch needs .*deepep"),
         (["--quantize.float8_dispatch"], "float8_dispatch needs .*deepep"),
-        (["--parallelism.deepep_sync_free_capacity_factor=1.2"], "capacity_factor .* needs .*sync_free_dispatch"),
-        (["--parallelism.deepep_sync_free_capacity_factor=0"], "capacity_factor must be none or a finite number > 0"),
-        (["--parallelism.deepep_sync_free_capacity_factor=nan"], "capacity_factor must be none or a finite number"),
+        (["--parallelism.expert_parallel_capacity_factor=1.2"], "capacity_factor bounds .* needs .*symm_mem, or dee"),
+        (
+            [
+                "--parallelism.expert_parallel_capacity_factor=1.2",
+                "--parallelism.expert_parallel_comm_backend=deepep",
+                "--parallelism.expert_parallel_degree=2",
+            ],
+            "capacity_factor .* or deepep with --parallelism.deepep_sync_free_dispatch",
+        ),
+        (
+            [
+                "--parallelism.expert_parallel_capacity_factor=1.2",
+                "--parallelism.expert_parallel_comm_backend=symm_mem",
+            ],
+            r"capacity_factor .* needs expert_parallel_degree > 1 .*got 'symm_mem', 1",
+        ),
+        (["--parallelism.expert_parallel_capacity_factor=0"], "capacity_factor must be none or a finite number > 0"),
+        (["--parallelism.expert_parallel_capacity_factor=nan"], "capacity_factor must be none or a finite number"),
         (
             ["--parallelism.deepep_sync_free_dispatch", "--parallelism.expert_parallel_comm_backend=deepep"],
             "deepep_sync_free_dispatch needs .*expert_parallel_degree > 1",
+        ),
+        (
+            ["--parallelism.deepep_sync_free_dispatch", "--parallelism.expert_parallel_comm_backend=symm_mem"],
+            "deepep_sync_free_dispatch needs .*deepep .*got 'symm_mem'",
         ),
         (["--parallelism.expert_tensor_parallel_degree=0"], "expert_tensor_parallel_degree must be >= 1"),
         (["--parallelism.expert_tensor_parallel_degree=2"], "must be 1 or equal to .*tensor_parallel_degree"),
@@ -429,6 +460,19 @@ def test_validation_rejects_bad_values(flags, message):
             "--parallelism.expert_parallel_degree=2",
             "--parallelism.deepep_num_sms=8",
         ],
+        [
+            "--parallelism.expert_parallel_comm_backend=deepep",
+            "--parallelism.expert_parallel_degree=2",
+            "--parallelism.deepep_sync_free_dispatch",
+            "--parallelism.expert_parallel_capacity_factor=1.25",
+        ],
+        [
+            "--parallelism.expert_parallel_comm_backend=symm_mem",
+            "--parallelism.expert_parallel_degree=2",
+            "--parallelism.expert_parallel_capacity_factor=1.25",
+        ],
+        # a DeepEP setting left at its default is no request: it passes with any backend
+        ["--parallelism.deepep_sync_free_dispatch=false", "--parallelism.expert_parallel_comm_backend=symm_mem"],
     ],
 )
 def test_validation_accepts_good_values(flags):

@@ -9,22 +9,26 @@
 
 No host syncs here: the data-dependent sizes come out of the op (unbacked symbols under torch.compile), or, with
 `sync_free`, are worst-case sizes whose padding rows get no expert. With a `capacity_factor` each rank sends every
-rank at most its share of that many copies (`drop_past_capacity`), so the experts' rows are bounded by the factor
-times the balanced load instead of EP times it.
+rank at most its share of that many copies (`apply_capacity`, before the dispatch), so the experts' rows are bounded
+by the factor times the balanced load instead of EP times it.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from torchtitan.distributed.deepep import ops
 from torchtitan.distributed.deepep.buffer import get_buffer
-from torchtitan.distributed.expert_parallel.dispatcher import DispatchState, ExpertTokens, TokenDispatcher
+from torchtitan.distributed.expert_parallel.dispatcher import (
+    DispatchState,
+    ExpertTokens,
+    TokenDispatcher,
+    capacity_per_rank,
+)
 
-__all__ = ["DeepEPDispatchState", "DeepEPDispatched", "DeepEPTokenDispatcher", "drop_past_capacity"]
+__all__ = ["DeepEPDispatchState", "DeepEPDispatched", "DeepEPTokenDispatcher"]
 
 
 @dataclass
@@ -61,8 +65,8 @@ class DeepEPTokenDispatcher(TokenDispatcher):
         """Worst-case receive sizes, no host wait (ops.py); the padding rows get no expert."""
         self.capacity_factor = capacity_factor
         """The copies a rank receives are at most this factor x (local tokens x top_k): copies past a destination's
-        share are dropped before the dispatch, and a sync-free dispatch keeps only that many rows
-        (`parallelism.deepep_sync_free_capacity_factor`)."""
+        share are dropped before the dispatch (`apply_capacity`), and a sync-free dispatch keeps only that many rows
+        (`parallelism.expert_parallel_capacity_factor`)."""
         self.fp8 = fp8
         """Tokens sent as FP8 with one scale per 128 channels (ops.py, `quantize.float8_dispatch`)."""
 
@@ -70,19 +74,11 @@ class DeepEPTokenDispatcher(TokenDispatcher):
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         topk_idx, topk_weights = topk_idx.to(torch.int64), topk_weights.float()
-        if self.capacity_factor is not None:
-            topk_idx, topk_weights = drop_past_capacity(
-                topk_idx, topk_weights, self.num_experts, self._num_ranks, self._capacity(*topk_idx.shape)
-            )
         return x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
 
     @property
-    def _num_ranks(self) -> int:
+    def num_ranks(self) -> int:
         return get_buffer(self.group_name).world_size
-
-    def _capacity(self, num_tokens: int, top_k: int) -> int:
-        """Copies one rank may send each rank: its share of capacity_factor x its balanced load."""
-        return math.ceil(self.capacity_factor * num_tokens * top_k / self._num_ranks)
 
     def token_dispatch(self, prepared: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> DeepEPDispatched:
         x, topk_idx, topk_weights = prepared
@@ -96,9 +92,11 @@ class DeepEPTokenDispatcher(TokenDispatcher):
         slots = dispatched.permuted_slots
         if self.sync_free and self.capacity_factor is not None:
             # the received copies come first and are at most ranks x capacity: the rows past that are padding
-            num_ranks = self._num_ranks
+            num_ranks = self.num_ranks
             num_tokens = dispatched.recv_x.shape[0] // num_ranks  # sync-free: ranks x each rank's token count
-            slots = slots[: num_ranks * self._capacity(num_tokens, weights.shape[1])]
+            slots = slots[
+                : num_ranks * capacity_per_rank(self.capacity_factor, num_tokens, weights.shape[1], num_ranks)
+            ]
         tokens = ExpertTokens(
             dispatched.recv_x,
             slots,
@@ -121,24 +119,3 @@ class DeepEPTokenDispatcher(TokenDispatcher):
 
     def combine_postprocess(self, combined: torch.Tensor, state: DeepEPDispatchState) -> torch.Tensor:
         return combined
-
-
-def drop_past_capacity(
-    topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, num_ranks: int, capacity: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """topk_idx (T, K) global expert ids, topk_weights (T, K) -> both with the copies past `capacity` per destination
-    rank masked (id -1, weight 0), the lowest routing weights first; ties keep the earlier token. No host sync, and
-    only 1-D scans (a scan along the long dim of a (T*K, ranks) tensor runs serially on CUDA)."""
-    flat_idx = topk_idx.reshape(-1)
-    dest = torch.where(flat_idx >= 0, flat_idx // (num_experts // num_ranks), num_ranks)  # masked: one more column
-    # the copies grouped by destination, heaviest first within each: two stable sorts
-    by_weight = torch.argsort(topk_weights.reshape(-1), descending=True, stable=True)
-    order = by_weight[torch.argsort(dest[by_weight].to(torch.int16), stable=True)]
-    per_dest = torch.zeros(num_ranks + 1, dtype=torch.int64, device=dest.device).scatter_add_(
-        0, dest, torch.ones_like(dest)
-    )
-    first = per_dest.cumsum(0) - per_dest  # where each destination's group starts in `order`
-    in_order = torch.arange(order.numel(), device=dest.device) - first[dest[order]]
-    position = torch.empty_like(in_order).scatter_(0, order, in_order)  # each copy's rank within its destination
-    keep = ((position < capacity) & (flat_idx >= 0)).view_as(topk_idx)
-    return torch.where(keep, topk_idx, -1), torch.where(keep, topk_weights, 0.0)

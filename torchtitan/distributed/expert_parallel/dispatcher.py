@@ -10,6 +10,7 @@ ParallelStyles of `styles.py` install the others. A dispatcher is never changed 
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ __all__ = [
     "LocalTokenDispatcher",
     "TokenDispatcher",
     "TokenPermutation",
+    "capacity_per_rank",
+    "drop_past_capacity",
     "run_on_expert_rows",
 ]
 
@@ -85,11 +88,29 @@ class TokenDispatcher(ABC):
     this rank's experts, state);
     combine(expert_output (T, dim) per token of the ExpertTokens, state) -> (N, dim) in fp32 or x's dtype: per
     token, the routing-weighted sum of its copies' outputs.
+    The routing dispatch takes is `apply_capacity`'s (the MoE layer calls it first).
     """
+
+    capacity_factor: float | None = None
+    """Set on capacity-bounded dispatchers: a rank sends each EP rank at most this factor x its balanced share of
+    its token copies (`apply_capacity`); None: every copy is sent."""
 
     def __init__(self, num_experts: int, score_before_experts: bool = False):
         self.num_experts = num_experts
         self.score_before_experts = score_before_experts
+
+    @property
+    def num_ranks(self) -> int:
+        """The EP ranks the experts are spread over."""
+        return 1
+
+    def apply_capacity(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """topk_idx, topk_weights (N, k) -> the routing this dispatcher sends: with a `capacity_factor`, the copies past
+        each destination rank's capacity masked (id -1, weight 0; `drop_past_capacity`), otherwise unchanged."""
+        if self.capacity_factor is None:
+            return topk_idx, topk_weights
+        capacity = capacity_per_rank(self.capacity_factor, *topk_idx.shape, self.num_ranks)
+        return drop_past_capacity(topk_idx, topk_weights, self.num_experts, self.num_ranks, capacity)
 
     def dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
@@ -132,13 +153,15 @@ class LocalTokenDispatcher(TokenDispatcher):
     local re-ordering around them."""
 
     def expert_order(self, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """topk_idx (N, k) -> the slots sorted by global expert (N * k,), tokens per global expert (E,)."""
+        """topk_idx (N, k), -1 for a dropped copy -> the slots sorted by global expert, dropped ones last (N * k,),
+        tokens per global expert (E,)."""
         flat_idx = topk_idx.reshape(-1)
+        bins = torch.where(flat_idx >= 0, flat_idx, self.num_experts)  # dropped copies: one more bin
         # scatter_add, not bincount: bincount syncs with the host on CUDA to size its output
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=topk_idx.device).scatter_add_(
-            0, flat_idx, torch.ones_like(flat_idx)
+        counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=topk_idx.device).scatter_add_(
+            0, bins, torch.ones_like(bins)
         )
-        return expert_major_order(topk_idx, self.num_experts), counts
+        return expert_major_order(topk_idx, self.num_experts), counts[: self.num_experts]
 
     def dispatch_preprocess(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Any:
         return x, topk_idx, topk_weights
@@ -162,3 +185,29 @@ class LocalTokenDispatcher(TokenDispatcher):
     def combine_postprocess(self, combined: torch.Tensor, state: None) -> torch.Tensor:
         """sum_k g_{t,k} FFN_k(x_t): (N, dim) fp32, as the experts returned it."""
         return combined
+
+
+def capacity_per_rank(capacity_factor: float, num_tokens: int, top_k: int, num_ranks: int) -> int:
+    """Copies one rank may send each rank: its share of capacity_factor x its balanced load (num_tokens x top_k)."""
+    return math.ceil(capacity_factor * num_tokens * top_k / num_ranks)
+
+
+def drop_past_capacity(
+    topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, num_ranks: int, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_idx (T, K) global expert ids, topk_weights (T, K) -> both with the copies past `capacity` per destination
+    rank masked (id -1, weight 0), the lowest routing weights first; ties keep the earlier token. No host sync, and
+    only 1-D scans (a scan along the long dim of a (T*K, ranks) tensor runs serially on CUDA)."""
+    flat_idx = topk_idx.reshape(-1)
+    dest = torch.where(flat_idx >= 0, flat_idx // (num_experts // num_ranks), num_ranks)  # masked: one more column
+    # the copies grouped by destination, heaviest first within each: two stable sorts
+    by_weight = torch.argsort(topk_weights.reshape(-1), descending=True, stable=True)
+    order = by_weight[torch.argsort(dest[by_weight].to(torch.int16), stable=True)]
+    per_dest = torch.zeros(num_ranks + 1, dtype=torch.int64, device=dest.device).scatter_add_(
+        0, dest, torch.ones_like(dest)
+    )
+    first = per_dest.cumsum(0) - per_dest  # where each destination's group starts in `order`
+    in_order = torch.arange(order.numel(), device=dest.device) - first[dest[order]]
+    position = torch.empty_like(in_order).scatter_(0, order, in_order)  # each copy's rank within its destination
+    keep = ((position < capacity) & (flat_idx >= 0)).view_as(topk_idx)
+    return torch.where(keep, topk_idx, -1), torch.where(keep, topk_weights, 0.0)

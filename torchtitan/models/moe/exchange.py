@@ -16,9 +16,10 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from torchtitan.config import ConfigError
 from torchtitan.distributed.expert_parallel.dispatcher import TokenPermutation
-from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel
+from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel, SymmMemExpertParallel
 from torchtitan.models.moe.deepep_moe import DeepEPMoE
 from torchtitan.models.moe.moe import MoE
+from torchtitan.tools.dtypes import DTYPES
 
 __all__ = ["BACKENDS", "ExchangeBackend", "ExchangeContext", "get_backend", "register_backend"]
 
@@ -125,12 +126,7 @@ class DeepEPBackend(ExchangeBackend):
         parallelism, fp8 = ctx.job_config.parallelism, ctx.job_config.quantize.float8_dispatch
         if fp8:
             logger.info("quantize.float8_dispatch: DeepEP dispatches FP8 tokens (one scale per 128 channels)")
-        factor = parallelism.deepep_sync_free_capacity_factor
-        if factor is not None:
-            logger.info(
-                f"parallelism.deepep_sync_free_capacity_factor={factor}: a rank receives at most {factor}x its "
-                "balanced load of token copies; each sender drops the copies past it, lowest routing weight first"
-            )
+        factor = capacity_factor(parallelism)
         return DeepEPExpertParallel(
             num_sms=parallelism.deepep_num_sms,
             sync_free=parallelism.deepep_sync_free_dispatch,
@@ -154,5 +150,64 @@ class DeepEPBackend(ExchangeBackend):
             destroy_buffers()
 
 
+class SymmMemBackend(ExchangeBackend):
+    """All-to-all-v over NVSHMEM symmetric memory with the split sizes on the device
+    (`distributed/symm_mem_all_to_all.py`): the standard backend's layout without its host wait. Receive buffers hold
+    the worst case (EP x the local copies) or, with `parallelism.expert_parallel_capacity_factor`, the capacity; on
+    CPU the ops run their gloo reference."""
+
+    name = "symm_mem"
+
+    def check(self, parallel_dims: Any) -> None:
+        if parallel_dims.tp > 1 or parallel_dims.pp > 1:
+            raise ValueError(
+                "expert_parallel_comm_backend='symm_mem' needs CUDA with NVSHMEM, an EP group within one host and "
+                f"tensor_parallel_degree = pipeline_parallel_degree = 1 (got {parallel_dims.tp}, {parallel_dims.pp}); "
+                "set both to 1 (FSDP x EP, CP allowed), or use --parallelism.expert_parallel_comm_backend standard."
+            )
+        if torch.cuda.is_available() and parallel_dims.ep > 1:
+            from torchtitan.distributed.symm_mem_all_to_all import check_nvshmem
+
+            check_nvshmem()
+
+    def style(self, ctx: ExchangeContext) -> ParallelStyle:
+        job = ctx.job_config
+        training, validation = job.training, job.validation
+        micro_batches = [(training.local_batch_size, training.seq_len)]
+        if validation.enable:
+            micro_batches.append(
+                (validation.local_batch_size or training.local_batch_size, validation.seq_len or training.seq_len)
+            )
+        # every rank routes its share of whole sequences' tokens (CP splits each sequence)
+        max_tokens = max(bs * seq_len for bs, seq_len in micro_batches) // job.parallelism.context_parallel_degree
+        itemsize = max(2, DTYPES[training.mixed_precision_param].itemsize)  # the tokens' dtype, or bf16 rows
+        return SymmMemExpertParallel(max_tokens, capacity_factor(job.parallelism), itemsize, ctx.permutation)
+
+    def sac_save_ops(self) -> set[Any]:
+        return {
+            torch.ops.torchtitan.symm_mem_all_to_all_v.default,
+            torch.ops.torchtitan.symm_mem_exchange_counts.default,
+        }
+
+    def release(self) -> None:
+        # collective on CUDA: only buffers this process created
+        if "torchtitan.distributed.symm_mem_all_to_all" in sys.modules:
+            from torchtitan.distributed.symm_mem_all_to_all import release_buffers
+
+            release_buffers()
+
+
+def capacity_factor(parallelism: Any) -> float | None:
+    """`parallelism.expert_parallel_capacity_factor`, announced once per model where it is set."""
+    factor = parallelism.expert_parallel_capacity_factor
+    if factor is not None:
+        logger.info(
+            f"parallelism.expert_parallel_capacity_factor={factor}: a rank receives at most {factor}x its balanced "
+            "load of token copies; each sender drops the copies past it, lowest routing weight first"
+        )
+    return factor
+
+
 register_backend(StandardBackend())
 register_backend(DeepEPBackend())
+register_backend(SymmMemBackend())

@@ -52,6 +52,25 @@ def update_expert_bias(
     return imbalance
 
 
+@torch.no_grad()
+def capacity_dropped_fraction(
+    moe_modules: Iterable[nn.Module], reduce_group: dist.ProcessGroup | None
+) -> torch.Tensor | None:
+    """The share of routed token copies dropped at the exchange's capacity since the last call, over every MoE layer
+    whose dispatcher has a capacity, the trained micro-batches and the ranks of `reduce_group` (the expert-bias
+    group: every rank routing other tokens); a 0-d tensor on the device (no host sync), or None without such layers.
+    Resets the layers' counts (`MoE.capacity_drops`)."""
+    counts = [local_buffer(m.capacity_drops) for m in moe_modules if m.dispatcher.capacity_factor is not None]
+    if not counts:
+        return None
+    totals = torch.stack(counts).sum(dim=0)  # (dropped, routed), int64: exact for any step
+    if reduce_group is not None and dist.get_world_size(reduce_group) > 1:
+        dist.all_reduce(totals, group=reduce_group)
+    for layer_counts in counts:
+        layer_counts.zero_()
+    return totals[0] / totals[1].clamp_min(1)
+
+
 def local_buffer(buffer: torch.Tensor) -> torch.Tensor:
     """The plain tensor behind a buffer; in-place updates on it update the buffer. FSDP2 leaves buffers plain."""
     if isinstance(buffer, DTensor):
@@ -64,7 +83,8 @@ def local_buffer(buffer: torch.Tensor) -> torch.Tensor:
 def count_tokens_in_backward(
     top_scores: torch.Tensor, num_tokens_per_expert: torch.Tensor, tokens_per_expert: torch.Tensor
 ) -> torch.Tensor:
-    """Identity on top_scores (N, k); its backward adds num_tokens_per_expert (E,) to tokens_per_expert (E,)."""
+    """Identity on top_scores (N, k); its backward adds num_tokens_per_expert to tokens_per_expert (any counts of
+    one shape: per expert, or `MoE.capacity_drops`)."""
     return _CountTokensInBackward.apply(top_scores, num_tokens_per_expert, tokens_per_expert)
 
 

@@ -1,7 +1,8 @@
 """DeepSeek-V3 MoE layer:  h_t' = u_t + sum_i FFN_i^(s)(u_t) + sum_i g_{i,t} FFN_i^(r)(u_t)   (arXiv:2412.19437).
 
-forward: route (fp32 scores, bias only for selection) -> shared experts -> dispatch (`ExpertTokens`) -> experts ->
-combine -> + shared experts (the block adds the residual u_t).
+forward: route (fp32 scores, bias only for selection) -> drop past the exchange's capacity, if it has one ->
+shared experts -> dispatch (`ExpertTokens`) -> experts -> combine -> + shared experts (the block adds the residual
+u_t).
 """
 
 from typing import Any
@@ -17,6 +18,7 @@ from torchtitan.models.moe.experts import GroupedExperts
 from torchtitan.models.moe.feed_forward import FeedForward
 from torchtitan.models.moe.load_balance import (
     add_aux_loss_to_backward,
+    capacity_dropped_fraction,
     count_tokens_in_backward,
     local_buffer,
     sequence_balance_loss,
@@ -53,11 +55,14 @@ class MoE(nn.Module):
         # load_balance_coeff=None only stops updating it. Both are updated outside the forward (load_balance.py).
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=True)
+        # (dropped, routed) token copies of the trained micro-batches since the last optimizer step, counted in the
+        # backward like tokens_per_expert; read and reset by `capacity_dropped_fraction` (load_balance.py)
+        self.register_buffer("capacity_drops", torch.zeros(2, dtype=torch.int64), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (bs, slen, dim) -> (bs, slen, dim)."""
         bs, slen, dim = x.shape
-        top_scores, selected_experts = self.route(x)
+        top_scores, selected_experts = self.drop_past_capacity(*self.route(x))
         tokens = x.view(-1, dim)  # (N, dim), N = bs * slen
         shared = self.start_shared_experts(tokens)
         expert_tokens, state = self.dispatcher.dispatch(tokens, selected_experts, top_scores)
@@ -86,6 +91,21 @@ class MoE(nn.Module):
                     top_scores, num_tokens_per_expert, local_buffer(self.tokens_per_expert)
                 )
         return top_scores, selected_experts
+
+    def drop_past_capacity(
+        self, top_scores: torch.Tensor, selected_experts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing the dispatcher sends (`TokenDispatcher.apply_capacity`: copies past its capacity get expert -1
+        and weight 0). In training each backward adds this micro-batch's (dropped, routed) copies to
+        `capacity_drops`."""
+        if self.dispatcher.capacity_factor is None:
+            return top_scores, selected_experts
+        selected, scores = self.dispatcher.apply_capacity(selected_experts, top_scores)
+        if torch.is_grad_enabled():
+            dropped = (selected < 0).sum()
+            copies = torch.stack([dropped, torch.full_like(dropped, selected.numel())])
+            scores = count_tokens_in_backward(scores, copies, local_buffer(self.capacity_drops))
+        return scores, selected
 
     def start_shared_experts(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """tokens (N, dim) -> shared_experts(tokens), or None without shared experts."""
@@ -120,17 +140,22 @@ class MoE(nn.Module):
         device = buffer_device if buffer_device is not None else self.expert_bias.device
         self.expert_bias = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
         self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
+        self.capacity_drops = torch.zeros(2, dtype=torch.int64, device=device)
 
 
 class ExpertBiasHook:
     """A step pre-hook (optimizer, args, kwargs) of the optimizers container (not of each optimizer) that runs
-    `update_expert_bias` and keeps the step's EP load imbalance per MoE layer (`ep_load_imbalance`; None without EP)."""
+    `update_expert_bias` and keeps the step's EP load imbalance per MoE layer (`ep_load_imbalance`; None without EP)
+    and the share of token copies dropped at the exchange's capacity (`dropped_fraction`; None without a
+    capacity), both on the device."""
 
     def __init__(self, model_parts: list[nn.Module], reduce_group: dist.ProcessGroup | None, ep_degree: int = 1):
         self.moe_modules = [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
         self.reduce_group = reduce_group
         self.ep_degree = ep_degree
         self.ep_load_imbalance: torch.Tensor | None = None
+        self.dropped_fraction: torch.Tensor | None = None
 
     def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.ep_load_imbalance = update_expert_bias(self.moe_modules, self.reduce_group, self.ep_degree)
+        self.dropped_fraction = capacity_dropped_fraction(self.moe_modules, self.reduce_group)

@@ -202,7 +202,8 @@ def _capacity_bounds_the_sync_free_rows(rank: int, world_size: int) -> None:
             mesh, tokens, lambda m, x: m(x), capacity_factor=factor, use_grouped_mm=True
         )
         if factor is not None:
-            expert_tokens, _ = moe.dispatcher.dispatch(tokens.view(-1, DIM), *reversed(moe.route(tokens)))
+            routing = moe.drop_past_capacity(*moe.route(tokens))
+            expert_tokens, _ = moe.dispatcher.dispatch(tokens.view(-1, DIM), *reversed(routing))
             num_tokens, top_k = tokens.numel() // DIM, 3
             bound = world_size * math.ceil(factor * num_tokens * top_k / world_size)
             assert expert_tokens.order.numel() == min(bound, num_tokens * world_size * top_k)  # or the worst case

@@ -8,8 +8,8 @@ import torch.distributed as dist
 from tests.unit.distributed._spawn import run_distributed
 from tests.unit.models.moe._expert_rows import expert_of_padded_row
 from torchtitan.distributed.deepep import cpu_kernels, destroy_buffers, get_or_create_buffer
-from torchtitan.distributed.expert_parallel.deepep_dispatcher import DeepEPTokenDispatcher, drop_past_capacity
-from torchtitan.distributed.expert_parallel.dispatcher import run_on_expert_rows
+from torchtitan.distributed.expert_parallel.deepep_dispatcher import DeepEPTokenDispatcher
+from torchtitan.distributed.expert_parallel.dispatcher import drop_past_capacity, run_on_expert_rows
 from torchtitan.kernels.float8 import dequantize_blockwise, quantize_blockwise
 
 DIM, NUM_EXPERTS, TOP_K = 8, 8, 3

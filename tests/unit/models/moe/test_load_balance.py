@@ -9,8 +9,9 @@ import torch.distributed as dist
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from tests.unit.distributed._spawn import run_distributed
+from torchtitan.distributed.expert_parallel.dispatcher import LocalTokenDispatcher
 from torchtitan.models.moe.args import MoEArgs
-from torchtitan.models.moe.load_balance import update_expert_bias
+from torchtitan.models.moe.load_balance import capacity_dropped_fraction, update_expert_bias
 from torchtitan.models.moe.moe import ExpertBiasHook, MoE
 
 DIM, HIDDEN = 16, 24
@@ -185,6 +186,45 @@ def _two_rank_worker(rank: int, world_size: int) -> None:
         )
         assert bias.tolist() == pytest.approx([-0.1, 0.1, 0.1, -0.1])
         assert counts.sum() == 0
+
+    # the dropped share sums over the group's ranks: 1 + 3 of 10 + 10 copies
+    layers[0].dispatcher = CappedLocalDispatcher(4, capacity_factor=1.0)
+    layers[0].capacity_drops.copy_(torch.tensor([[1, 10], [3, 10]][rank]))
+    assert capacity_dropped_fraction(layers, reduce_group=dist.group.WORLD).item() == pytest.approx(0.2)
+
+
+class CappedLocalDispatcher(LocalTokenDispatcher):
+    """All experts here, but each "destination rank" (half of the experts) takes at most its capacity of copies."""
+
+    def __init__(self, num_experts: int, capacity_factor: float):
+        super().__init__(num_experts)
+        self.capacity_factor = capacity_factor
+
+    @property
+    def num_ranks(self) -> int:
+        return 2
+
+
+@pytest.mark.parametrize("runner", ["no_ac", "full_ac", "sac_recompute_all"])
+def test_capacity_drops_are_counted_once_per_trained_micro_batch_and_read_by_the_hook(runner):
+    moe = make_moe()
+    moe.dispatcher = CappedLocalDispatcher(moe.num_experts, capacity_factor=0.5)
+    hook = ExpertBiasHook([moe], reduce_group=None)
+    micro_batches = [torch.randn(2, 6, DIM, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    dropped = sum(int((moe.drop_past_capacity(*moe.route(x))[1] < 0).sum()) for x in micro_batches)
+    assert dropped > 0
+    for x in micro_batches:
+        RUNNERS[runner](moe, x).sum().backward()
+    with torch.no_grad():
+        moe(micro_batches[0])  # forward only: nothing counted
+    routed = 2 * 12 * moe.top_k
+    assert moe.capacity_drops.tolist() == [dropped, routed]
+    hook(None, (), {})
+    assert hook.dropped_fraction.item() == pytest.approx(dropped / routed)
+    assert moe.capacity_drops.tolist() == [0, 0]
+    moe.dispatcher = LocalTokenDispatcher(moe.num_experts)  # no capacity: nothing to measure
+    hook(None, (), {})
+    assert hook.dropped_fraction is None
 
 
 def test_bias_update_all_reduces_counts_across_ranks():

@@ -1,10 +1,13 @@
-"""Natural routing: deepep vs standard backend, compile vs eager, every activation-checkpoint mode vs none.
+"""Natural routing: the deepep and symm_mem backends vs the standard one, compile vs eager, activation-checkpoint
+modes vs none.
 
 Every run trains the debug model with the router's own (imbalanced) routing, same seed and data, for 10 steps,
 and is compared with one process running the standard backend eagerly without activation checkpointing. On CPU
-both backends run over gloo; the deepep path goes through the `torch.ops.deepep` custom ops (the gloo reference
-kernels), DeepEPExpertParallel and DeepEPMoE. The compiled runs use inductor, where the recompute-replays-another-graph
-crash of the compiled MoE regions showed (aot_eager saves the same tensors in both graphs and hides it).
+every backend runs over gloo; the deepep path goes through the `torch.ops.deepep` custom ops (the gloo reference
+kernels), DeepEPExpertParallel and DeepEPMoE, the symm_mem path through `torch.ops.torchtitan.symm_mem_*` (their
+gloo reference) and SymmMemExpertParallel. The compiled deepep runs use inductor, where the
+recompute-replays-another-graph crash of the compiled MoE regions showed (aot_eager saves the same tensors in both
+graphs and hides it); the symm_mem one aot_eager. A last run drops copies at a capacity factor and logs their share.
 
 Tolerance: parameters are fp32, the routed experts' grouped GEMMs bf16 (in both runs). Measured over 10 steps on
 2 cores: every variant within 6e-7 relative of the reference (routing identical). RTOL = 1e-4 leaves room for a
@@ -16,6 +19,8 @@ documents): eager runs within 1e-5 of the reference's validation losses (observe
 RTOL. Validation under inductor compiles its own no-grad graphs (~20 s of each cold run here); the GPU acceptance's
 validation row runs it with inductor's real backend.
 """
+
+import json
 
 import pytest
 
@@ -29,6 +34,8 @@ OP_SAC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.
 EVERY_2ND = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"]
 VALIDATION = ["--validation.enable", "--validation.freq", "5", "--validation.steps", "1"]
 SYNC_FREE = ["--parallelism.deepep_sync_free_dispatch"]  # worst-case sizes: the CPU kernel pads with NaN rows
+SYMM_MEM = ["--parallelism.expert_parallel_comm_backend", "symm_mem"]  # worst-case sizes, NaN padding too
+AOT_EAGER = ["--compile.enable", "--compile.backend", "aot_eager"]
 
 
 def _validates(extra: list[str]) -> bool:
@@ -88,13 +95,42 @@ def _assert_close(got: tuple[dict, dict], expected: tuple[dict, dict], extra: li
         (2, [*DEEPEP, *SYNC_FREE, *INDUCTOR, *OP_SAC]),
         # deepep at EP=4 (four processes on two cores), eager
         (4, [*DEEPEP, *OP_SAC]),
+        # all-to-all-v with the splits on the device: eager, compiled with per-op SAC, and at EP=4
+        (2, SYMM_MEM),
+        (2, [*SYMM_MEM, *AOT_EAGER, *OP_SAC]),
+        (4, [*SYMM_MEM, *OP_SAC]),
     ],
     ids=[
         "ep2-deepep-eager",
         "ep2-deepep-inductor-every-2nd",
         "ep2-deepep-sync-free-inductor-op-sac",
         "ep4-deepep-op-sac",
+        "ep2-symm-mem-eager",
+        "ep2-symm-mem-aot-eager-op-sac",
+        "ep4-symm-mem-op-sac",
     ],
 )
 def test_matches_standard_eager_without_ac(tmp_path, reference_losses, ep, extra):
     _assert_close(_run(tmp_path, "run", ep, extra), reference_losses, extra)
+
+
+def test_capacity_drops_are_logged_per_step_and_warned_about_once(tmp_path):
+    """symm_mem at half the balanced load: every logged step reports the share it dropped (the same on every rank:
+    reduced over them) and the run says once which factor to raise."""
+    dump = tmp_path / "capacity"
+    args = [
+        *FAST_ARGS,
+        "--parallelism.data_parallel_shard_degree=2",
+        "--parallelism.expert_parallel_degree=2",
+        "--parallelism.expert_parallel_capacity_factor=0.5",
+        "--training.steps", "3",
+        "--training.global_batch_size", "8",
+        "--training.local_batch_size", "4",
+        *SYMM_MEM,
+    ]  # fmt: skip
+    run = run_trainer(dump, args, nproc=2)
+    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(0.01 < r["dropped_fraction"] < 1 for r in records), records
+    warnings = [line for line in run.stderr.splitlines() if "dropped at capacity" in line]
+    assert len(warnings) == 1 and "--parallelism.expert_parallel_capacity_factor 0.625" in warnings[0], warnings
