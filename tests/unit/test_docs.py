@@ -1,5 +1,6 @@
 """The README and the pages under docs/ stay readable and their links lead somewhere."""
 
+import json
 import re
 from pathlib import Path
 
@@ -36,3 +37,15 @@ def test_the_readme_is_short_and_names_no_commit_outside_a_cited_result():
         for word in re.findall(r"\b[0-9a-f]{7,40}\b", line):
             if re.search(r"\d", word) and re.search(r"[a-f]", word):  # a hash, not a number or a word
                 assert f"_{word}" in line, f"README names commit {word} outside a result it cites: {line}"
+
+
+def test_the_readme_figures_are_those_of_the_results_they_cite():
+    """A README line citing a result JSON states that JSON's tokens/s and MFU (as RESULTS.md rounds them)."""
+    cited = 0
+    for line in README.read_text().splitlines():
+        for name in re.findall(r"\(benchmarks/results/([\w.]+\.json)\)", line):
+            result = json.loads((REPO_ROOT / "benchmarks" / "results" / name).read_text())
+            assert f"{result['tokens_per_sec_per_gpu'] / 1e3:.1f}k" in line, line
+            assert f"{result['mfu_pct']:.1f}%" in line, line
+            cited += 1
+    assert cited > 0
