@@ -118,7 +118,8 @@ def test_every_command_runs_or_passes_its_checks(sandbox, tmp_path_factory, monk
             elif not trained and first_checkpointing_run(command, train_args):
                 check_training(command, train_args, tmp_path_factory.mktemp("dump"), monkeypatch)
                 # what run_train.sh starts after its checks, on one rank; its launcher has tests of its own
-                run_trainer(sandbox / "outputs", [*train_args, "--training.steps", str(STEPS_RUN)])
+                config = ["--job.config_file", str(sandbox / command.env.get("CONFIG_FILE", DEFAULT_CONFIG))]
+                run_trainer(sandbox / "outputs", [*config, *train_args, "--training.steps", str(STEPS_RUN)])
                 assert (sandbox / "outputs" / "checkpoint" / f"step-{STEPS_RUN}").is_dir(), where
                 trained = True
             else:
