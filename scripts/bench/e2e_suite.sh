@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The end-to-end GPU benchmark sets of benchmarks/README.md (deep_ep importable). Each set's ratios come from runs
-# of one invocation, on one machine. Routing is the router's own (natural) unless a run's name ends in _balanced
-# (forced round-robin, --debug.moe_force_load_balance).
+# The end-to-end GPU benchmark sets (deep_ep importable; current figures in benchmarks/RESULTS.md, history in
+# benchmarks/NOTES.md). Each set's ratios come from runs of one invocation, on one machine. Routing is the router's
+# own (natural) unless a run's name ends in _balanced (forced round-robin, --debug.moe_force_load_balance).
 #   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh ep2 [deepep|standard]  # 2 GPUs: the natural matrix
 #   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh ep4 [deepep|standard]  # 4 GPUs: the same
 #   BENCH_OUT=benchmarks/results bash scripts/bench/e2e_suite.sh balanced2|balanced4    # forced-balance references

@@ -1,7 +1,7 @@
 """Plot the loss curves of e2e benchmark results against the first one, and say how far apart they end.
 
     python scripts/bench/loss_curve.py benchmarks/results/e2e_A.json benchmarks/results/e2e_B.json \\
-        --out benchmarks/fp8_loss_curve.png
+        --out benchmarks/plots/loss_A_vs_B.png
 
 "End": the mean loss of the last --last steps (one step's loss is noisy); the gap is relative to the first run.
 Also each run's largest relative gap to the first over windows of --window steps (the mean loss of steps 1-20,

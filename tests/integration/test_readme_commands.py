@@ -1,0 +1,175 @@
+"""Every command in README.md and docs/*.md works as written in a fresh clone.
+
+The commands run in order in a sandbox laid out like a clone's root (links to run_train.sh, train_configs/, scripts/,
+torchtitan/), so `outputs/` is the sandbox's. What runs for real: the README's first CPU training command that
+checkpoints (2 steps instead of its 30: `STEPS_RUN`; later commands' `step-30` become `step-2`), the `--help` texts,
+every HF conversion and the README's sampling command; python entry points run in this process (no torch import
+each), the training through the suite's fork server after run_train.sh's checks. Training commands that do not run
+are checked the way run_train.sh checks them before it starts any process (`preflight.check_job`, world size NGPU x
+NNODES, each in a fresh dump folder); those in a block whose first line is `# GPU only` as on a GPU machine with
+DeepEP installed. Other commands must name files that exist. A command of a kind this file does not know fails the
+test: teach it here.
+"""
+
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from scripts import convert_hf, generate
+from tests.integration.conftest import run_trainer
+from torchtitan import preflight, train
+from torchtitan.distributed.deepep import buffer as deepep_buffer
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+CLONE_ENTRIES = ("run_train.sh", "train_configs", "scripts", "torchtitan", "pyproject.toml")
+DEFAULT_CONFIG = "./train_configs/deepseek_v3_debugmodel.toml"
+TEST_COMMAND = "python -m pytest tests -q"
+STEPS_WRITTEN, STEPS_RUN = 30, 2
+GPU_ONLY = "# GPU only"
+
+
+@dataclass
+class Command:
+    page: str
+    text: str
+    env: dict[str, str]
+    argv: list[str]
+    gpu_only: bool
+
+
+def commands(page: Path) -> list[Command]:
+    """The commands of a page's ```bash blocks: continuation lines joined, comments dropped, `a && b` split."""
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
+        gpu_only = block.lstrip().startswith(GPU_ONLY)
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"(^|\s)#.*$", "", line).strip()
+            for text in filter(None, (part.strip() for part in line.split(" && "))):
+                words = shlex.split(text)
+                env = {}
+                while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+                    name, value = words.pop(0).split("=", 1)
+                    env[name] = value
+                found.append(Command(page.relative_to(REPO_ROOT).as_posix(), text, env, words, gpu_only))
+    return found
+
+
+ALL_COMMANDS = [command for page in PAGES for command in commands(page)]
+
+
+def test_the_pages_hold_commands_and_the_readme_marks_its_gpu_ones():
+    readme = [command for command in ALL_COMMANDS if command.page == "README.md"]
+    assert any(command.argv[0] == "./run_train.sh" and not command.gpu_only for command in readme)
+    assert any(command.gpu_only for command in readme)
+
+
+def test_the_readme_test_command_is_the_one_ci_runs():
+    ci_lines = [line.strip() for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines()]
+    assert TEST_COMMAND in ci_lines
+    assert any(command.text == TEST_COMMAND for command in ALL_COMMANDS if command.page == "README.md")
+
+
+def test_pip_installs_name_extras_the_package_has():
+    extras = set(tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    for command in ALL_COMMANDS:
+        if command.argv[:2] == ["pip", "install"]:
+            for word in command.argv[2:]:
+                if word.startswith("."):
+                    named = set(re.findall(r"\[([^]]*)\]", word)[0].split(",")) if "[" in word else set()
+                    assert named <= extras, f"{command.page}: `{command.text}` names an extra pyproject.toml lacks"
+
+
+@pytest.fixture
+def sandbox(tmp_path, monkeypatch) -> Path:
+    """A folder laid out like a fresh clone's root, the working directory of the test."""
+    for entry in CLONE_ENTRIES:
+        (tmp_path / entry).symlink_to(REPO_ROOT / entry)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_every_command_runs_or_passes_its_checks(sandbox, tmp_path_factory, monkeypatch, capsys):
+    trained, ran = False, set()
+    for command in ALL_COMMANDS:
+        argv = [
+            word.replace(f"step-{STEPS_WRITTEN}", f"step-{STEPS_RUN}") if trained else word for word in command.argv
+        ]
+        where = f"{command.page}: `{command.text}`"
+        program = argv[0]
+        if program in ("pip", "nvidia-cuda-mps-control") or command.text == TEST_COMMAND:
+            continue  # installs (tested above), the GPU's MPS daemon, the suite itself
+        if program == "./run_train.sh" or argv[:3] == ["python", "-m", "torchtitan.train"]:
+            train_args = argv[1:] if program == "./run_train.sh" else argv[3:]
+            if "--help" in train_args and program == "./run_train.sh":
+                run_shell(argv, command.env, sandbox, where)
+            elif "--help" in train_args:
+                assert train.main(train_args) == 0, where
+                assert "--training.steps" in capsys.readouterr().out, where
+            elif not trained and first_checkpointing_run(command, train_args):
+                check_training(command, train_args, tmp_path_factory.mktemp("dump"), monkeypatch)
+                # what run_train.sh starts after its checks, on one rank; its launcher has tests of its own
+                config = ["--job.config_file", str(sandbox / command.env.get("CONFIG_FILE", DEFAULT_CONFIG))]
+                run_trainer(sandbox / "outputs", [*config, *train_args, "--training.steps", str(STEPS_RUN)])
+                assert (sandbox / "outputs" / "checkpoint" / f"step-{STEPS_RUN}").is_dir(), where
+                trained = True
+            else:
+                check_training(command, train_args, tmp_path_factory.mktemp("dump"), monkeypatch)
+        elif argv[:2] == ["python", "scripts/convert_hf.py"]:
+            if command.text not in ran:
+                convert_hf.main(argv[2:])
+        elif argv[:2] == ["python", "scripts/generate.py"] and command.page == "README.md":
+            assert generate.main(argv[2:]) == 0, where
+            assert argv[argv.index("--prompt") + 1] in capsys.readouterr().out, where
+        elif program == "tensorboard":
+            assert importlib.util.find_spec("tensorboard") is not None, where
+        elif program in ("python", "torchrun"):
+            check_paths(argv, sandbox, where)
+        else:
+            pytest.fail(f"{where}: a command this test does not know; teach tests/integration/test_readme_commands.py")
+        ran.add(command.text)
+    assert trained, "the README has no CPU training command with --checkpoint.enable to run"
+
+
+def first_checkpointing_run(command: Command, train_args: list[str]) -> bool:
+    return command.page == "README.md" and not command.gpu_only and "--checkpoint.enable" in train_args
+
+
+def run_shell(argv: list[str], command_env: dict[str, str], cwd: Path, where: str) -> None:
+    env = {**os.environ, **command_env, "PYTHON": sys.executable, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{where} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+
+
+def check_training(command: Command, train_args: list[str], dump_folder: Path, monkeypatch) -> None:
+    """What run_train.sh checks before torchrun starts: `preflight.check_job` with the job's world size. GPU-only
+    commands as on a GPU machine with DeepEP installed."""
+    world_size = int(command.env.get("NGPU", "1")) * int(command.env.get("NNODES", "1"))
+    config = command.env.get("CONFIG_FILE", DEFAULT_CONFIG)
+    argv = ["--job.config_file", config, *train_args, "--job.dump_folder", str(dump_folder)]
+    with monkeypatch.context() as patch:
+        for name, value in command.env.items():
+            patch.setenv(name, value)
+        if command.gpu_only:
+            patch.setattr(torch.cuda, "is_available", lambda: True)
+            patch.setattr(deepep_buffer, "import_deep_ep", lambda: None)
+        try:
+            preflight.check_job(argv, world_size)
+        except Exception as err:  # any error: the command fails as written
+            pytest.fail(f"{command.page}: `{command.text}` fails its checks: {err}")
+
+
+def check_paths(argv: list[str], sandbox: Path, where: str) -> None:
+    """Scripts, test folders and outputs a command names exist (in the clone, or written by an earlier command)."""
+    for word in argv[1:]:
+        if re.match(r"(scripts|tests|outputs|train_configs)/", word):
+            assert (sandbox / word).exists() or (REPO_ROOT / word).exists(), f"{where}: {word} does not exist"
