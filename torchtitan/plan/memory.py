@@ -84,7 +84,8 @@ def storage(layout: Layout) -> dict[str, Storage]:
     else:
         bf16 = set()
     moments = 2 * (2 if job.optimizer.moments_dtype == "bfloat16" else 4)
-    grad = 4 if layout.accumulation_steps > 1 else 2  # bf16 weights' gradients: fp32 sums with accumulation
+    # bf16 weights' gradients: fp32 sums where a step adds several backwards (accumulation, pipeline micro-batches)
+    grad = 4 if layout.accumulation_steps * layout.microbatches > 1 else 2
     compute = 2 if param_dtype == "bfloat16" else 4
     result = {}
     for kind in ("linear", "experts", "norm", "embedding"):
