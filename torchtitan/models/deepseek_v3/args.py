@@ -199,6 +199,16 @@ deepseekv3_flavors["debugmodel_tiny"] = replace(
     qk_rope_head_dim=16,
     v_head_dim=32,
 )
+# debugmodel_tiny's widths with 671B's structure and routing: 3 dense layers then 3 MoE layers, sigmoid scores in 8
+# expert groups of which each token keeps 4, top-8 of 32 routed experts, renormalized and scaled by 2.5, one shared
+# expert, q LoRA. The CPU test of the 671B job's parallelism layout trains it (tests/integration/test_671b_layout.py).
+deepseekv3_flavors["debugmodel_tiny_671b"] = replace(
+    deepseekv3_flavors["debugmodel_tiny"],
+    n_layers=6,
+    n_dense_layers=3,
+    q_lora_rank=64,
+    moe_args=replace(deepseekv3_flavors["671B"].moe_args, num_experts=32),
+)
 # The benchmarks' shapes (scripts/bench/, also --model.flavor), from scratch (no YaRN): 16B's layers, 8 (~4.6B) for
 # 2-4 GPUs and 3 (~1.7B) for the GPU acceptance's save/resume; 671B's routing in 1 dense + 2 MoE layers (~25B), 8 GPUs.
 benchmark_flavors = {
