@@ -47,12 +47,9 @@ from torchtitan.models.deepseek_v3 import (  # noqa: E402
     DeepSeekV3StateDictAdapter,
     all_flavors,
 )
+from torchtitan.models.deepseek_v3.hf_config import hf_config_from_model_args, load_hf_config  # noqa: E402
 from torchtitan.models.deepseek_v3.model import MTPBlock  # noqa: E402
-from torchtitan.models.deepseek_v3.state_dict_adapter import (  # noqa: E402
-    hf_config_from_model_args,
-    load_hf_config,
-    mtp_layers_for_checkpoint,
-)
+from torchtitan.models.deepseek_v3.state_dict_adapter import mtp_layers_for_checkpoint  # noqa: E402
 from torchtitan.tools.cli import OneLineArgumentParser  # noqa: E402
 from torchtitan.tools.dtypes import DTYPES  # noqa: E402
 

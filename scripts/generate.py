@@ -48,8 +48,8 @@ from torchtitan.models.deepseek_v3 import (  # noqa: E402
     DeepSeekV3StateDictAdapter,
     all_flavors,
 )
+from torchtitan.models.deepseek_v3.hf_config import load_hf_config  # noqa: E402
 from torchtitan.models.deepseek_v3.rope import precompute_freqs_cis  # noqa: E402
-from torchtitan.models.deepseek_v3.state_dict_adapter import load_hf_config  # noqa: E402
 from torchtitan.tools.cli import OneLineArgumentParser  # noqa: E402
 
 SHIPPED_TOKENIZER = "torchtitan/assets/tokenizer/tokenizer.json"

@@ -317,7 +317,7 @@ def test_the_lock_check_before_launch_is_for_one_host_only(tmp_path, capsys):
 )
 def test_an_hf_config_with_impossible_sizes_is_one_error_naming_the_file(tmp_path, change, message):
     from torchtitan.models.deepseek_v3 import all_flavors
-    from torchtitan.models.deepseek_v3.state_dict_adapter import hf_config_from_model_args
+    from torchtitan.models.deepseek_v3.hf_config import hf_config_from_model_args
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**hf_config_from_model_args(all_flavors()["debugmodel"]), **change}))

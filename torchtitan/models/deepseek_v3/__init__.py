@@ -5,8 +5,9 @@ import logging
 import os
 
 from .args import DeepSeekV3ModelArgs, benchmark_flavors, deepseekv3_flavors
+from .hf_config import load_hf_config
 from .model import DeepSeekV3Model
-from .state_dict_adapter import DeepSeekV3StateDictAdapter, load_hf_config, mtp_layers_for_checkpoint
+from .state_dict_adapter import DeepSeekV3StateDictAdapter, mtp_layers_for_checkpoint
 
 logger = logging.getLogger(__name__)
 

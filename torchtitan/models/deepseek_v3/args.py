@@ -39,9 +39,12 @@ class DeepSeekV3ModelArgs:
     rope_theta: float = 10000.0
     original_seq_len: int = 4096
     rope_factor: float = 40.0
-    beta_fast: int = 32
-    beta_slow: int = 1
+    beta_fast: float = 32
+    beta_slow: float = 1
     mscale: float = 1.0
+    """YaRN: cos/sin are scaled by m(mscale) / m(mscale_all_dim), m(s) = 0.1 s ln(rope_factor) + 1 (rope.py)."""
+    mscale_all_dim: float = 1.0
+    """YaRN: the softmax scale is multiplied by m(mscale_all_dim)^2 (DeepSeek's configs: equal to mscale)."""
 
     attn_mask_type: Literal["causal", "block_causal"] = "causal"
     """`block_causal`: packed documents attend only within themselves (needs document ids)."""
@@ -117,6 +120,7 @@ deepseekv3_flavors: dict[str, DeepSeekV3ModelArgs] = {
     "debugmodel": DeepSeekV3ModelArgs(
         moe_args=MoEArgs(num_experts=8, num_shared_experts=2, top_k=3, score_func="softmax", route_norm=False),
         mscale=0.70,
+        mscale_all_dim=0.70,
     ),
     # DeepSeek-V2-Lite / Moonlight shape (~15.7B total, ~2.7B active with vocab 102400).
     "16B": DeepSeekV3ModelArgs(
@@ -129,6 +133,7 @@ deepseekv3_flavors: dict[str, DeepSeekV3ModelArgs] = {
         moe_args=MoEArgs(num_experts=64, num_shared_experts=2, top_k=6, score_func="softmax", route_norm=False),
         max_seq_len=163840,
         mscale=0.707,
+        mscale_all_dim=0.707,
     ),
     # DeepSeek-V2 shape (~236B total, ~21B active).
     "236B": DeepSeekV3ModelArgs(
@@ -146,12 +151,15 @@ deepseekv3_flavors: dict[str, DeepSeekV3ModelArgs] = {
             route_scale=16.0,
             num_expert_groups=8,
             num_limited_groups=3,
+            group_score="max",
         ),
         q_lora_rank=1536,
         max_seq_len=163840,
         mscale=0.707,
+        mscale_all_dim=0.707,
     ),
-    # DeepSeek-V3 (~671B total, ~37B active; the MTP module is not part of this model).
+    # DeepSeek-V3 (671.0B total, ~37B active; the MTP module is not part of this model): hf_configs/deepseek_v3.json
+    # gives the same args with its one MTP layer.
     "671B": DeepSeekV3ModelArgs(
         vocab_size=129280,
         dim=7168,
@@ -172,6 +180,7 @@ deepseekv3_flavors: dict[str, DeepSeekV3ModelArgs] = {
         ),
         q_lora_rank=1536,
         max_seq_len=163840,
+        eos_id=1,
     ),
 }
 
@@ -189,6 +198,16 @@ deepseekv3_flavors["debugmodel_tiny"] = replace(
     qk_nope_head_dim=32,
     qk_rope_head_dim=16,
     v_head_dim=32,
+)
+# debugmodel_tiny's widths with 671B's structure and routing: 3 dense layers then 3 MoE layers, sigmoid scores in 8
+# expert groups of which each token keeps 4, top-8 of 32 routed experts, renormalized and scaled by 2.5, one shared
+# expert, q LoRA. The CPU test of the 671B job's parallelism layout trains it (tests/integration/test_671b_layout.py).
+deepseekv3_flavors["debugmodel_tiny_671b"] = replace(
+    deepseekv3_flavors["debugmodel_tiny"],
+    n_layers=6,
+    n_dense_layers=3,
+    q_lora_rank=64,
+    moe_args=replace(deepseekv3_flavors["671B"].moe_args, num_experts=32),
 )
 # The benchmarks' shapes (scripts/bench/, also --model.flavor), from scratch (no YaRN): 16B's layers, 8 (~4.6B) for
 # 2-4 GPUs and 3 (~1.7B) for the GPU acceptance's save/resume; 671B's routing in 1 dense + 2 MoE layers (~25B), 8 GPUs.

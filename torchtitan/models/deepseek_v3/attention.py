@@ -32,6 +32,10 @@ AttentionMask = Union["BlockMask", torch.Tensor, None]
 _flex_attention = None
 _compiled_flex_attention = None  # flex_attention is only fast compiled; compilation happens at the first CUDA call
 
+# The latent norms (q_norm, kv_norm) keep RMSNorm's default eps whatever the config's rms_norm_eps, as DeepSeek's
+# reference and transformers build them (Moonlight's rms_norm_eps is 1e-5; its latent norms still use 1e-6).
+LATENT_NORM_EPS = 1e-6
+
 
 class MLA(nn.Module):
     def __init__(self, args: DeepSeekV3ModelArgs):
@@ -48,10 +52,10 @@ class MLA(nn.Module):
             self.wq = nn.Linear(args.dim, args.n_heads * self.qk_head_dim, bias=False)
         else:
             self.wq_a = nn.Linear(args.dim, self.q_lora_rank, bias=False)
-            self.q_norm = nn.RMSNorm(self.q_lora_rank, eps=args.norm_eps)
+            self.q_norm = nn.RMSNorm(self.q_lora_rank, eps=LATENT_NORM_EPS)
             self.wq_b = nn.Linear(self.q_lora_rank, args.n_heads * self.qk_head_dim, bias=False)
         self.wkv_a = nn.Linear(args.dim, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
-        self.kv_norm = nn.RMSNorm(self.kv_lora_rank, eps=args.norm_eps)
+        self.kv_norm = nn.RMSNorm(self.kv_lora_rank, eps=LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(self.kv_lora_rank, args.n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * self.v_head_dim, args.dim, bias=False)
         self.context_parallel: ContextParallel | None = None

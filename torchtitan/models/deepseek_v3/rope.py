@@ -2,6 +2,12 @@
 
 The rotary part of a head is read as pairs (x0, x1), (x2, x3), ... and pair i is rotated by angle pos * freq_i.
 HF DeepSeek-V3 checkpoints store the rope dims in this interleaved order (transformers' `rope_interleave=True`).
+
+YaRN's two temperatures, as DeepSeek-V2's code and transformers' DeepseekV2/V3 apply them, with m(s) = 0.1 s ln(factor)
++ 1: the softmax scale is multiplied by m(mscale_all_dim)^2 (every head dim), and cos/sin by m(mscale) /
+m(mscale_all_dim) (the rotary dims of q and k); a zero (absent) mscale or mscale_all_dim makes the latter m(1), and a
+zero mscale_all_dim leaves the softmax scale alone. DeepSeek's published configs set both equal, so only the softmax
+scale changes.
 """
 
 import math
@@ -17,12 +23,21 @@ def yarn_enabled(args: DeepSeekV3ModelArgs) -> bool:
 
 
 def softmax_scale(args: DeepSeekV3ModelArgs) -> float:
-    """qk_head_dim ** -0.5, times YaRN's attention temperature mscale(factor)^2 when YaRN is on."""
+    """qk_head_dim ** -0.5, times YaRN's attention temperature m(mscale_all_dim)^2 when YaRN is on."""
     scale = args.qk_head_dim**-0.5
     if yarn_enabled(args):
-        mscale = 0.1 * args.mscale * math.log(args.rope_factor) + 1.0
+        mscale = _yarn_mscale(args.rope_factor, args.mscale_all_dim)
         scale = scale * mscale * mscale
     return scale
+
+
+def rotary_scale(args: DeepSeekV3ModelArgs) -> float:
+    """The factor on cos/sin (transformers' `attention_factor`): m(mscale) / m(mscale_all_dim) with YaRN, else 1."""
+    if not yarn_enabled(args):
+        return 1.0
+    if args.mscale and args.mscale_all_dim:
+        return _yarn_mscale(args.rope_factor, args.mscale) / _yarn_mscale(args.rope_factor, args.mscale_all_dim)
+    return _yarn_mscale(args.rope_factor, 1.0)
 
 
 def precompute_freqs_cis(args: DeepSeekV3ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
@@ -44,7 +59,10 @@ def precompute_freqs_cis(args: DeepSeekV3ModelArgs, device: torch.device | str |
 
     positions = torch.arange(args.max_seq_len, dtype=torch.float32, device=device)
     angles = torch.outer(positions, freqs)  # (max_seq_len, dim // 2)
-    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+    freqs_cis = torch.stack([angles.cos(), angles.sin()], dim=-1)
+    if (scale := rotary_scale(args)) != 1.0:
+        freqs_cis = freqs_cis * scale
+    return freqs_cis
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
@@ -57,6 +75,11 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     real, imag = x.float().reshape(bs, seqlen, n_heads, rope_dim // 2, 2).unbind(-1)
     rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
     return rotated.flatten(3).to(x.dtype)
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's temperature m = 0.1 * mscale * ln(factor) + 1 (1 without interpolation)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _correction_dim(num_rotations: float, dim: int, base: float, original_seq_len: int) -> float:

@@ -3,13 +3,10 @@
 Our routed experts are stacked (E, out, in) tensors moe.experts.w1/w2/w3; HF stores mlp.experts.{j}.gate_proj /
 down_proj / up_proj with the same per-expert layout, so converting is stacking / unstacking along dim 0. RoPE needs
 no permutation: HF DeepSeek checkpoints keep DeepSeek's interleaved layout, which `apply_rotary_emb` uses.
-
-Router (ours <-> HF config): score_func sigmoid <-> DeepseekV3, softmax <-> DeepseekV2; route_norm <-> norm_topk_prob,
-route_scale <-> routed_scaling_factor, num_expert_groups / num_limited_groups <-> n_group / topk_group,
-moe.expert_bias <-> mlp.gate.e_score_correction_bias (V3 only).
+The router's selection bias moe.expert_bias is mlp.gate.e_score_correction_bias (DeepSeek-V3's; V2 has none).
+The config.json side (model args <-> HF fields) is hf_config.py.
 """
 
-import json
 import logging
 import re
 from collections.abc import Collection, Iterable
@@ -18,9 +15,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from torchtitan.models.moe.args import MoEArgs
-
 from .args import DeepSeekV3ModelArgs
+from .hf_config import hf_config_from_model_args
 from .model import MTPBlock
 
 logger = logging.getLogger(__name__)
@@ -215,198 +211,6 @@ def mtp_layers_for_checkpoint(
         f"{args.mtp_layers} to train freshly initialized MTP modules"
     )
     return 0
-
-
-def load_hf_config(path: str, flag: str) -> tuple[dict[str, Any], DeepSeekV3ModelArgs]:
-    """The config.json at `path` (given by `flag`) and the model args it gives; a missing or malformed file, or one
-    that is not a DeepSeek-V2/V3 config with possible sizes, is one error naming both."""
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{flag} {path}: not valid JSON ({err}); fix the file") from None
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{flag} {path} does not exist; give a config.json") from None
-    except IsADirectoryError:
-        raise ValueError(f"{flag} {path} is a folder; give its config.json") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{flag} {path}: not a JSON object; give a Hugging Face config.json")
-    try:
-        return config, model_args_from_hf_config(config)
-    except KeyError as err:
-        raise ValueError(f"{flag} {path} has no {err.args[0]!r}: not a DeepSeek-V2/V3 config.json") from None
-    except ValueError as err:
-        raise ValueError(f"{flag} {path}: {err}; fix the file") from None
-
-
-def model_args_from_hf_config(config: dict[str, Any]) -> DeepSeekV3ModelArgs:
-    """Model args from a HF DeepSeek-V2/V3 config.json dict."""
-    model_type = config.get("model_type", "deepseek_v3")
-    if model_type not in ("deepseek_v2", "deepseek_v3"):
-        raise ValueError(f"model_type {model_type!r} is not a DeepSeek-V2/V3 config")
-    if config.get("tie_word_embeddings", False):
-        raise ValueError("tied embeddings are not supported by DeepSeekV3Model")
-    if config.get("moe_layer_freq", 1) != 1:
-        raise ValueError("moe_layer_freq != 1 is not supported: every layer after the dense ones must be MoE")
-
-    _check_shape(config)
-    n_group = config.get("n_group") or 1
-    if model_type == "deepseek_v2" and config.get("topk_method", "greedy") == "greedy":
-        n_group = 1
-    grouped = n_group > 1
-    moe_args = MoEArgs(
-        num_experts=config["n_routed_experts"],
-        num_shared_experts=config["n_shared_experts"],
-        top_k=config["num_experts_per_tok"],
-        score_func="sigmoid" if model_type == "deepseek_v3" else "softmax",
-        route_norm=bool(config.get("norm_topk_prob", False)),
-        route_scale=float(config.get("routed_scaling_factor", 1.0)),
-        num_expert_groups=n_group if grouped else None,
-        num_limited_groups=config["topk_group"] if grouped else None,
-    )
-
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    rope_theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-    max_seq_len = config.get("max_position_embeddings", 4096)
-    yarn = dict(original_seq_len=max_seq_len)  # no YaRN: the whole length is the original one
-    if rope_type == "yarn":
-        mscale, mscale_all_dim = rope.get("mscale", 1.0), rope.get("mscale_all_dim", 1.0)
-        if mscale != mscale_all_dim:
-            raise ValueError(f"YaRN with mscale ({mscale}) != mscale_all_dim ({mscale_all_dim}) is not supported")
-        original = rope["original_max_position_embeddings"]
-        if max_seq_len <= original:
-            raise ValueError("YaRN needs max_position_embeddings > original_max_position_embeddings")
-        yarn = dict(
-            original_seq_len=original,
-            rope_factor=float(rope["factor"]),
-            beta_fast=rope.get("beta_fast", 32),
-            beta_slow=rope.get("beta_slow", 1),
-            mscale=float(mscale),
-        )
-    elif rope_type != "default":
-        raise ValueError(f"rope type {rope_type!r} is not supported (only default and yarn)")
-
-    eos = config.get("eos_token_id", 0)
-    return DeepSeekV3ModelArgs(
-        vocab_size=config["vocab_size"],
-        dim=config["hidden_size"],
-        inter_dim=config["intermediate_size"],
-        moe_inter_dim=config["moe_intermediate_size"],
-        n_layers=config["num_hidden_layers"],
-        n_dense_layers=config.get("first_k_dense_replace", 0),
-        n_heads=config["num_attention_heads"],
-        norm_eps=config.get("rms_norm_eps", 1e-6),
-        moe_args=moe_args,
-        q_lora_rank=config.get("q_lora_rank") or 0,
-        kv_lora_rank=config["kv_lora_rank"],
-        qk_nope_head_dim=config["qk_nope_head_dim"],
-        qk_rope_head_dim=config["qk_rope_head_dim"],
-        v_head_dim=config["v_head_dim"],
-        max_seq_len=max_seq_len,
-        rope_theta=rope_theta,
-        eos_id=eos[0] if isinstance(eos, list) else (eos or 0),
-        mtp_layers=config.get("num_nextn_predict_layers") or 0,
-        **yarn,
-    )
-
-
-_SHAPE_KEYS = (
-    "vocab_size hidden_size intermediate_size moe_intermediate_size num_hidden_layers num_attention_heads "
-    "n_routed_experts num_experts_per_tok kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim"
-).split()
-
-
-def _check_shape(config: dict[str, Any]) -> None:
-    """The sizes a model is built from: positive whole numbers, and top-k among the routed experts."""
-    for key in _SHAPE_KEYS:
-        value = config[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{key}={value!r} must be a positive whole number")
-    for key in ("n_shared_experts", "first_k_dense_replace"):
-        value = config.get(key, 0)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{key}={value!r} must be a whole number >= 0")
-    top_k, experts = config["num_experts_per_tok"], config["n_routed_experts"]
-    if top_k > experts:
-        raise ValueError(f"num_experts_per_tok={top_k} must be at most n_routed_experts={experts}")
-    if config.get("first_k_dense_replace", 0) > config["num_hidden_layers"]:
-        raise ValueError(
-            f"first_k_dense_replace={config['first_k_dense_replace']} must be at most "
-            f"num_hidden_layers={config['num_hidden_layers']}"
-        )
-    groups, top_groups = config.get("n_group") or 1, config.get("topk_group") or 1
-    if experts % groups or top_groups > groups:
-        raise ValueError(
-            f"n_group={groups} must divide n_routed_experts={experts}, and topk_group={top_groups} be at most n_group"
-        )
-    for key in ("hidden_size", "moe_intermediate_size"):
-        if config[key] % 8:
-            raise ValueError(f"{key}={config[key]} must be a multiple of 8 (16-byte rows for the grouped GEMMs)")
-    # what this implementation computes: SwiGLU experts, sigmoid or softmax scores, (group-limited) greedy top-k
-    for key, supported in (
-        ("hidden_act", ("silu",)),
-        ("scoring_func", ("sigmoid", "softmax")),
-        ("topk_method", ("noaux_tc", "greedy", "group_limited_greedy")),
-    ):
-        if key in config and config[key] not in supported:
-            raise ValueError(f"{key}={config[key]!r} is not supported (this model computes {' or '.join(supported)})")
-
-
-def hf_config_from_model_args(args: DeepSeekV3ModelArgs) -> dict[str, Any]:
-    """A HF config.json dict for these args: DeepseekV3 for sigmoid routing, DeepseekV2 for softmax routing."""
-    m = args.moe_args
-    sigmoid = m.score_func == "sigmoid"
-    grouped = m.num_expert_groups is not None and m.num_expert_groups > 1
-    config: dict[str, Any] = {
-        "architectures": ["DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"],
-        "model_type": "deepseek_v3" if sigmoid else "deepseek_v2",
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.dim,
-        "intermediate_size": args.inter_dim,
-        "moe_intermediate_size": args.moe_inter_dim,
-        "num_hidden_layers": args.n_layers,
-        "first_k_dense_replace": args.n_dense_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_heads,
-        "rms_norm_eps": args.norm_eps,
-        "n_routed_experts": m.num_experts,
-        "n_shared_experts": m.num_shared_experts,
-        "num_experts_per_tok": m.top_k,
-        "norm_topk_prob": m.route_norm,
-        "routed_scaling_factor": m.route_scale,
-        "n_group": m.num_expert_groups if grouped else 1,
-        "topk_group": m.num_limited_groups if grouped else 1,
-        "q_lora_rank": args.q_lora_rank or None,
-        "kv_lora_rank": args.kv_lora_rank,
-        "qk_nope_head_dim": args.qk_nope_head_dim,
-        "qk_rope_head_dim": args.qk_rope_head_dim,
-        "v_head_dim": args.v_head_dim,
-        "max_position_embeddings": args.max_seq_len,
-        "rope_theta": args.rope_theta,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "eos_token_id": args.eos_id,
-        "torch_dtype": "float32",
-    }
-    if sigmoid:
-        config["rope_interleave"] = True
-        config["num_nextn_predict_layers"] = args.mtp_layers
-    else:
-        config["topk_method"] = "group_limited_greedy" if grouped else "greedy"
-    if args.max_seq_len > args.original_seq_len:
-        config["rope_scaling"] = {
-            "type": "yarn",
-            "rope_type": "yarn",
-            "factor": args.rope_factor,
-            "original_max_position_embeddings": args.original_seq_len,
-            "beta_fast": args.beta_fast,
-            "beta_slow": args.beta_slow,
-            "mscale": args.mscale,
-            "mscale_all_dim": args.mscale,
-        }
-    return config
 
 
 def _mtp_to_layer_key(key: str, n_layers: int) -> str:

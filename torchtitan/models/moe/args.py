@@ -33,6 +33,10 @@ class MoEArgs:
     num_limited_groups: int | None = None
     """Group-limited routing: tokens may pick experts only from this many top groups."""
 
+    group_score: Literal["top2_sum", "max"] = "top2_sum"
+    """Group-limited routing: a group scores the sum of its two best (biased) affinities (DeepSeek-V3's `noaux_tc`)
+    or its best one (DeepSeek-V2's `group_limited_greedy`)."""
+
     use_grouped_mm: bool = True
     """Use torch._grouped_mm for the routed experts (False: a per-expert loop, for reference/debug)."""
 

@@ -5,8 +5,9 @@
     g_{i,t}  = s_{i,t} / sum_{j in TopK} s_{j,t}   (route_norm)  *  route_scale
 
 Group-limited routing (`num_expert_groups` G, `num_limited_groups` M): each token keeps only its M best of G equal
-expert groups and takes the top-k inside them; a group scores the sum of its top-2 (biased) affinities for sigmoid
-scores (DeepSeek-V3), the max for softmax (DeepSeek-V2). Static-shape tensor ops only: compile friendly.
+expert groups and takes the top-k inside them; a group scores the sum of its top-2 (biased) affinities
+(`group_score="top2_sum"`, DeepSeek-V3's noaux_tc) or their max (`"max"`, DeepSeek-V2's group_limited_greedy).
+Static-shape tensor ops only: compile friendly.
 """
 
 import torch
@@ -30,6 +31,7 @@ class TokenChoiceTopKRouter(nn.Module):
         groups = moe_args.num_expert_groups
         self.num_expert_groups = groups if groups is not None and groups > 1 else None
         self.num_limited_groups = moe_args.num_limited_groups
+        self.group_score = moe_args.group_score
         self.force_load_balance = moe_args.force_load_balance
 
     def forward(
@@ -78,7 +80,7 @@ class TokenChoiceTopKRouter(nn.Module):
         """(N, E) -> (N, E) with the experts outside each token's top `num_limited_groups` groups set to -inf."""
         num_tokens = biased.shape[0]
         grouped = biased.view(num_tokens, self.num_expert_groups, -1)  # (N, G, E/G)
-        if self.score_func == "sigmoid":
+        if self.group_score == "top2_sum":
             group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # (N, G)
         else:
             group_scores = grouped.amax(dim=-1)  # (N, G)
@@ -93,6 +95,8 @@ class TokenChoiceTopKRouter(nn.Module):
 def _check_routing_args(args: MoEArgs) -> None:
     if args.score_func not in ("softmax", "sigmoid"):
         raise ValueError(f"moe score_func={args.score_func!r}: use 'softmax' or 'sigmoid'")
+    if args.group_score not in ("top2_sum", "max"):
+        raise ValueError(f"moe group_score={args.group_score!r}: use 'top2_sum' or 'max'")
     if not 1 <= args.top_k <= args.num_experts:
         raise ValueError(f"moe top_k={args.top_k} must be in [1, num_experts={args.num_experts}]")
     groups, limited = args.num_expert_groups, args.num_limited_groups
@@ -103,8 +107,8 @@ def _check_routing_args(args: MoEArgs) -> None:
     if limited is None or not 1 <= limited <= groups:
         raise ValueError(f"num_limited_groups={limited} must be set in [1, num_expert_groups={groups}]")
     experts_per_group = args.num_experts // groups
-    if args.score_func == "sigmoid" and experts_per_group < 2:
-        raise ValueError("sigmoid group-limited routing scores a group by its top-2 experts: use >= 2 per group")
+    if args.group_score == "top2_sum" and experts_per_group < 2:
+        raise ValueError("group_score='top2_sum' scores a group by its top-2 experts: use >= 2 per group")
     if args.top_k > limited * experts_per_group:
         raise ValueError(
             f"top_k={args.top_k} exceeds the experts left by group-limited routing "

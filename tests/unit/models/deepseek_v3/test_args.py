@@ -4,7 +4,7 @@ import pytest
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, benchmark_flavors, deepseekv3_flavors, get_model_args
-from torchtitan.models.deepseek_v3.state_dict_adapter import hf_config_from_model_args
+from torchtitan.models.deepseek_v3.hf_config import hf_config_from_model_args
 
 from .conftest import tiny_args
 

@@ -29,7 +29,7 @@ def test_freqs_cis_shape_and_unit_modulus(args):
 
 
 def test_yarn_changes_low_frequencies_and_softmax_scale_only_past_original_len():
-    plain = tiny_args(max_seq_len=64, original_seq_len=64, rope_factor=4.0, mscale=0.7)
+    plain = tiny_args(max_seq_len=64, original_seq_len=64, rope_factor=4.0, mscale=0.7, mscale_all_dim=0.7)
     yarn = dataclasses.replace(plain, max_seq_len=128, original_seq_len=32)
     assert softmax_scale(plain) == pytest.approx(plain.qk_head_dim**-0.5)
     mscale = 0.1 * 0.7 * math.log(4.0) + 1

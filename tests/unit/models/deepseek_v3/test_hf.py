@@ -7,7 +7,7 @@ import torch
 
 from torchtitan.components.hf_safetensors import INDEX_FILE, load_hf_safetensors, parse_size, save_hf_safetensors
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3StateDictAdapter
-from torchtitan.models.deepseek_v3.state_dict_adapter import hf_config_from_model_args, model_args_from_hf_config
+from torchtitan.models.deepseek_v3.hf_config import hf_config_from_model_args, model_args_from_hf_config
 
 from .conftest import tiny_args
 
@@ -96,14 +96,18 @@ def test_safetensors_shards_and_index_round_trip(tmp_path):
     assert {(tmp_path / name).stat().st_mode & 0o777 for name in names} == {index_mode}
 
 
+YARN = dict(max_seq_len=128, original_seq_len=16, rope_factor=4.0)
 PARITY_CASES = {
     "softmax_no_q_lora": tiny_args(),  # HF DeepseekV2 (transformers' DeepseekV3 router is sigmoid-only)
     "softmax_q_lora_route_scale": tiny_args(q_lora_rank=24, moe=dict(route_scale=1.5)),
+    # DeepSeek-V2's group_limited_greedy: a group scores its best affinity
+    "softmax_grouped_max": tiny_args(moe=dict(num_expert_groups=4, num_limited_groups=2, group_score="max")),
     "sigmoid_grouped_q_lora": tiny_args(q_lora_rank=24, moe=SIGMOID_GROUPED),
     "sigmoid_grouped_no_q_lora": tiny_args(moe=SIGMOID_GROUPED),
-    "sigmoid_grouped_yarn": tiny_args(
-        q_lora_rank=24, max_seq_len=128, original_seq_len=16, rope_factor=4.0, mscale=0.7, moe=SIGMOID_GROUPED
-    ),
+    "sigmoid_grouped_yarn": tiny_args(q_lora_rank=24, **YARN, mscale=0.7, mscale_all_dim=0.7, moe=SIGMOID_GROUPED),
+    # transformers scales cos/sin by m(mscale) / m(mscale_all_dim) and the softmax by m(mscale_all_dim)^2
+    "sigmoid_yarn_unequal_mscales": tiny_args(**YARN, mscale=1.0, mscale_all_dim=0.5, moe=SIGMOID_GROUPED),
+    "softmax_yarn_no_mscale_all_dim": tiny_args(**YARN, mscale=0.7, mscale_all_dim=0.0),
 }
 
 
@@ -146,13 +150,6 @@ def test_hf_config_round_trips_model_args(case):
     # training-only MoE settings are not part of a HF config
     back.moe_args = dataclasses.replace(back.moe_args, use_grouped_mm=False, load_balance_coeff=None)
     assert back == args
-
-
-def test_hf_config_with_unequal_yarn_mscales_is_rejected():
-    config = hf_config_from_model_args(PARITY_CASES["sigmoid_grouped_yarn"])
-    config["rope_scaling"]["mscale_all_dim"] = 0.0
-    with pytest.raises(ValueError, match="mscale"):
-        model_args_from_hf_config(config)
 
 
 def test_real_deepseek_v3_config_gives_671b_flavor():

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 from torchtitan.components.hf_safetensors import save_hf_safetensors
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3StateDictAdapter
-from torchtitan.models.deepseek_v3.state_dict_adapter import hf_config_from_model_args, model_args_from_hf_config
+from torchtitan.models.deepseek_v3.hf_config import hf_config_from_model_args, model_args_from_hf_config
 
 from .conftest import tiny_args
 from .test_convert_hf import convert_hf

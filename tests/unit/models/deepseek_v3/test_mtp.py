@@ -18,7 +18,7 @@ from torchtitan.components.loss import (
 )
 from torchtitan.config import ConfigError
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3StateDictAdapter
-from torchtitan.models.deepseek_v3.state_dict_adapter import hf_config_from_model_args, model_args_from_hf_config
+from torchtitan.models.deepseek_v3.hf_config import hf_config_from_model_args, model_args_from_hf_config
 from torchtitan.preflight import check_job
 
 from .conftest import tiny_args

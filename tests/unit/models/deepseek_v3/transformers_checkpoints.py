@@ -1,5 +1,6 @@
 """Checkpoints as a user gets them from Hugging Face: folders written by transformers' own
-`DeepseekV3ForCausalLM.save_pretrained`, for the tests that start training or sampling from them."""
+`DeepseekV2ForCausalLM` / `DeepseekV3ForCausalLM.save_pretrained`, for the tests that start training or sampling
+from them and that compare our logits with transformers'."""
 
 import dataclasses
 from pathlib import Path
@@ -51,25 +52,46 @@ CONFIGS = {
 
 
 def save_transformers_checkpoint(folder: Path, case: str, seed: int = 0) -> Path:
-    """`folder` written by transformers' save_pretrained for CONFIGS[case], with weights that look learned: random
-    norms and selection bias, large attention projections (peaked attention, sensitive to RoPE and the softmax scale)
-    and a large output head (peaked predictions, so greedy decoding has clear winners)."""
-    import transformers
+    """`folder` written by transformers' save_pretrained for CONFIGS[case] (see `save_transformers_model`)."""
+    return save_transformers_model(folder, CONFIGS[case], seed)
 
+
+def save_transformers_model(folder: Path, config: dict, seed: int = 0, attention_std: float = 0.3) -> Path:
+    """`folder` written by transformers' save_pretrained of its DeepseekV2 or V3 model (by config's model_type) for
+    the config.json dict `config`, with weights that look learned: random norms and selection bias, large attention
+    projections (std `attention_std`: peaked attention, sensitive to RoPE and the softmax scale) and a large output
+    head (peaked predictions, so greedy decoding has clear winners)."""
     torch.manual_seed(seed)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**CONFIGS[case]))
-    attention_projections = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+    model = transformers_class(config)(transformers_config(config))
+    attention_projections = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
             elif any(f"self_attn.{w}." in name for w in attention_projections) or name == "lm_head.weight":
-                param.normal_(std=0.3)
+                param.normal_(std=attention_std)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.uniform_(-0.05, 0.05)
     model.save_pretrained(str(folder))
     return folder
+
+
+def transformers_config(config: dict):
+    """transformers' config object (DeepseekV2Config or DeepseekV3Config) of a config.json dict."""
+    import transformers
+
+    fields = {key: value for key, value in config.items() if key != "model_type"}
+    return transformers.AutoConfig.for_model(config.get("model_type", "deepseek_v3"), **fields)
+
+
+def transformers_class(config: dict):
+    """transformers' own model class for a DeepSeek config.json dict: DeepseekV2ForCausalLM or DeepseekV3ForCausalLM."""
+    import transformers
+
+    return {"deepseek_v2": transformers.DeepseekV2ForCausalLM, "deepseek_v3": transformers.DeepseekV3ForCausalLM}[
+        config.get("model_type", "deepseek_v3")
+    ]
 
 
 def fp32_experts(args: DeepSeekV3ModelArgs) -> DeepSeekV3ModelArgs:
@@ -80,8 +102,8 @@ def fp32_experts(args: DeepSeekV3ModelArgs) -> DeepSeekV3ModelArgs:
 
 def load_transformers_model(folder: Path):
     """The reference: transformers' model of the folder, fp32, eager attention."""
-    import transformers
+    import json
 
-    return transformers.DeepseekV3ForCausalLM.from_pretrained(
-        str(folder), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    config = json.loads((folder / "config.json").read_text())
+    model_class = transformers_class(config)
+    return model_class.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager").eval()

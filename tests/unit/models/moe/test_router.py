@@ -30,7 +30,7 @@ def naive_route(scores: list[float], bias: list[float], router: TokenChoiceTopKR
 
         def group_score(group):
             values = sorted((biased[e] for e in group), reverse=True)
-            return sum(values[:2]) if router.score_func == "sigmoid" else values[0]
+            return sum(values[:2]) if router.group_score == "top2_sum" else values[0]
 
         kept = sorted(groups, key=group_score, reverse=True)[: router.num_limited_groups]
         allowed = [e for group in kept for e in group]
@@ -71,16 +71,20 @@ def test_matches_naive_reference(score_func, route_norm):
     check_against_naive(router, torch.randn(32, DIM), 0.1 * torch.randn(8))
 
 
+# DeepSeek-V3 (sigmoid, noaux_tc: top-2 sum), DeepSeek-V2 (softmax, group_limited_greedy: max), and the other pairs
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
-def test_group_limited_routing_matches_naive_reference(score_func):
-    router = make_router(
-        num_experts=16, top_k=3, score_func=score_func, num_expert_groups=4, num_limited_groups=2, route_norm=True
-    )
+@pytest.mark.parametrize("group_score", ["top2_sum", "max"])
+def test_group_limited_routing_matches_naive_reference(score_func, group_score):
+    grouping = dict(num_experts=16, top_k=3, score_func=score_func, num_expert_groups=4, num_limited_groups=2)
+    router = make_router(**grouping, group_score=group_score, route_norm=True)
     x, bias = torch.randn(64, DIM), 0.05 * torch.randn(16)
     check_against_naive(router, x, bias)
     # the groups matter: without them some token picks an expert outside its two best groups
     ungrouped = make_router(num_experts=16, top_k=3, score_func=score_func, route_norm=True)
     assert not torch.equal(router(x, bias)[1], ungrouped(x, bias)[1])
+    # and so does how a group is scored
+    other = make_router(**grouping, group_score="max" if group_score == "top2_sum" else "top2_sum", route_norm=True)
+    assert not torch.equal(router(x, bias)[1], other(x, bias)[1])
 
 
 def test_bias_changes_selection_but_not_gate_values():
@@ -120,7 +124,8 @@ def test_scores_are_differentiable_through_the_gate():
         (dict(num_expert_groups=3, num_limited_groups=1), "divisible"),
         (dict(num_expert_groups=4, num_limited_groups=None), "num_limited_groups"),
         (dict(num_expert_groups=4, num_limited_groups=1, top_k=3), "exceeds"),
-        (dict(num_expert_groups=8, num_limited_groups=2, score_func="sigmoid"), "top-2"),
+        (dict(num_expert_groups=8, num_limited_groups=2, group_score="top2_sum"), "top-2"),
+        (dict(group_score="sum"), "group_score"),
     ],
 )
 def test_bad_routing_args_are_rejected(overrides, message):
