@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.config.numeric_limits import as_used, limit_problem
 
 _HELP_FLAGS = ("-h", "--help")
 _NONE_STRINGS = ("none", "None")
@@ -121,6 +122,16 @@ def validate(job_config: JobConfig) -> None:
     for key, ok, requirement in _RANGES:
         value = _value(job_config, key)
         _require(ok(value), f"{key} must be {requirement}, got {value}; pass --{key} with such a value")
+        stored = as_used(value)  # e.g. a beta2 of 0.9999999999 is 1.0 in float32
+        _require(
+            ok(stored),
+            f"{key} must be {requirement}, got {value}, which is {stored} in float32, the dtype the trainer computes "
+            f"it in; pass --{key} with such a value",
+        )
+    for spec in _fields().values():  # every number as the dtype that uses it holds it (numeric_limits.py)
+        value = _value(job_config, spec.key)
+        problem = limit_problem(value)
+        _require(problem is None, f"{spec.key}={value!r} {problem}; pass --{spec.key} within that range")
     sms = job_config.parallelism.deepep_num_sms
     _require(
         sms > 0 and sms % 2 == 0,
@@ -171,6 +182,14 @@ def validate(job_config: JobConfig) -> None:
             f"{flag} needs --parallelism.expert_parallel_comm_backend deepep and expert_parallel_degree > 1 (it is "
             f"a DeepEP feature; got {backend!r}, {ep}); drop the flag or switch the backend",
         )
+
+    factor = par.deepep_sync_free_capacity_factor
+    _require(
+        factor is None or factor <= ep,
+        f"parallelism.deepep_sync_free_capacity_factor={factor} is above expert_parallel_degree ({ep}): a rank never "
+        f"receives more than {ep}x its balanced load, so it would drop nothing and size its receive buffer past the "
+        f"worst case; pass a factor <= {ep}, or none",
+    )
 
     opt = job_config.optimizer
     _require(
