@@ -42,6 +42,7 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, Any]:
     check_parallel_dims(parallel_dims, model_args)
     check_batch_sizes(job_config, parallel_dims.dp_size)
     check_mtp(job_config, model_args, parallel_dims)
+    check_activation_checkpoint(job_config, model_args)
     check_float8_linears(job_config, parallel_dims)
     check_float8_dispatch(job_config, model_args)
     check_profiling(job_config)
@@ -179,6 +180,18 @@ def check_mtp(job_config: JobConfig, model_args, parallel_dims) -> None:
         raise ConfigError(
             f"multi-token prediction ({model_args.mtp_layers} module(s)) is not supported with "
             "tensor_parallel_degree > 1 yet; set --parallelism.tensor_parallel_degree 1 or --model.mtp_layers 0"
+        )
+
+
+def check_activation_checkpoint(job_config: JobConfig, model_args) -> None:
+    """activation_checkpoint.num_blocks counts the model's blocks (its layers, then its MTP modules): a number past
+    them checkpoints every block, as -1 says, so it is a mistake about the model."""
+    num_blocks, blocks = job_config.activation_checkpoint.num_blocks, model_args.n_layers + model_args.mtp_layers
+    if num_blocks > blocks:
+        mtp = f" + {model_args.mtp_layers} MTP modules" if model_args.mtp_layers else ""
+        raise ConfigError(
+            f"activation_checkpoint.num_blocks={num_blocks}, but the model ({job_config.model.shape_source()}) has "
+            f"{blocks} blocks ({model_args.n_layers} layers{mtp}); pass at most {blocks}, or -1 for every block"
         )
 
 

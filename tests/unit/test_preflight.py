@@ -346,3 +346,24 @@ def test_profiling_past_the_last_step_warns_in_one_line(tmp_path, caplog):
     caplog.clear()
     check_job([*args[:-1], "10"], world_size=1)
     assert not [r for r in caplog.records if "profile_freq" in r.getMessage()]
+
+
+def test_more_checkpointed_blocks_than_the_model_has_is_one_error(tmp_path):
+    # it checkpointed every block silently, as -1 does: a number meant for another model
+    args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--model.flavor", "debugmodel_tiny",
+            "--activation_checkpoint.mode", "full"]  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"num_blocks=100, but the model \(--model.flavor debugmodel_tiny\) has 5 blocks \(4 layers \+ 1 MTP "
+        r"modules\); pass at most 5, or -1 for every block",
+    ):
+        check_job([*args, "--model.mtp_layers", "1", "--activation_checkpoint.num_blocks", "100"], world_size=1)
+    check_job([*args, "--model.mtp_layers", "1", "--activation_checkpoint.num_blocks", "5"], world_size=1)
+
+
+def test_the_deepep_backend_without_expert_parallelism_says_it_runs_as_the_standard_one(tmp_path, caplog):
+    logging.disable(logging.NOTSET)  # preflight.main, run by a test above, turns warnings off for its process
+    args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--parallelism.expert_parallel_comm_backend", "deepep"]
+    check_job(args, world_size=1)
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "deepep" in r.getMessage()]
+    assert "expert_parallel_degree 1: there is no token exchange" in line and "as with the standard backend" in line
