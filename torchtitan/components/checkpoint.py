@@ -137,9 +137,10 @@ class CheckpointManager:
                 "--checkpoint.last_save_model_only and convert the DCP checkpoint offline"
             )
 
-        # CPU-side collectives (DCP planning, async save's background thread, barriers) go over gloo, so they
-        # work next to an NCCL default group and never block the GPU stream.
-        self.pg = dist.new_group(backend="gloo") if self.enable and dist.is_initialized() else None
+        # CPU-side collectives (DCP planning, async save's background thread, barriers, the checks before a load) go
+        # over gloo, so they work next to an NCCL default group and never block the GPU stream.
+        uses_pg = self.enable or bool(config.initial_load_path)
+        self.pg = dist.new_group(backend="gloo") if uses_pg and dist.is_initialized() else None
         self._pending: _PendingSave | None = None
 
         if self.enable:
@@ -417,7 +418,8 @@ class CheckpointManager:
             self._load_hf(path)
             logger.info(f"initialized model from HF checkpoint {path} in {time.monotonic() - begin:.2f}s")
             return False
-        self._rank0_decides(lambda: validate_foreign_dcp(path))
+        if self._rank0_decides(lambda: validate_foreign_dcp(path, _INITIAL_DAMAGE_FIX)):
+            self._verify_checksums(path, _INITIAL_DAMAGE_FIX)  # one of ours: every file, as before a resume
         keys = checkpoint_keys(path, "pass an intact one as --checkpoint.initial_load_path")
         if self.config.initial_load_model_only:
             prefix = model_key_prefix(keys)
@@ -550,6 +552,9 @@ class CheckpointManager:
         if status == "error":
             raise CheckpointError(value)
         return value
+
+
+_INITIAL_DAMAGE_FIX = "restore the checkpoint from an intact copy, or pass another --checkpoint.initial_load_path"
 
 
 @dataclass
