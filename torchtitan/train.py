@@ -463,8 +463,9 @@ def main(argv: list[str] | None = None) -> int:
         # What the exchange holds (DeepEP's destroy() is collective) goes before the process groups; not after an
         # error, where a dead rank would leave the others waiting in it.
         get_backend(job_config.parallelism.expert_parallel_comm_backend).release()
-    except (DatasetError, CheckpointError, FloatingPointError, DumpFolderBusyError) as err:
-        # The user's data, folder or hyperparameters: one line with the fix, no traceback.
+    except (DatasetError, CheckpointError, FloatingPointError, DumpFolderBusyError, ConfigError) as err:
+        # The user's data, folder, hyperparameters or a setting only its use can refuse (W&B without a key): one
+        # line with the fix, no traceback.
         report_error(f"error: {err}")
         return 1
     except Exception as err:

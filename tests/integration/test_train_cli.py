@@ -198,3 +198,19 @@ def test_bad_record_past_the_preflight_sample_is_one_error_line(dump_folder, tmp
     launcher_lines = [line for line in proc.stderr.strip().splitlines() if not line.startswith("[rank")]
     assert launcher_lines == [], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_wandb_without_an_api_key_stops_the_run_with_one_line(dump_folder, tmp_path, monkeypatch):
+    # the README promises one line; it was a 13-line traceback (wandb's refusal reached main as a ValueError)
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb; it is in the dev extra)")
+    from tests.unit.components.test_metrics import without_a_wandb_key
+
+    (tmp_path / "home").mkdir()
+    without_a_wandb_key(monkeypatch, tmp_path / "home")
+    run = run_trainer(dump_folder, [*FAST_ARGS, "--training.steps", "1", "--metrics.enable_wandb"], check=False)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines()[-1] == (
+        "error: --metrics.enable_wandb: wandb refused to start (No API key configured. Use `wandb login` to log in.); "
+        "run `wandb login`, or set WANDB_MODE=offline to log locally"
+    )
