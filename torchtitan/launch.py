@@ -12,21 +12,28 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import sys
+import threading
 import time
 
 from torch.distributed import run
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 INTERRUPTED_EXIT_CODE = 130
 SIGKILL = 9
+RESOLVE_TIMEOUT_S = 10.0  # a name server that does not answer takes 5 s per try; a known host resolves in ms
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _quiet_torchrun()
     if not _torchrun_flags_parse(argv):
+        return 2
+    if problem := _rendezvous_problem(argv):
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
         run.main(argv)
@@ -69,6 +76,48 @@ def _torchrun_flags_parse(argv: list[str]) -> bool:
         print(f"error: torchrun flags: {err}; check TORCHRUN_ARGS (torchrun --help lists the flags)", file=sys.stderr)
         return False
     return True
+
+
+def _rendezvous_problem(argv: list[str]) -> str | None:
+    """What is wrong with a multi-node rendezvous endpoint, before torchrun meets it: a port that is not a number (a
+    39-line traceback there) or a host that does not resolve (minutes of retries, then a traceback)."""
+    args = run.parse_args(argv)
+    endpoint = args.rdzv_endpoint
+    if args.standalone or not endpoint:
+        return None
+    where = f"the rendezvous endpoint {endpoint!r} (RDZV_ENDPOINT, torchrun's --rdzv-endpoint)"
+    fix = "set it to host:port of the rendezvous host (the same on every node), e.g. node0:29400"
+    try:
+        host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
+    except ValueError as err:  # torch's text names the whole endpoint again
+        part = (
+            "its port is not a whole number from 0 to 65535" if "port" in str(err) else "its host is no hostname or IP"
+        )
+        return f"{where}: {part}; {fix}"
+    if problem := _resolve_problem(host, port, RESOLVE_TIMEOUT_S):
+        return f"{where}: {problem}; {fix}"
+    return None
+
+
+def _resolve_problem(host: str, port: int, timeout_s: float) -> str | None:
+    """Why `host` does not resolve within `timeout_s` (getaddrinfo has no timeout of its own), or None."""
+    outcome: list[OSError | None] = []
+
+    def resolve() -> None:
+        try:
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            outcome.append(None)
+        except OSError as err:
+            outcome.append(err)
+
+    resolver = threading.Thread(target=resolve, daemon=True)  # left behind, it ends with the process
+    resolver.start()
+    resolver.join(timeout_s)
+    if not outcome:
+        return f"its host {host!r} did not resolve within {timeout_s:g} s (no answer from the name server)"
+    if outcome[0] is not None:
+        return f"its host {host!r} does not resolve ({outcome[0].strerror or outcome[0]})"
+    return None
 
 
 def _quiet_torchrun() -> None:

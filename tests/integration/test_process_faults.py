@@ -217,3 +217,25 @@ def test_a_rank_killed_by_sigkill_points_at_host_memory(tmp_path, monkeypatch, c
     monkeypatch.setattr(torchrun, "main", killed(-signal.SIGSEGV))
     launch.main(argv)
     assert "memory" not in capsys.readouterr().err
+
+
+def test_a_rendezvous_host_the_name_server_never_answers_for_fails_in_seconds(monkeypatch):
+    # an unresolvable endpoint made torchrun retry for 112 s, then print a traceback
+    import socket
+    import threading
+
+    from torchtitan import launch
+
+    never = threading.Event()
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: never.wait())
+    monkeypatch.setattr(launch, "RESOLVE_TIMEOUT_S", 0.5)
+    argv = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29400", "-m", "torchtitan.train"]
+    begin = time.monotonic()
+    problem = launch._rendezvous_problem(argv)
+    assert problem.endswith(
+        "(RDZV_ENDPOINT, torchrun's --rdzv-endpoint): its host 'node0' did not resolve within 0.5 s (no answer from "
+        "the name server); set it to host:port of the rendezvous host (the same on every node), e.g. node0:29400"
+    )
+    assert time.monotonic() - begin < 30  # the bound is the timeout; the margin is for a loaded machine
+    never.set()
+    assert launch._rendezvous_problem(["--standalone", "-m", "torchtitan.train"]) is None

@@ -90,6 +90,18 @@ def _run_launcher(args: list[str], env_extra: dict[str, str] | None = None) -> s
         ([], {"CONFIG_FILE": "./train_configs"}, "error: CONFIG_FILE './train_configs' is a folder; pick a .toml"),
         ([], {"NNODES": "2"}, "error: NNODES=2 needs RDZV_ENDPOINT: set RDZV_ENDPOINT=host:port"),
         (
+            [],
+            {"NNODES": "2", "RDZV_ENDPOINT": "node0:29x00"},
+            "error: the rendezvous endpoint 'node0:29x00' (RDZV_ENDPOINT, torchrun's --rdzv-endpoint): its port is not "
+            "a whole number from 0 to 65535; set it to host:port",
+        ),
+        (
+            [],
+            {"NNODES": "2", "RDZV_ENDPOINT": "no-such-host.invalid:29400"},
+            "endpoint 'no-such-host.invalid:29400' (RDZV_ENDPOINT, torchrun's --rdzv-endpoint): its host "
+            "'no-such-host.invalid' does not resolve (",
+        ),
+        (
             ["--training.steps", "1"],
             {"TORCHRUN_ARGS": "--bogus-flag 3"},
             "error: torchrun flags: unrecognized arguments: --bogus-flag; check TORCHRUN_ARGS",
@@ -108,6 +120,8 @@ def _run_launcher(args: list[str], env_extra: dict[str, str] | None = None) -> s
         "log-rank-out-of-range",
         "config-is-a-folder",
         "nnodes-without-rdzv-endpoint",
+        "rdzv-port-not-a-number",
+        "rdzv-host-unknown",
         "bad-torchrun-args",
     ],
 )
