@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+from tests.timeouts import generous_timeout
 from torchtitan.config import ConfigError, ConfigManager, HelpRequested, JobConfig, format_help, help_for
 from torchtitan.config.manager import _fields, _unwrap_optional, validate
 
@@ -339,7 +340,7 @@ def test_help_prints_and_exits_zero(flag, capsys):
 
 def test_uncaught_help_exits_process_with_zero():
     code = "from torchtitan.config import ConfigManager; ConfigManager().parse_args(['--help'])"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=generous_timeout(60))
     assert result.returncode == 0
     assert "--parallelism.deepep_num_sms" in result.stdout
     assert result.stderr == ""
