@@ -3,8 +3,10 @@
 The trainer prints a user error as one `error:` line and a bug as its traceback; this launcher drops torchrun's
 traceback and failure table and adds a line naming the rank and exit code only where that error line is not on the
 terminal (a bug, a signal, a rank whose output `--local-ranks-filter` hides: `report_error` hands the line over
-through torchrun's error file), and turns Ctrl-C into one line and exit code 130. torchrun's own log lines are off
-unless `LOGLEVEL` is set. run_train.sh uses it in place of `python -m torch.distributed.run`.
+through torchrun's error file), and turns Ctrl-C into one line and exit code 130. Where several ranks failed, it
+names the cause: a rank killed by a signal before one whose error says it lost that rank. A multi-node rendezvous
+endpoint is checked (a port that is a number, a host that resolves) before torchrun starts. torchrun's own log lines
+are off unless `LOGLEVEL` is set. run_train.sh uses it in place of `python -m torch.distributed.run`.
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ import time
 
 from torch.distributed import run
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+from torchtitan.tools.lost_peer import lost_peer
 
 INTERRUPTED_EXIT_CODE = 130
 SIGKILL = 9
+SIGTERM = 15  # what torchrun stops the other ranks with once one failed
 RESOLVE_TIMEOUT_S = 10.0  # a name server that does not answer takes 5 s per try; a known host resolves in ms
 
 
@@ -38,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run.main(argv)
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
+        rank, failure = _root_failure(err)
         code = failure.exitcode
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         reported = os.path.isfile(failure.error_file) and isinstance(failure.message, str) and failure.message
@@ -49,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                 if code == -SIGKILL
                 else ""
             )
-            print(f"training failed: rank {rank} {how} (its output is above){hint}", file=sys.stderr)
+            above = " (its output is above)" if _output_shown(failure.local_rank, argv) else ""
+            print(f"training failed: rank {rank} {how}{above}{hint}", file=sys.stderr)
         elif not _output_shown(failure.local_rank, argv):
             print(f"training failed: rank {rank} {how}: {failure.message}", file=sys.stderr)
         # else its one error line is on the terminal already: nothing to add
@@ -59,6 +65,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interrupted: training stopped{where}", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
     return 0
+
+
+def _root_failure(err: ChildFailedError) -> tuple[int, ProcessFailure]:
+    """(rank, failure) to name, the earliest of the first kind there is: a rank killed by a signal other than SIGTERM
+    (kill -9, the OOM killer, a crash), a rank that failed with an error of its own, a rank that only lost another
+    (`lost_peer`), a rank torchrun stopped itself (SIGTERM, recorded once one rank failed). torchrun's own order is
+    by time alone, in whole seconds."""
+
+    def cause_first(rank: int) -> tuple[int, float, int]:
+        failure = err.failures[rank]
+        if failure.exitcode < 0:
+            kind = 3 if failure.exitcode == -SIGTERM else 0
+        else:
+            kind = 2 if isinstance(failure.message, str) and lost_peer(failure.message) else 1
+        return kind, failure.timestamp, rank
+
+    rank = min(err.failures, key=cause_first)
+    return rank, err.failures[rank]
 
 
 def _torchrun_flags_parse(argv: list[str]) -> bool:

@@ -56,6 +56,7 @@ from torchtitan.models.output_head import chunk_loss_and_grad
 from torchtitan.models.spec import get_model_spec
 from torchtitan.preflight import check_batch_sizes, check_job
 from torchtitan.tools.async_readback import DeviceMark
+from torchtitan.tools.lost_peer import lost_peer, lost_peer_line
 from torchtitan.tools.out_of_memory import is_out_of_memory, out_of_memory_line
 from torchtitan.tools.profiling import StepProfiler
 
@@ -469,9 +470,12 @@ def main(argv: list[str] | None = None) -> int:
         report_error(f"error: {err}")
         return 1
     except Exception as err:
+        step = trainer.train_state.step if trainer is not None else 0
+        if words := lost_peer(str(err)):  # another rank died: say so, and exit at once, as below
+            report_error(lost_peer_line(_global_rank(), step, words))
+            os._exit(1)
         if not is_out_of_memory(err):
             raise
-        step = trainer.train_state.step if trainer is not None else 0
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         report_error(out_of_memory_line(_global_rank(), step, device))
         # No teardown: the other ranks wait inside collectives this rank never joins, and destroying its process

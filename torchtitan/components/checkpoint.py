@@ -62,6 +62,7 @@ from torchtitan.components.loss import nonfinite_weight
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ResumeMismatchError
 from torchtitan.tools.dtypes import DTYPES
+from torchtitan.tools.lost_peer import lost_peer
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +228,12 @@ class CheckpointManager:
         failures = err.failures.values() if isinstance(err, dcp.CheckpointException) else ()
         if any(isinstance(failure[0], KeyboardInterrupt) for failure in failures):
             return KeyboardInterrupt()
+        if lost := lost_peer(dcp_error_text(err)):  # not the disk: a rank died (kill -9, the OOM killer) in the save
+            return CheckpointError(
+                f"saving checkpoint step {step} into {tmp_path} stopped: another rank died during the save (its "
+                f"connection: {lost}); the previous checkpoint is untouched. The launcher names the rank; run the same "
+                "command again to resume from the previous checkpoint"
+            )
         return CheckpointError(
             f"saving checkpoint step {step} into {tmp_path} failed ({dcp_error_text(err)}{_free_space(self.folder)}); "
             f"the previous checkpoint is untouched. Make {self.folder} writable with free space, or save elsewhere: "

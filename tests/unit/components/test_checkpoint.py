@@ -749,6 +749,22 @@ def test_ctrl_c_inside_a_save_stays_an_interrupt_and_other_failures_name_the_fol
     assert re.search(r"; \d+ MiB free there\); the previous checkpoint is untouched", str(disk)), str(disk)
 
 
+def test_a_save_that_lost_another_rank_says_so_and_does_not_blame_the_disk(tmp_path):
+    # kill -9 of the other rank during an async save: gloo's collective fails on the closed connection
+    manager = Run(make_config(tmp_path)).manager
+    gloo = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:35204: Connection reset "
+        "by peer. This is typically caused by a remote worker hanging or bugs in the application."
+    )
+    for err in (gloo, dcp.CheckpointException("save failed", {0: (gloo, None)})):
+        message = str(manager._save_error(4, str(tmp_path / "step-4.tmp"), err))
+        assert message == (
+            f"saving checkpoint step 4 into {tmp_path / 'step-4.tmp'} stopped: another rank died during the save (its "
+            "connection: Connection reset by peer); the previous checkpoint is untouched. The launcher names the "
+            "rank; run the same command again to resume from the previous checkpoint"
+        )
+
+
 def test_a_checkpoint_that_cannot_be_read_is_an_error_never_an_unfinished_save(tmp_path, monkeypatch):
     """Taken for an unfinished save, a complete step-N that cannot be read would be skipped for resume, then deleted
     by the save of its step; the fix is its permissions."""
