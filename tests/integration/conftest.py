@@ -56,7 +56,10 @@ def run_trainer(
     run_train.sh's tests and test_process_faults.py cover the launcher. A rank that fails stops the others, as
     torchrun does. `timeout`: seconds on an idle machine after which the run counts as hung (`generous_timeout`
     stretches it on a loaded one)."""
-    argv = ["--job.config_file", str(DEBUG_CONFIG), "--job.dump_folder", str(dump_folder), *args]
+    # the process groups' timeouts too: one rank compiling or saving on a loaded machine keeps the other waiting
+    comm = ["--comm.init_timeout_seconds", str(int(generous_timeout(600)))]
+    comm += ["--comm.train_timeout_seconds", str(int(generous_timeout(300)))]
+    argv = ["--job.config_file", str(DEBUG_CONFIG), "--job.dump_folder", str(dump_folder), *comm, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else "2", "PYTHONUNBUFFERED": "1"}
     env |= {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1"}
     env["MASTER_PORT"] = str(_free_port())
