@@ -367,3 +367,20 @@ def test_the_deepep_backend_without_expert_parallelism_says_it_runs_as_the_stand
     check_job(args, world_size=1)
     (line,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "deepep" in r.getMessage()]
     assert "expert_parallel_degree 1: there is no token exchange" in line and "as with the standard backend" in line
+
+
+def test_flags_this_job_never_reads_are_named_in_one_warning(tmp_path, caplog):
+    # --checkpoint.keep_latest_k without --checkpoint.enable (and the like) did nothing, silently
+    logging.disable(logging.NOTSET)  # preflight.main, run by a test above, turns warnings off for its process
+    args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--checkpoint.keep_latest_k", "2",
+            "--validation.freq", "5", "--model.mtp_loss_weight", "0.3"]  # fmt: skip
+    check_job(args, world_size=1)
+    (line,) = [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()]
+    assert line == (
+        "these flags have no effect in this job: --checkpoint.keep_latest_k (without --checkpoint.enable); "
+        "--validation.freq (without --validation.enable); --model.mtp_loss_weight (without --model.mtp_layers > 0)"
+    )
+    caplog.clear()
+    check_job([*args, "--checkpoint.enable", "--validation.enable", "--model.mtp_layers", "1"], world_size=1)
+    check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path)], world_size=1)  # its TOML presets checkpoint.interval
+    assert not [r for r in caplog.records if "no effect" in r.getMessage()]

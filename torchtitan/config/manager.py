@@ -68,6 +68,12 @@ def _resolve(overrides: dict[str, Any]) -> JobConfig:
     return config
 
 
+def command_line_keys(argv: list[str]) -> set[str]:
+    """The keys a command line sets itself (`section.field`), apart from its TOML file's; call after `parse_args`
+    accepted it."""
+    return set(_parse_cli(argv)) - {"job.config_file"}
+
+
 def format_help(job: JobConfig | None = None, source: str = "") -> str:
     """Every field as `--section.field  (type, default: X)  doc`, grouped by section; with `job` (what a command
     line resolves to), fields that differ from the default also show `this job: Y`."""
