@@ -12,7 +12,12 @@ import sys
 import tempfile
 from typing import Any
 
-from torchtitan.components.checkpoint_folder import CheckpointError, complete_checkpoints, is_step_name
+from torchtitan.components.checkpoint_folder import (
+    CheckpointError,
+    complete_checkpoints,
+    is_step_name,
+    missing_metadata,
+)
 from torchtitan.components.run_lock import DumpFolderBusyError, check_dump_folder_free
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.manager import command_line_keys
@@ -298,6 +303,13 @@ def check_checkpoint_folder(job_config: JobConfig) -> None:
         raise ConfigError(
             f"--checkpoint.initial_load_path {initial!r} is a checkpoint folder holding {', '.join(steps)}: pass one "
             f"of them, e.g. {os.path.join(initial, steps[-1])}"
+        )
+    if initial and not checkpoint.initial_load_in_hf and (missing := missing_metadata(initial)):
+        raise ConfigError(f"--checkpoint.initial_load_path {missing}; copy it again in full, or pass another")
+    if initial and not checkpoint.initial_load_in_hf and not os.path.isfile(os.path.join(initial, ".metadata")):
+        raise ConfigError(
+            f"--checkpoint.initial_load_path {initial!r} is not a DCP checkpoint folder (no .metadata); for Hugging "
+            "Face safetensors add --checkpoint.initial_load_in_hf"
         )
     if initial and checkpoint.initial_load_in_hf and not checkpoint.initial_load_model_only:
         raise ConfigError(

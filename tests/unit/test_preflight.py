@@ -118,6 +118,20 @@ def test_an_initial_checkpoint_given_as_the_folder_of_its_steps_names_them(tmp_p
         check_job([*args, str(tmp_path / "checkpoint")], world_size=1)
 
 
+def test_an_initial_checkpoint_that_is_no_dcp_folder_is_one_error_before_launch(tmp_path):
+    # both failed only in the trainer, after the model was built
+    args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path / "dump"), "--checkpoint.initial_load_path"]
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "__0_0.distcp").write_bytes(b"data without its index")
+    with pytest.raises(ConfigError, match=r"copy is a DCP checkpoint \(its __0_0.distcp\) missing its .metadata, "):
+        check_job([*args, str(copy)], world_size=1)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"hf' is not a DCP checkpoint folder .*add --checkpoint.initial_load_in_hf"):
+        check_job([*args, str(tmp_path / "hf")], world_size=1)
+
+
 def test_a_cache_folder_that_is_a_file_is_one_error(tmp_path, monkeypatch):
     (tmp_path / "cache").write_text("not a folder")
     monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))
