@@ -36,6 +36,7 @@ from torchtitan.components.checkpoint_folder import (  # noqa: E402
     CheckpointError,
     checkpoint_metadata,
     dcp_error_text,
+    missing_metadata,
     model_key_prefix,
     model_mismatch,
     verify_checkpoint_files,
@@ -238,6 +239,8 @@ def _model_shape(
     given = hf_config_path
     if not os.path.isdir(checkpoint):
         raise ValueError(f"{checkpoint} is not a folder: pass a DCP checkpoint or a Hugging Face folder")
+    if missing := missing_metadata(checkpoint):  # else taken for an HF folder without safetensors
+        raise CheckpointError(f"{missing}; copy the whole checkpoint again, or sample from another one")
     if hf_config_path is None and flavor is None:
         if _is_dcp(checkpoint):
             raise ValueError(f"{checkpoint} is a DCP checkpoint, which does not record the model shape: pass --flavor "

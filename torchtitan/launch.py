@@ -3,8 +3,10 @@
 The trainer prints a user error as one `error:` line and a bug as its traceback; this launcher drops torchrun's
 traceback and failure table and adds a line naming the rank and exit code only where that error line is not on the
 terminal (a bug, a signal, a rank whose output `--local-ranks-filter` hides: `report_error` hands the line over
-through torchrun's error file), and turns Ctrl-C into one line and exit code 130. torchrun's own log lines are off
-unless `LOGLEVEL` is set. run_train.sh uses it in place of `python -m torch.distributed.run`.
+through torchrun's error file), and turns Ctrl-C into one line and exit code 130. Where several ranks failed, it
+names the cause: a rank killed by a signal before one whose error says it lost that rank. A multi-node rendezvous
+endpoint is checked (a port that is a number, a host that resolves) before torchrun starts. torchrun's own log lines
+are off unless `LOGLEVEL` is set. run_train.sh uses it in place of `python -m torch.distributed.run`.
 """
 
 from __future__ import annotations
@@ -12,15 +14,22 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import sys
+import threading
 import time
 
 from torch.distributed import run
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+from torchtitan.tools.lost_peer import lost_peer
 
 INTERRUPTED_EXIT_CODE = 130
 SIGKILL = 9
+SIGTERM = 15  # what torchrun stops the other ranks with once one failed
+RESOLVE_TIMEOUT_S = 10.0  # a name server that does not answer takes 5 s per try; a known host resolves in ms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,10 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_torchrun()
     if not _torchrun_flags_parse(argv):
         return 2
+    if problem := _rendezvous_problem(argv):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         run.main(argv)
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
+        rank, failure = _root_failure(err)
         code = failure.exitcode
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         reported = os.path.isfile(failure.error_file) and isinstance(failure.message, str) and failure.message
@@ -42,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                 if code == -SIGKILL
                 else ""
             )
-            print(f"training failed: rank {rank} {how} (its output is above){hint}", file=sys.stderr)
+            above = " (its output is above)" if _output_shown(failure.local_rank, argv) else ""
+            print(f"training failed: rank {rank} {how}{above}{hint}", file=sys.stderr)
         elif not _output_shown(failure.local_rank, argv):
             print(f"training failed: rank {rank} {how}: {failure.message}", file=sys.stderr)
         # else its one error line is on the terminal already: nothing to add
@@ -52,6 +65,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interrupted: training stopped{where}", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
     return 0
+
+
+def _root_failure(err: ChildFailedError) -> tuple[int, ProcessFailure]:
+    """(rank, failure) to name, the earliest of the first kind there is: a rank killed by a signal other than SIGTERM
+    (kill -9, the OOM killer, a crash), a rank that failed with an error of its own, a rank that only lost another
+    (`lost_peer`), a rank torchrun stopped itself (SIGTERM, recorded once one rank failed). torchrun's own order is
+    by time alone, in whole seconds."""
+
+    def cause_first(rank: int) -> tuple[int, float, int]:
+        failure = err.failures[rank]
+        if failure.exitcode < 0:
+            kind = 3 if failure.exitcode == -SIGTERM else 0
+        else:
+            kind = 2 if isinstance(failure.message, str) and lost_peer(failure.message) else 1
+        return kind, failure.timestamp, rank
+
+    rank = min(err.failures, key=cause_first)
+    return rank, err.failures[rank]
 
 
 def _torchrun_flags_parse(argv: list[str]) -> bool:
@@ -69,6 +100,48 @@ def _torchrun_flags_parse(argv: list[str]) -> bool:
         print(f"error: torchrun flags: {err}; check TORCHRUN_ARGS (torchrun --help lists the flags)", file=sys.stderr)
         return False
     return True
+
+
+def _rendezvous_problem(argv: list[str]) -> str | None:
+    """What is wrong with a multi-node rendezvous endpoint, before torchrun meets it: a port that is not a number (a
+    39-line traceback there) or a host that does not resolve (minutes of retries, then a traceback)."""
+    args = run.parse_args(argv)
+    endpoint = args.rdzv_endpoint
+    if args.standalone or not endpoint:
+        return None
+    where = f"the rendezvous endpoint {endpoint!r} (RDZV_ENDPOINT, torchrun's --rdzv-endpoint)"
+    fix = "set it to host:port of the rendezvous host (the same on every node), e.g. node0:29400"
+    try:
+        host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
+    except ValueError as err:  # torch's text names the whole endpoint again
+        part = (
+            "its port is not a whole number from 0 to 65535" if "port" in str(err) else "its host is no hostname or IP"
+        )
+        return f"{where}: {part}; {fix}"
+    if problem := _resolve_problem(host, port, RESOLVE_TIMEOUT_S):
+        return f"{where}: {problem}; {fix}"
+    return None
+
+
+def _resolve_problem(host: str, port: int, timeout_s: float) -> str | None:
+    """Why `host` does not resolve within `timeout_s` (getaddrinfo has no timeout of its own), or None."""
+    outcome: list[OSError | None] = []
+
+    def resolve() -> None:
+        try:
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            outcome.append(None)
+        except OSError as err:
+            outcome.append(err)
+
+    resolver = threading.Thread(target=resolve, daemon=True)  # left behind, it ends with the process
+    resolver.start()
+    resolver.join(timeout_s)
+    if not outcome:
+        return f"its host {host!r} did not resolve within {timeout_s:g} s (no answer from the name server)"
+    if outcome[0] is not None:
+        return f"its host {host!r} does not resolve ({outcome[0].strerror or outcome[0]})"
+    return None
 
 
 def _quiet_torchrun() -> None:

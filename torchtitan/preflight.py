@@ -13,9 +13,15 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from torchtitan.components.checkpoint_folder import CheckpointError, complete_checkpoints, is_step_name
+from torchtitan.components.checkpoint_folder import (
+    CheckpointError,
+    complete_checkpoints,
+    is_step_name,
+    missing_metadata,
+)
 from torchtitan.components.run_lock import DumpFolderBusyError, check_dump_folder_free
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
+from torchtitan.config.manager import command_line_keys
 from torchtitan.datasets.corpus import CACHE_DIR_ENV, check_corpus, disk_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -33,7 +39,8 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, Any]:
     check_corpus(job_config.training.dataset, job_config.training.dataset_path)
     if job_config.validation.enable and job_config.validation.dataset_path:
         check_corpus("", job_config.validation.dataset_path, "validation")
-    model_args, _ = check_layout(job_config, world_size, this_host=True)
+    model_args, parallel_dims = check_layout(job_config, world_size, this_host=True)
+    warn_inert_flags(job_config, command_line_keys(argv), model_args, parallel_dims)
     return job_config, model_args
 
 
@@ -52,6 +59,7 @@ def check_layout(job_config: JobConfig, world_size: int, this_host: bool = False
     check_parallel_dims(parallel_dims, model_args)
     check_batch_sizes(job_config, parallel_dims.dp_size)
     check_mtp(job_config, model_args, parallel_dims)
+    check_activation_checkpoint(job_config, model_args)
     check_float8_linears(job_config, parallel_dims)
     check_float8_dispatch(job_config, model_args)
     if this_host:
@@ -194,6 +202,48 @@ def check_mtp(job_config: JobConfig, model_args, parallel_dims) -> None:
         )
 
 
+def check_activation_checkpoint(job_config: JobConfig, model_args) -> None:
+    """activation_checkpoint.num_blocks counts the model's blocks (its layers, then its MTP modules): a number past
+    them checkpoints every block, as -1 says, so it is a mistake about the model."""
+    num_blocks, blocks = job_config.activation_checkpoint.num_blocks, model_args.n_layers + model_args.mtp_layers
+    if num_blocks > blocks:
+        mtp = f" + {model_args.mtp_layers} MTP modules" if model_args.mtp_layers else ""
+        raise ConfigError(
+            f"activation_checkpoint.num_blocks={num_blocks}, but the model ({job_config.model.shape_source()}) has "
+            f"{blocks} blocks ({model_args.n_layers} layers{mtp}); pass at most {blocks}, or -1 for every block"
+        )
+
+
+def warn_inert_flags(job_config: JobConfig, flags: set[str], model_args, parallel_dims) -> None:
+    """One warning naming the command-line `flags` this job never reads, each with the switch that would read it
+    (a TOML file may preset them for when the switch is on): given, they look as if they did something."""
+    job = job_config
+    unread = {  # the switch that would read them: (whether it is off, those keys)
+        "--checkpoint.enable": (not job.checkpoint.enable, "checkpoint.async_mode checkpoint.interval "
+                                "checkpoint.keep_latest_k checkpoint.export_dtype"),
+        "--validation.enable": (not job.validation.enable, "validation.dataset_path validation.local_batch_size "
+                                "validation.seq_len validation.freq validation.steps"),
+        "--metrics.enable_tensorboard": (not job.metrics.enable_tensorboard, "metrics.save_tb_folder"),
+        "--metrics.enable_wandb": (not job.metrics.enable_wandb, "metrics.wandb_project metrics.wandb_run_name"),
+        "--profiling.enable_profiling": (not job.profiling.enable_profiling, "profiling.save_traces_folder"),
+        "--compile.enable": (not job.compile.enable, "compile.backend compile.components"),
+        "--activation_checkpoint.mode selective": (job.activation_checkpoint.mode != "selective",
+                                                   "activation_checkpoint.selective_ac_option"),
+        "--model.mtp_layers > 0": (model_args.mtp_layers == 0, "model.mtp_loss_weight"),
+        "--parallelism.pipeline_parallel_degree > 1": (not parallel_dims.pp_enabled,
+                                                       "parallelism.pipeline_parallel_schedule "
+                                                       "parallelism.pipeline_parallel_microbatch_size "
+                                                       "parallelism.pipeline_parallel_layers_per_stage"),
+    }  # fmt: skip
+    inert = []
+    for switch, (off, keys) in unread.items():
+        given = [key for key in keys.split() if key in flags]
+        if off and given:
+            inert.append(f"{', '.join(f'--{key}' for key in given)} (without {switch})")
+    if inert:
+        logger.warning(f"these flags have no effect in this job: {'; '.join(inert)}")
+
+
 def check_float8_linears(job_config: JobConfig, parallel_dims) -> None:
     """FP8 linears quantize whole rows and columns of their input: not with tensor parallelism's sharded
     activations, and the FP8 GEMMs need the token rows (batch x seq_len) in blocks of 16."""
@@ -265,6 +315,13 @@ def check_checkpoint_folder(job_config: JobConfig) -> None:
         raise ConfigError(
             f"--checkpoint.initial_load_path {initial!r} is a checkpoint folder holding {', '.join(steps)}: pass one "
             f"of them, e.g. {os.path.join(initial, steps[-1])}"
+        )
+    if initial and not checkpoint.initial_load_in_hf and (missing := missing_metadata(initial)):
+        raise ConfigError(f"--checkpoint.initial_load_path {missing}; copy it again in full, or pass another")
+    if initial and not checkpoint.initial_load_in_hf and not os.path.isfile(os.path.join(initial, ".metadata")):
+        raise ConfigError(
+            f"--checkpoint.initial_load_path {initial!r} is not a DCP checkpoint folder (no .metadata); for Hugging "
+            "Face safetensors add --checkpoint.initial_load_in_hf"
         )
     if initial and checkpoint.initial_load_in_hf and not checkpoint.initial_load_model_only:
         raise ConfigError(

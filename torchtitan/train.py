@@ -57,6 +57,7 @@ from torchtitan.models.spec import get_model_spec
 from torchtitan.preflight import check_batch_sizes, check_job
 from torchtitan.tools.async_readback import DeviceMark
 from torchtitan.tools.cuda_graph import CudaGraphed
+from torchtitan.tools.lost_peer import lost_peer, lost_peer_line
 from torchtitan.tools.out_of_memory import is_out_of_memory, out_of_memory_line
 from torchtitan.tools.profiling import StepProfiler
 
@@ -486,14 +487,18 @@ def main(argv: list[str] | None = None) -> int:
         # What the exchange holds (DeepEP's destroy() is collective) goes before the process groups; not after an
         # error, where a dead rank would leave the others waiting in it.
         get_backend(job_config.parallelism.expert_parallel_comm_backend).release()
-    except (DatasetError, CheckpointError, FloatingPointError, DumpFolderBusyError) as err:
-        # The user's data, folder or hyperparameters: one line with the fix, no traceback.
+    except (DatasetError, CheckpointError, FloatingPointError, DumpFolderBusyError, ConfigError) as err:
+        # The user's data, folder, hyperparameters or a setting only its use can refuse (W&B without a key): one
+        # line with the fix, no traceback.
         report_error(f"error: {err}")
         return 1
     except Exception as err:
+        step = trainer.train_state.step if trainer is not None else 0
+        if words := lost_peer(str(err)):  # another rank died: say so, and exit at once, as below
+            report_error(lost_peer_line(_global_rank(), step, words))
+            os._exit(1)
         if not is_out_of_memory(err):
             raise
-        step = trainer.train_state.step if trainer is not None else 0
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         report_error(out_of_memory_line(_global_rank(), step, device))
         # No teardown: the other ranks wait inside collectives this rank never joins, and destroying its process

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scripts.bench.trace_breakdown import classify  # noqa: E402
+from scripts.bench.trace_breakdown import classify, read_gpu_trace  # noqa: E402
 from torchtitan.tools.profiling import profiled_steps  # noqa: E402
 
 SEGMENT_CLASSES = ("compute", "exchange", "exchange_wait", "fsdp", "other_collective")
@@ -116,11 +116,16 @@ def rank_profile(traces: dict[int, dict]) -> dict:
 
 
 def read_traces(folder: Path) -> dict[int, dict]:
-    """The rank<R>_trace.json files of one profiled iteration's folder, by rank."""
-    traces = {}
-    for path in sorted(folder.glob("rank*_trace.json")):
-        traces[int(path.name.removeprefix("rank").split("_")[0])] = json.loads(path.read_text())
-    return traces
+    """The rank<R>_trace.json files of one profiled iteration's folder, by rank; exits with one line where there are
+    none, or one cannot be read or is a CPU run's (`read_gpu_trace`)."""
+    paths = sorted(folder.glob("rank*_trace.json"))
+    if not paths:
+        sys.exit(
+            f"error: {folder} holds no rank<R>_trace.json; pass a profiled iteration's folder "
+            "(<dump>/profile_traces/iteration_N)"
+        )
+    rank = {path: int(path.name.removeprefix("rank").split("_")[0]) for path in paths}
+    return {rank[path]: read_gpu_trace(path, "rank_profile.py") for path in paths}
 
 
 def markdown_table(profile: dict) -> list[str]:

@@ -470,6 +470,22 @@ def markdown_table(step: dict, result: dict) -> list[str]:
     return lines
 
 
+def read_gpu_trace(path: Path, script: str) -> dict:
+    """The chrome trace at `path`; exits with one line where it cannot be read or holds no GPU work (a CPU run's
+    trace: `script` breaks down device time, and a table of zeros would read as a measurement)."""
+    try:
+        trace = json.loads(path.read_text())
+        events = trace["traceEvents"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        sys.exit(f"error: {path} is not a readable chrome trace ({type(err).__name__}: {err}); pass rank<R>_trace.json")
+    if not any(event.get("cat") in DEVICE_EVENTS for event in events):
+        sys.exit(
+            f"error: {path} holds no GPU (CUDA) kernel, a CPU run's trace: {script} needs a GPU (CUDA) trace; profile "
+            "a training run on a GPU (--profiling.enable_profiling)"
+        )
+    return trace
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", type=Path, help="a chrome trace (rank<R>_trace.json)")
@@ -477,10 +493,13 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the breakdown here")
     parser.add_argument("--add-to", type=Path, help="an e2e result JSON to store the breakdown in (profile_breakdown)")
     args = parser.parse_args()
-    result = {"trace": str(args.trace), **breakdown(json.loads(args.trace.read_text()), args.device_name)}
+    trace = read_gpu_trace(args.trace, "trace_breakdown.py")
+    result = {"trace": str(args.trace), **breakdown(trace, args.device_name)}
     if not any(step["launches"] for step in result["steps"]):
-        # a trace of a CPU run: no kernel to break down (a table of zeros would read as a measurement)
-        sys.exit(f"error: {args.trace} records no device kernel in its steps (a CPU run?); profile a GPU run")
+        sys.exit(
+            f"error: {args.trace} records GPU kernels but none launched inside a ProfilerStep; profile with the "
+            "trainer's --profiling.enable_profiling, which records whole steps"
+        )
     for step in result["steps"]:
         print("\n".join(markdown_table(step, result)) + "\n")
     if args.json:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.forkserver import CONTEXT, adopt_environment
+from tests.timeouts import generous_timeout
 from torchtitan import train
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -53,8 +54,12 @@ def run_trainer(
     import of its own). With `entry`, ranks are `python *entry` interpreters instead, for the tests of what a real
     interpreter does at exit. torchrun itself only adds its own start-up and exit, seconds per run on two cores:
     run_train.sh's tests and test_process_faults.py cover the launcher. A rank that fails stops the others, as
-    torchrun does."""
-    argv = ["--job.config_file", str(DEBUG_CONFIG), "--job.dump_folder", str(dump_folder), *args]
+    torchrun does. `timeout`: seconds on an idle machine after which the run counts as hung (`generous_timeout`
+    stretches it on a loaded one)."""
+    # the process groups' timeouts too: one rank compiling or saving on a loaded machine keeps the other waiting
+    comm = ["--comm.init_timeout_seconds", str(int(generous_timeout(600)))]
+    comm += ["--comm.train_timeout_seconds", str(int(generous_timeout(300)))]
+    argv = ["--job.config_file", str(DEBUG_CONFIG), "--job.dump_folder", str(dump_folder), *comm, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else "2", "PYTHONUNBUFFERED": "1"}
     env |= {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1"}
     env["MASTER_PORT"] = str(_free_port())
@@ -71,7 +76,7 @@ def run_trainer(
                     cmd = [sys.executable, *entry, *argv]
                     ranks.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=rank_env, stdout=stdout, stderr=stderr))
         try:
-            returncode = _wait_all(ranks, timeout)
+            returncode = _wait_all(ranks, generous_timeout(timeout))
         finally:
             for process in ranks:
                 if _exit_code(process) is None:

@@ -119,6 +119,20 @@ def test_an_initial_checkpoint_given_as_the_folder_of_its_steps_names_them(tmp_p
         check_job([*args, str(tmp_path / "checkpoint")], world_size=1)
 
 
+def test_an_initial_checkpoint_that_is_no_dcp_folder_is_one_error_before_launch(tmp_path):
+    # both failed only in the trainer, after the model was built
+    args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path / "dump"), "--checkpoint.initial_load_path"]
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "__0_0.distcp").write_bytes(b"data without its index")
+    with pytest.raises(ConfigError, match=r"copy is a DCP checkpoint \(its __0_0.distcp\) missing its .metadata, "):
+        check_job([*args, str(copy)], world_size=1)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"hf' is not a DCP checkpoint folder .*add --checkpoint.initial_load_in_hf"):
+        check_job([*args, str(tmp_path / "hf")], world_size=1)
+
+
 def test_a_cache_folder_that_is_a_file_is_one_error(tmp_path, monkeypatch):
     (tmp_path / "cache").write_text("not a folder")
     monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))
@@ -396,3 +410,41 @@ def test_profiling_past_the_last_step_warns_in_one_line(tmp_path, caplog):
     caplog.clear()
     check_job([*args[:-1], "10"], world_size=1)
     assert not [r for r in caplog.records if "profile_freq" in r.getMessage()]
+
+
+def test_more_checkpointed_blocks_than_the_model_has_is_one_error(tmp_path):
+    # it checkpointed every block silently, as -1 does: a number meant for another model
+    args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--model.flavor", "debugmodel_tiny",
+            "--activation_checkpoint.mode", "full"]  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"num_blocks=100, but the model \(--model.flavor debugmodel_tiny\) has 5 blocks \(4 layers \+ 1 MTP "
+        r"modules\); pass at most 5, or -1 for every block",
+    ):
+        check_job([*args, "--model.mtp_layers", "1", "--activation_checkpoint.num_blocks", "100"], world_size=1)
+    check_job([*args, "--model.mtp_layers", "1", "--activation_checkpoint.num_blocks", "5"], world_size=1)
+
+
+def test_the_deepep_backend_without_expert_parallelism_says_it_runs_as_the_standard_one(tmp_path, caplog):
+    logging.disable(logging.NOTSET)  # preflight.main, run by a test above, turns warnings off for its process
+    args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--parallelism.expert_parallel_comm_backend", "deepep"]
+    check_job(args, world_size=1)
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "deepep" in r.getMessage()]
+    assert "expert_parallel_degree 1: there is no token exchange" in line and "as with the standard backend" in line
+
+
+def test_flags_this_job_never_reads_are_named_in_one_warning(tmp_path, caplog):
+    # --checkpoint.keep_latest_k without --checkpoint.enable (and the like) did nothing, silently
+    logging.disable(logging.NOTSET)  # preflight.main, run by a test above, turns warnings off for its process
+    args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--checkpoint.keep_latest_k", "2",
+            "--validation.freq", "5", "--model.mtp_loss_weight", "0.3"]  # fmt: skip
+    check_job(args, world_size=1)
+    (line,) = [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()]
+    assert line == (
+        "these flags have no effect in this job: --checkpoint.keep_latest_k (without --checkpoint.enable); "
+        "--validation.freq (without --validation.enable); --model.mtp_loss_weight (without --model.mtp_layers > 0)"
+    )
+    caplog.clear()
+    check_job([*args, "--checkpoint.enable", "--validation.enable", "--model.mtp_layers", "1"], world_size=1)
+    check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path)], world_size=1)  # its TOML presets checkpoint.interval
+    assert not [r for r in caplog.records if "no effect" in r.getMessage()]

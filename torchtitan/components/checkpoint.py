@@ -62,6 +62,7 @@ from torchtitan.components.loss import nonfinite_weight
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ResumeMismatchError
 from torchtitan.tools.dtypes import DTYPES
+from torchtitan.tools.lost_peer import lost_peer
 
 logger = logging.getLogger(__name__)
 
@@ -137,9 +138,10 @@ class CheckpointManager:
                 "--checkpoint.last_save_model_only and convert the DCP checkpoint offline"
             )
 
-        # CPU-side collectives (DCP planning, async save's background thread, barriers) go over gloo, so they
-        # work next to an NCCL default group and never block the GPU stream.
-        self.pg = dist.new_group(backend="gloo") if self.enable and dist.is_initialized() else None
+        # CPU-side collectives (DCP planning, async save's background thread, barriers, the checks before a load) go
+        # over gloo, so they work next to an NCCL default group and never block the GPU stream.
+        uses_pg = self.enable or bool(config.initial_load_path)
+        self.pg = dist.new_group(backend="gloo") if uses_pg and dist.is_initialized() else None
         self._pending: _PendingSave | None = None
 
         if self.enable:
@@ -226,6 +228,12 @@ class CheckpointManager:
         failures = err.failures.values() if isinstance(err, dcp.CheckpointException) else ()
         if any(isinstance(failure[0], KeyboardInterrupt) for failure in failures):
             return KeyboardInterrupt()
+        if lost := lost_peer(dcp_error_text(err)):  # not the disk: a rank died (kill -9, the OOM killer) in the save
+            return CheckpointError(
+                f"saving checkpoint step {step} into {tmp_path} stopped: another rank died during the save (its "
+                f"connection: {lost}); the previous checkpoint is untouched. The launcher names the rank; run the same "
+                "command again to resume from the previous checkpoint"
+            )
         return CheckpointError(
             f"saving checkpoint step {step} into {tmp_path} failed ({dcp_error_text(err)}{_free_space(self.folder)}); "
             f"the previous checkpoint is untouched. Make {self.folder} writable with free space, or save elsewhere: "
@@ -417,7 +425,8 @@ class CheckpointManager:
             self._load_hf(path)
             logger.info(f"initialized model from HF checkpoint {path} in {time.monotonic() - begin:.2f}s")
             return False
-        self._rank0_decides(lambda: validate_foreign_dcp(path))
+        if self._rank0_decides(lambda: validate_foreign_dcp(path, _INITIAL_DAMAGE_FIX)):
+            self._verify_checksums(path, _INITIAL_DAMAGE_FIX)  # one of ours: every file, as before a resume
         keys = checkpoint_keys(path, "pass an intact one as --checkpoint.initial_load_path")
         if self.config.initial_load_model_only:
             prefix = model_key_prefix(keys)
@@ -550,6 +559,9 @@ class CheckpointManager:
         if status == "error":
             raise CheckpointError(value)
         return value
+
+
+_INITIAL_DAMAGE_FIX = "restore the checkpoint from an intact copy, or pass another --checkpoint.initial_load_path"
 
 
 @dataclass

@@ -199,15 +199,35 @@ def dcp_error_text(err: BaseException) -> str:
     return " ".join(f"{type(err).__name__}: {err}".split())
 
 
-def validate_foreign_dcp(path: str) -> None:
-    """An initial_load_path: one of ours (manifest) is fully validated; any DCP folder needs `.metadata`."""
+def validate_foreign_dcp(path: str, fix: str) -> bool:
+    """An initial_load_path: one of ours (it has a manifest: True) has every file of its manifest at its size (its
+    checksums are the caller's to verify, spread over the ranks); any DCP folder needs `.metadata`. `fix` ends the
+    error of a damaged one."""
     if _has_manifest(path):
-        validate_checkpoint(path)
-    elif not os.path.isfile(os.path.join(path, ".metadata")):
+        validate_checkpoint(path, fix=f"Nothing was loaded; {fix}")
+        return True
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        if missing := missing_metadata(path):
+            raise CheckpointError(f"checkpoint.initial_load_path {missing}; {fix}")
         raise CheckpointError(
             f"checkpoint.initial_load_path {path} is not a DCP checkpoint folder (no .metadata); for HF safetensors "
             f"set --checkpoint.initial_load_in_hf"
         )
+    return False
+
+
+def missing_metadata(path: str) -> str | None:
+    """'<path> is a DCP checkpoint ... missing its .metadata ...' for a folder of DCP data files (`*.distcp`) without
+    the `.metadata` that indexes them, else None: told apart from a folder that is no checkpoint at all."""
+    if os.path.isfile(os.path.join(path, ".metadata")) or not os.path.isdir(path):
+        return None
+    data = sorted(name for name in os.listdir(path) if name.endswith(".distcp"))
+    if not data:
+        return None
+    return (
+        f"{path} is a DCP checkpoint (its {data[0]}{', ...' if len(data) > 1 else ''}) missing its .metadata, which "
+        "DCP writes last: an incomplete save or a damaged copy"
+    )
 
 
 def checkpoint_keys(path: str, fix: str = "use an intact checkpoint") -> set[str]:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from torchtitan.config import ConfigError
 from torchtitan.config.job_config import JobConfig
 
 logger = logging.getLogger(__name__)
@@ -124,10 +125,10 @@ class MetricsProcessor:
                 project, name = job_config.metrics.wandb_project, job_config.metrics.wandb_run_name
                 try:
                     self.wandb_run = wandb.init(project=project, name=name, dir=dump_folder, config=asdict(job_config))
-                except wandb.errors.UsageError as err:  # e.g. no API key and no WANDB_MODE
-                    raise ValueError(
-                        f"--metrics.enable_wandb: wandb refused to start ({err}); run `wandb login`, or set "
-                        "WANDB_MODE=offline to log locally"
+                except wandb.errors.Error as err:  # e.g. no API key and no WANDB_MODE: main prints the one line
+                    raise ConfigError(
+                        f"--metrics.enable_wandb: wandb refused to start ({' '.join(str(err).split())}); run `wandb "
+                        "login`, or set WANDB_MODE=offline to log locally"
                     ) from None
             if job_config.metrics.enable_jsonl:
                 os.makedirs(dump_folder, exist_ok=True)

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.config.numeric_limits import as_used, limit_problem
 
 _HELP_FLAGS = ("-h", "--help")
 _NONE_STRINGS = ("none", "None")
@@ -65,6 +66,12 @@ def _resolve(overrides: dict[str, Any]) -> JobConfig:
         _apply(config, _load_toml(config_file))
     _apply(config, overrides)
     return config
+
+
+def command_line_keys(argv: list[str]) -> set[str]:
+    """The keys a command line sets itself (`section.field`), apart from its TOML file's; call after `parse_args`
+    accepted it."""
+    return set(_parse_cli(argv)) - {"job.config_file"}
 
 
 def format_help(job: JobConfig | None = None, source: str = "") -> str:
@@ -121,6 +128,16 @@ def validate(job_config: JobConfig) -> None:
     for key, ok, requirement in _RANGES:
         value = _value(job_config, key)
         _require(ok(value), f"{key} must be {requirement}, got {value}; pass --{key} with such a value")
+        stored = as_used(value)  # e.g. a beta2 of 0.9999999999 is 1.0 in float32
+        _require(
+            ok(stored),
+            f"{key} must be {requirement}, got {value}, which is {stored} in float32, the dtype the trainer computes "
+            f"it in; pass --{key} with such a value",
+        )
+    for spec in _fields().values():  # every number as the dtype that uses it holds it (numeric_limits.py)
+        value = _value(job_config, spec.key)
+        problem = limit_problem(value)
+        _require(problem is None, f"{spec.key}={value!r} {problem}; pass --{spec.key} within that range")
     sms = job_config.parallelism.deepep_num_sms
     _require(
         sms > 0 and sms % 2 == 0,
@@ -173,6 +190,14 @@ def validate(job_config: JobConfig) -> None:
         "parallelism.expert_parallel_capacity_factor bounds what a sync-free exchange receives: it needs "
         "expert_parallel_degree > 1 and --parallelism.expert_parallel_comm_backend symm_mem, or deepep with "
         f"--parallelism.deepep_sync_free_dispatch (got {backend!r}, {ep}); drop the factor or switch the backend",
+    )
+
+    factor = par.expert_parallel_capacity_factor
+    _require(
+        factor is None or factor <= ep,
+        f"parallelism.expert_parallel_capacity_factor={factor} is above expert_parallel_degree ({ep}): a rank never "
+        f"receives more than {ep}x its balanced load, so it would drop nothing and size its receive buffer past the "
+        f"worst case; pass a factor <= {ep}, or none",
     )
 
     opt = job_config.optimizer

@@ -12,7 +12,6 @@ Empty documents are skipped; a corpus whose documents are all empty or whitespac
 """
 
 import gzip
-import io
 import json
 import os
 from pathlib import Path
@@ -32,11 +31,18 @@ class DatasetError(ValueError):
     """A corpus file that cannot be read as documents; the message names the file (and line) and the fix."""
 
 
+PEEK_RECORDS = 100
+"""Records preflight reads from the start of every corpus file (a .txt file: its first PEEK_TEXT_CHARS characters)."""
+PEEK_TEXT_CHARS = 1 << 16
+
+
 def check_corpus(dataset: str, dataset_path: str | None, section: str = "training") -> None:
-    """Preflight: every corpus file exists, has a known format, and its first 100 records decode to text (the
-    trainer reads them all, and a bad record further in fails there with the same one-line message)."""
+    """Preflight: every corpus file exists, has a known format, opens, and its first records decode to text. Every
+    file, cheaply (its start; a Parquet file's footer too): a garbage file anywhere in a folder fails here, not in the
+    trainer. A bad record further in fails in the trainer, with the same one-line message."""
     files = resolve_corpus_files(dataset, dataset_path, section)
-    if not any(doc.strip() for path in files for doc in read_documents(path, limit=100)):
+    peeked = [doc for path in files for doc in read_documents(path, limit=PEEK_RECORDS)]
+    if not any(doc.strip() for doc in peeked):
         raise empty_corpus_error(files)
 
 
@@ -83,24 +89,29 @@ def resolve_corpus_files(dataset: str, dataset_path: str | None, section: str = 
 
 
 def read_documents(path: Path, limit: int | None = None) -> list[str]:
-    """Documents of one corpus file (format chosen by suffix, see the module docstring); the first `limit` only
-    if given. Undecodable content raises DatasetError naming the file and line."""
+    """Documents of one corpus file (format chosen by suffix, see the module docstring). With `limit`, a cheap look
+    at its start: the first `limit` documents, read without the rest of the file (a .txt file's one document cut at
+    PEEK_TEXT_CHARS characters). Undecodable content raises DatasetError naming the file and line."""
     name = path.name.lower()
     try:
         if name.endswith((".jsonl", ".jsonl.gz")):
             return _read_jsonl(path, limit)
         if name.endswith((".txt", ".txt.gz")):
             with _open_text(path) as f:
-                return [f.read()]
+                return [f.read() if limit is None else f.read(PEEK_TEXT_CHARS)]
         if name.endswith(".parquet"):
             import pyarrow.parquet as pq  # only Parquet/Arrow corpora need pyarrow
 
-            columns = pq.read_schema(path).names
+            parquet = pq.ParquetFile(path)  # reads and checks the footer
+            columns = parquet.schema_arrow.names
             if TEXT_FIELD not in columns:
                 raise DatasetError(f"{path} has no {TEXT_FIELD!r} column (columns: {columns})")
-            return _text_column(pq.read_table(path, columns=[TEXT_FIELD]), path)[:limit]
+            if limit is None:
+                return _text_column(parquet.read(columns=[TEXT_FIELD]), path)
+            batches = parquet.iter_batches(batch_size=limit, columns=[TEXT_FIELD])
+            return _text_column(_pa_table(next(batches, None), parquet.schema_arrow), path)[:limit]
         if name.endswith(".arrow"):
-            return _text_column(_read_arrow(path), path)[:limit]
+            return _text_column(_read_arrow(path, limit), path)[:limit]
     except DatasetError:
         raise
     except UnicodeDecodeError as err:
@@ -171,16 +182,31 @@ def _saved_hf_dataset_files(folder: Path, flag: str) -> list[Path]:
     return files
 
 
-def _read_arrow(path: Path) -> "pa.Table":
+def _read_arrow(path: Path, limit: int | None = None) -> "pa.Table":
+    """An Arrow IPC file's table; with `limit`, its first record batch only."""
     import pyarrow as pa
     import pyarrow.ipc
 
     # `datasets.save_to_disk` writes the IPC stream format; plain Arrow files use the IPC file format.
-    data = path.read_bytes()
-    try:
-        return pa.ipc.open_stream(io.BytesIO(data)).read_all()
-    except pa.ArrowInvalid:
-        return pa.ipc.open_file(io.BytesIO(data)).read_all()
+    with pa.OSFile(str(path)) as source:
+        try:
+            reader = pa.ipc.open_stream(source)
+            if limit is None:
+                return reader.read_all()
+            return _pa_table(next(iter(reader), None), reader.schema)
+        except pa.ArrowInvalid:
+            source.seek(0)
+            reader = pa.ipc.open_file(source)  # checks the footer
+            if limit is None:
+                return reader.read_all()
+            return _pa_table(reader.get_batch(0) if reader.num_record_batches else None, reader.schema)
+
+
+def _pa_table(batch: "pa.RecordBatch | None", schema: "pa.Schema") -> "pa.Table":
+    """One record batch as a table (an empty one of `schema` for None: a file without rows)."""
+    import pyarrow as pa
+
+    return pa.Table.from_batches([batch] if batch is not None else [], schema=schema)
 
 
 def _text_column(table: "pa.Table", path: Path) -> list[str]:

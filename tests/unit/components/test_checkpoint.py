@@ -494,6 +494,60 @@ def test_export_never_pushes_the_resumable_checkpoint_out_and_resume_continues(t
     assert sorted(os.listdir(folder(tmp_path) / "exports")) == ["step-10", "step-14"]
 
 
+def _flip_a_byte(path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # same size: the manifest's byte count still matches
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("model_only", [True, False])
+def test_a_damaged_initial_checkpoint_is_caught_by_its_checksums(tmp_path, model_only):
+    # its sizes were checked, not its checksums: a flipped bit loaded, and the run stopped later blaming the lr
+    Run(make_config(tmp_path)).train(2)
+    step2 = folder(tmp_path) / "step-2"
+    data = next(p for p in step2.iterdir() if p.suffix == ".distcp")
+    _flip_a_byte(data)
+    config = make_config(tmp_path / "other", initial_load_path=str(step2), initial_load_model_only=model_only)
+    with pytest.raises(CheckpointError) as err:
+        Run(config).manager.load()
+    assert str(err.value) == (
+        f"checkpoint {step2} is corrupt: {data.name} no longer match(es) the checksum written with it. Nothing was "
+        "loaded; restore the checkpoint from an intact copy, or pass another --checkpoint.initial_load_path"
+    )
+
+
+def test_an_initial_checkpoint_that_lost_its_metadata_says_so(tmp_path):
+    Run(make_config(tmp_path)).train(2)
+    copy = tmp_path / "copy"
+    shutil.copytree(folder(tmp_path) / "step-2", copy)
+    (copy / ".metadata").unlink()
+    (copy / MANIFEST_NAME).unlink()  # a copy of the data files only
+    with pytest.raises(CheckpointError, match=r"is a DCP checkpoint \(its __0_0.distcp\) missing its .metadata, wh"):
+        Run(make_config(tmp_path / "other", initial_load_path=str(copy))).manager.load()
+
+
+def _initial_load_worker(rank, world_size, dump_folder, initial, out):
+    config = make_config(dump_folder, initial_load_path=initial)
+    config.checkpoint.enable = False  # an initial load alone still checks the files over both ranks
+    try:
+        Run(config, dp_rank=rank).manager.load()
+    except CheckpointError as err:
+        with open(os.path.join(out, f"rank{rank}"), "w") as f:
+            f.write(str(err))
+
+
+def test_an_initial_checkpoint_s_checksums_are_verified_over_the_ranks_and_every_rank_stops(tmp_path):
+    Run(make_config(tmp_path)).train(2)
+    step2 = folder(tmp_path) / "step-2"
+    names = sorted(json.loads((step2 / MANIFEST_NAME).read_text())["files"])
+    damaged = names[1]  # in rank 1's share (every second file, in name order)
+    _flip_a_byte(step2 / damaged)
+    (tmp_path / "out").mkdir()
+    run_distributed(_initial_load_worker, 2, str(tmp_path / "other"), str(step2), str(tmp_path / "out"))
+    for rank in (0, 1):
+        assert f"is corrupt: {damaged} no longer match" in (tmp_path / "out" / f"rank{rank}").read_text()
+
+
 def test_a_model_only_export_as_a_full_initial_state_is_one_error(tmp_path):
     Run(make_config(tmp_path, last_save_model_only=True, interval=100)).train(10)
     export = folder(tmp_path) / "exports" / "step-10"
@@ -693,6 +747,22 @@ def test_ctrl_c_inside_a_save_stays_an_interrupt_and_other_failures_name_the_fol
     assert isinstance(disk, CheckpointError) and "writable with free space" in str(disk)
     # a full disk tears a write ("unexpected pos ..."); the message says how much room is left there
     assert re.search(r"; \d+ MiB free there\); the previous checkpoint is untouched", str(disk)), str(disk)
+
+
+def test_a_save_that_lost_another_rank_says_so_and_does_not_blame_the_disk(tmp_path):
+    # kill -9 of the other rank during an async save: gloo's collective fails on the closed connection
+    manager = Run(make_config(tmp_path)).manager
+    gloo = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:35204: Connection reset "
+        "by peer. This is typically caused by a remote worker hanging or bugs in the application."
+    )
+    for err in (gloo, dcp.CheckpointException("save failed", {0: (gloo, None)})):
+        message = str(manager._save_error(4, str(tmp_path / "step-4.tmp"), err))
+        assert message == (
+            f"saving checkpoint step 4 into {tmp_path / 'step-4.tmp'} stopped: another rank died during the save (its "
+            "connection: Connection reset by peer); the previous checkpoint is untouched. The launcher names the "
+            "rank; run the same command again to resume from the previous checkpoint"
+        )
 
 
 def test_a_checkpoint_that_cannot_be_read_is_an_error_never_an_unfinished_save(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ from torchtitan.components.metrics import (
     format_metrics_line,
     get_peak_flops,
 )
+from torchtitan.config import ConfigError
 from torchtitan.config.job_config import JobConfig
 
 LINE = re.compile(
@@ -207,17 +208,31 @@ def test_wandb_offline_run_gets_the_tensorboard_scalars(tmp_path, monkeypatch):
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # the run, ready for `wandb sync`
 
 
-def test_wandb_that_refuses_to_start_is_one_error_naming_the_fix(tmp_path, monkeypatch):
-    wandb = pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb; it is in the dev extra)")
+def without_a_wandb_key(monkeypatch, home) -> None:
+    """The environment of a user who never ran `wandb login`: no key in the environment, a home without a .netrc,
+    online mode; wandb stops before any network access, so the test needs none."""
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "WANDB_CONFIG_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("NETRC", str(home / ".netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(home / ".config" / "wandb"))
+    import wandb
 
-    def refuse(**kwargs):
-        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+    wandb.teardown()  # wandb keeps the settings an earlier test started it with for the process; a new run has none
 
-    monkeypatch.setattr(wandb, "init", refuse)
+
+def test_wandb_without_an_api_key_is_a_config_error_naming_the_fix(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb; it is in the dev extra)")
+    without_a_wandb_key(monkeypatch, tmp_path)
+    monkeypatch.chdir(tmp_path)  # no ./wandb/settings either
     config = job_config(tmp_path, tensorboard=False)
     config.metrics.enable_wandb = True
-    with pytest.raises(ValueError, match=r"--metrics.enable_wandb: wandb refused to start .*WANDB_MODE=offline"):
+    with pytest.raises(ConfigError) as err:  # the trainer's main prints a ConfigError as its one line
         MetricsProcessor(config, num_flops_per_token=1.0, device="cpu", is_logging_rank=True)
+    assert str(err.value) == (
+        "--metrics.enable_wandb: wandb refused to start (No API key configured. Use `wandb login` to log in.); run "
+        "`wandb login`, or set WANDB_MODE=offline to log locally"
+    )
 
 
 @pytest.mark.parametrize(

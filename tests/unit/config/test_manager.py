@@ -4,8 +4,9 @@ import sys
 
 import pytest
 
+from tests.timeouts import generous_timeout
 from torchtitan.config import ConfigError, ConfigManager, HelpRequested, JobConfig, format_help, help_for
-from torchtitan.config.manager import validate
+from torchtitan.config.manager import _fields, _unwrap_optional, validate
 
 
 def parse(*argv: str) -> JobConfig:
@@ -352,7 +353,7 @@ def test_help_prints_and_exits_zero(flag, capsys):
 
 def test_uncaught_help_exits_process_with_zero():
     code = "from torchtitan.config import ConfigManager; ConfigManager().parse_args(['--help'])"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=generous_timeout(60))
     assert result.returncode == 0
     assert "--parallelism.deepep_num_sms" in result.stdout
     assert result.stderr == ""
@@ -477,6 +478,48 @@ def test_validation_rejects_bad_values(flags, message):
 )
 def test_validation_accepts_good_values(flags):
     parse(*flags)
+
+
+def _float_keys() -> list[str]:
+    return [key for key, spec in _fields().items() if _unwrap_optional(spec.type)[0] is float]
+
+
+def test_the_float_options_are_found():
+    # the generic check below covers what this finds: a float option added later is covered without listing it
+    assert {"optimizer.lr", "optimizer.eps", "optimizer.beta2", "training.max_norm", "model.mtp_loss_weight"} <= set(
+        _float_keys()
+    )
+
+
+@pytest.mark.parametrize("key", _float_keys())
+def test_every_float_option_is_checked_in_the_float32_the_trainer_computes_it_in(key):
+    # 1e45 is finite in Python and inf in float32: --optimizer.lr 1e45 passed and step 1 died in a traceback;
+    # 1e-50 is 0 there (an lr of 1e-50 trained nothing, silently). A field whose range refuses 1e45 anyway says so.
+    for value in ("1e45", "1e-50"):
+        with pytest.raises(ConfigError) as err:
+            parse(f"--{key}", value)
+        message = str(err.value)
+        assert message.startswith(key) and "\n" not in message, message
+        assert "float32" in message or "got 1e+45;" in message, message
+
+
+def test_a_value_float32_rounds_out_of_its_range_is_refused_naming_what_it_becomes():
+    with pytest.raises(ConfigError, match=r"beta2 must be in \[0, 1\), got 0.9999999999, which is 1.0 in float32"):
+        parse("--optimizer.beta2", "0.9999999999")
+    parse("--optimizer.beta2", "0.9999")  # below 1 in float32 too
+
+
+def test_an_int_option_past_int64_is_refused():
+    with pytest.raises(ConfigError, match=rf"training.steps={2**63} does not fit in int64"):
+        parse("--training.steps", str(2**63))
+
+
+def test_a_capacity_factor_above_the_ep_degree_is_refused():
+    deepep = ["--parallelism.expert_parallel_comm_backend=deepep", "--parallelism.expert_parallel_degree=2",
+              "--parallelism.deepep_sync_free_dispatch"]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"capacity_factor=3.0 is above expert_parallel_degree \(2\).*<= 2, or none"):
+        parse(*deepep, "--parallelism.expert_parallel_capacity_factor=3")
+    parse(*deepep, "--parallelism.expert_parallel_capacity_factor=2")
 
 
 def test_validate_runs_on_toml_values(tmp_path):

@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+from tests.timeouts import generous_timeout
 from torchtitan.datasets.tokenizer import BOS_TOKEN, EOS_TOKEN, Tokenizer, build_tokenizer
 
 
@@ -56,6 +57,7 @@ def test_build_script_reproduces_shipped_tokenizer(tmp_path, repo_root):
         [sys.executable, str(repo_root / "scripts/build_tokenizer.py"), "--output", str(output)],
         check=True,
         capture_output=True,
+        timeout=generous_timeout(300),
     )
     rebuilt, shipped = (
         json.loads(output.read_text()),

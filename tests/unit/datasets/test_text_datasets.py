@@ -343,3 +343,47 @@ def test_unreadable_dataset_files_are_one_error_naming_the_file(tmp_path, layout
         (tmp_path / name).write_bytes(text) if isinstance(text, bytes) else (tmp_path / name).write_text(text)
     with pytest.raises(DatasetError, match=message):
         check_corpus("tinycorpus", str(tmp_path))
+
+
+def _truncated_parquet(path) -> bytes:
+    pq.write_table(pa.table({"text": ["a document"] * 10}), path)
+    return path.read_bytes()[:-20]
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("z.jsonl", b"garbage\n", r"z.jsonl:1: not a JSON object"),
+        ("z.txt", b"\xff\xfe binary", r"z.txt: not UTF-8 text"),
+        ("z.txt.gz", b"not gzip at all", r"z.txt.gz: cannot be read \(Not a gzipped file"),
+        ("z.parquet", "truncated", r"z.parquet: not a readable parquet file"),
+        ("z.arrow", b"garbage", r"z.arrow: not a readable arrow file"),
+    ],
+)
+def test_preflight_checks_every_file_of_a_folder_not_only_until_a_good_document(tmp_path, name, content, message):
+    # it stopped at the first good document, so a garbage file later in the folder was found only by the trainer
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "a good document first"}) + "\n")
+    path = tmp_path / name
+    path.write_bytes(_truncated_parquet(path) if content == "truncated" else content)
+    with pytest.raises(DatasetError, match=message):
+        check_corpus("tinycorpus", str(tmp_path))
+
+
+def test_preflight_reads_only_the_start_of_each_file(tmp_path):
+    (tmp_path / "big.txt").write_text("x" * (3 << 16) + "\udcff", errors="surrogateescape")  # bad byte past the start
+    (document,) = read_documents(tmp_path / "big.txt", limit=100)
+    assert len(document) == 1 << 16
+    check_corpus("tinycorpus", str(tmp_path / "big.txt"))  # the trainer, which reads it all, names the byte
+    with pytest.raises(DatasetError, match="not UTF-8 text"):
+        read_documents(tmp_path / "big.txt")
+
+    table = pa.table({"text": [f"document {i}" for i in range(1000)]})
+    pq.write_table(table, tmp_path / "d.parquet", row_group_size=100)
+    stream, file = tmp_path / "stream.arrow", tmp_path / "file.arrow"
+    with pa.OSFile(str(stream), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=100)
+    with pa.OSFile(str(file), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=100)
+    for path in (tmp_path / "d.parquet", stream, file):
+        assert read_documents(path, limit=5) == [f"document {i}" for i in range(5)], path
+        assert len(read_documents(path)) == 1000, path

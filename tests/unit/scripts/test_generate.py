@@ -142,6 +142,20 @@ def test_a_damaged_checkpoint_is_one_error_line(how, message, tmp_path, capsys):
     assert line.startswith("error: ") and message in line, line
 
 
+@pytest.mark.parametrize("shape", [[], ["--flavor", "debugmodel"]])
+def test_a_dcp_checkpoint_without_its_metadata_is_named_as_one(shape, tmp_path, capsys):
+    # with a --flavor it said "no .safetensors files": a DCP folder without .metadata was taken for an HF folder
+    _, dcp_folder = _checkpoint(tmp_path, "default", "dcp")
+    (dcp_folder / ".metadata").unlink()
+    capsys.readouterr()
+    assert generate.main([str(dcp_folder), "--prompt", "x", "--device", "cpu", *shape]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        f"error: {dcp_folder} is a DCP checkpoint (its __0_0.distcp) missing its .metadata, which DCP writes last: an "
+        "incomplete save or a damaged copy; copy the whole checkpoint again, or sample from another one"
+    )
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -93,3 +93,19 @@ def test_a_step_without_device_work_attributes_nothing():
     a = step_attribution([])
     assert a["span_ms"] == a["idle_ms"] == a["grouped_gemm_ms"] == 0.0
     assert set(a["exposed_ms"]) == {"compute", "exchange", "exchange_wait", "fsdp", "other_collective"}
+
+
+def test_a_cpu_run_s_traces_or_none_are_one_line_instead_of_a_table_of_zeros(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from scripts.bench import rank_profile as script
+
+    monkeypatch.setattr(sys, "argv", ["rank_profile.py", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"holds no rank<R>_trace.json; pass a profiled iteration's folder"):
+        script.main()
+    cpu = {"deviceProperties": [], "traceEvents": [host_event("ProfilerStep#4", 0, 50, cat="user_annotation")]}
+    (tmp_path / "rank0_trace.json").write_text(json.dumps(cpu))
+    with pytest.raises(SystemExit) as exit_:
+        script.main()
+    assert "holds no GPU (CUDA) kernel, a CPU run's trace: rank_profile.py needs a GPU (CUDA) trace" in str(exit_.value)
+    assert capsys.readouterr().out == ""

@@ -207,13 +207,29 @@ def test_cli_prints_the_table_and_adds_the_breakdown_to_a_result(tmp_path, monke
     )
 
 
-def test_cli_on_a_trace_without_device_kernels_says_so_instead_of_a_table_of_zeros(tmp_path, monkeypatch, capsys):
-    trace = synthetic_trace()
-    device = ("kernel", "gpu_memcpy", "gpu_memset")
-    trace["traceEvents"] = [event for event in trace["traceEvents"] if event.get("cat") not in device]
+def cpu_trace() -> dict:
+    """What a CPU run's trace holds: host ops and steps, no device events, no device properties."""
+    device = ("kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver")
+    events = [event for event in synthetic_trace()["traceEvents"] if event.get("cat") not in device]
+    return {"deviceProperties": [], "traceEvents": events}
+
+
+@pytest.mark.parametrize(
+    "trace, message",
+    [
+        (cpu_trace(), "holds no GPU (CUDA) kernel, a CPU run's trace: trace_breakdown.py needs a GPU (CUDA) trace; "),
+        ({**synthetic_trace(), "traceEvents": [e for e in synthetic_trace()["traceEvents"]
+                                               if not e["name"].startswith("ProfilerStep#")]},
+         "records GPU kernels but none launched inside a ProfilerStep"),
+        ("{not json", "is not a readable chrome trace (JSONDecodeError: "),
+    ],
+    ids=["cpu-run", "no-steps", "not-json"],
+)  # fmt: skip
+def test_cli_on_a_trace_it_cannot_break_down_says_why_in_one_line(trace, message, tmp_path, monkeypatch, capsys):
     path = tmp_path / "rank0_trace.json"
-    path.write_text(json.dumps(trace))
+    path.write_text(trace if isinstance(trace, str) else json.dumps(trace))
     monkeypatch.setattr(sys, "argv", ["trace_breakdown.py", str(path)])
-    with pytest.raises(SystemExit, match="records no device kernel in its steps \\(a CPU run\\?\\)"):
+    with pytest.raises(SystemExit) as exit_:
         trace_breakdown.main()
-    assert capsys.readouterr().out == ""
+    assert str(exit_.value).startswith(f"error: {path} ") and message in str(exit_.value), exit_.value
+    assert "\n" not in str(exit_.value) and capsys.readouterr().out == ""

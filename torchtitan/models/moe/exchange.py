@@ -111,6 +111,12 @@ class DeepEPBackend(ExchangeBackend):
                 f"expert_tensor_parallel_degree={parallel_dims.etp}; set both to 1 (use FSDP + EP), or use "
                 "--parallelism.expert_parallel_comm_backend standard."
             )
+        if parallel_dims.ep == 1:
+            logger.warning(
+                "parallelism.expert_parallel_comm_backend=deepep with expert_parallel_degree 1: there is no token "
+                "exchange, so the MoE layers run the local dispatcher, as with the standard backend; set "
+                "--parallelism.expert_parallel_degree > 1 to use DeepEP"
+            )
         if parallel_dims.ep > 1 and parallel_dims.ep not in DEEPEP_EP_SIZES:
             raise ValueError(
                 f"expert_parallel_degree={parallel_dims.ep}: DeepEP has kernel configs only for EP sizes "
