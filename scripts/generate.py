@@ -40,7 +40,7 @@ from torchtitan.components.checkpoint_folder import (  # noqa: E402
     model_mismatch,
     verify_checkpoint_files,
 )
-from torchtitan.components.hf_safetensors import load_hf_safetensors  # noqa: E402
+from torchtitan.components.hf_checkpoint import HFCheckpoint  # noqa: E402
 from torchtitan.datasets.tokenizer import BOS_TOKEN, EOS_TOKEN, resolve_tokenizer_path  # noqa: E402
 from torchtitan.models.deepseek_v3 import (  # noqa: E402
     DeepSeekV3Model,
@@ -196,14 +196,16 @@ def load_model(
                 raise CheckpointError(
                     f"cannot read {path} ({dcp_error_text(err)}); sample from another checkpoint"
                 ) from None
-    else:
-        hf_state = load_hf_safetensors(path)
+    else:  # read tensor by tensor into the model (FP8 weights dequantized): the checkpoint is never held whole
+        checkpoint = HFCheckpoint(path)
         try:
-            loaded = DeepSeekV3StateDictAdapter(args).from_hf(hf_state)
+            sources = DeepSeekV3StateDictAdapter(args).hf_sources(checkpoint.keys())
         except ValueError as err:  # names what differs from the model's shape
             raise ValueError(f"{path} holds another model than {shape} builds: {err}; {_SHAPE_FIX}") from None
-        _check_same_model(path, shape, state, {name: value.shape for name, value in loaded.items()})
-        model.load_state_dict(loaded)
+        held = checkpoint.shapes(sources)
+        held.update((name, state[name].shape) for name, source in sources.items() if not source.keys)  # zeros
+        _check_same_model(path, shape, state, held)
+        checkpoint.read_into(state, sources)
     return model.eval()
 
 
