@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> None:
         "--mtp-layers", type=int, help="multi-token prediction modules (as --model.mtp_layers; default: the shape's)"
     )
     opts = parser.parse_args(argv)
+    if opts.fp8_blocks and opts.direction == "from-hf":
+        raise ValueError("--fp8-blocks is for to-hf: from-hf reads the block size from the folder's config.json")
+    fp8_block = _block_size(opts.fp8_blocks) if opts.fp8_blocks else None
 
     if not os.path.isdir(opts.src):
         expected = "a checkpoint's step-N folder" if opts.direction == "to-hf" else "a HF folder (safetensors)"
@@ -131,10 +134,7 @@ def main(argv: list[str] | None = None) -> None:
 
     dtype = DTYPES[opts.dtype] if opts.dtype else None
     if opts.direction == "to-hf":
-        fp8_block = _block_size(opts.fp8_blocks) if opts.fp8_blocks else None
         dcp_to_hf(opts.src, opts.dst, args, dtype or torch.bfloat16, opts.max_shard_size, fp8_block)
-    elif opts.fp8_blocks:
-        raise ValueError("--fp8-blocks is for to-hf: from-hf reads the block size from the folder's config.json")
     else:
         hf_to_dcp(opts.src, opts.dst, args, dtype, mtp_requested=opts.mtp_layers is not None)
     print(f"wrote {opts.dst}")
