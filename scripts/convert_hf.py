@@ -193,7 +193,7 @@ def hf_to_dcp(
     expected = _model_state(args)
     if missing := sorted(set(expected) - set(sources) - set(fresh)):
         raise ValueError(f"{src} lacks {len(missing)} tensors of this model, e.g. {missing[:3]}; check the flavor")
-    for name, shape in checkpoint.shapes(sources).items():
+    for name, shape in checkpoint.shapes(expected, sources).items():
         if name in expected and shape != expected[name].shape:
             raise ValueError(
                 f"{src}: {name} is {tuple(shape)}, {tuple(expected[name].shape)} in the model shape given: {fix}"

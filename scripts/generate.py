@@ -202,9 +202,7 @@ def load_model(
             sources = DeepSeekV3StateDictAdapter(args).hf_sources(checkpoint.keys())
         except ValueError as err:  # names what differs from the model's shape
             raise ValueError(f"{path} holds another model than {shape} builds: {err}; {_SHAPE_FIX}") from None
-        held = checkpoint.shapes(sources)
-        held.update((name, state[name].shape) for name, source in sources.items() if not source.keys)  # zeros
-        _check_same_model(path, shape, state, held)
+        _check_same_model(path, shape, state, checkpoint.shapes(state, sources))
         checkpoint.read_into(state, sources)
     return model.eval()
 

@@ -473,8 +473,7 @@ class CheckpointManager:
             for state in states:
                 # else set_model_state_dict raises one line per tensor (a wrong flavor: nearly all of them)
                 ours = {key: value.shape for key, value in sorted(state.items())}
-                held = checkpoint.shapes({key: sources[key] for key in ours if key in sources})
-                held.update((key, ours[key]) for key in ours if key in sources and not sources[key].keys)  # zeros
+                held = checkpoint.shapes(state, sources)
                 if mismatch := model_mismatch(ours, held, fresh):
                     problem = f"{other_model}: {mismatch}; {fix}"
                     break

@@ -57,27 +57,31 @@ class HFCheckpoint:
         scales = set(self.scales.values())
         return [name for name in self.weight_map if name not in scales]
 
-    def shapes(self, sources: Mapping[str, HFSource]) -> dict[str, tuple[int, ...]]:
-        """The shape of each tensor `sources` reads (a stacked one: (n, *shape)), from the headers of only the shards
-        that hold them; ValueError where an FP8 weight's scales do not fit it, so that reading cannot fail on it."""
-        keys = {key for source in sources.values() for key in source.keys}
+    def shapes(self, state: Mapping[str, torch.Tensor], sources: Mapping[str, HFSource]) -> dict[str, tuple[int, ...]]:
+        """For each tensor of `state` that `sources` names, its shape in the checkpoint (a stacked one: (n, *shape)),
+        from the headers of the HF tensors this process reads into it, so of only the shards it reads; where it reads
+        nothing (zeros, or an empty shard), the tensor's own. ValueError where an FP8 weight's scales do not fit it,
+        so that reading cannot fail on that."""
+        reads = {name: _keys_read(state[name], source) for name, source in sources.items() if name in state}
+        keys = {key for read in reads.values() for key in read}
         headers = self._headers(keys | {self.scales[key] for key in keys if key in self.scales})
         for key in sorted(keys):
             self._check_fp8(key, headers)
         shapes = {}
-        for name, source in sources.items():
-            if not source.keys:
+        for name, read in reads.items():
+            if not read:
+                shapes[name] = tuple(state[name].shape)
                 continue
-            first = headers[source.keys[0]][1]
-            if not source.stacked:
+            first = headers[read[0]][1]
+            if not sources[name].stacked:
                 shapes[name] = first
                 continue
-            if other := next((key for key in source.keys if headers[key][1] != first), None):
+            if other := next((key for key in read if headers[key][1] != first), None):
                 raise ValueError(
-                    f"{other} is {list(headers[other][1])} but {source.keys[0]} {list(first)}: the tensors stacked "
-                    f"into {name} differ in shape"
+                    f"{other} is {list(headers[other][1])} but {read[0]} {list(first)}: the tensors stacked into "
+                    f"{name} differ in shape"
                 )
-            shapes[name] = (len(source.keys), *first)
+            shapes[name] = (len(sources[name].keys), *first)
         return shapes
 
     def dtypes(self, sources: Mapping[str, HFSource]) -> dict[str, torch.dtype]:
@@ -165,6 +169,14 @@ class _Read:
     key: str  # the HF tensor
     start: tuple[int, ...]  # where the region begins in it; its size is the target's
     target: torch.Tensor
+
+
+def _keys_read(target: torch.Tensor, source: HFSource) -> tuple[str, ...]:
+    """The HF tensors read into this process's share of `target`."""
+    local, start = _local_share(target)
+    if local.numel() == 0 or not source.stacked:
+        return source.keys if local.numel() else ()
+    return source.keys[start[0] : start[0] + local.shape[0]]
 
 
 def _local_share(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
