@@ -1,5 +1,6 @@
 """Sample text from a checkpoint on one device: a DCP checkpoint of ours (a training checkpoint, a model-only export,
-or scripts/convert_hf.py's output) or a Hugging Face folder (safetensors + config.json).
+or scripts/convert_hf.py's output) or a Hugging Face folder (safetensors + config.json; DeepSeek's FP8 releases are
+dequantized tensor by tensor as they are read into the model).
 
     # HF folder: the model shape from its config.json, and its tokenizer.json when it has one
     python scripts/generate.py path/to/hf_folder --prompt "The capital of France is" --max-new-tokens 32

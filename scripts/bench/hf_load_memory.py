@@ -76,13 +76,13 @@ def main() -> None:
             start_method="spawn",
         )
         ranks = sorted((results.get() for _ in range(opts.ranks)), key=lambda r: r["rank"])
-    files = sorted(folder.glob("*.safetensors"))
+        sizes = [path.stat().st_size for path in folder.glob("*.safetensors")]
     result = {
         **environment(),
         "layout": f"FSDP{opts.ranks} x EP{opts.ep}",
-        "checkpoint_mib": round(sum(f.stat().st_size for f in files) / MIB, 1),
-        "shards": len(files),
-        "largest_shard_mib": round(max(f.stat().st_size for f in files) / MIB, 1),
+        "checkpoint_mib": round(sum(sizes) / MIB, 1),
+        "shards": len(sizes),
+        "largest_shard_mib": round(max(sizes) / MIB, 1),
         "ranks": ranks,
     }
     print(json.dumps(result, indent=2))
