@@ -1,17 +1,24 @@
 """Convert model weights between our DCP checkpoints and Hugging Face safetensors folders (single process, CPU).
 
-    # our checkpoint (a full training checkpoint or a model-only export) -> HF folder with config.json
-    python scripts/convert_hf.py to-hf outputs/checkpoint/step-1000 hf_out --flavor debugmodel --dtype bfloat16
+    # our checkpoint (a full training checkpoint or a model-only export) -> HF folder with config.json, in bfloat16
+    python scripts/convert_hf.py to-hf outputs/checkpoint/step-1000 hf_out --flavor debugmodel
 
-    # HF folder (DeepSeek-V2/V3 config.json + safetensors) -> model-only DCP checkpoint, usable as
-    # --checkpoint.initial_load_path (keys "model.<name>", like the trainer's own checkpoints)
+    # ... or in the FP8 layout of DeepSeek's releases (linear layers' weights float8_e4m3fn, one scale per 128 x 128
+    # block, config.json's quantization_config saying so)
+    python scripts/convert_hf.py to-hf outputs/checkpoint/step-1000 hf_fp8 --flavor debugmodel --fp8-blocks
+
+    # HF folder (DeepSeek-V2/V3 config.json + safetensors, bf16 or DeepSeek's FP8) -> model-only DCP checkpoint,
+    # usable as --checkpoint.initial_load_path (keys "model.<name>", like the trainer's own checkpoints)
     python scripts/convert_hf.py from-hf path/to/DeepSeek-V2-Lite dcp_out
 
 The model shape comes from --flavor or --hf-config (a config.json); from-hf defaults to the folder's config.json.
-Routed experts are stacked/unstacked and names mapped by DeepSeekV3StateDictAdapter; no tensor is otherwise changed
-(except the optional --dtype cast). Nothing is written unless the output folder is new (or empty) and can be made,
-every weight is finite and the tensors have the shape given; to-hf also checks the checkpoint's files against their
-manifest (sizes and crc32, as a resume checks). Bad input ends with one `error:` line naming the fix.
+Routed experts are stacked/unstacked and names mapped by DeepSeekV3StateDictAdapter. to-hf writes floating-point
+tensors in --dtype (bfloat16 unless given; the router's selection bias stays float32). from-hf reads one tensor at a
+time into the output (FP8 weights dequantized with their block scales, to float32) and writes each tensor as stored
+unless --dtype is given; it holds the model once, in the output's dtypes. Nothing is written unless the output folder
+is new (or empty) and can be made, every weight is finite and the tensors have the shape given; to-hf also checks the
+checkpoint's files against their manifest (sizes and crc32, as a resume checks). Bad input ends with one `error:` line
+naming the fix.
 """
 
 import argparse
@@ -40,7 +47,9 @@ from torchtitan.components.checkpoint_folder import (  # noqa: E402
     model_key_prefix,
     verify_checkpoint_files,
 )
-from torchtitan.components.hf_safetensors import load_hf_safetensors, save_hf_safetensors  # noqa: E402
+from torchtitan.components.hf_checkpoint import SCALE_SUFFIX, HFCheckpoint  # noqa: E402
+from torchtitan.components.hf_safetensors import save_hf_safetensors  # noqa: E402
+from torchtitan.kernels.float8_blocks import quantize_blocks  # noqa: E402
 from torchtitan.models.deepseek_v3 import (  # noqa: E402
     DeepSeekV3Model,
     DeepSeekV3ModelArgs,
@@ -49,7 +58,7 @@ from torchtitan.models.deepseek_v3 import (  # noqa: E402
 )
 from torchtitan.models.deepseek_v3.hf_config import hf_config_from_model_args, load_hf_config  # noqa: E402
 from torchtitan.models.deepseek_v3.model import MTPBlock  # noqa: E402
-from torchtitan.models.deepseek_v3.state_dict_adapter import mtp_layers_for_checkpoint  # noqa: E402
+from torchtitan.models.deepseek_v3.state_dict_adapter import is_fp8_weight, mtp_layers_for_checkpoint  # noqa: E402
 from torchtitan.tools.cli import OneLineArgumentParser  # noqa: E402
 from torchtitan.tools.dtypes import DTYPES  # noqa: E402
 
@@ -61,12 +70,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("dst", help="output folder")
     parser.add_argument("--flavor", choices=sorted(all_flavors()), help="model shape preset")
     parser.add_argument("--hf-config", help="HF config.json giving the model shape (instead of --flavor)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating-point weights to this dtype")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        help="floating-point tensors in this dtype (to-hf: bfloat16 unless given; from-hf: as stored unless given)",
+    )
+    parser.add_argument(
+        "--fp8-blocks",
+        nargs="?",
+        const="128x128",
+        metavar="ROWSxCOLS",
+        help="to-hf: store the linear layers' weights as DeepSeek's FP8 releases do, float8_e4m3fn with one scale per "
+        "block (128x128 unless given)",
+    )
     parser.add_argument("--max-shard-size", default="5GB", help="to-hf: largest safetensors shard, e.g. 5GB")
     parser.add_argument(
         "--mtp-layers", type=int, help="multi-token prediction modules (as --model.mtp_layers; default: the shape's)"
     )
     opts = parser.parse_args(argv)
+    if opts.fp8_blocks and opts.direction == "from-hf":
+        raise ValueError("--fp8-blocks is for to-hf: from-hf reads the block size from the folder's config.json")
+    fp8_block = _block_size(opts.fp8_blocks) if opts.fp8_blocks else None
 
     if not os.path.isdir(opts.src):
         expected = "a checkpoint's step-N folder" if opts.direction == "to-hf" else "a HF folder (safetensors)"
@@ -106,21 +130,42 @@ def main(argv: list[str] | None = None) -> None:
 
     dtype = DTYPES[opts.dtype] if opts.dtype else None
     if opts.direction == "to-hf":
-        dcp_to_hf(opts.src, opts.dst, args, dtype, opts.max_shard_size)
+        dcp_to_hf(opts.src, opts.dst, args, dtype or torch.bfloat16, opts.max_shard_size, fp8_block)
     else:
         hf_to_dcp(opts.src, opts.dst, args, dtype, mtp_requested=opts.mtp_layers is not None)
     print(f"wrote {opts.dst}")
 
 
 def dcp_to_hf(
-    src: str, dst: str, args: DeepSeekV3ModelArgs, dtype: torch.dtype | None, max_shard_size: int | str
+    src: str,
+    dst: str,
+    args: DeepSeekV3ModelArgs,
+    dtype: torch.dtype,
+    max_shard_size: int | str,
+    fp8_block: tuple[int, int] | None = None,
 ) -> None:
+    """fp8_block: quantize the weights DeepSeek's releases hold in FP8 (`is_fp8_weight`), one scale per block of that
+    many rows and columns, from the checkpoint's full-precision values."""
     state_dict = load_model_from_dcp(src, args)
     _check_finite(state_dict, src)
-    hf_state_dict = DeepSeekV3StateDictAdapter(args).to_hf(_cast(state_dict, dtype))
+    hf_state_dict = {}
+    for key, value in DeepSeekV3StateDictAdapter(args).to_hf(state_dict).items():
+        if fp8_block is not None and is_fp8_weight(key):
+            hf_state_dict[key], hf_state_dict[key + SCALE_SUFFIX] = quantize_blocks(value, fp8_block)
+        elif value.is_floating_point() and not key.endswith("e_score_correction_bias"):  # fp32, as the model keeps it
+            hf_state_dict[key] = value.to(dtype)
+        else:
+            hf_state_dict[key] = value
     save_hf_safetensors(hf_state_dict, dst, max_shard_size=max_shard_size)
     config = hf_config_from_model_args(args)
-    config["torch_dtype"] = str(dtype or next(iter(state_dict.values())).dtype).removeprefix("torch.")
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    if fp8_block is not None:  # as DeepSeek-V3's config.json says it
+        config["quantization_config"] = {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": list(fp8_block),
+        }
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
 
@@ -130,31 +175,35 @@ def hf_to_dcp(
 ) -> None:
     """mtp_requested: args.mtp_layers is the user's --mtp-layers (not the config's), so a checkpoint without MTP
     tensors gets freshly initialized MTP modules instead of none (mtp_layers_for_checkpoint)."""
-    hf_state_dict = load_hf_safetensors(src)
+    checkpoint = HFCheckpoint(src)
     mtp_layers = mtp_layers_for_checkpoint(
-        args, hf_state_dict, src, in_hf=True, requested=mtp_requested, flag="--mtp-layers"
+        args, checkpoint.keys(), src, in_hf=True, requested=mtp_requested, flag="--mtp-layers"
     )
     args = dataclasses.replace(args, mtp_layers=mtp_layers)
     fix = "give the --flavor or --hf-config of the folder's model (its config.json by default)"
     try:
-        state_dict = DeepSeekV3StateDictAdapter(args).from_hf(hf_state_dict)
+        sources = DeepSeekV3StateDictAdapter(args).hf_sources(checkpoint.keys())
     except ValueError as err:  # names what differs from the shape given
         raise ValueError(f"{src}: {err}: {fix}") from None
-    if args.mtp_layers and not any(key.startswith("mtp.") for key in state_dict):
-        state_dict.update(_fresh_mtp_modules(args))
+    fresh = _fresh_mtp_modules(args) if args.mtp_layers and not any(key.startswith("mtp.") for key in sources) else {}
     expected = _model_state(args)
-    if missing := sorted(set(expected) - set(state_dict)):
+    if missing := sorted(set(expected) - set(sources) - set(fresh)):
         raise ValueError(f"{src} lacks {len(missing)} tensors of this model, e.g. {missing[:3]}; check the flavor")
-    for name, value in state_dict.items():
-        if name in expected and value.shape != expected[name].shape:
+    for name, shape in checkpoint.shapes(expected, sources).items():
+        if name in expected and shape != expected[name].shape:
             raise ValueError(
-                f"{src}: {name} is {tuple(value.shape)}, {tuple(expected[name].shape)} in the model shape given: {fix}"
+                f"{src}: {name} is {tuple(shape)}, {tuple(expected[name].shape)} in the model shape given: {fix}"
             )
-    if extra := sorted(set(state_dict) - set(expected)):
+    if extra := sorted(set(sources) - set(expected)):
         raise ValueError(f"{src} holds {len(extra)} tensors the model shape given lacks, e.g. {extra[:3]}: {fix}")
+    stored = checkpoint.dtypes(sources)  # zero-filled ones (no keys): float32, as the model keeps them
+    layout = {name: torch.empty_like(expected[name], dtype=stored.get(name, torch.float32)) for name in sources}
+    state_dict = {name: torch.empty_like(value, device="cpu") for name, value in _cast(layout, dtype).items()}
+    checkpoint.read_into(state_dict, sources)  # each tensor straight into its output dtype
+    state_dict.update(_cast(fresh, dtype))
     _check_finite(state_dict, src)
     with _single_process_dcp():
-        dcp.save({"model": _cast(state_dict, dtype)}, checkpoint_id=dst, no_dist=True)
+        dcp.save({"model": state_dict}, checkpoint_id=dst, no_dist=True)
 
 
 def load_model_from_dcp(src: str, args: DeepSeekV3ModelArgs) -> dict[str, torch.Tensor]:
@@ -236,6 +285,14 @@ def _fresh_mtp_modules(args: DeepSeekV3ModelArgs) -> dict[str, torch.Tensor]:
             module.init_weights(buffer_device="cpu")
         state_dict.update({f"mtp.{k}.{name}": value for name, value in module.state_dict().items()})
     return state_dict
+
+
+def _block_size(text: str) -> tuple[int, int]:
+    """ "128x128" -> (128, 128)."""
+    rows, _, cols = text.lower().partition("x")
+    if not (rows.isdigit() and cols.isdigit() and int(rows) > 0 and int(cols) > 0):
+        raise ValueError(f"--fp8-blocks {text}: give the block's rows and columns, e.g. 128x128 (DeepSeek's)")
+    return int(rows), int(cols)
 
 
 def _model_state(args: DeepSeekV3ModelArgs) -> dict[str, torch.Tensor]:

@@ -1,5 +1,6 @@
 """Sample text from a checkpoint on one device: a DCP checkpoint of ours (a training checkpoint, a model-only export,
-or scripts/convert_hf.py's output) or a Hugging Face folder (safetensors + config.json).
+or scripts/convert_hf.py's output) or a Hugging Face folder (safetensors + config.json; DeepSeek's FP8 releases are
+dequantized tensor by tensor as they are read into the model).
 
     # HF folder: the model shape from its config.json, and its tokenizer.json when it has one
     python scripts/generate.py path/to/hf_folder --prompt "The capital of France is" --max-new-tokens 32
@@ -41,7 +42,7 @@ from torchtitan.components.checkpoint_folder import (  # noqa: E402
     model_mismatch,
     verify_checkpoint_files,
 )
-from torchtitan.components.hf_safetensors import load_hf_safetensors  # noqa: E402
+from torchtitan.components.hf_checkpoint import HFCheckpoint  # noqa: E402
 from torchtitan.datasets.tokenizer import BOS_TOKEN, EOS_TOKEN, resolve_tokenizer_path  # noqa: E402
 from torchtitan.models.deepseek_v3 import (  # noqa: E402
     DeepSeekV3Model,
@@ -197,14 +198,14 @@ def load_model(
                 raise CheckpointError(
                     f"cannot read {path} ({dcp_error_text(err)}); sample from another checkpoint"
                 ) from None
-    else:
-        hf_state = load_hf_safetensors(path)
+    else:  # read tensor by tensor into the model (FP8 weights dequantized): the checkpoint is never held whole
+        checkpoint = HFCheckpoint(path)
         try:
-            loaded = DeepSeekV3StateDictAdapter(args).from_hf(hf_state)
+            sources = DeepSeekV3StateDictAdapter(args).hf_sources(checkpoint.keys())
         except ValueError as err:  # names what differs from the model's shape
             raise ValueError(f"{path} holds another model than {shape} builds: {err}; {_SHAPE_FIX}") from None
-        _check_same_model(path, shape, state, {name: value.shape for name, value in loaded.items()})
-        model.load_state_dict(loaded)
+        _check_same_model(path, shape, state, checkpoint.shapes(state, sources))
+        checkpoint.read_into(state, sources)
     return model.eval()
 
 

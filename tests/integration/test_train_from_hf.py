@@ -9,7 +9,11 @@ import torch.nn.functional as F
 
 from tests.integration.conftest import DEBUG_CONFIG, FAST_ARGS, read_losses, run_trainer
 from tests.unit.models.deepseek_v3.test_convert_hf import convert_hf
-from tests.unit.models.deepseek_v3.transformers_checkpoints import load_transformers_model, save_transformers_checkpoint
+from tests.unit.models.deepseek_v3.transformers_checkpoints import (
+    load_transformers_model,
+    save_fp8_release,
+    save_transformers_checkpoint,
+)
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.config import ConfigManager
 from torchtitan.datasets.dataloader import build_dataloader
@@ -20,10 +24,15 @@ transformers = pytest.importorskip("transformers")
 NO_MTP_WARNING = "holds no MTP tensors"
 
 
-@pytest.mark.parametrize("case, way", [("default", "dcp"), ("yarn", "hf")])
+@pytest.mark.parametrize("case, way", [("default", "dcp"), ("yarn", "hf"), ("default", "fp8")])
 def test_trainer_starts_from_a_transformers_checkpoint(case, way, tmp_path):
-    hf_folder = save_transformers_checkpoint(tmp_path / "hf", case)
-    if way == "dcp":
+    """fp8: that folder in the layout of DeepSeek's FP8 releases (save_fp8_release), loaded directly; the reference
+    is transformers on its dequantized weights."""
+    hf_folder = reference = save_transformers_checkpoint(tmp_path / "hf", case)
+    if way == "fp8":
+        hf_folder, reference = save_fp8_release(hf_folder, tmp_path / "fp8", (32, 48)), tmp_path / "fp8_dequantized"
+        initial = ["--checkpoint.initial_load_path", str(hf_folder), "--checkpoint.initial_load_in_hf"]
+    elif way == "dcp":
         convert_hf.main(["from-hf", str(hf_folder), str(tmp_path / "dcp")])  # warns as the trainer does below
         initial = ["--checkpoint.initial_load_path", str(tmp_path / "dcp")]
     else:
@@ -41,6 +50,6 @@ def test_trainer_starts_from_a_transformers_checkpoint(case, way, tmp_path):
     job_config = ConfigManager().parse_args(["--job.config_file", str(DEBUG_CONFIG), *args])
     inputs, labels = next(iter(build_dataloader(job_config, build_tokenizer(job_config), 0, 1)))
     with torch.no_grad():
-        logits = load_transformers_model(hf_folder)(inputs["input"]).logits
+        logits = load_transformers_model(reference)(inputs["input"]).logits
     expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX).item()
     assert losses[1] == pytest.approx(expected, rel=1e-4), (losses[1], expected)

@@ -58,6 +58,8 @@ from torchtitan.components.checkpoint_folder import (
     validate_foreign_dcp,
     write_rank_checksums,
 )
+from torchtitan.components.hf_checkpoint import HFCheckpoint, HFSource
+from torchtitan.components.hf_safetensors import save_hf_safetensors
 from torchtitan.components.loss import nonfinite_weight
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ResumeMismatchError
@@ -78,7 +80,8 @@ class StateDictAdapter(Protocol):
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
 
-    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+    def hf_sources(self, hf_keys: Iterable[str]) -> dict[str, HFSource]:
+        """Which of the HF tensors `hf_keys` make each model tensor (ValueError: another model's checkpoint)."""
 
     def hf_config(self) -> dict[str, Any] | None:
         """A config.json for exports, or None."""
@@ -258,8 +261,6 @@ class CheckpointManager:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to CPU on global rank 0 only
         full_state = {k: v for part in self.model_parts for k, v in get_model_state_dict(part, options=options).items()}
         if self.rank == 0:
-            from torchtitan.components.hf_safetensors import save_hf_safetensors
-
             os.makedirs(tmp_path, exist_ok=True)
             save_hf_safetensors(self.state_dict_adapter.to_hf(self._in_export_dtype(full_state)), tmp_path)
             hf_config = self.state_dict_adapter.hf_config()
@@ -454,31 +455,52 @@ class CheckpointManager:
         return tuple(prefix for prefix in self.optional_prefixes if not any(name.startswith(prefix) for name in names))
 
     def _load_hf(self, path: str) -> None:
-        from torchtitan.components.hf_safetensors import load_hf_safetensors
-
+        """Each rank reads its own part of the model (its pipeline stages; of each tensor its shard, of the routed
+        experts its own) from the HF folder, one tensor region at a time, opening only the shards holding it; FP8
+        block-scaled weights are dequantized as read. A problem any rank finds stops every rank with its line."""
         if os.path.isfile(os.path.join(path, ".metadata")):
             raise CheckpointError(
                 f"checkpoint.initial_load_path {path} is a DCP checkpoint, not a Hugging Face folder; drop "
                 "--checkpoint.initial_load_in_hf"
             )
+        unreadable = f"checkpoint.initial_load_path {path}: {{}}; or point it elsewhere"  # each names the file
         try:
-            hf_state = load_hf_safetensors(path)
-        except (ValueError, OSError) as err:  # each names the file it could not read
-            raise CheckpointError(f"checkpoint.initial_load_path {path}: {err}; or point it elsewhere") from None
+            checkpoint = HFCheckpoint(path)
+        except (ValueError, OSError) as err:
+            raise CheckpointError(unreadable.format(err)) from None
         other_model = f"HF checkpoint {path} holds another model than {self.shape_source} builds"
         fix = "pass the matching --model.flavor or --model.hf_config_path"
         try:
-            state = self.state_dict_adapter.from_hf(hf_state)
+            sources = self.state_dict_adapter.hf_sources(checkpoint.keys())
         except ValueError as err:  # names what differs from the model's shape
             raise CheckpointError(f"{other_model}: {err}; {fix}") from None
-        fresh = self._absent_optional_modules(state)
-        held = {key: value.shape for key, value in state.items()}
-        for part in self.model_parts:
-            # else set_model_state_dict raises one line per tensor (a wrong flavor: nearly all of them)
-            ours = {key: value.shape for key, value in sorted(get_model_state_dict(part).items())}
-            if mismatch := model_mismatch(ours, held, fresh):
-                raise CheckpointError(f"{other_model}: {mismatch}; {fix}")
-            set_model_state_dict(part, state, options=StateDictOptions(full_state_dict=True, strict=False))
+        fresh = self._absent_optional_modules(sources)
+        states = [get_model_state_dict(part) for part in self.model_parts]  # this rank's shares (DTensors: shards)
+        problem = None
+        try:
+            for state in states:
+                # else set_model_state_dict raises one line per tensor (a wrong flavor: nearly all of them)
+                ours = {key: value.shape for key, value in sorted(state.items())}
+                held = checkpoint.shapes(state, sources)
+                if mismatch := model_mismatch(ours, held, fresh):
+                    problem = f"{other_model}: {mismatch}; {fix}"
+                    break
+        except (ValueError, OSError) as err:
+            problem = unreadable.format(err)
+        self._raise_if_any_rank(problem)
+        try:
+            for state in states:
+                checkpoint.read_into(state, sources)
+        except (ValueError, OSError) as err:
+            problem = unreadable.format(err)
+        self._raise_if_any_rank(problem)
+        for part, state in zip(self.model_parts, states, strict=True):
+            set_model_state_dict(part, state, options=StateDictOptions(strict=False))
+
+    def _raise_if_any_rank(self, problem: str | None) -> None:
+        """A CheckpointError on every rank with the first rank's problem, if any rank has one (all ranks call it)."""
+        if first := next((found for found in self._all_gather(problem) if found is not None), None):
+            raise CheckpointError(first)
 
     def _states(self) -> dict[str, Any]:
         states: dict[str, Any] = {"model": self.model, "optimizer": self.optimizers, "lr_scheduler": self.lr_schedulers}

@@ -14,46 +14,52 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def load_hf_safetensors(folder: str) -> dict[str, torch.Tensor]:
-    """All tensors of a HF folder: the shards named by its index json, or every *.safetensors file without one."""
+    """All tensors of a HF folder as they are stored (FP8 weights and their scales too): the shards named by its index
+    json, or every *.safetensors file without one. Loading a model reads only its part: `hf_checkpoint.HFCheckpoint`."""
     state_dict: dict[str, torch.Tensor] = {}
-    for path in _shard_paths(folder):
-        with _reading_shard(path):
+    for path in sorted(set(weight_map(folder).values())):
+        with reading_shard(path):
             state_dict.update(load_file(path))
     return state_dict
 
 
 def hf_safetensors_keys(folder: str) -> list[str]:
-    """The tensor names of a HF folder, read from the shards' headers (no tensor is loaded)."""
-    keys = []
-    for path in _shard_paths(folder):
-        with _reading_shard(path), safe_open(path, framework="pt") as f:
-            keys.extend(f.keys())
-    return keys
+    """The tensor names of a HF folder: its index json's, else read from the shards' headers (no tensor is loaded)."""
+    return list(weight_map(folder))
 
 
-def _shard_paths(folder: str) -> list[str]:
-    """The shards named by the folder's index json (each must be there), or every *.safetensors file without one."""
+def weight_map(folder: str) -> dict[str, str]:
+    """Tensor name -> shard path: from the folder's index json (each shard it names must be there; none is opened),
+    else from the headers of every *.safetensors file."""
     index_path = os.path.join(folder, INDEX_FILE)
     if os.path.exists(index_path):
         try:
             with open(index_path) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
+                names = dict(json.load(f)["weight_map"])
         except (ValueError, KeyError, TypeError, AttributeError) as err:  # not JSON, or no {"weight_map": {...}}
             raise ValueError(f"{index_path} is not a safetensors index ({err!r}): fetch the folder again") from None
+        files = sorted(set(names.values()))
         if missing := [name for name in files if not os.path.isfile(os.path.join(folder, name))]:
             raise FileNotFoundError(
                 f"{index_path} names {len(missing)} shard(s) missing from the folder, e.g. {missing[0]}: an "
                 "interrupted download? fetch or convert it again"
             )
-    else:
-        files = sorted(name for name in os.listdir(folder) if name.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no .safetensors files in {folder}")
+        return {name: os.path.join(folder, file) for name, file in names.items()}
+    files = sorted(name for name in os.listdir(folder) if name.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {folder}")
-    return [os.path.join(folder, name) for name in files]
+    located = {}
+    for name in files:
+        path = os.path.join(folder, name)
+        with reading_shard(path), safe_open(path, framework="pt") as shard:
+            located.update(dict.fromkeys(shard.keys(), path))
+    return located
 
 
 @contextlib.contextmanager
-def _reading_shard(path: str) -> Iterator[None]:
+def reading_shard(path: str) -> Iterator[None]:
     """A shard that cannot be read is one error naming it (safetensors raises its own type for a damaged file)."""
     try:
         yield

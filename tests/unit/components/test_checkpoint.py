@@ -12,6 +12,8 @@ from tests.unit.distributed._spawn import run_distributed
 from torchtitan.components import checkpoint_folder
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager
 from torchtitan.components.checkpoint_folder import MANIFEST_NAME
+from torchtitan.components.hf_checkpoint import HFSource
+from torchtitan.components.hf_safetensors import load_hf_safetensors, save_hf_safetensors
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config.job_config import JobConfig
@@ -567,40 +569,30 @@ def test_exports_without_a_resumable_checkpoint_stop_with_the_fix(tmp_path):
         Run(make_config(tmp_path, last_save_model_only=True, interval=100)).manager.load()
 
 
-def test_last_save_in_hf_goes_through_adapter_and_hf_io(tmp_path, monkeypatch):
-    import sys
-    import types
+class PrefixAdapter:
+    """HF names are ours with a "model." prefix."""
 
-    written = {}
-    fake_io = types.ModuleType("torchtitan.components.hf_safetensors")
+    optional_prefixes = ()
 
-    def save_hf_safetensors(state_dict, target):
-        written.update(state_dict)
-        with open(os.path.join(target, "model.safetensors"), "wb") as f:
-            f.write(b"x" * 10)
+    def to_hf(self, sd):
+        return {"model." + k: v for k, v in sd.items()}
 
-    fake_io.save_hf_safetensors = save_hf_safetensors
-    fake_io.load_hf_safetensors = lambda path: dict(written)
-    monkeypatch.setitem(sys.modules, "torchtitan.components.hf_safetensors", fake_io)
+    def hf_sources(self, hf_keys):
+        return {k.removeprefix("model."): HFSource((k,)) for k in hf_keys}
 
-    class PrefixAdapter:
-        optional_prefixes = ()
+    def hf_config(self):
+        return None
 
-        def to_hf(self, sd):
-            return {"model." + k: v for k, v in sd.items()}
 
-        def from_hf(self, sd):
-            return {k.removeprefix("model."): v for k, v in sd.items()}
-
-        def hf_config(self):
-            return None
-
+def test_last_save_in_hf_goes_through_adapter_and_hf_io(tmp_path):
     run = Run(make_config(tmp_path, last_save_in_hf=True, export_dtype="bfloat16"), state_dict_adapter=PrefixAdapter())
     run.train(10)
-    assert json.loads((folder(tmp_path) / "exports" / "step-10" / MANIFEST_NAME).read_text())["format"] == "hf"
+    export = folder(tmp_path) / "exports" / "step-10"
+    assert json.loads((export / MANIFEST_NAME).read_text())["format"] == "hf"
+    written = load_hf_safetensors(str(export))
     assert written["model.output.weight"].dtype == torch.bfloat16
 
-    config = make_config(tmp_path / "other", initial_load_path="unused", initial_load_in_hf=True)
+    config = make_config(tmp_path / "other", initial_load_path=str(export), initial_load_in_hf=True)
     fresh = Run(config, seed=9, state_dict_adapter=PrefixAdapter())
     assert fresh.manager.load() is False
     torch.testing.assert_close(fresh.model.output.weight, written["model.output.weight"].float())
@@ -609,8 +601,8 @@ def test_last_save_in_hf_goes_through_adapter_and_hf_io(tmp_path, monkeypatch):
 class _IdentityAdapter:
     optional_prefixes = ()
 
-    def from_hf(self, sd):
-        return sd
+    def hf_sources(self, hf_keys):
+        return {k: HFSource((k,)) for k in hf_keys}
 
 
 @pytest.mark.parametrize(
@@ -632,13 +624,8 @@ def test_an_unreadable_hf_initial_load_is_one_error_naming_the_folder(tmp_path, 
         Run(config, state_dict_adapter=_IdentityAdapter()).manager.load()
 
 
-def test_an_hf_checkpoint_of_another_shape_is_one_line_naming_a_tensor(tmp_path, monkeypatch):
-    import sys
-    import types
-
-    fake_io = types.ModuleType("torchtitan.components.hf_safetensors")
-    fake_io.load_hf_safetensors = lambda path: TinyModel(dim=12).state_dict()
-    monkeypatch.setitem(sys.modules, "torchtitan.components.hf_safetensors", fake_io)
+def test_an_hf_checkpoint_of_another_shape_is_one_line_naming_a_tensor(tmp_path):
+    save_hf_safetensors(TinyModel(dim=12).state_dict(), str(tmp_path))
     config = make_config(tmp_path, initial_load_path=str(tmp_path), initial_load_in_hf=True)
     with pytest.raises(CheckpointError) as err:
         Run(config, state_dict_adapter=_IdentityAdapter()).manager.load()
@@ -648,18 +635,14 @@ def test_an_hf_checkpoint_of_another_shape_is_one_line_naming_a_tensor(tmp_path,
     )
 
 
-def test_an_hf_checkpoint_the_adapter_cannot_map_is_one_line_naming_the_shape_source(tmp_path, monkeypatch):
+def test_an_hf_checkpoint_the_adapter_cannot_map_is_one_line_naming_the_shape_source(tmp_path):
     """E.g. layers past the model's: the adapter's ValueError was a traceback inside the trainer."""
-    import sys
-    import types
 
     class DeeperModel(_IdentityAdapter):
-        def from_hf(self, sd):
+        def hf_sources(self, hf_keys):
             raise ValueError("transformer layers past the 3 (and 0 MTP) of the model shape given: ...")
 
-    fake_io = types.ModuleType("torchtitan.components.hf_safetensors")
-    fake_io.load_hf_safetensors = lambda path: {}
-    monkeypatch.setitem(sys.modules, "torchtitan.components.hf_safetensors", fake_io)
+    save_hf_safetensors(TinyModel().state_dict(), str(tmp_path))
     config = make_config(tmp_path, initial_load_path=str(tmp_path), initial_load_in_hf=True)
     config.model.hf_config_path = "hf/config.json"
     with pytest.raises(CheckpointError) as err:

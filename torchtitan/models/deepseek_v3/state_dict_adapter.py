@@ -5,6 +5,9 @@ down_proj / up_proj with the same per-expert layout, so converting is stacking /
 no permutation: HF DeepSeek checkpoints keep DeepSeek's interleaved layout, which `apply_rotary_emb` uses.
 The router's selection bias moe.expert_bias is mlp.gate.e_score_correction_bias (DeepSeek-V3's; V2 has none).
 The config.json side (model args <-> HF fields) is hf_config.py.
+
+DeepSeek's own releases are FP8: `is_fp8_weight` names the weights stored as float8_e4m3fn with block scales, which
+`HFCheckpoint` dequantizes as it reads them (`hf_sources` says which HF tensors make each of ours).
 """
 
 import logging
@@ -14,6 +17,8 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from torchtitan.components.hf_checkpoint import HFSource
 
 from .args import DeepSeekV3ModelArgs
 from .hf_config import hf_config_from_model_args
@@ -54,6 +59,14 @@ _KEY_MAP = {
 _MTP_SHARED_COPIES = {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
 _EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _HF_EXPERT_KEY = "model.layers.{}.mlp.experts.{}.{}.weight"
+_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
+# The weights DeepSeek's FP8 releases (V3, R1) store as float8_e4m3fn with block scales: every linear layer of
+# attention, the dense MLPs and the shared and routed experts, the MTP layer's included. Embeddings, the output head
+# (and an MTP layer's copies of both), norms, the router gate and its bias and an MTP layer's eh_proj stay bf16/fp32.
+_FP8_WEIGHT = re.compile(
+    r"model\.layers\.\d+\.(self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
+    r"|mlp\.(shared_experts\.|experts\.\d+\.)?(gate_proj|up_proj|down_proj))\.weight"
+)
 # The tensors only an MTP layer has (a transformer layer past the model's is another model's)
 _MTP_ONLY_KEY = re.compile(r"model\.layers\.\d+\.(enorm|hnorm|eh_proj|embed_tokens|shared_head)\.")
 # Training-only state with no HF counterpart; from_hf recreates it as zeros.
@@ -90,23 +103,27 @@ class DeepSeekV3StateDictAdapter:
                 for j in range(value.shape[0]):  # (E, out, in) -> E x (out, in)
                     hf_state_dict[_HF_EXPERT_KEY.format(layer, j, _EXPERT_NAMES[name])] = value[j]
             elif key.rsplit(".", 1)[-1] not in _OURS_ONLY:
-                hf_state_dict[_translate(key, self.to_hf_map)] = value
+                if (hf_key := _translate(key, self.to_hf_map)) is None:
+                    raise ValueError(f"{key} has no Hugging Face counterpart in the DeepSeek-V2/V3 layout")
+                hf_state_dict[hf_key] = value
         return hf_state_dict
 
-    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """HF state dict -> our full state dict (loadable with strict=True). The mtp_layers layers after the n_layers
-        transformer layers become the MTP modules (without their copies of the embedding and head); later MTP layers
-        are left out with a log line, a later transformer layer is a ValueError (a deeper model than these args). An
-        MTP module with no tensor in the checkpoint is left out (keeps its init); a checkpoint without
-        e_score_correction_bias (DeepSeek-V2) gets a zero expert_bias."""
+    def hf_sources(self, hf_keys: Iterable[str]) -> dict[str, HFSource]:
+        """Where each of our tensors comes from among the HF tensor names `hf_keys` (FP8 scales left out: the
+        reader dequantizes their weights). The mtp_layers layers after the n_layers transformer layers become the MTP
+        modules (without their copies of the embedding and head); later MTP layers are left out with a log line, a
+        later transformer layer is a ValueError (a deeper model than these args), and so is a tensor that has no
+        place in the model. An MTP module with no tensor in the checkpoint is left out (keeps its init); a checkpoint
+        without e_score_correction_bias (DeepSeek-V2) gets a zero expert_bias, and token counts start at zero."""
         n_layers, num_experts = self.model_args.n_layers, self.model_args.moe_args.num_experts
         n_blocks = n_layers + self.model_args.mtp_layers
-        state_dict: dict[str, torch.Tensor] = {}
-        experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (layer, w1|w2|w3) -> {expert: weight}
+        sources: dict[str, HFSource] = {}
+        experts: dict[tuple[str, str], dict[int, str]] = {}  # (layer, w1|w2|w3) -> {expert: HF key}
         hf_to_ours = {hf: ours for ours, hf in _EXPERT_NAMES.items()}
         held_layers = set()
         beyond: dict[int, list[str]] = {}  # layer past the model's blocks -> its tensor names
-        for key, value in hf_state_dict.items():
+        unknown = []
+        for key in hf_keys:
             if layer := re.match(r"model\.layers\.(\d+)\.(.*)", key):
                 i, rest = int(layer.group(1)), layer.group(2)
                 held_layers.add(i)
@@ -115,26 +132,50 @@ class DeepSeekV3StateDictAdapter:
                     continue
                 if i >= n_layers and rest in _MTP_SHARED_COPIES:
                     continue
-            if expert := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight", key):
+            if (expert := _HF_EXPERT.fullmatch(key)) and expert.group(3) in hf_to_ours:
                 layer_id, j, name = expert.groups()
-                experts.setdefault((layer_id, hf_to_ours[name]), {})[int(j)] = value
+                experts.setdefault((layer_id, hf_to_ours[name]), {})[int(j)] = key
+            elif (ours := _translate(key, self.from_hf_map)) is not None:
+                sources[ours] = HFSource((key,))
             else:
-                state_dict[_translate(key, self.from_hf_map)] = value
+                unknown.append(key)
 
         _leave_out_layers_beyond(beyond, n_layers, self.model_args.mtp_layers)
+        if unknown:
+            raise ValueError(
+                f"{len(unknown)} of its tensors have no place in a DeepSeek-V2/V3 model, e.g. {sorted(unknown)[:3]}"
+            )
         for (layer_id, name), per_expert in experts.items():
             if (found := sorted(per_expert)) != list(range(num_experts)):
                 raise ValueError(f"layer {layer_id} {name}: expected experts 0..{num_experts - 1}, found {found}")
-            stacked = torch.stack([per_expert[j] for j in range(num_experts)])  # (E, out, in)
-            state_dict[f"layers.{layer_id}.moe.experts.{name}"] = stacked
+            keys = tuple(per_expert[j] for j in range(num_experts))  # stacked: (E, out, in)
+            sources[f"layers.{layer_id}.moe.experts.{name}"] = HFSource(keys, stacked=True)
 
         for i in range(self.model_args.n_dense_layers, n_blocks):
             if i >= n_layers and i not in held_layers:
                 continue
-            state_dict.setdefault(f"layers.{i}.moe.expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+            sources.setdefault(f"layers.{i}.moe.expert_bias", HFSource())
             for name in _OURS_ONLY:
-                state_dict[f"layers.{i}.moe.{name}"] = torch.zeros(num_experts, dtype=torch.float32)
-        return {_layer_to_mtp_key(key, n_layers): value for key, value in state_dict.items()}
+                sources[f"layers.{i}.moe.{name}"] = HFSource()
+        return {_layer_to_mtp_key(key, n_layers): source for key, source in sources.items()}
+
+    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF state dict (unquantized, or FP8 already dequantized) -> our full state dict (loadable with strict=True),
+        as `hf_sources` maps it; a folder is read with `HFCheckpoint.read_into`, which needs no whole dict."""
+        state_dict = {}
+        for name, source in self.hf_sources(hf_state_dict).items():
+            if not source.keys:  # expert_bias or tokens_per_expert: one fp32 value per expert
+                state_dict[name] = torch.zeros(self.model_args.moe_args.num_experts, dtype=torch.float32)
+            elif source.stacked:
+                state_dict[name] = torch.stack([hf_state_dict[key] for key in source.keys])
+            else:
+                state_dict[name] = hf_state_dict[source.keys[0]]
+        return state_dict
+
+
+def is_fp8_weight(hf_key: str) -> bool:
+    """Whether DeepSeek's FP8 releases store this HF weight as float8_e4m3fn with block scales."""
+    return _FP8_WEIGHT.fullmatch(hf_key) is not None
 
 
 def _is_mtp_layer(hf_keys: Iterable[str]) -> bool:
@@ -231,8 +272,9 @@ def _pattern(template: str) -> re.Pattern:
     return re.compile(re.escape(template).replace(r"\{\}", r"(\d+)"))
 
 
-def _translate(key: str, mapping: dict[re.Pattern, str]) -> str:
+def _translate(key: str, mapping: dict[re.Pattern, str]) -> str | None:
+    """`key` renamed by the first pattern of `mapping` it matches; None when none does."""
     for pattern, target in mapping.items():
         if match := pattern.fullmatch(key):
             return target.format(*match.groups())
-    raise KeyError(f"no Hugging Face <-> torchtitan mapping for {key!r}")
+    return None

@@ -45,11 +45,10 @@ def test_dcp_to_hf_to_dcp_round_trip(tmp_path):
         {"model": state, "train_state": {"step": torch.tensor(3)}}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True
     )
 
-    convert_hf.main(
-        ["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--hf-config", config_path, "--max-shard-size", "100KB"]
-    )
+    hf_args = ["--hf-config", config_path, "--max-shard-size", "100KB", "--dtype", "float32"]  # float32: exact
+    convert_hf.main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), *hf_args])
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert config["model_type"] == "deepseek_v3"  # sigmoid routing
+    assert config["model_type"] == "deepseek_v3" and config["torch_dtype"] == "float32"  # sigmoid routing
     hf = load_hf_safetensors(str(tmp_path / "hf"))
     assert "model.layers.2.mlp.experts.7.down_proj.weight" in hf
 
@@ -60,15 +59,19 @@ def test_dcp_to_hf_to_dcp_round_trip(tmp_path):
         torch.testing.assert_close(back[key], value, rtol=0, atol=0, msg=key)
 
 
-def test_to_hf_reads_top_level_model_only_checkpoint_and_casts(tmp_path):
+@pytest.mark.parametrize("dtype", [None, "bfloat16", "float16"])
+def test_to_hf_reads_top_level_model_only_checkpoint_and_casts(tmp_path, dtype):
+    """bfloat16 unless --dtype says otherwise; the router's selection bias stays float32."""
     state, config_path = _tiny_state(tmp_path)
     dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
-    convert_hf.main(
-        ["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--hf-config", config_path, "--dtype", "bfloat16"]
-    )
+    cast = ["--dtype", dtype] if dtype else []
+    convert_hf.main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--hf-config", config_path, *cast])
     hf = load_hf_safetensors(str(tmp_path / "hf"))
-    assert hf["model.embed_tokens.weight"].dtype == torch.bfloat16
+    expected = getattr(torch, dtype or "bfloat16")
+    assert hf["model.embed_tokens.weight"].dtype == expected
+    assert hf["model.layers.2.mlp.experts.3.up_proj.weight"].dtype == expected
     assert hf["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == str(expected)[6:]
 
 
 def _published_checkpoint(tmp_path, args=ARGS):
@@ -268,16 +271,16 @@ def _damage_shards(hf: Path, damage: str, monkeypatch) -> None:
     elif damage == "truncated":
         second.write_bytes(second.read_bytes()[:100])
     elif damage == "denied":  # root reads anything: chmod 000 cannot show it
-        from torchtitan.components import hf_safetensors
+        from torchtitan.components import hf_checkpoint
 
-        real = hf_safetensors.load_file
+        real = hf_checkpoint.safe_open
 
-        def load_file(path):
+        def safe_open(path, **kwargs):
             if path == str(second):
                 raise PermissionError(13, "Permission denied", path)
-            return real(path)
+            return real(path, **kwargs)
 
-        monkeypatch.setattr(hf_safetensors, "load_file", load_file)
+        monkeypatch.setattr(hf_checkpoint, "safe_open", safe_open)
     elif damage == "not-json":
         index.write_text("{bad")
     else:

@@ -3,6 +3,7 @@
 from them and that compare our logits with transformers'."""
 
 import dataclasses
+import json
 from pathlib import Path
 
 import torch
@@ -107,3 +108,46 @@ def load_transformers_model(folder: Path):
     config = json.loads((folder / "config.json").read_text())
     model_class = transformers_class(config)
     return model_class.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def save_fp8_release(transformers_folder: Path, folder: Path, block: tuple[int, int]) -> Path:
+    """`folder`: the transformers checkpoint in the layout of DeepSeek's FP8 releases, quantized here independently of
+    the code under test: every linear layer's `*_proj[_with_mqa].weight` of attention and MLPs (eh_proj aside) in
+    float8_e4m3fn with a float32 `*_proj.weight_scale_inv` per block of `block` rows x columns (amax / 448, partial
+    blocks at the edges), config.json's quantization_config naming the block. Small shards, so that a weight and its
+    scales may lie in different shards. Next to it, `<folder>_dequantized`: the same folder with each FP8 weight
+    replaced by its dequantized float32 values, which transformers loads as the reference."""
+    from safetensors.torch import load_file
+
+    from torchtitan.components.hf_safetensors import save_hf_safetensors
+
+    rows, cols = block
+    fp8, dequantized = {}, {}
+    for key, weight in load_file(str(transformers_folder / "model.safetensors")).items():
+        if not (key.endswith(("_proj.weight", "_proj_with_mqa.weight")) and ".eh_proj." not in key):
+            fp8[key] = dequantized[key] = weight
+            continue
+        grid = (-(-weight.shape[0] // rows), -(-weight.shape[1] // cols))
+        scale_inv = torch.empty(grid)
+        values = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
+        back = torch.empty(weight.shape)
+        for i in range(grid[0]):
+            for j in range(grid[1]):
+                region = (slice(i * rows, (i + 1) * rows), slice(j * cols, (j + 1) * cols))
+                scale_inv[i, j] = weight[region].abs().max().float() / 448
+                values[region] = (weight[region].float() / scale_inv[i, j]).to(torch.float8_e4m3fn)
+                back[region] = values[region].float() * scale_inv[i, j]
+        fp8[key], fp8[key + "_scale_inv"], dequantized[key] = values, scale_inv, back
+    config = json.loads((transformers_folder / "config.json").read_text())
+    reference = folder.with_name(folder.name + "_dequantized")
+    save_hf_safetensors(dequantized, str(reference))
+    (reference / "config.json").write_text(json.dumps(config))
+    config["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": list(block),
+    }
+    save_hf_safetensors(fp8, str(folder), max_shard_size="20KB")
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
