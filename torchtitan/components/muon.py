@@ -2,10 +2,13 @@
 
 The update (torch.optim.Muon's; Keller Jordan's iteration; the scaling of "Muon is Scalable for LLM Training"):
 
-    B = mu B + g                         momentum; g = c * grad with `step(grad_scale=c)` (clipping folded in)
-    U = g + mu B  (Nesterov)  or  B
+    B = mu B + (1 - mu) g                momentum; g = c * grad with `step(grad_scale=c)` (clipping folded in)
+    U = (1 - mu) g + mu B  (Nesterov)  or  B
     O = NS_k(U)                          ~ the orthogonal polar factor U_svd V_svd^T of U
     W = W (1 - lr wd) - lr s(A, B) O     decoupled weight decay; s per A x B matrix (`update_scale`)
+
+Moonlight writes the momentum as B = mu B + g, U = g + mu B: (1 - mu) times these, which the iteration's
+normalization removes; this form's buffer is torch.optim.Muon's `momentum_buffer`, so their states interchange.
 
 `match_rms_adamw`: s = 0.2 sqrt(max(A, B)) gives O the update RMS AdamW typically has (0.2-0.4), so AdamW's lr and
 weight decay carry over (Moonlight's recipe); `original`: Keller Jordan's sqrt(max(1, A / B)). A 3-D parameter is a
@@ -30,6 +33,7 @@ from typing import Any, Literal
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from torchtitan.components.master_weights import (
     grad_like_param,
@@ -115,14 +119,14 @@ class Muon(torch.optim.Optimizer):
     def _momentum_update(
         self, param: torch.Tensor, group: dict[str, Any], grad_scale: torch.Tensor | None
     ) -> torch.Tensor:
-        """B = mu B + g in place; returns U (module docstring), local to this rank's shard."""
+        """B = mu B + (1 - mu) g in place; returns U (module docstring), local to this rank's shard."""
         momentum = local_shard(self.state[param]["momentum_buffer"])
         grad = local_shard(grad_like_param(param))
         if grad_scale is not None:
             grad = grad * grad_scale.to(grad.device)  # a new tensor: the gradient stays as it is
         grad = grad.to(momentum.dtype)
-        momentum.mul_(group["momentum"]).add_(grad)
-        return grad.add(momentum, alpha=group["momentum"]) if group["nesterov"] else momentum
+        momentum.lerp_(grad, 1 - group["momentum"])
+        return grad.lerp(momentum, group["momentum"]) if group["nesterov"] else momentum
 
     def _apply(self, param: torch.Tensor, orthogonal: torch.Tensor, group: dict[str, Any]) -> None:
         lr = float(group["lr"])
@@ -188,7 +192,7 @@ def orthogonalize(
         return list(iterate(torch.stack(updates)).unbind(0))
     mesh, placements = param.device_mesh, param.placements
     # FSDP over TP's shards of the same dimension is a strided shard; as nested plain shards the stack re-shards
-    nested = tuple(Shard(p.dim) if p.is_shard() else p for p in placements)
+    nested = tuple(Shard(_sharded_dim(p)) if _sharded_dim(p) is not None else p for p in placements)
     strided = any(type(p) is not type(q) for p, q in zip(placements, nested, strict=True))
     if strided:
         updates = [_redistribute(update, param, placements, nested) for update in updates]
@@ -220,8 +224,14 @@ def _same_layout_batches(params: list[torch.Tensor], max_elements: int) -> Itera
             yield bucket[start : start + size]
 
 
+def _sharded_dim(placement: Any) -> int | None:
+    """The tensor dimension `placement` shards (FSDP's strided shard of a TP shard too), else None."""
+    return placement.dim if placement.is_shard() or isinstance(placement, _StridedShard) else None
+
+
 def _is_matrix_shard(placement: Any, ndim: int) -> bool:
-    return placement.is_shard() and placement.dim >= ndim - 2
+    dim = _sharded_dim(placement)
+    return dim is not None and dim >= ndim - 2
 
 
 def _shards_a_matrix_dim(param: torch.Tensor) -> bool:
