@@ -84,10 +84,10 @@ class Optimizer:
     Norms and biases always take AdamW."""
 
     muon_momentum: float = 0.95
-    """Muon: momentum mu of B = mu B + grad."""
+    """Muon: momentum mu of B = mu B + (1 - mu) grad."""
 
     muon_nesterov: bool = True
-    """Muon: orthogonalize grad + mu B (Nesterov momentum) instead of B."""
+    """Muon: orthogonalize (1 - mu) grad + mu B (Nesterov momentum) instead of B."""
 
     muon_ns_steps: int = 5
     """Muon: Newton-Schulz iterations per update (Keller Jordan's quintic, coefficients 3.4445, -4.7750, 2.0315)."""
