@@ -70,9 +70,13 @@ class Muon(torch.optim.Optimizer):
         master_low_bits: Mapping[torch.Tensor, torch.Tensor] | None = None,
         ns_dtype: torch.dtype | None = None,
         max_elements_per_batch: int = 2**28,
+        compile_updates: bool | None = None,
     ) -> None:
         """`ns_dtype`: the iteration's dtype (None: bf16 on CUDA, fp32 elsewhere). `max_elements_per_batch`: how many
-        matrix elements one rank orthogonalizes at once (bounds the iteration's temporary memory)."""
+        matrix elements one rank orthogonalizes at once (bounds the iteration's temporary memory).
+        `compile_updates`: run the elementwise updates (the momentum; decay and step on the weight or its master) as
+        one compiled kernel each instead of a dozen eager passes over every weight (None: where the parameters are
+        on CUDA)."""
         defaults = dict(
             lr=lr,
             weight_decay=weight_decay,
@@ -94,6 +98,12 @@ class Muon(torch.optim.Optimizer):
                     )
                 # made now: DCP's own state init would run a step
                 self.state[param]["momentum_buffer"] = torch.zeros_like(param, dtype=self._momentum_dtype(param))
+        if compile_updates is None:
+            compile_updates = {p.device.type for group in self.param_groups for p in group["params"]} == {"cuda"}
+        # one graph per rank of tensor (2-D, 3-D) and variant (master or not, clip or not), any shape
+        compiled = partial(torch.compile, fullgraph=True, dynamic=True)
+        self._momentum_update = compiled(momentum_update) if compile_updates else momentum_update
+        self._apply_update = compiled(apply_update) if compile_updates else apply_update
 
     def _momentum_dtype(self, param: torch.Tensor) -> torch.dtype:
         return torch.float32 if param in self.master_low_bits else param.dtype
@@ -110,38 +120,64 @@ class Muon(torch.optim.Optimizer):
             params = [param for param in group["params"] if param.grad is not None]
             for batch in _same_layout_batches(params, self.max_elements_per_batch):
                 dtype = self.ns_dtype or (torch.bfloat16 if batch[0].device.type == "cuda" else torch.float32)
-                updates = [self._momentum_update(param, group, grad_scale).to(dtype) for param in batch]
+                updates = [
+                    self._momentum_update(
+                        local_shard(self.state[param]["momentum_buffer"]),
+                        local_shard(grad_like_param(param)),
+                        grad_scale,
+                        group["momentum"],
+                        group["nesterov"],
+                        dtype,
+                    )
+                    for param in batch
+                ]
                 orthogonal = orthogonalize(batch, updates, partial(newton_schulz, steps=group["ns_steps"]))
+                lr = float(group["lr"])
+                decay = torch.tensor(1 - lr * group["weight_decay"])  # tensors: a compiled update takes any value
+                step_size = torch.tensor(lr * update_scale(batch[0].shape, group["update_scale"]))
                 for param, update in zip(batch, orthogonal, strict=True):
-                    self._apply(param, update, group)
+                    low_bits = self.master_low_bits.get(param)
+                    low_bits = None if low_bits is None else local_shard(low_bits)
+                    self._apply_update(local_shard(param), low_bits, update, decay, step_size)
         return loss
-
-    def _momentum_update(
-        self, param: torch.Tensor, group: dict[str, Any], grad_scale: torch.Tensor | None
-    ) -> torch.Tensor:
-        """B = mu B + (1 - mu) g in place; returns U (module docstring), local to this rank's shard."""
-        momentum = local_shard(self.state[param]["momentum_buffer"])
-        grad = local_shard(grad_like_param(param))
-        if grad_scale is not None:
-            grad = grad * grad_scale.to(grad.device)  # a new tensor: the gradient stays as it is
-        grad = grad.to(momentum.dtype)
-        momentum.lerp_(grad, 1 - group["momentum"])
-        return grad.lerp(momentum, group["momentum"]) if group["nesterov"] else momentum
-
-    def _apply(self, param: torch.Tensor, orthogonal: torch.Tensor, group: dict[str, Any]) -> None:
-        lr = float(group["lr"])
-        step_size = lr * update_scale(param.shape, group["update_scale"])
-        weight, low_bits = local_shard(param), self.master_low_bits.get(param)
-        target = weight if low_bits is None else join_fp32(weight, local_shard(low_bits))
-        target.mul_(1 - lr * group["weight_decay"]).add_(orthogonal, alpha=-step_size)
-        if low_bits is not None:
-            new_weight, new_low = split_fp32(target)
-            weight.copy_(new_weight)
-            local_shard(low_bits).copy_(new_low)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, keeping fp32 momentum for bf16 weights with masters (torch would cast it to bf16)."""
         load_state_keeping_dtypes(self, state_dict, self._momentum_dtype, super().load_state_dict)
+
+
+def momentum_update(
+    momentum: torch.Tensor,
+    grad: torch.Tensor,
+    grad_scale: torch.Tensor | None,
+    momentum_factor: float,
+    nesterov: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """B = mu B + (1 - mu) g in place, g = grad_scale * grad (the gradient itself stays as it is); returns U (module
+    docstring) in `dtype`."""
+    grad = grad.to(momentum.dtype)
+    if grad_scale is not None:
+        grad = grad * grad_scale
+    momentum.lerp_(grad, 1 - momentum_factor)
+    return (grad.lerp(momentum, momentum_factor) if nesterov else momentum).to(dtype)
+
+
+def apply_update(
+    weight: torch.Tensor,
+    low_bits: torch.Tensor | None,
+    orthogonal: torch.Tensor,
+    decay: torch.Tensor,
+    step_size: torch.Tensor,
+) -> None:
+    """W = decay W - step_size O in place; on the fp32 master where the bf16 weight has `low_bits`."""
+    step = orthogonal.float() * step_size
+    if low_bits is None:
+        weight.copy_(weight * decay - step)
+        return
+    new_weight, new_low = split_fp32(join_fp32(weight, low_bits) * decay - step)
+    weight.copy_(new_weight)
+    low_bits.copy_(new_low)
 
 
 def update_scale(shape: torch.Size, rule: UpdateScale) -> float:

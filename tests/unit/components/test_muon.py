@@ -109,9 +109,10 @@ def test_matches_moonlights_update_per_matrix_over_steps_with_an_lr_change(neste
         torch.testing.assert_close(ours_param, ref_param, rtol=1e-5, atol=1e-6)
 
 
-def test_equals_torch_optim_muon_on_matrices():
-    """torch.optim.Muon (2-D only, its iteration always in bf16) with Moonlight's scaling: the same momentum buffer,
-    iteration, decay and scale, so with a bf16 iteration the same weights bit for bit."""
+def test_agrees_with_torch_optim_muon_on_matrices_to_fp32_rounding():
+    """torch.optim.Muon (2-D only, its iteration always in bf16) with Moonlight's scaling: the same momentum buffer
+    bit for bit, and with a bf16 iteration the same weights but for the rounding of the decay and step (we round the
+    step before subtracting it, so a compiled update takes the lr as a tensor)."""
     ours_params, ref_params = make_params()[:3], make_params()[:3]
     ours = Muon(ours_params, lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16)
     ref = torch.optim.Muon(ref_params, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
@@ -124,7 +125,28 @@ def test_equals_torch_optim_muon_on_matrices():
         ref.step()
     for ours_param, ref_param in zip(ours_params, ref_params, strict=True):
         assert torch.equal(ours.state[ours_param]["momentum_buffer"], ref.state[ref_param]["momentum_buffer"])
-        assert torch.equal(ours_param, ref_param)
+        torch.testing.assert_close(ours_param, ref_param, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("masters", [True, False], ids=["bf16-masters-clipped", "fp32"])
+def test_compiled_updates_equal_the_eager_ones(masters):
+    """The compiled momentum and weight updates (what CUDA runs; here inductor's CPU code), on bf16 weights with masters
+    and a folded clip coefficient or on fp32 weights without: the eager results up to fp32 rounding."""
+    runs = []
+    for compiled in (False, True):
+        params, low_bits = make_params(), {}
+        if masters:
+            for i, param in enumerate(params):
+                weight, low = split_fp32(param.detach())
+                params[i] = torch.nn.Parameter(weight)
+                low_bits[params[i]] = low
+        optimizer = Muon(params, lr=0.02, weight_decay=0.1, master_low_bits=low_bits, compile_updates=compiled)
+        for step in range(2):
+            set_grads(step, params)
+            optimizer.step(grad_scale=torch.tensor(0.5) if masters else None)
+        runs.append([join_fp32(param, low_bits[param]) if masters else param.detach() for param in params])
+    for eager, compiled in zip(*runs, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7)
 
 
 def test_folded_grad_scale_equals_scaling_the_gradients_first():
