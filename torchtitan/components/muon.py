@@ -23,7 +23,8 @@ they repeat every other update. Pipeline stages have an optimizer each.
 
 `master_low_bits` ({bf16 parameter: int16 low bits of its fp32 master}, `master_weights.py`): the update runs on the
 fp32 master and writes it back split. The momentum is fp32 for those, else in the parameter's dtype. The iteration
-runs in bf16 on CUDA (its GEMMs are the cost), in fp32 elsewhere.
+runs in bf16 on CUDA (its GEMMs are the cost), in fp32 elsewhere; on CUDA the elementwise updates around it (momentum,
+decay and step) are one compiled kernel each.
 """
 
 import math
@@ -43,7 +44,7 @@ from torchtitan.components.master_weights import (
     split_fp32,
 )
 
-__all__ = ["Muon", "newton_schulz", "update_scale"]
+__all__ = ["Muon", "apply_update", "momentum_update", "newton_schulz", "orthogonalize", "update_scale"]
 
 # Keller Jordan's quintic: the largest slope at zero that still keeps every singular value in about [0.7, 1.2]
 KELLER_JORDAN_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -119,12 +120,14 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             params = [param for param in group["params"] if param.grad is not None]
             for batch in _same_layout_batches(params, self.max_elements_per_batch):
-                dtype = self.ns_dtype or (torch.bfloat16 if batch[0].device.type == "cuda" else torch.float32)
+                device = local_shard(batch[0]).device
+                dtype = self.ns_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+                scale = None if grad_scale is None else grad_scale.to(device)
                 updates = [
                     self._momentum_update(
                         local_shard(self.state[param]["momentum_buffer"]),
                         local_shard(grad_like_param(param)),
-                        grad_scale,
+                        scale,
                         group["momentum"],
                         group["nesterov"],
                         dtype,
