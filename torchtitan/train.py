@@ -176,7 +176,10 @@ class Trainer:
                 "updated by the optimizer"
             )
         elif autocast_dtype is not None:
-            logger.info("weights stay fp32, cast by autocast at every use: bf16 weights need optimizer AdamW 'triton'")
+            logger.info(
+                "weights stay fp32, cast by autocast at every use: bf16 weights need optimizers that update fp32 "
+                "masters (AdamW or Muon with implementation 'triton')"
+            )
         self.optimizers = build_optimizers(self.model_parts, job_config, master_low_bits)
         self.activation_budget = None
         if job_config.activation_checkpoint.memory_budget_gib > 0:

@@ -18,15 +18,19 @@ still in fp32. They are rounded stochastically, so each is right in expectation:
 half a bf16 ulp (0.2-0.4% of the moment) would be lost every step, a one-signed error that adds up.
 """
 
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from torchtitan.components.master_weights import join_fp32, local_shard, split_fp32
+from torchtitan.components.master_weights import (
+    grad_like_param,
+    join_fp32,
+    load_state_keeping_dtypes,
+    local_shard,
+    split_fp32,
+)
 from torchtitan.kernels.multi_tensor import cuda_kernels
 
 __all__ = ["MultiTensorAdamW"]
@@ -40,6 +44,7 @@ class MultiTensorAdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's update in one launch per bucket on CUDA; `step(grad_scale=c)` scales gradients by c."""
 
     folds_grad_scale = True  # OptimizersContainer.step(grad_scale=...) passes the clip coefficient here
+    updates_master_weights = True  # bf16 weights may be stored with fp32 masters (master_weights.py)
 
     def __init__(
         self,
@@ -90,7 +95,7 @@ class MultiTensorAdamW(torch.optim.Optimizer):
                 # a checkpoint of torch's fused AdamW keeps steps on the GPU: one copy here, then no syncs
                 state["step"] = state["step"].cpu()
             low_bits = self.master_low_bits.get(param)
-            local_param, local_grad = local_shard(param), local_shard(_grad_like_param(param))
+            local_param, local_grad = local_shard(param), local_shard(grad_like_param(param))
             key = (local_param.device, local_param.dtype, local_grad.dtype, low_bits is not None)
             bucket = buckets.setdefault(key, _Bucket())
             if low_bits is not None:
@@ -120,24 +125,9 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's load, which casts each loaded moment to its parameter's dtype: while it runs, the groups hold a
-        stand-in (one element, expanded) of the moments' dtype for each parameter whose moments have another dtype
-        (fp32 for a bf16 weight with a master, bf16 moments), so the moments keep theirs."""
-        stand_ins = {
-            param: torch.zeros((), dtype=self._moments_dtype(param), device=param.device).expand(param.shape)
-            for group in self.param_groups
-            for param in group["params"]
-            if self._moments_dtype(param) != param.dtype
-        }
-        parameter_of = {id(stand_in): param for param, stand_in in stand_ins.items()}
-        for group in self.param_groups:
-            group["params"] = [stand_ins.get(param, param) for param in group["params"]]
-        try:
-            super().load_state_dict(state_dict)
-        finally:
-            for group in self.param_groups:
-                group["params"] = [parameter_of.get(id(param), param) for param in group["params"]]
-            self.state = defaultdict(dict, {parameter_of.get(id(p), p): state for p, state in self.state.items()})
+        """torch's load, which casts each loaded moment to its parameter's dtype, keeping the moments' own dtype (fp32
+        for a bf16 weight with a master, bf16 moments)."""
+        load_state_keeping_dtypes(self, state_dict, self._moments_dtype, super().load_state_dict)
 
 
 @dataclass
@@ -246,12 +236,3 @@ def _check_supported(group: dict[str, Any]) -> None:
                 f"MultiTensorAdamW does not implement {option}=True: set --optimizer.implementation foreach "
                 "(torch.optim.AdamW)"
             )
-
-
-def _grad_like_param(param: torch.Tensor) -> torch.Tensor:
-    """The gradient laid out like the parameter (the update pairs their local shards): a DTensor gradient on another
-    layout (partial sums under tensor parallelism) is redistributed, as DTensor does for torch's optimizers."""
-    grad = param.grad
-    if isinstance(grad, DTensor) and (grad.placements != param.placements or grad.device_mesh != param.device_mesh):
-        return grad.redistribute(param.device_mesh, param.placements)
-    return grad

@@ -61,6 +61,7 @@ from torchtitan.components.checkpoint_folder import (
 from torchtitan.components.hf_checkpoint import HFCheckpoint, HFSource
 from torchtitan.components.hf_safetensors import save_hf_safetensors
 from torchtitan.components.loss import nonfinite_weight
+from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ResumeMismatchError
 from torchtitan.tools.dtypes import DTYPES
@@ -98,7 +99,7 @@ class CheckpointManager:
         self,
         job_config: JobConfig,
         model_parts: list[nn.Module],
-        optimizers: Stateful,
+        optimizers: OptimizersContainer,
         lr_schedulers: Stateful,
         dataloader: Stateful | None = None,
         train_state: Stateful | None = None,
@@ -286,6 +287,7 @@ class CheckpointManager:
             self._verify_checksums(path, fix)
             keys = checkpoint_keys(path, fix)
             self._check_same_model(path, keys)
+            self._check_same_optimizer(f"cannot resume from {path}", keys)
             self._dcp_load(self._states_present_in(path, keys), path)
             self._check_finite_weights(path)
             logger.info(f"resumed from {path} in {time.monotonic() - begin:.2f}s")
@@ -306,6 +308,13 @@ class CheckpointManager:
                 f"...), or start from its weights in another --job.dump_folder with --checkpoint.initial_load_path "
                 f"{path}"
             )
+
+    def _check_same_optimizer(self, what: str, keys: set[str]) -> None:
+        """Another optimizer's state (AdamW's moments where this run's Muon keeps a momentum, or the reverse) would
+        fail inside DCP on a missing key: refuse in one line, on every rank (each checks its own pipeline stage)."""
+        mismatches = [m for m in self._all_gather(self.optimizers.resume_mismatch(keys)) if m is not None]
+        if mismatches:
+            raise CheckpointError(f"{what}: {mismatches[0]}")
 
     def _check_initial_model(self, path: str, keys: set[str], prefix: str) -> None:
         """An initial checkpoint may hold optional modules this run leaves out (MTP): one line says so. Any other
@@ -444,6 +453,7 @@ class CheckpointManager:
                 "drop --checkpoint.initial_load_model_only=false to start from its weights"
             )
         self._check_initial_model(path, keys, "model.")
+        self._check_same_optimizer(f"cannot load the training state of checkpoint.initial_load_path {path}", keys)
         self._dcp_load(self._states_present_in(path, keys), path, initial=True)
         logger.info(f"loaded the full training state from {path} in {time.monotonic() - begin:.2f}s")
         return True

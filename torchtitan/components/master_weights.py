@@ -10,8 +10,13 @@ Gradients are bf16, or fp32 (`grad_dtype`) with gradient accumulation so the sum
 The state dict holds the masters (same keys, fp32, joined on the CPU to spare GPU memory), so checkpoints see fp32
 values interchangeable with an fp32 model's. DTensor parameters (routed experts under EP without FSDP) are split
 and joined per local shard (DTensor's own bit shifts are not exact); their low bits are plain tensors.
+
+Also here, for the optimizers that update masters (`MultiTensorAdamW`, `Muon`): a parameter's local shard and its
+gradient laid out like it, and torch's state-dict load without its cast of state to the (bf16) parameter's dtype.
 """
 
+from collections import defaultdict
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -19,7 +24,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["join_fp32", "local_shard", "split_fp32", "store_weights_in_bf16"]
+__all__ = [
+    "grad_like_param",
+    "join_fp32",
+    "load_state_keeping_dtypes",
+    "local_shard",
+    "split_fp32",
+    "store_weights_in_bf16",
+]
 
 _LOW = 0xFFFF
 _HALF = 0x8000
@@ -99,6 +111,42 @@ def _load_into_masters(masters: dict[str, tuple], module: nn.Module, state_dict:
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard; any other tensor as is."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def grad_like_param(param: torch.Tensor) -> torch.Tensor:
+    """The gradient laid out like the parameter (an update pairs their local shards): a DTensor gradient on another
+    layout (partial sums under tensor parallelism) is redistributed, as DTensor does for torch's optimizers."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and (grad.placements != param.placements or grad.device_mesh != param.device_mesh):
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad
+
+
+def load_state_keeping_dtypes(
+    optimizer: torch.optim.Optimizer,
+    state_dict: dict[str, Any],
+    state_dtype: Callable[[torch.Tensor], torch.dtype],
+    load: Callable[[dict[str, Any]], None],
+) -> None:
+    """`load(state_dict)` (torch's `Optimizer.load_state_dict`, which casts each loaded state tensor to its
+    parameter's dtype) with the state of each parameter in `state_dtype(parameter)`: while it runs, the groups hold a
+    stand-in (one element, expanded) of that dtype for each parameter whose state has another dtype (fp32 for a bf16
+    weight with a master)."""
+    stand_ins = {
+        param: torch.zeros((), dtype=state_dtype(param), device=param.device).expand(param.shape)
+        for group in optimizer.param_groups
+        for param in group["params"]
+        if state_dtype(param) != param.dtype
+    }
+    parameter_of = {id(stand_in): param for param, stand_in in stand_ins.items()}
+    for group in optimizer.param_groups:
+        group["params"] = [stand_ins.get(param, param) for param in group["params"]]
+    try:
+        load(state_dict)
+    finally:
+        for group in optimizer.param_groups:
+            group["params"] = [parameter_of.get(id(param), param) for param in group["params"]]
+        optimizer.state = defaultdict(dict, {parameter_of.get(id(p), p): state for p, state in optimizer.state.items()})
 
 
 def _like(param: DTensor, local: torch.Tensor) -> DTensor:

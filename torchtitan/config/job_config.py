@@ -48,8 +48,10 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: Literal["AdamW", "Adam"] = "AdamW"
-    """Optimizer class from torch.optim."""
+    name: Literal["AdamW", "Adam", "Muon"] = "AdamW"
+    """`AdamW` / `Adam`: one update for every parameter (weight decay on all). `Muon`: Muon (Newton-Schulz
+    orthogonalized momentum) for the parameter groups of `muon_groups`, AdamW for the rest, both with this lr and
+    weight decay, as Moonlight was trained (components/optimizer.py, components/muon.py)."""
 
     lr: float = 8e-4
     """Peak learning rate."""
@@ -67,13 +69,33 @@ class Optimizer:
     """Decoupled weight decay."""
 
     implementation: Literal["triton", "fused", "foreach", "for-loop"] = "triton"
-    """`triton` (AdamW only; Adam uses `fused`): MultiTensorAdamW, one Triton launch per parameter group and dtype on
-    CUDA with gradient clipping folded in (foreach ops elsewhere). `fused`, `foreach`, `for-loop`: torch.optim's
-    kernels with a separate clipping pass; `fused` falls back to `foreach` where the device has no fused kernel."""
+    """The AdamW update (alone or beside Muon). `triton` (AdamW only; Adam uses `fused`): MultiTensorAdamW, one
+    Triton launch per parameter group and dtype on CUDA with gradient clipping folded in (foreach ops elsewhere).
+    `fused`, `foreach`, `for-loop`: torch.optim's kernels with a separate clipping pass; `fused` falls back to
+    `foreach` where the device has no fused kernel. bf16 weights with fp32 masters need `triton`."""
 
     moments_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of Adam's two moments. `bfloat16` (AdamW with implementation `triton`) saves 4 bytes per parameter; the
-    update still runs in fp32 on fp32 master weights."""
+    """Dtype of Adam's two moments. `bfloat16` (AdamW, alone or beside Muon, with implementation `triton`) saves 4
+    bytes per parameter; the update still runs in fp32 on fp32 master weights."""
+
+    muon_groups: list[str] = field(default_factory=lambda: ["matrices", "experts"])
+    """Muon: the parameter groups it updates (AdamW the others): `matrices` (attention projections, dense and shared
+    experts' MLPs), `experts` (routed experts, each expert's matrix on its own), `embeddings`, `head`, `router_gate`.
+    Norms and biases always take AdamW."""
+
+    muon_momentum: float = 0.95
+    """Muon: momentum mu of B = mu B + (1 - mu) grad."""
+
+    muon_nesterov: bool = True
+    """Muon: orthogonalize (1 - mu) grad + mu B (Nesterov momentum) instead of B."""
+
+    muon_ns_steps: int = 5
+    """Muon: Newton-Schulz iterations per update (Keller Jordan's quintic, coefficients 3.4445, -4.7750, 2.0315)."""
+
+    muon_update_scale: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """Muon: per A x B matrix, the orthogonalized update times 0.2 sqrt(max(A, B)) (`match_rms_adamw`: AdamW's
+    update RMS, so AdamW's lr and weight decay carry over, Moonlight's recipe), or sqrt(max(1, A / B))
+    (`original`, Keller Jordan's, for an lr tuned for Muon)."""
 
 
 @dataclass

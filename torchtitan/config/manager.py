@@ -202,11 +202,12 @@ def validate(job_config: JobConfig) -> None:
 
     opt = job_config.optimizer
     _require(
-        opt.moments_dtype == "float32" or (opt.name == "AdamW" and opt.implementation == "triton"),
+        opt.moments_dtype == "float32" or (opt.name in ("AdamW", "Muon") and opt.implementation == "triton"),
         f"optimizer.moments_dtype={opt.moments_dtype} needs the update that keeps fp32 masters (--optimizer.name "
-        f"AdamW with --optimizer.implementation triton), got {opt.name} with {opt.implementation!r}; switch to it or "
-        "drop --optimizer.moments_dtype",
+        f"AdamW or Muon with --optimizer.implementation triton), got {opt.name} with {opt.implementation!r}; switch "
+        "to it or drop --optimizer.moments_dtype",
     )
+    _check_muon(opt)
 
     checkpoint = job_config.checkpoint
     _require(
@@ -248,10 +249,31 @@ def validate(job_config: JobConfig) -> None:
     )
 
 
+_MUON_GROUPS = ("matrices", "experts", "embeddings", "head", "router_gate")  # components/optimizer.py's, less norms
+
+
+def _check_muon(opt: Any) -> None:
+    """Muon's knobs: its groups, and none of them set for another optimizer (it would silently not apply)."""
+    unknown = [group for group in opt.muon_groups if group not in _MUON_GROUPS]
+    _require(
+        bool(opt.muon_groups) and not unknown and len(set(opt.muon_groups)) == len(opt.muon_groups),
+        f"optimizer.muon_groups must name each of {', '.join(_MUON_GROUPS)} at most once and at least one of them, "
+        f"got {opt.muon_groups}; pass e.g. --optimizer.muon_groups matrices,experts",
+    )
+    if opt.name == "Muon":
+        return
+    defaults = type(opt)()
+    for name in (f.name for f in dataclasses.fields(opt) if f.name.startswith("muon_")):
+        _require(
+            getattr(opt, name) == getattr(defaults, name),
+            f"optimizer.{name} applies to --optimizer.name Muon, got {opt.name}; pass --optimizer.name Muon or drop it",
+        )
+
+
 _POSITIVE_KEYS = (
     "training.seq_len training.steps training.local_batch_size training.gc_freq metrics.log_freq checkpoint.interval "
     "profiling.profile_freq comm.init_timeout_seconds comm.train_timeout_seconds validation.freq validation.steps "
-    "parallelism.fsdp_blocks_per_unit"
+    "parallelism.fsdp_blocks_per_unit optimizer.muon_ns_steps"
 ).split()
 _DEGREE_KEYS = (
     "parallelism.data_parallel_replicate_degree parallelism.tensor_parallel_degree parallelism.context_parallel_degree "
@@ -276,6 +298,7 @@ _RANGES = (
     ("optimizer.beta2", lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
     ("optimizer.eps", lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
     ("optimizer.weight_decay", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+    ("optimizer.muon_momentum", lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
     ("checkpoint.keep_latest_k", lambda v: v >= 0, ">= 0 (0 keeps all)"),
     ("checkpoint.load_step", lambda v: v == -1 or v >= 1, "-1 (the latest checkpoint) or a step >= 1"),
     ("activation_checkpoint.num_blocks", lambda v: v >= -1, "-1 (every block) or a number of blocks >= 0"),

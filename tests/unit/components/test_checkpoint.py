@@ -795,3 +795,39 @@ def test_resuming_into_a_model_without_some_of_the_checkpoint_s_tensors_is_refus
     ):
         Run(make_config(tmp_path)).manager.load()
     assert Run(make_config(tmp_path), model=_WithMtp()).manager.load()  # the same model resumes
+
+
+def _muon(config):
+    config.optimizer.name = "Muon"
+    config.optimizer.muon_groups = ["head"]  # the tiny model's one matrix outside embeddings
+    return config
+
+
+@pytest.mark.parametrize("saved_by, resumed_by", [("AdamW", "Muon"), ("Muon", "AdamW")])
+def test_a_checkpoint_of_another_optimizer_is_refused_in_one_line(tmp_path, saved_by, resumed_by):
+    """AdamW's moments cannot seed Muon's momentum (nor the reverse): one line with the two fixes, for a resume and a
+    full initial load alike; a model-only initial load starts the other optimizer from the weights."""
+    as_configured = {"AdamW": lambda config: config, "Muon": _muon}
+    Run(as_configured[saved_by](make_config(tmp_path))).train(2)
+    with pytest.raises(CheckpointError) as err:
+        Run(as_configured[resumed_by](make_config(tmp_path))).manager.load()
+    message = str(err.value)
+    assert message.startswith(f"cannot resume from {folder(tmp_path) / 'step-2'}: its optimizer state is another")
+    assert "output.weight" in message and "--optimizer.name" in message and "\n" not in message
+    saved = str(folder(tmp_path) / "step-2")
+    initial = as_configured[resumed_by](make_config(tmp_path / "new", initial_load_path=saved))
+    initial.checkpoint.initial_load_model_only = False
+    with pytest.raises(CheckpointError, match="cannot load the training state of checkpoint.initial_load_path"):
+        Run(initial).manager.load()
+    initial.checkpoint.initial_load_model_only = True
+    assert Run(initial).manager.load() is False  # weights only: the fresh optimizer starts
+
+
+def test_muon_resumes_exactly(tmp_path):
+    straight = Run(_muon(make_config(tmp_path / "straight", interval=2)))
+    straight.train(4)
+    shutil.copytree(folder(tmp_path / "straight") / "step-2", folder(tmp_path / "resumed") / "step-2")
+    resumed = Run(_muon(make_config(tmp_path / "resumed", interval=2)), seed=7)
+    assert resumed.manager.load() is True and resumed.train_state.step == 2
+    resumed.train(2)
+    assert_same_params(resumed.params(), straight.params())

@@ -2,9 +2,16 @@ import logging
 
 import pytest
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from torchtitan.components.adamw import MultiTensorAdamW
-from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.muon import Muon
+from torchtitan.components.optimizer import (
+    PARAMETER_GROUPS,
+    build_optimizers,
+    group_parameters,
+    updates_master_weights,
+)
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.utils import clip_grad_norm_, grad_norm_and_clip_coef
 
@@ -169,3 +176,141 @@ def test_folded_clipping_equals_clip_grad_norm_then_torch_adamw():
             assert float(norm) > 0.1  # clipping is active
         results.append(torch.cat([p.detach().flatten() for part in parts for p in part.parameters()]))
     torch.testing.assert_close(results[0], results[1])
+
+
+# ---- parameter groups and Muon beside AdamW ------------------------------------------------------------
+
+
+def tiny_deepseek(mtp_layers: int = 1):
+    from dataclasses import replace
+
+    from torchtitan.models.deepseek_v3.args import deepseekv3_flavors
+    from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
+
+    torch.manual_seed(0)
+    model = DeepSeekV3Model(replace(deepseekv3_flavors["debugmodel_tiny"], mtp_layers=mtp_layers))
+    model.init_weights()
+    return model
+
+
+def expected_group(name: str) -> str:
+    """The group each DeepSeek-V3 parameter belongs in, spelled out by name (docs/design.md's model structure)."""
+    if name.endswith("norm.weight"):
+        return "norms_and_biases"
+    if ".experts.w" in name:
+        return "experts"
+    if name == "tok_embeddings.weight":
+        return "embeddings"
+    if name == "output.weight":
+        return "head"
+    if name.endswith("router.gate.weight"):
+        return "router_gate"
+    assert name.endswith(("wq.weight", "wkv_a.weight", "wkv_b.weight", "wo.weight", "eh_proj.weight")) or (
+        ".w1.weight" in name or ".w2.weight" in name or ".w3.weight" in name
+    ), name
+    return "matrices"
+
+
+def test_parameter_groups_follow_the_model_structure_checkpoint_wrapped_too():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = tiny_deepseek()
+    model.layers["1"] = checkpoint_wrapper(model.layers["1"])  # AC renames its parameters
+    groups = group_parameters(model)
+    names = {param: name.replace("_checkpoint_wrapped_module.", "") for name, param in model.named_parameters()}
+    assert len(groups) == len(names)
+    assert {names[param]: group for param, group in groups.items()} == {n: expected_group(n) for n in names.values()}
+    assert set(groups.values()) == set(PARAMETER_GROUPS)  # the tiny model has every kind
+
+
+@pytest.mark.parametrize(
+    "muon_groups", [["matrices", "experts"], ["matrices"], ["experts", "router_gate", "head", "embeddings"]]
+)
+def test_muon_takes_its_groups_and_adamw_the_rest_with_the_same_lr_and_decay(muon_groups):
+    model = tiny_deepseek(mtp_layers=0)
+    job_config = config("triton", name="Muon")
+    job_config.optimizer.muon_groups = muon_groups
+    optimizers = build_optimizers([model], job_config)
+    muon, adamw = optimizers.optimizers_per_part[0]
+    assert isinstance(muon, Muon) and isinstance(adamw, MultiTensorAdamW) and optimizers.folds_grad_scale
+    groups = group_parameters(model)
+    assert muon.param_groups[0]["params"] == [p for p, g in groups.items() if g in muon_groups]
+    assert adamw.param_groups[0]["params"] == [p for p, g in groups.items() if g not in muon_groups]
+    for optimizer in (muon, adamw):
+        assert optimizer.param_groups[0]["lr"] == 0.1 and optimizer.param_groups[0]["weight_decay"] == 0.1
+
+
+def test_adamw_steps_every_parameter_in_module_order_as_before():
+    """One AdamW per part over `parameters()`: its state dict (keys, states) is the one of today's checkpoints."""
+    model, reference = tiny_deepseek(), tiny_deepseek()
+    optimizers = build_optimizers([model], config("foreach"))
+    assert len(optimizers) == 1 and optimizers.optimizers[0].param_groups[0]["params"] == list(model.parameters())
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=0.1, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    tokens = torch.randint(0, 2048, (1, 8))
+    for part, optimizer in ((model, optimizers), (reference, torch_adamw)):
+        part(tokens).square().mean().backward()
+        optimizer.step()
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    expected = get_optimizer_state_dict(reference, torch_adamw, options=flat)
+    state = optimizers.state_dict()
+    assert state.keys() == expected.keys()
+    for key in (key for key in expected if key.startswith("state.")):
+        assert torch.equal(state[key], expected[key]), key
+
+
+@pytest.mark.parametrize(
+    "name, implementation, expected",
+    [("AdamW", "triton", True), ("AdamW", "foreach", False), ("Adam", "triton", False), ("Muon", "triton", True),
+     ("Muon", "fused", False)],
+)  # fmt: skip
+def test_updates_master_weights_is_what_the_optimizer_classes_declare(name, implementation, expected):
+    assert updates_master_weights(config(implementation, name=name).optimizer) is expected
+
+
+def test_fp32_masters_are_refused_for_optimizers_that_cannot_update_them():
+    part = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="AdamW or Muon with implementation 'triton'"):
+        build_optimizers([part], config("foreach", name="Muon"), {part.weight: torch.zeros(4, 4, dtype=torch.int16)})
+
+
+def test_muon_container_state_round_trips_per_stage_and_continues_identically():
+    """Two pipeline stages, each with Muon (its matrix) and AdamW (the rest): one flat dict, disjoint FQNs, and a
+    fresh container that loads it takes the same next step."""
+    job_config = config("triton", name="Muon")
+    parts = two_stages()
+    optimizers = build_optimizers(parts, job_config)
+    assert [[type(o) for o in part] for part in optimizers.optimizers_per_part] == [
+        [Muon, MultiTensorAdamW],
+        [MultiTensorAdamW],  # the last stage holds the head and its bias only
+    ]
+    for _ in range(2):
+        train_step(parts, optimizers)
+    state = optimizers.state_dict()
+    assert "state.embed.weight.momentum_buffer" in state and "state.embed.bias.exp_avg" in state
+    assert "state.output.weight.exp_avg" in state
+
+    fresh_parts = two_stages()
+    for fresh, part in zip(fresh_parts, parts, strict=True):
+        fresh.load_state_dict(part.state_dict())
+    fresh = build_optimizers(fresh_parts, job_config)
+    fresh.load_state_dict({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()})  # as read
+    torch.manual_seed(5)
+    train_step(parts, optimizers)
+    torch.manual_seed(5)
+    train_step(fresh_parts, fresh)
+    for part, fresh_part in zip(parts, fresh_parts, strict=True):
+        for param, fresh_param in zip(part.parameters(), fresh_part.parameters(), strict=True):
+            assert torch.equal(param, fresh_param)
+
+
+def test_resume_mismatch_names_both_optimizers_state():
+    parts = two_stages()
+    adamw = build_optimizers(parts, config("triton"))
+    train_step(parts, adamw)
+    adamw_keys = {"optimizer." + key for key in adamw.state_dict()}
+    assert adamw.resume_mismatch(adamw_keys) is None
+    muon = build_optimizers(two_stages(), config("triton", name="Muon"))
+    message = muon.resume_mismatch(adamw_keys)
+    assert "embed.weight" in message and "['exp_avg', 'exp_avg_sq', 'step']" in message
+    assert "['momentum_buffer']" in message and "--optimizer.name" in message and "\n" not in message
+    assert adamw.resume_mismatch({"optimizer." + key for key in muon.state_dict()}) is not None

@@ -281,7 +281,7 @@ def test_toml_none_string_for_optional(tmp_path):
 
 def test_choice_validation_on_cli_and_toml(tmp_path):
     assert parse("--optimizer.name=Adam").optimizer.name == "Adam"
-    with pytest.raises(ConfigError, match="one of AdamW, Adam; got 'adamw'; did you mean 'AdamW'"):
+    with pytest.raises(ConfigError, match="one of AdamW, Adam, Muon; got 'adamw'; did you mean 'AdamW'"):
         parse("--optimizer.name", "adamw")
     path = write_toml(tmp_path, '[lr_scheduler]\ndecay_type = "cosin"\n')
     with pytest.raises(ConfigError, match="lr_scheduler.decay_type .*did you mean 'cosine'"):
@@ -333,7 +333,9 @@ def test_help_lists_every_field_with_type_default_and_doc():
             assert "default:" in line
             assert line.partition(")  ")[2].strip(), f"{flag} has no docstring"
     assert "--training.steps  (int, default: 10000)  Optimizer steps to train." in text
-    assert "--optimizer.name  ({AdamW,Adam}, default: AdamW)" in text
+    assert "--optimizer.name  ({AdamW,Adam,Muon}, default: AdamW)" in text
+    for knob in ("muon_groups", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_update_scale"):
+        assert f"--optimizer.{knob}  (" in text
     assert "--debug.seed  (int | None, default: 0)" in text
     assert "--compile.components  (list[str], default: model,loss)" in text
 
@@ -436,6 +438,18 @@ def test_uncaught_help_exits_process_with_zero():
         (["--training.max_norm", "nan"], r"training.max_norm must be > 0 \(inf: no clipping\), got nan"),
         (["--model.mtp_loss_weight", "-0.1"], r"model.mtp_loss_weight must be a finite number >= 0"),
         (["--lr_scheduler.min_lr_factor", "nan"], r"min_lr_factor must be in \[0, 1\], got nan"),
+        (["--optimizer.name=Muon", "--optimizer.muon_momentum=1"], r"optimizer.muon_momentum must be in \[0, 1\)"),
+        (["--optimizer.name=Muon", "--optimizer.muon_ns_steps=0"], "optimizer.muon_ns_steps must be a positive"),
+        (["--optimizer.name=Muon", "--optimizer.muon_update_scale=rms"], "muon_update_scale must be one of"),
+        (["--optimizer.name=Muon", "--optimizer.muon_groups=matrices,norms"], r"muon_groups must name .*\['matrices'"),
+        (["--optimizer.name=Muon", "--optimizer.muon_groups=experts,experts"], "muon_groups must name each of"),
+        (["--optimizer.name=Muon", "--optimizer.muon_groups", ","], "and at least one of them"),
+        (["--optimizer.muon_momentum=0.9"], "optimizer.muon_momentum applies to --optimizer.name Muon, got AdamW"),
+        (["--optimizer.name=Adam", "--optimizer.muon_groups=matrices"], "muon_groups applies to --optimizer.name Muon"),
+        (
+            ["--optimizer.name=Muon", "--optimizer.moments_dtype=bfloat16", "--optimizer.implementation=fused"],
+            "moments_dtype=bfloat16 needs .*AdamW or Muon with --optimizer.implementation triton",
+        ),
     ],
 )
 def test_validation_rejects_bad_values(flags, message):
@@ -474,8 +488,11 @@ def test_validation_rejects_bad_values(flags, message):
         ],
         # a DeepEP setting left at its default is no request: it passes with any backend
         ["--parallelism.deepep_sync_free_dispatch=false", "--parallelism.expert_parallel_comm_backend=symm_mem"],
+        ["--optimizer.name=Muon", "--optimizer.moments_dtype=bfloat16"],  # AdamW's part keeps bf16 moments
+        ["--optimizer.name=Muon", "--optimizer.muon_groups=experts,head", "--optimizer.muon_update_scale=original",
+         "--optimizer.muon_momentum=0", "--optimizer.no-muon_nesterov", "--optimizer.muon_ns_steps=10"],
     ],
-)
+)  # fmt: skip
 def test_validation_accepts_good_values(flags):
     parse(*flags)
 

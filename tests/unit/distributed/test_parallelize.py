@@ -180,8 +180,13 @@ def test_fsdp_units_of_two_blocks_keep_results():
             False,
         ),  # fmt: skip
         (2, {"parallelism.expert_parallel_degree": 2, "training.mixed_precision_param": "float16"}, False),
+        # Muon (beside the Triton AdamW) updates masters too; with torch's AdamW beside it, not all of them
+        (2, {"parallelism.expert_parallel_degree": 2, "training.mixed_precision_param": "bfloat16",
+             "optimizer.name": "Muon"}, True),
+        (2, {"parallelism.expert_parallel_degree": 2, "training.mixed_precision_param": "bfloat16",
+             "optimizer.name": "Muon", "optimizer.implementation": "fused"}, False),
     ],
-)
+)  # fmt: skip
 def test_experts_outside_fsdp_only_where_no_expert_has_a_data_parallel_copy(world_size, overrides, outside):
     cfg = JobConfig()
     cfg.training.mixed_precision_param = "float32"

@@ -49,7 +49,8 @@ def experts_outside_fsdp(parallel_dims: ParallelDims, job_config: Any) -> bool:
     rank, e.g. EP = the data-parallel degree), so there is nothing to shard, gather or reduce, and wrapping them would
     only copy their weights in each forward and their gradients in each backward. Unwrapped, they compute in the
     dtype they are stored in: fp32, or for bf16 compute bf16 weights whose fp32 masters the optimizer updates
-    (`components/master_weights.py`; the trainer stores them so), which needs AdamW 'triton'."""
+    (`components/master_weights.py`; the trainer stores them so), which needs optimizers that update such masters
+    (`updates_master_weights`: AdamW or Muon with implementation 'triton')."""
     one_rank_experts = parallel_dims.ep_enabled and parallel_dims.dp_replicate * parallel_dims.dp_shard_mod_ep == 1
     if not one_rank_experts or job_config.training.enable_cpu_offload:
         return False
