@@ -101,7 +101,7 @@ class Muon(torch.optim.Optimizer):
                 self.state[param]["momentum_buffer"] = torch.zeros_like(param, dtype=self._momentum_dtype(param))
         if compile_updates is None:
             compile_updates = {p.device.type for group in self.param_groups for p in group["params"]} == {"cuda"}
-        # one graph per rank of tensor (2-D, 3-D) and variant (master or not, clip or not), any shape
+        # one graph per variant (master or not, clip or not), any size: `step` passes flat views
         compiled = partial(torch.compile, fullgraph=True, dynamic=True)
         self._momentum_update = compiled(momentum_update) if compile_updates else momentum_update
         self._apply_update = compiled(apply_update) if compile_updates else apply_update
@@ -123,15 +123,16 @@ class Muon(torch.optim.Optimizer):
                 device = local_shard(batch[0]).device
                 dtype = self.ns_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
                 scale = None if grad_scale is None else grad_scale.to(device)
+                # the elementwise updates see flat views: one compiled graph per variant, whatever the shapes
                 updates = [
                     self._momentum_update(
-                        local_shard(self.state[param]["momentum_buffer"]),
-                        local_shard(grad_like_param(param)),
+                        _flat(local_shard(self.state[param]["momentum_buffer"])),
+                        _flat(local_shard(grad_like_param(param))),
                         scale,
                         group["momentum"],
                         group["nesterov"],
                         dtype,
-                    )
+                    ).view(local_shard(param).shape)
                     for param in batch
                 ]
                 orthogonal = orthogonalize(batch, updates, partial(newton_schulz, steps=group["ns_steps"]))
@@ -140,13 +141,22 @@ class Muon(torch.optim.Optimizer):
                 step_size = torch.tensor(lr * update_scale(batch[0].shape, group["update_scale"]))
                 for param, update in zip(batch, orthogonal, strict=True):
                     low_bits = self.master_low_bits.get(param)
-                    low_bits = None if low_bits is None else local_shard(low_bits)
-                    self._apply_update(local_shard(param), low_bits, update, decay, step_size)
+                    low_bits = None if low_bits is None else _flat(local_shard(low_bits))
+                    self._apply_update(_flat(local_shard(param)), low_bits, update.reshape(-1), decay, step_size)
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, keeping fp32 momentum for bf16 weights with masters (torch would cast it to bf16)."""
         load_state_keeping_dtypes(self, state_dict, self._momentum_dtype, super().load_state_dict)
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor on the storage of a contiguous `tensor` (updated in place through it). Not a view: dynamo guards a
+    view on its base's shape, which would recompile the updates for every shape of the model."""
+    if not tensor.is_contiguous():
+        raise ValueError(f"Muon updates contiguous tensors in place, got strides {tensor.stride()}")
+    flat = tensor.new_empty(0)
+    return flat.set_(tensor.untyped_storage(), tensor.storage_offset(), (tensor.numel(),))
 
 
 def momentum_update(

@@ -149,6 +149,28 @@ def test_compiled_updates_equal_the_eager_ones(masters):
         torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7)
 
 
+def test_compiled_updates_take_every_shape_of_a_model_without_recompiling_past_dynamos_limit():
+    """A model has more shapes (square, wide, tall, stacks of experts) than dynamo's recompile limit; the compiled
+    updates see flat views, so one graph per variant serves them all (a limit hit is an error under fullgraph)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    shapes = [(8, 8), (8, 16), (16, 8), (24, 8), (4, 8, 16), (4, 16, 8), (2, 8, 8), (32, 16), (16, 32), (8, 40),
+              (40, 8), (3, 24, 8)]  # fmt: skip
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+    low_bits = {}
+    for i in range(0, len(params), 2):  # every other weight bf16 with an fp32 master
+        weight, low = split_fp32(params[i].detach())
+        params[i] = torch.nn.Parameter(weight)
+        low_bits[params[i]] = low
+    with torch._dynamo.config.patch(recompile_limit=4):
+        optimizer = Muon(params, lr=0.02, master_low_bits=low_bits, compile_updates=True)
+        for step in range(2):
+            for param in params:
+                param.grad = torch.randn(param.shape, dtype=param.dtype)
+            optimizer.step(grad_scale=torch.tensor(0.5) if step else None)
+    assert all(torch.isfinite(param.float()).all() for param in params)
+
+
 def test_folded_grad_scale_equals_scaling_the_gradients_first():
     ours_params, ref_params = make_params(), make_params()
     ours, ref = Muon(ours_params, lr=0.02), Muon(ref_params, lr=0.02)
