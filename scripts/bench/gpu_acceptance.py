@@ -56,6 +56,7 @@ class Row:
     tolerance: float
     why: str
     needs_ep: bool = False
+    one_gpu: bool = False
     result: dict = field(default_factory=dict)
 
 
@@ -79,6 +80,8 @@ def all_rows() -> list[Row]:
             "peak and the base's (1 GiB under the base's without full_ac), which the run's peak must not exceed"),
         Row("eager", ["--compile.enable=false"], OTHER_KERNELS, "unfused kernels"),
         Row("plain_output_head", ["--training.fused_output_loss=false"], OTHER_KERNELS, "whole logits, bf16 head grad"),
+        Row("cuda_graphs", ["--compile.cuda_graphs"], SAME_MATH, "the step's forward and backward replayed as one CUDA "
+            "graph from step 3: the same kernels", one_gpu=True),
         Row("sync_free_dispatch", ["--parallelism.deepep_sync_free_dispatch"], SAME_MATH, "padded layout",
             needs_ep=True),
         Row("sync_free_capacity", ["--parallelism.deepep_sync_free_dispatch",
@@ -170,6 +173,8 @@ def write_report(out: Path, rows: list[Row], opts, ep: int, base_args: list[str]
 def run_row(row: Row, by_name: dict[str, Row], base_args: list[str], opts, ep: int, work: Path) -> dict:
     if row.needs_ep and ep < 2:
         return {"status": "skipped", "reason": "needs >= 2 GPUs (expert parallelism)"}
+    if row.one_gpu and opts.ngpu > 1:
+        return {"status": "skipped", "reason": "one GPU only (compile.cuda_graphs)"}
     base = by_name["base"].result
     if row.name != "base" and base.get("status") != "passed":
         return {"status": "failed", "reason": "the base run failed"}
