@@ -6,9 +6,12 @@ checkpoints (2 steps instead of its 30: `STEPS_RUN`; later commands' `step-30` b
 every HF conversion and the README's sampling command; python entry points run in this process (no torch import
 each), the training through the suite's fork server after run_train.sh's checks. Training commands that do not run
 are checked the way run_train.sh checks them before it starts any process (`preflight.check_job`, world size NGPU x
-NNODES, each in a fresh dump folder); those in a block whose first line is `# GPU only` as on a GPU machine with
-DeepEP installed. Other commands must name files that exist. A command of a kind this file does not know fails the
-test: teach it here.
+NNODES, each in a fresh dump folder); those in a block whose first line is `# GPU only` as on a GPU machine (an 80 GB
+H100) with DeepEP installed. A block whose first line is `# needs a download` names files a user downloads (a
+release's weights, a tokenizer, a corpus): its training commands pass the checks of the world size and the model
+shape (`preflight.check_layout`), its other commands name repository files that exist. `python -m torchtitan.plan`
+runs for real. Other commands must name files that exist. A command of a kind this file does not know fails the test:
+teach it here.
 """
 
 import importlib.util
@@ -20,6 +23,7 @@ import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,7 +31,9 @@ import torch
 from scripts import convert_hf, generate
 from tests.integration.conftest import run_trainer
 from torchtitan import preflight, train
+from torchtitan.config import ConfigManager
 from torchtitan.distributed.deepep import buffer as deepep_buffer
+from torchtitan.plan import __main__ as plan
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
@@ -36,6 +42,8 @@ DEFAULT_CONFIG = "./train_configs/deepseek_v3_debugmodel.toml"
 TEST_COMMAND = "python -m pytest tests -q"
 STEPS_WRITTEN, STEPS_RUN = 30, 2
 GPU_ONLY = "# GPU only"
+NEEDS_DOWNLOAD = "# needs a download"
+GPU_SEEN = SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=int(79.2 * 2**30))  # what CUDA reports
 
 
 @dataclass
@@ -45,6 +53,7 @@ class Command:
     env: dict[str, str]
     argv: list[str]
     gpu_only: bool
+    needs_download: bool
 
 
 def commands(page: Path) -> list[Command]:
@@ -52,6 +61,7 @@ def commands(page: Path) -> list[Command]:
     found = []
     for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
         gpu_only = block.lstrip().startswith(GPU_ONLY)
+        needs_download = block.lstrip().startswith(NEEDS_DOWNLOAD)
         for line in block.replace("\\\n", " ").splitlines():
             line = re.sub(r"(^|\s)#.*$", "", line).strip()
             for text in filter(None, (part.strip() for part in line.split(" && "))):
@@ -60,7 +70,9 @@ def commands(page: Path) -> list[Command]:
                 while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
                     name, value = words.pop(0).split("=", 1)
                     env[name] = value
-                found.append(Command(page.relative_to(REPO_ROOT).as_posix(), text, env, words, gpu_only))
+                found.append(
+                    Command(page.relative_to(REPO_ROOT).as_posix(), text, env, words, gpu_only, needs_download)
+                )
     return found
 
 
@@ -108,7 +120,9 @@ def test_every_command_runs_or_passes_its_checks(sandbox, tmp_path_factory, monk
         program = argv[0]
         if program in ("pip", "nvidia-cuda-mps-control") or command.text == TEST_COMMAND:
             continue  # installs (tested above), the GPU's MPS daemon, the suite itself
-        if program == "./run_train.sh" or argv[:3] == ["python", "-m", "torchtitan.train"]:
+        if command.needs_download:
+            check_downloaded(command, argv, sandbox, where)
+        elif program == "./run_train.sh" or argv[:3] == ["python", "-m", "torchtitan.train"]:
             train_args = argv[1:] if program == "./run_train.sh" else argv[3:]
             if "--help" in train_args and program == "./run_train.sh":
                 run_shell(argv, command.env, sandbox, where)
@@ -124,6 +138,9 @@ def test_every_command_runs_or_passes_its_checks(sandbox, tmp_path_factory, monk
                 trained = True
             else:
                 check_training(command, train_args, tmp_path_factory.mktemp("dump"), monkeypatch)
+        elif argv[:3] == ["python", "-m", "torchtitan.plan"]:
+            assert plan.main(argv[3:]) == 0, where
+            assert "predicted:" in capsys.readouterr().out, where
         elif argv[:2] == ["python", "scripts/convert_hf.py"]:
             if command.text not in ran:
                 convert_hf.main(argv[2:])
@@ -161,6 +178,8 @@ def check_training(command: Command, train_args: list[str], dump_folder: Path, m
             patch.setenv(name, value)
         if command.gpu_only:
             patch.setattr(torch.cuda, "is_available", lambda: True)
+            patch.setattr(torch.cuda, "device_count", lambda: 1)
+            patch.setattr(torch.cuda, "get_device_properties", lambda device: GPU_SEEN)
             patch.setattr(deepep_buffer, "import_deep_ep", lambda: None)
         try:
             preflight.check_job(argv, world_size)
@@ -168,8 +187,25 @@ def check_training(command: Command, train_args: list[str], dump_folder: Path, m
             pytest.fail(f"{command.page}: `{command.text}` fails its checks: {err}")
 
 
+def check_downloaded(command: Command, argv: list[str], sandbox: Path, where: str) -> None:
+    """A command on downloaded files: a training command's flags, layout and model shape are checked at its world size
+    (the files themselves are the user's); any other command names repository files that exist."""
+    if argv[0] in ("./run_train.sh", "torchrun"):
+        train_args = argv[1:] if argv[0] == "./run_train.sh" else argv[argv.index("torchtitan.train") + 1 :]
+        config = command.env.get("CONFIG_FILE", DEFAULT_CONFIG)
+        world_size = int(command.env.get("NGPU", "1")) * int(command.env.get("NNODES", "1"))
+        try:
+            job_config = ConfigManager().parse_args(["--job.config_file", config, *train_args])
+            job_config.checkpoint.initial_load_path = None  # a download, read at launch (its MTP layers, its keys)
+            preflight.check_layout(job_config, world_size)
+        except Exception as err:  # any error: the command fails as written
+            pytest.fail(f"{where} fails its checks: {err}")
+    else:
+        check_paths(argv, sandbox, where)
+
+
 def check_paths(argv: list[str], sandbox: Path, where: str) -> None:
     """Scripts, test folders and outputs a command names exist (in the clone, or written by an earlier command)."""
     for word in argv[1:]:
-        if re.match(r"(scripts|tests|outputs|train_configs)/", word):
+        if re.match(r"(scripts|tests|outputs|train_configs|torchtitan)/", word):
             assert (sandbox / word).exists() or (REPO_ROOT / word).exists(), f"{where}: {word} does not exist"
