@@ -1,6 +1,7 @@
 """`Tokenizer`: a thin wrapper over a `tokenizers` JSON file with explicit BOS/EOS handling."""
 
 import hashlib
+import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -15,9 +16,10 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class Tokenizer:
-    """A `tokenizers.Tokenizer` whose BOS/EOS are the special tokens `<|begin_of_text|>` / `<|end_of_text|>`, added only
-    when `encode` is asked to (the JSON file has no post-processor). The literal "<|end_of_text|>" in a text encodes to
-    `eos_id`."""
+    """A `tokenizers.Tokenizer` whose BOS/EOS are the special tokens `<|begin_of_text|>` / `<|end_of_text|>` (the
+    shipped tokenizer's), or those a Hugging Face folder's `tokenizer_config.json` beside the file names
+    (DeepSeek's `<｜begin▁of▁sentence｜>` / `<｜end▁of▁sentence｜>`); added only when `encode` is asked to. The
+    literal EOS token in a text encodes to `eos_id`."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -29,8 +31,9 @@ class Tokenizer:
                 "scripts/build_tokenizer.py or pass another --model.tokenizer_path"
             ) from None
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
-        self.bos_id: int = self._special_token_id(BOS_TOKEN)
-        self.eos_id: int = self._special_token_id(EOS_TOKEN)
+        bos, eos = special_tokens(self.path)
+        self.bos_id: int = self._special_token_id(bos)
+        self.eos_id: int = self._special_token_id(eos)
         # Stored in the dataloader state: a resume with another vocabulary or merges fails instead of feeding other ids.
         self.fingerprint: str = hashlib.sha256(self._tokenizer.to_str().encode("utf-8")).hexdigest()[:16]
 
@@ -56,6 +59,24 @@ class Tokenizer:
                 "scripts/build_tokenizer.py or pass another --model.tokenizer_path"
             )
         return token_id
+
+
+def special_tokens(path: Path) -> tuple[str, str]:
+    """(BOS, EOS): as the `tokenizer_config.json` next to `path` names them (a Hugging Face model folder), else ours."""
+    config_path = path.with_name("tokenizer_config.json")
+    if not config_path.is_file():
+        return BOS_TOKEN, EOS_TOKEN
+    try:
+        config = json.loads(config_path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{config_path} (beside the tokenizer) is not valid JSON ({err}); fix or remove it") from None
+
+    def named(key: str, default: str) -> str:
+        token = config.get(key) if isinstance(config, dict) else None
+        token = token.get("content") if isinstance(token, dict) else token
+        return token if isinstance(token, str) and token else default
+
+    return named("bos_token", BOS_TOKEN), named("eos_token", EOS_TOKEN)
 
 
 def build_tokenizer(job_config: JobConfig) -> Tokenizer:

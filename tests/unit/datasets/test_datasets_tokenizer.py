@@ -1,11 +1,14 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.timeouts import generous_timeout
 from torchtitan.datasets.tokenizer import BOS_TOKEN, EOS_TOKEN, Tokenizer, build_tokenizer
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_shipped_tokenizer_has_vocab_2048_with_bos_and_eos_inside(tokenizer: Tokenizer):
@@ -73,3 +76,23 @@ def test_a_tokenizer_path_that_is_a_folder_says_so(tmp_path):
 
     with pytest.raises(FileNotFoundError, match=r"tokenizer_path=.* is a folder \(.*\); give the tokenizer.json in it"):
         resolve_tokenizer_path(str(tmp_path))
+
+
+def test_a_hugging_face_folders_tokenizer_config_names_bos_and_eos(tmp_path):
+    """DeepSeek's releases name them <｜begin▁of▁sentence｜> / <｜end▁of▁sentence｜> in tokenizer_config.json; the
+    tokenizer.json alone (here the shipped one renamed) does not say which tokens they are."""
+    bos, eos = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+    shipped = (REPO_ROOT / "torchtitan/assets/tokenizer/tokenizer.json").read_text()
+    folder = tmp_path / "release"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text(shipped.replace(BOS_TOKEN, bos).replace(EOS_TOKEN, eos))
+    with pytest.raises(ValueError, match="has no special token '<|begin_of_text|>'"):
+        Tokenizer(folder / "tokenizer.json")
+    config = {"bos_token": {"content": bos, "lstrip": False}, "eos_token": eos}  # both forms HF writes
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = Tokenizer(folder / "tokenizer.json")
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (0, 1)
+    assert tokenizer.decode(tokenizer.encode("Emma", add_bos=True, add_eos=True)) == f"{bos}Emma{eos}"
+    (folder / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"tokenizer_config.json \(beside the tokenizer\) is not valid JSON"):
+        Tokenizer(folder / "tokenizer.json")
