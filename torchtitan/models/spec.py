@@ -1,6 +1,6 @@
 """What the trainer and preflight need of a model, looked up by `model.name` (`get_model_spec`): its args for a job,
-how to build, parallelize and pipeline it, its Hugging Face state-dict adapter, and the pipeline-split check
-preflight runs. A second model is one more `ModelSpec` in `MODELS`.
+how to build, parallelize and pipeline it (into a `ParallelizedModel`), its Hugging Face state-dict adapter, and the
+pipeline-split check preflight runs. A second model is one more `ModelSpec` in `MODELS`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from torch import nn
 
 from torchtitan.components.checkpoint import StateDictAdapter
 from torchtitan.config import ConfigError
+from torchtitan.models.parallelized import ParallelizedModel
 
 __all__ = ["MODELS", "ModelSpec", "get_model_spec"]
 
@@ -24,11 +25,12 @@ class ModelSpec:
     """job_config -> the model's args (its flavor or HF config, with the job's overrides); raises naming the fix."""
     build: Callable[[Any], nn.Module]
     """args -> the model, on the current device (the trainer builds it on meta)."""
-    parallelize: Callable[[nn.Module, Any, Any], nn.Module]
-    """(model, parallel_dims, job_config) -> the model with every parallelism but the pipeline applied."""
-    pipeline: Callable[..., tuple]
-    """(model, parallel_dims, job_config, device, args, loss_fn) -> (schedule, this rank's parts, has first stage,
-    has last stage)."""
+    parallelize: Callable[[nn.Module, Any, Any, Any], ParallelizedModel]
+    """(model, parallel_dims, job_config, exchange backend) -> the model with every parallelism but the pipeline
+    applied."""
+    pipeline: Callable[..., ParallelizedModel]
+    """(model, parallel_dims, job_config, exchange backend, device, args, loss_fn) -> this rank's stages, each
+    parallelized, with their schedule."""
     state_dict_adapter: Callable[[Any], StateDictAdapter]
     """args -> the adapter between the model's state dict and Hugging Face's."""
     check_pipeline: Callable[[Any, Any, Any], None]
@@ -39,7 +41,7 @@ def _deepseek_v3() -> ModelSpec:
     from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3StateDictAdapter, get_model_args
     from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
 
-    def pipeline(*args: Any) -> tuple:
+    def pipeline(*args: Any) -> ParallelizedModel:
         from torchtitan.models.deepseek_v3.pipeline import pipeline_deepseekv3
 
         return pipeline_deepseekv3(*args)

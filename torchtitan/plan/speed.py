@@ -124,8 +124,8 @@ def profiled_layout() -> Layout:
     from torchtitan.preflight import check_layout
 
     job = ConfigManager().parse_args(list(PROFILED_ARGS))
-    args, dims = check_layout(job, world_size=2)
-    return Layout(args, dims, job, gpus_per_node=8)
+    checked = check_layout(job, world_size=2)
+    return Layout(checked.model_args, checked.parallel_dims, job, gpus_per_node=8)
 
 
 def exchange_seconds(layout: Layout, tokens: int) -> float:
