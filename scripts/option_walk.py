@@ -316,10 +316,12 @@ class Frame:
                 return self.env.get(name, EMPTY)
             case ast.Attribute(value=value, attr=attr):
                 held = self.value(value)
-                if attr == self.walk.field:  # the option itself, whoever holds the config
-                    self.walk.readers[(self.module, self.func.label)] = None
+                carry = frozenset(path[1:] for path in held if path and path[0] == attr)
+                section = self.walk.key_path[-2] if len(self.walk.key_path) > 1 else None
+                if attr == self.walk.field and (() in carry or ast.unparse(value).split(".")[-1] == section):
+                    self.walk.readers[(self.module, self.func.label)] = None  # `X.section.field`, whoever X is
                     return ITSELF
-                return frozenset(path[1:] for path in held if path and path[0] == attr)
+                return carry
             case ast.Subscript(value=value, slice=index):
                 held, key = self.value(value), self.value(index)
                 return held | (ITSELF if () in key else EMPTY)

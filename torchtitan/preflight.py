@@ -14,7 +14,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torchtitan.components.checkpoint_folder import (
     CheckpointError,
@@ -30,6 +30,7 @@ from torchtitan.datasets.corpus import CACHE_DIR_ENV, check_corpus, disk_cache_d
 if TYPE_CHECKING:
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.models.moe.exchange import ExchangeBackend
+    from torchtitan.models.spec import ModelArgs, ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,10 @@ class CheckedJob:
     is built from it."""
 
     config: JobConfig
-    model_args: Any
-    """The model spec's args for this job (`ModelSpec.model_args`)."""
+    spec: ModelSpec
+    """The model `model.name` names."""
+    model_args: ModelArgs
+    """Its args for this job (`ModelSpec.model_args`)."""
     parallel_dims: ParallelDims
     exchange: ExchangeBackend
     """The token exchange (`models/moe/exchange.py`'s `resolve_exchange`), checked against the layout and model."""
@@ -101,7 +104,7 @@ def check_layout(job_config: JobConfig, world_size: int, this_host: bool = False
 
     exchange = resolve_exchange(job_config)
     exchange.check(parallel_dims, model_args.dim)
-    return CheckedJob(job_config, model_args, parallel_dims, exchange)
+    return CheckedJob(job_config, spec, model_args, parallel_dims, exchange)
 
 
 WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # wandb.Settings.mode (wandb 0.31)

@@ -49,7 +49,6 @@ from torchtitan.launch import report_error
 from torchtitan.models.moe import ExpertBiasHook, GroupedExperts, MoE
 from torchtitan.models.moe.parallelize import expert_bias_reduce_group
 from torchtitan.models.output_head import chunk_loss_and_grad
-from torchtitan.models.spec import get_model_spec
 from torchtitan.preflight import CheckedJob, check_batch_sizes, check_job
 from torchtitan.tools.async_readback import DeviceMark
 from torchtitan.tools.cuda_graph import CudaGraphed
@@ -75,7 +74,8 @@ class TrainState:
 
 class Trainer:
     def __init__(self, job: CheckedJob) -> None:
-        """job: the config with what preflight resolved from it (`check_job`): model args, degrees, token exchange."""
+        """job: the config with what preflight resolved from it (`check_job`): the model's spec and args, the degrees,
+        the token exchange."""
         self.job_config = job_config = job.config
         # Held by global rank 0 until the process ends: a second run on this folder is refused, not interleaved.
         self._dump_folder_lock = acquire_dump_folder(job_config.job.dump_folder) if _global_rank() == 0 else None
@@ -100,7 +100,7 @@ class Trainer:
             self.validation_loader = build_dataloader(job_config, self.tokenizer, dp_rank, dp_degree, "validation")
 
         # Model: built on meta, parallelized, then materialized, so no rank ever holds the full model.
-        spec = get_model_spec(job_config.model.name)
+        spec = job.spec
         with torch.device("meta"):
             model = spec.build(self.model_args)
         nparams, self.flops_per_token = self.model_args.get_nparams_and_flops(model, job_config.training.seq_len)

@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from torchtitan.config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import MoERegions, apply_compile
 from torchtitan.distributed.context_parallel import ContextParallel
@@ -57,7 +58,7 @@ __all__ = ["parallelize_deepseekv3"]
 
 
 def parallelize_deepseekv3(
-    model: nn.Module, parallel_dims: ParallelDims, job_config: Any, exchange: ExchangeBackend
+    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig, exchange: ExchangeBackend
 ) -> ParallelizedModel:
     """Apply TP/SP -> EP/ETP (the MoE layers' tokens through `exchange`) -> AC -> compile -> FSDP2 in place; returns
     the model with what was chosen on the way. The config was validated by `preflight.check_job` (every rank runs it

@@ -34,7 +34,9 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.loss import LossWithMTP
+from torchtitan.config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
 from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
 from torchtitan.models.moe.exchange import ExchangeBackend
 from torchtitan.models.parallelized import ParallelizedModel, Pipeline
@@ -74,10 +76,10 @@ def _restored(module: nn.Module, loss_fn: Callable | None = None) -> Iterator[No
 def pipeline_deepseekv3(
     model: nn.Module,
     parallel_dims: ParallelDims,
-    job_config: Any,
+    job_config: JobConfig,
     exchange: ExchangeBackend,
     device: torch.device,
-    model_args: Any,
+    model_args: DeepSeekV3ModelArgs,
     loss_fn: Callable,
 ) -> ParallelizedModel:
     """This rank's stages, each parallelized (`parallelize_deepseekv3`), and their schedule. `model` may be on the meta

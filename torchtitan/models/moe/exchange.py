@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.distributed.expert_parallel.dispatcher import TokenPermutation
 from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel, SymmMemExpertParallel
+from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.moe.deepep_moe import DeepEPMoE
 from torchtitan.models.moe.moe import MoE
 from torchtitan.tools.dtypes import DTYPES
@@ -99,7 +100,7 @@ class ExchangeBackend:
         """This backend with its settings read from the job; raise ConfigError naming the fix where they conflict."""
         return cls()
 
-    def check(self, parallel_dims: Any, dim: int) -> None:
+    def check(self, parallel_dims: ParallelDims, dim: int) -> None:
         """Raise naming the fix where this backend cannot run with these degrees, tokens of `dim` values (the model's
         hidden size) or this install."""
 
@@ -179,7 +180,7 @@ class DeepEPBackend(ExchangeBackend):
             capacity_factor=parallelism.expert_parallel_capacity_factor,
         )
 
-    def check(self, parallel_dims: Any, dim: int) -> None:
+    def check(self, parallel_dims: ParallelDims, dim: int) -> None:
         if self.fp8 and dim % 128:
             raise ConfigError(
                 f"--quantize.float8_dispatch sends one scale per 128 channels, but the model dim is {dim}; drop the "
@@ -269,7 +270,7 @@ class SymmMemBackend(ExchangeBackend):
         itemsize = max(2, DTYPES[training.mixed_precision_param].itemsize)  # the tokens' dtype, or bf16 rows
         return cls(max_tokens, itemsize, parallelism.expert_parallel_capacity_factor)
 
-    def check(self, parallel_dims: Any, dim: int) -> None:
+    def check(self, parallel_dims: ParallelDims, dim: int) -> None:
         if parallel_dims.tp > 1 or parallel_dims.pp > 1:
             raise ValueError(
                 "expert_parallel_comm_backend='symm_mem' needs CUDA with NVSHMEM, an EP group within one host and "

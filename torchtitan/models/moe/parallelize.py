@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan.components.optimizer import updates_master_weights
+from torchtitan.config import JobConfig
 from torchtitan.distributed.expert_parallel.dispatcher import LocalTokenDispatcher
 from torchtitan.distributed.expert_parallel.styles import ExpertTensorParallel, TensorParallel
 from torchtitan.distributed.fsdp_gradients import ComputePoolReduceScatter
@@ -44,7 +45,7 @@ __all__ = [
 ]
 
 
-def experts_outside_fsdp(parallel_dims: ParallelDims, job_config: Any) -> bool:
+def experts_outside_fsdp(parallel_dims: ParallelDims, job_config: JobConfig) -> bool:
     """Whether FSDP leaves the routed experts alone: every expert lives on one rank (the experts' FSDP mesh has one
     rank, e.g. EP = the data-parallel degree), so there is nothing to shard, gather or reduce, and wrapping them would
     only copy their weights in each forward and their gradients in each backward. Unwrapped, they compute in the
