@@ -34,14 +34,22 @@ def resolve_exchange(job_config: JobConfig) -> ExchangeBackend:
     """The job's token exchange: the backend `parallelism.expert_parallel_comm_backend` names, holding its settings,
     checked against the rest of the config; raises ConfigError naming the fix. What needs the world size or the model
     is its `check`."""
-    parallelism = job_config.parallelism
-    name, ep = parallelism.expert_parallel_comm_backend, parallelism.expert_parallel_degree
+    name = job_config.parallelism.expert_parallel_comm_backend
     if name not in BACKENDS:
         raise ConfigError(
             f"parallelism.expert_parallel_comm_backend={name!r} is not a token-exchange backend; pass one of "
             f"{sorted(BACKENDS)}"
         )
-    defaults = JobConfig()
+    _check_requests(job_config, name)
+    exchange = BACKENDS[name].from_config(job_config)
+    _check_capacity_factor(exchange, job_config.parallelism)
+    return exchange
+
+
+def _check_requests(job_config: JobConfig, name: str) -> None:
+    """A backend's own setting, set to anything but its default, asks for that backend (the job's is `name`) with
+    expert parallelism."""
+    ep, defaults = job_config.parallelism.expert_parallel_degree, JobConfig()
     for backend in BACKENDS.values():
         for key in backend.requested_by:
             if _setting(job_config, key) != _setting(defaults, key) and (backend.name != name or ep == 1):
@@ -50,22 +58,26 @@ def resolve_exchange(job_config: JobConfig) -> ExchangeBackend:
                     f"expert_parallel_degree > 1 (it is a {backend.name} setting; got {name!r}, {ep}); drop the flag "
                     "or switch the backend"
                 )
-    exchange = BACKENDS[name].from_config(job_config)
-    factor = parallelism.expert_parallel_capacity_factor
-    if factor is not None and not (exchange.sync_free and ep > 1):
+
+
+def _check_capacity_factor(exchange: ExchangeBackend, parallelism: Any) -> None:
+    """The capacity factor bounds a sync-free exchange's receive buffers, to at most the EP-fold worst case."""
+    factor, ep = parallelism.expert_parallel_capacity_factor, parallelism.expert_parallel_degree
+    if factor is None:
+        return
+    if not (exchange.sync_free and ep > 1):
         bounded = ", or ".join(backend.sync_free_with for backend in BACKENDS.values() if backend.sync_free_with)
         raise ConfigError(
             "parallelism.expert_parallel_capacity_factor bounds what a sync-free exchange receives: it needs "
-            f"expert_parallel_degree > 1 and --parallelism.expert_parallel_comm_backend {bounded} (got {name!r}, "
-            f"{ep}); drop the factor or switch the backend"
+            f"expert_parallel_degree > 1 and --parallelism.expert_parallel_comm_backend {bounded} (got "
+            f"{exchange.name!r}, {ep}); drop the factor or switch the backend"
         )
-    if factor is not None and factor > ep:
+    if factor > ep:
         raise ConfigError(
             f"parallelism.expert_parallel_capacity_factor={factor} is above expert_parallel_degree ({ep}): a rank "
             f"never receives more than {ep}x its balanced load, so it would drop nothing and size its receive buffer "
             f"past the worst case; pass a factor <= {ep}, or none"
         )
-    return exchange
 
 
 @dataclass
