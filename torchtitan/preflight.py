@@ -4,6 +4,8 @@
 N processes; the trainer runs the same checks again on every rank.
 """
 
+from __future__ import annotations
+
 import argparse
 import importlib.util
 import logging
@@ -11,7 +13,8 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torchtitan.components.checkpoint_folder import (
     CheckpointError,
@@ -24,12 +27,32 @@ from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.manager import command_line_keys
 from torchtitan.datasets.corpus import CACHE_DIR_ENV, check_corpus, disk_cache_dir
 
+if TYPE_CHECKING:
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.models.moe.exchange import ExchangeBackend
+    from torchtitan.models.spec import ModelArgs, ModelSpec
+
 logger = logging.getLogger(__name__)
 
 
-def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, Any]:
-    """Parse the config and validate it with the world size and the model args -> (job config, model args: resolved
-    once, so their warnings print once); raises ConfigError / ValueError naming the fix."""
+@dataclass(frozen=True)
+class CheckedJob:
+    """A job that passed preflight, with what preflight resolved from its config, once (so it warns once): the trainer
+    is built from it."""
+
+    config: JobConfig
+    spec: ModelSpec
+    """The model `model.name` names."""
+    model_args: ModelArgs
+    """Its args for this job (`ModelSpec.model_args`)."""
+    parallel_dims: ParallelDims
+    exchange: ExchangeBackend
+    """The token exchange (`models/moe/exchange.py`'s `resolve_exchange`), checked against the layout and model."""
+
+
+def check_job(argv: list[str], world_size: int) -> CheckedJob:
+    """Parse the config and validate it with the world size and the model args; raises ConfigError / ValueError
+    naming the fix."""
     job_config = ConfigManager().parse_args(argv)
     # Config, dump folder and corpus errors come before the model code (and torch) is imported: in well under a second.
     check_dump_folder(job_config.job.dump_folder)
@@ -39,15 +62,15 @@ def check_job(argv: list[str], world_size: int) -> tuple[JobConfig, Any]:
     check_corpus(job_config.training.dataset, job_config.training.dataset_path)
     if job_config.validation.enable and job_config.validation.dataset_path:
         check_corpus("", job_config.validation.dataset_path, "validation")
-    model_args, parallel_dims = check_layout(job_config, world_size, this_host=True)
-    warn_inert_flags(job_config, command_line_keys(argv), model_args, parallel_dims)
-    return job_config, model_args
+    job = check_layout(job_config, world_size, this_host=True)
+    warn_inert_flags(job_config, command_line_keys(argv), job.model_args, job.parallel_dims)
+    return job
 
 
-def check_layout(job_config: JobConfig, world_size: int, this_host: bool = False) -> tuple[Any, Any]:
-    """The checks that need the world size or the model shape -> (model args, ParallelDims). this_host: also what
-    depends on the machine running the check (the tokenizer file, a GPU, installed packages); a plan for another
-    cluster (`torchtitan.plan`) leaves those out."""
+def check_layout(job_config: JobConfig, world_size: int, this_host: bool = False) -> CheckedJob:
+    """The checks that need the world size or the model shape. this_host: also what depends on the machine running
+    the check (the tokenizer file, a GPU, installed packages); a plan for another cluster (`torchtitan.plan`) leaves
+    those out."""
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.models.spec import get_model_spec
 
@@ -61,7 +84,6 @@ def check_layout(job_config: JobConfig, world_size: int, this_host: bool = False
     check_mtp(job_config, model_args, parallel_dims)
     check_activation_checkpoint(job_config, model_args)
     check_float8_linears(job_config, parallel_dims)
-    check_float8_dispatch(job_config, model_args)
     if this_host:
         check_profiling(job_config)
         resolve_memory_budget(job_config)
@@ -78,10 +100,11 @@ def check_layout(job_config: JobConfig, world_size: int, this_host: bool = False
     check_validation(job_config, model_args, parallel_dims)
     if this_host and job_config.metrics.enable_wandb:
         check_wandb(job_config)
-    from torchtitan.models.moe.exchange import get_backend  # last: importing it loads torch._dynamo
+    from torchtitan.models.moe.exchange import resolve_exchange  # last: importing it loads torch._dynamo
 
-    get_backend(job_config.parallelism.expert_parallel_comm_backend).check(parallel_dims)
-    return model_args, parallel_dims
+    exchange = resolve_exchange(job_config)
+    exchange.check(parallel_dims, model_args.dim)
+    return CheckedJob(job_config, spec, model_args, parallel_dims, exchange)
 
 
 WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # wandb.Settings.mode (wandb 0.31)
@@ -258,15 +281,6 @@ def check_float8_linears(job_config: JobConfig, parallel_dims) -> None:
         raise ConfigError(
             f"--quantize.float8_linears needs training.seq_len a multiple of 16 x context_parallel_degree (FP8 GEMM "
             f"alignment), got {job_config.training.seq_len}; change --training.seq_len or drop the flag"
-        )
-
-
-def check_float8_dispatch(job_config: JobConfig, model_args) -> None:
-    """DeepEP's FP8 dispatch carries one scale per 128 channels of each token."""
-    if job_config.quantize.float8_dispatch and model_args.dim % 128:
-        raise ConfigError(
-            f"--quantize.float8_dispatch sends one scale per 128 channels, but the model dim is {model_args.dim}; "
-            "drop the flag or use a model whose dim is a multiple of 128"
         )
 
 
@@ -511,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     # Warnings only: every rank runs check_job again, and rank 0's log shows them once.
     logging.disable(logging.WARNING)
     try:
-        job_config, _ = check_job(rest, args.world_size)
+        job_config = check_job(rest, args.world_size).config
         # Only before launch (on the ranks, rank 0 already holds the lock), and not with several hosts, whose
         # launchers check at the same moment and would find each other's check holding the lock.
         if args.nnodes == 1:

@@ -15,7 +15,6 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,17 +43,13 @@ from torchtitan.datasets.dataloader import build_dataloader
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.activation_budget import ActivationBudget
-from torchtitan.distributed.activation_checkpoint import budget_blocks
 from torchtitan.distributed.compile import graphs_compiled
-from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.weight_init import copy_from_unsharded_init
 from torchtitan.launch import report_error
 from torchtitan.models.moe import ExpertBiasHook, GroupedExperts, MoE
-from torchtitan.models.moe.exchange import get_backend
-from torchtitan.models.moe.parallelize import expert_bias_reduce_group, experts_outside_fsdp
+from torchtitan.models.moe.parallelize import expert_bias_reduce_group
 from torchtitan.models.output_head import chunk_loss_and_grad
-from torchtitan.models.spec import get_model_spec
-from torchtitan.preflight import check_batch_sizes, check_job
+from torchtitan.preflight import CheckedJob, check_batch_sizes, check_job
 from torchtitan.tools.async_readback import DeviceMark
 from torchtitan.tools.cuda_graph import CudaGraphed
 from torchtitan.tools.lost_peer import lost_peer, lost_peer_line
@@ -78,14 +73,14 @@ class TrainState:
 
 
 class Trainer:
-    def __init__(self, job_config: JobConfig, model_args: Any) -> None:
-        """model_args: the model spec's args for this job (`ModelSpec.model_args`), as `check_job` returns them."""
-        self.job_config = job_config
-        world_size = int(os.environ.get("WORLD_SIZE", 1))
+    def __init__(self, job: CheckedJob) -> None:
+        """job: the config with what preflight resolved from it (`check_job`): the model's spec and args, the degrees,
+        the token exchange."""
+        self.job_config = job_config = job.config
         # Held by global rank 0 until the process ends: a second run on this folder is refused, not interleaved.
         self._dump_folder_lock = acquire_dump_folder(job_config.job.dump_folder) if _global_rank() == 0 else None
-        self.parallel_dims = ParallelDims.from_config(job_config.parallelism, world_size)
-        self.model_args = model_args
+        self.parallel_dims = job.parallel_dims
+        self.model_args = job.model_args
         self.grad_accum_steps = check_batch_sizes(job_config, self.parallel_dims.dp_size)
 
         self.device = _select_device()
@@ -105,7 +100,7 @@ class Trainer:
             self.validation_loader = build_dataloader(job_config, self.tokenizer, dp_rank, dp_degree, "validation")
 
         # Model: built on meta, parallelized, then materialized, so no rank ever holds the full model.
-        spec = get_model_spec(job_config.model.name)
+        spec = job.spec
         with torch.device("meta"):
             model = spec.build(self.model_args)
         nparams, self.flops_per_token = self.model_args.get_nparams_and_flops(model, job_config.training.seq_len)
@@ -125,19 +120,19 @@ class Trainer:
             LossWithMTP(self.loss_fn, job_config.model.mtp_loss_weight) if self.model_args.mtp_layers else self.loss_fn
         )
         if self.parallel_dims.pp_enabled:
-            self.pp_schedule, self.model_parts, self.has_first_stage, self.has_last_stage = spec.pipeline(
-                model, self.parallel_dims, job_config, self.device, self.model_args, self.step_loss
+            parallelized = spec.pipeline(
+                model, self.parallel_dims, job_config, job.exchange, self.device, self.model_args, self.step_loss
             )
         else:
-            self.model_parts = [spec.parallelize(model, self.parallel_dims, job_config)]
-            self.has_first_stage = self.has_last_stage = True
+            parallelized = spec.parallelize(model, self.parallel_dims, job_config, job.exchange)
+        self.model_parts, self.pipeline = parallelized.parts, parallelized.pipeline
+        self.context_parallel = parallelized.context_parallel
         autocast_dtype = dist_utils.autocast_dtype(self.parallel_dims, job_config.training.mixed_precision_param)
         self.autocast = functools.partial(
             torch.autocast, self.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None
         )
 
         self.fused_output_loss = self._setup_fused_output_loss(job_config)
-        self.context_parallel = None if self.parallel_dims.pp_enabled else self.model_parts[0].context_parallel
 
         tokens_per_step = self.grad_accum_steps * job_config.training.local_batch_size * self.parallel_dims.dp_size
         for part in self.model_parts:
@@ -161,9 +156,7 @@ class Trainer:
         if autocast_dtype == torch.bfloat16 and updates_master_weights(job_config.optimizer):
             # what computes in bf16 is stored in bf16, updated through fp32 masters: no cast per use (master_weights.py)
             bf16_modules = (nn.Linear, GroupedExperts)
-        elif job_config.training.mixed_precision_param == "bfloat16" and experts_outside_fsdp(
-            self.parallel_dims, job_config
-        ):
+        elif job_config.training.mixed_precision_param == "bfloat16" and parallelized.experts_outside_fsdp:
             bf16_modules = (GroupedExperts,)  # FSDP casts the rest; these it does not wrap
         if bf16_modules:
             # several backwards per step (accumulation, pipeline micro-batches) sum their gradients in fp32
@@ -182,9 +175,9 @@ class Trainer:
             )
         self.optimizers = build_optimizers(self.model_parts, job_config, master_low_bits)
         self.activation_budget = None
-        if job_config.activation_checkpoint.memory_budget_gib > 0:
-            blocks = [block for part in self.model_parts for block in budget_blocks(part)]
-            self.activation_budget = ActivationBudget(blocks, job_config.activation_checkpoint.memory_budget_gib)
+        if parallelized.budget_blocks:  # activation_checkpoint.memory_budget_gib chooses their levels
+            budget = job_config.activation_checkpoint.memory_budget_gib
+            self.activation_budget = ActivationBudget(parallelized.budget_blocks, budget)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, job_config)
         self.expert_bias_hook = ExpertBiasHook(
             self.model_parts, expert_bias_reduce_group(self.parallel_dims), self.parallel_dims.ep
@@ -270,7 +263,7 @@ class Trainer:
             tokens, target, kwargs["positions"] = tokens[:, positions], target[..., positions], positions
         # With TP + loss parallel the logits stay vocab-sharded: cross-entropy and its backward need loss_parallel.
         with loss_parallel() if self.parallel_dims.loss_parallel_enabled else contextlib.nullcontext():
-            if self.parallel_dims.pp_enabled:
+            if self.pipeline is not None:
                 return self._forward_backward_pipeline(tokens, target, kwargs, backward)
             with self.autocast():
                 if self.fused_output_loss:  # the heads return the loss token sums
@@ -288,11 +281,12 @@ class Trainer:
     ) -> torch.Tensor:
         """The schedule runs every micro-batch of its own; model kwargs reach every stage, inputs the first."""
         losses: list[torch.Tensor] = []
-        target = target if self.has_last_stage else None
-        run = self.pp_schedule.step if backward else self.pp_schedule.eval
-        inputs = [tokens] if self.has_first_stage else []
+        pipeline = self.pipeline
+        target = target if pipeline.has_last_stage else None
+        run = pipeline.schedule.step if backward else pipeline.schedule.eval
+        inputs = [tokens] if pipeline.has_first_stage else []
         run(*inputs, target=target, losses=losses, **kwargs)
-        if self.has_last_stage:
+        if pipeline.has_last_stage:
             return torch.stack(losses).sum().detach()
         return torch.zeros((), device=self.device)
 
@@ -479,17 +473,17 @@ def main(argv: list[str] | None = None) -> int:
     exit_with_parent()
     try:
         # The same checks as run_train.sh's preflight, repeated on every rank for direct torchrun users.
-        job_config, model_args = check_job(argv, int(os.environ["WORLD_SIZE"]))
+        job = check_job(argv, int(os.environ["WORLD_SIZE"]))
     except (ConfigError, ValueError, FileNotFoundError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     trainer = None
     try:
-        trainer = Trainer(job_config, model_args)
+        trainer = Trainer(job)
         trainer.train()
         # What the exchange holds (DeepEP's destroy() is collective) goes before the process groups; not after an
         # error, where a dead rank would leave the others waiting in it.
-        get_backend(job_config.parallelism.expert_parallel_comm_backend).release()
+        job.exchange.release()
     except (DatasetError, CheckpointError, FloatingPointError, DumpFolderBusyError, ConfigError) as err:
         # The user's data, folder, hyperparameters or a setting only its use can refuse (W&B without a key): one
         # line with the fix, no traceback.

@@ -45,6 +45,7 @@ from torchtitan.models.deepseek_v3.state_dict_adapter import (  # noqa: E402
     is_fp8_weight,
     load_hf_config,
 )
+from torchtitan.models.moe.exchange import resolve_exchange  # noqa: E402
 
 BLOCK = (128, 128)
 MIB = 2**20
@@ -173,7 +174,7 @@ def _rank(rank: int, world_size: int, folder: str, ep: int, init_file: str, dump
         model = DeepSeekV3Model(args)
     dims = ParallelDims.from_config(config.parallelism, world_size)
     dims.build_mesh("cpu")
-    model = parallelize_deepseekv3(model, dims, config)
+    model = parallelize_deepseekv3(model, dims, config, resolve_exchange(config)).model
     model.to_empty(device="cpu")
     share = 0
     with torch.no_grad():

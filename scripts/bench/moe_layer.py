@@ -40,7 +40,7 @@ from torchtitan.distributed.expert_parallel.dispatcher import (  # noqa: E402
 )
 from torchtitan.distributed.utils import destroy_process_groups  # noqa: E402
 from torchtitan.models.moe.args import MoEArgs  # noqa: E402
-from torchtitan.models.moe.exchange import ExchangeContext, get_backend  # noqa: E402
+from torchtitan.models.moe.exchange import ExchangeContext, resolve_exchange  # noqa: E402
 from torchtitan.models.moe.experts import convert_to_float8_experts, run_routed_experts  # noqa: E402
 from torchtitan.models.moe.moe import MoE  # noqa: E402
 
@@ -92,9 +92,10 @@ def build_layer(
         moe.dispatcher = LocalTokenDispatcher(moe.num_experts, moe.score_before_experts)
     else:  # the trainer's exchange backend, from a job config holding this benchmark's DeepEP settings
         job = JobConfig()
+        job.parallelism.expert_parallel_comm_backend, job.parallelism.expert_parallel_degree = backend, ep_mesh.size()
         job.parallelism.deepep_num_sms, job.parallelism.deepep_sync_free_dispatch = num_sms, sync_free
         job.quantize.float8_dispatch = fp8_dispatch
-        exchange, context = get_backend(backend), ExchangeContext(job, permutation, device.type == "cuda")
+        exchange, context = resolve_exchange(job), ExchangeContext(permutation, device.type == "cuda")
         moe = exchange.layer(moe, context)
         parallelize_module(moe, ep_mesh, exchange.style(context))
     return moe

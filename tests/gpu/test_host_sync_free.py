@@ -97,8 +97,7 @@ def test_cuda_graphs_train_like_eager_steps(run):
 
 def _train(dump_folder: Path, extra: list[str]) -> tuple[list[dict], tuple[bool, int] | None]:
     torch._dynamo.reset()  # each variant compiles as a fresh run would
-    job_config, model_args = check_job([*ARGS, "--job.dump_folder", str(dump_folder), *extra], world_size=1)
-    trainer = Trainer(job_config, model_args)
+    trainer = Trainer(check_job([*ARGS, "--job.dump_folder", str(dump_folder), *extra], world_size=1))
     data = iter(trainer.dataloader)
     step_log = StepLog(trainer.metrics, trainer.rank, STEPS, graphs_compiled())
     for step in range(1, STEPS + 1):

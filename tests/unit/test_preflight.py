@@ -181,7 +181,7 @@ def test_a_memory_budget_without_a_gpu_is_one_error(tmp_path):
 def test_an_auto_memory_budget_is_off_without_a_gpu_or_per_op_sac(tmp_path, caplog, mode):
     args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--activation_checkpoint.memory_budget_gib", "auto"]
     with caplog.at_level(logging.INFO, logger="torchtitan.preflight"):
-        job_config, _ = check_job([*args, "--activation_checkpoint.mode", mode], world_size=1)
+        job_config = check_job([*args, "--activation_checkpoint.mode", mode], world_size=1).config
     assert job_config.activation_checkpoint.memory_budget_gib == 0.0
     why = (
         "no GPU here"
@@ -218,11 +218,11 @@ def test_cuda_graphs_refuse_what_they_cannot_capture_in_one_line(tmp_path, monke
 
 def test_cuda_graphs_on_one_gpu_pass_preflight(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    job_config, _ = check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--compile.cuda_graphs"], 1)
+    job_config = check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--compile.cuda_graphs"], 1).config
     assert job_config.compile.cuda_graphs
     # an auto budget steps aside (the 16B job's default): graphs capture one fixed recompute
     auto = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.memory_budget_gib", "auto"]
-    job_config, _ = check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--compile.cuda_graphs", *auto], 1)
+    job_config = check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--compile.cuda_graphs", *auto], 1).config
     assert job_config.activation_checkpoint.memory_budget_gib == 0.0
 
 

@@ -17,8 +17,8 @@ class Job:
 
 @dataclass
 class Model:
-    name: Literal["deepseek_v3"] = "deepseek_v3"
-    """Model family; only `deepseek_v3` is implemented."""
+    name: str = "deepseek_v3"
+    """Model family: a name in `torchtitan/models/spec.py`'s `MODELS` (`deepseek_v3`)."""
 
     flavor: str = "debugmodel"
     """Model size preset: debugmodel, 16B, 236B, 671B, and variants (torchtitan/models/deepseek_v3/args.py)."""

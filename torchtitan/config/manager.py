@@ -138,12 +138,6 @@ def validate(job_config: JobConfig) -> None:
         value = _value(job_config, spec.key)
         problem = limit_problem(value)
         _require(problem is None, f"{spec.key}={value!r} {problem}; pass --{spec.key} within that range")
-    sms = job_config.parallelism.deepep_num_sms
-    _require(
-        sms > 0 and sms % 2 == 0,
-        f"parallelism.deepep_num_sms must be a positive even number, got {sms}; pass e.g. "
-        f"--parallelism.deepep_num_sms {max(2, sms + sms % 2)}",
-    )
 
     # The loops above make every divisor below >= 1.
     training, par = job_config.training, job_config.parallelism
@@ -176,29 +170,7 @@ def validate(job_config: JobConfig) -> None:
         "parallelism.expert_tensor_parallel_degree must be 1 or equal to parallelism.tensor_parallel_degree "
         f"({tp}), got {par.expert_tensor_parallel_degree}",
     )
-    backend, ep = par.expert_parallel_comm_backend, par.expert_parallel_degree
-    # DeepEP's own settings: set to anything but their default, they need DeepEP to be the exchange
-    for flag in ("parallelism.deepep_sync_free_dispatch", "quantize.float8_dispatch"):
-        _require(
-            _value(job_config, flag) == _fields()[flag].default or (backend == "deepep" and ep > 1),
-            f"{flag} needs --parallelism.expert_parallel_comm_backend deepep and expert_parallel_degree > 1 (it is "
-            f"a DeepEP feature; got {backend!r}, {ep}); drop the flag or switch the backend",
-        )
-    bounded = backend == "symm_mem" or (backend == "deepep" and par.deepep_sync_free_dispatch)
-    _require(
-        par.expert_parallel_capacity_factor is None or (bounded and ep > 1),
-        "parallelism.expert_parallel_capacity_factor bounds what a sync-free exchange receives: it needs "
-        "expert_parallel_degree > 1 and --parallelism.expert_parallel_comm_backend symm_mem, or deepep with "
-        f"--parallelism.deepep_sync_free_dispatch (got {backend!r}, {ep}); drop the factor or switch the backend",
-    )
-
-    factor = par.expert_parallel_capacity_factor
-    _require(
-        factor is None or factor <= ep,
-        f"parallelism.expert_parallel_capacity_factor={factor} is above expert_parallel_degree ({ep}): a rank never "
-        f"receives more than {ep}x its balanced load, so it would drop nothing and size its receive buffer past the "
-        f"worst case; pass a factor <= {ep}, or none",
-    )
+    # the token exchange's settings (the backends' own, the capacity factor): `models/moe/exchange.py` (preflight)
 
     opt = job_config.optimizer
     _require(
@@ -307,6 +279,7 @@ _RANGES = (
         lambda v: v == "auto" or (math.isfinite(v) and v >= 0),
         "auto or a number of GiB >= 0 (0: off)",
     ),
+    ("parallelism.deepep_num_sms", lambda v: v > 0 and v % 2 == 0, "a positive even number"),
     (
         "parallelism.expert_parallel_capacity_factor",
         lambda v: v is None or (math.isfinite(v) and v > 0),

@@ -92,8 +92,9 @@ class ActivationBudget:
     """Measures the run's first step (hooks on the MoE blocks, at `measuring_levels`), sets the MoE blocks' levels
     after it and corrects them once after the next step (`after_step`).
 
-    `blocks`: (its `SwitchableCheckpointWrapper`, MoE block) per MoE block in forward order (`budget_blocks`). The
-    allocator functions are injectable for tests. The hooks run after FSDP's, so gathered weights do not count as kept.
+    `blocks`: (its `SwitchableCheckpointWrapper`, MoE block) per MoE block in forward order, as `apply_ac` returns
+    them. The allocator functions are injectable for tests. The hooks run after FSDP's, so gathered weights do not
+    count as kept.
     """
 
     def __init__(

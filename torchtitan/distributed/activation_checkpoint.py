@@ -25,9 +25,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtitan.distributed.compile import CompiledRegion, recompile_guard_contexts
-from torchtitan.distributed.utils import transformer_blocks
 
-__all__ = ["PartialRecompute", "SwitchableCheckpointWrapper", "apply_ac", "budget_blocks", "per_op_sac_contexts"]
+__all__ = ["PartialRecompute", "SwitchableCheckpointWrapper", "apply_ac", "per_op_sac_contexts"]
 
 
 @runtime_checkable
@@ -83,18 +82,21 @@ def apply_ac(
     ac_config: Any,
     compiled_regions: tuple[CompiledRegion, ...] = (),
     exchange_ops: Iterable[Any] = (),
-) -> None:
+) -> list[tuple[SwitchableCheckpointWrapper, nn.Module]]:
     """Wrap the blocks of `model.layers` (and `model.mtp`) in non-reentrant checkpoint wrappers per `ac_config`.
 
     "full": every block. "selective", option "op": per-op SAC on every dense block and on every MoE block's routed
     experts; option N: every Nth block by position, fully. `num_blocks` (>= 0) keeps only blocks below it. Whole-block
     checkpoints of MoE blocks get `compile.recompile_guard_contexts` over `compiled_regions`. `exchange_ops`: the
     exchange backend's ops, which per-op SAC saves too.
+
+    Returns (its switchable wrapper, MoE block) of each MoE block a memory budget switches
+    (`activation_checkpoint.memory_budget_gib`, `activation_budget.py`), in forward order; empty without a budget.
     """
     mode, option = ac_config.mode, str(ac_config.selective_ac_option)
     num_blocks = ac_config.num_blocks
     if mode == "none":
-        return
+        return []
     if mode not in ("full", "selective"):
         raise ValueError(f"activation_checkpoint.mode={mode!r}: use none, full or selective")
     if mode == "selective" and option != "op" and (not option.isdigit() or int(option) < 1):
@@ -108,7 +110,7 @@ def apply_ac(
         return position % every == 0 and (num_blocks == -1 or position < num_blocks)
 
     sac_save_ops = op_sac_save_list() | set(exchange_ops) if mode == "selective" and option == "op" else None
-    _wrap_blocks(model, selected, sac_save_ops, compiled_regions, switchable=ac_config.memory_budget_gib > 0)
+    return _wrap_blocks(model, selected, sac_save_ops, compiled_regions, switchable=ac_config.memory_budget_gib > 0)
 
 
 def per_op_sac_contexts(exchange_ops: Iterable[Any] = ()):
@@ -132,21 +134,17 @@ class SwitchableCheckpointWrapper(CheckpointWrapper):
         return self._checkpoint_wrapped_module(*args, **kwargs)
 
 
-def budget_blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
-    """(switchable wrapper, MoE block) of every MoE block `apply_ac` made switchable, in forward order."""
-    wrappers = [block for block in transformer_blocks(model) if isinstance(block, SwitchableCheckpointWrapper)]
-    return [(wrapper, wrapper._checkpoint_wrapped_module) for wrapper in wrappers]
-
-
 def _wrap_blocks(
     model: nn.Module,
     selected: Callable[[int], bool],
     sac_save_ops: set[Any] | None,
     compiled_regions: tuple[CompiledRegion, ...],
     switchable: bool = False,
-) -> None:
+) -> list[tuple[SwitchableCheckpointWrapper, nn.Module]]:
     """Checkpoint the selected blocks; per-op SAC when `sac_save_ops` is given, else whole-block recompute.
-    switchable: MoE blocks under per-op SAC are also wrapped whole, switched off (a memory budget's `full` level)."""
+    switchable: MoE blocks under per-op SAC are also wrapped whole, switched off (a memory budget's `full` level);
+    returns those (wrapper, block) pairs."""
+    switchable_blocks = []
     # the transformer blocks, then the multi-token prediction modules (blocks too), by position
     blocks = [(model.layers, "layers", name, block) for name, block in model.layers.named_children()]
     mtp = getattr(model, "mtp", None)
@@ -163,12 +161,14 @@ def _wrap_blocks(
                 whole = partial(_checkpoint_contexts, None, guard_name, guarded) if guard_name is not None else None
                 wrapper = SwitchableCheckpointWrapper(block, whole)
                 container.register_module(name, wrapper)
+                switchable_blocks.append((wrapper, block))
             continue
         # dynamo traces a dense block's checkpoint: pass no context_fn unless there is something to run in it
         kwargs = {}
         if sac_save_ops is not None or guard_name is not None:
             kwargs["context_fn"] = partial(_checkpoint_contexts, sac_save_ops, guard_name, guarded)
         container.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False, **kwargs))
+    return switchable_blocks
 
 
 def _checkpoint_contexts(

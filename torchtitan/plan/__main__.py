@@ -23,8 +23,7 @@ MEMORY_BOUND, SPEED_BOUND = 0.07, 0.15
 def plan_from_argv(argv: list[str], nnodes: int, gpus_per_node: int, gpu: str) -> Plan:
     """Parse and check a job (the world-size and model-shape checks of preflight) and plan it."""
     job = ConfigManager().parse_args(argv)
-    model_args, dims = check_layout(job, nnodes * gpus_per_node)
-    return plan_job(job, model_args, dims, gpus_per_node, gpu)
+    return plan_job(check_layout(job, nnodes * gpus_per_node), gpus_per_node, gpu)
 
 
 def accuracy_line() -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Any
 
 from torchtitan.config import JobConfig
 from torchtitan.plan.hardware import GPUS, NON_ALLOCATOR_GIB
@@ -12,7 +11,7 @@ from torchtitan.plan.layout import Layout
 from torchtitan.plan.levels import budget_levels, configured_levels
 from torchtitan.plan.memory import GIB, RankMemory, rank_memory
 from torchtitan.plan.speed import RankTime, rank_time
-from torchtitan.preflight import auto_memory_budget
+from torchtitan.preflight import CheckedJob, auto_memory_budget
 
 __all__ = ["Plan", "plan_job"]
 
@@ -81,11 +80,12 @@ class Plan:
         return self.counts[2] * self.tokens_per_sec_per_gpu / (GPUS[self.gpu].bf16_tflops * 1e12)
 
 
-def plan_job(job: JobConfig, model_args: Any, dims: Any, gpus_per_node: int, gpu: str) -> Plan:
+def plan_job(checked: CheckedJob, gpus_per_node: int, gpu: str) -> Plan:
     """The plan of a validated job (`preflight.check_layout`) on nodes of `gpus_per_node` GPUs of kind `gpu`."""
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r}: plans are made for {', '.join(GPUS)}")
-    layout = Layout(model_args, dims, job, gpus_per_node)
+    job, dims = checked.config, checked.parallel_dims
+    layout = Layout(checked.model_args, dims, job, gpus_per_node, checked.exchange)
     if job.activation_checkpoint.memory_budget_gib == "auto":  # what the trainer resolves it to on this card
         job.activation_checkpoint.memory_budget_gib, _ = auto_memory_budget(job, lambda: (gpu, GPUS[gpu].memory_gib))
     budget = job.activation_checkpoint.memory_budget_gib * GIB

@@ -13,6 +13,7 @@ from math import comb
 from typing import Any
 
 from torchtitan.models.deepseek_v3.pipeline import module_names_per_stage, stages_per_rank
+from torchtitan.models.moe.exchange import ExchangeBackend
 
 __all__ = ["Block", "Layout", "Stage", "block_params", "ranks_per_token"]
 
@@ -92,6 +93,8 @@ class Layout:
     job: Any
     """JobConfig."""
     gpus_per_node: int
+    exchange: ExchangeBackend
+    """The token exchange, as preflight resolved it."""
     stages: list[list[Stage]] = field(default_factory=list)
     """Per pipeline rank, its stages in the order it runs them."""
 

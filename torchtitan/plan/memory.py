@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from torchtitan.components.optimizer import updates_master_weights
 from torchtitan.distributed.utils import autocast_dtype
+from torchtitan.models.moe.exchange import DeepEPBackend
 from torchtitan.models.moe.parallelize import experts_outside_fsdp
 from torchtitan.plan.layout import Block, Layout, Stage, ranks_per_token
 
@@ -159,10 +160,10 @@ def deepep_buffer_bytes(layout: Layout) -> float:
     """DeepEP's NVLink (and RDMA) buffer, outside PyTorch's allocator: DeepEP v1's size hint for its intranode
     configs (256 received tokens per channel and peer, one channel per 2 SMs; per token its hidden bytes, 128 top-k
     ids (int64), weights and scales, its source metadata)."""
-    dims, par = layout.dims, layout.job.parallelism
-    if dims.ep <= 1 or par.expert_parallel_comm_backend != "deepep":
+    dims, exchange = layout.dims, layout.exchange
+    if dims.ep <= 1 or not isinstance(exchange, DeepEPBackend):
         return 0.0
-    channels = par.deepep_num_sms // 2
+    channels = exchange.num_sms // 2
     nvl_ranks, rdma_ranks = min(dims.ep, 8), max(dims.ep // 8, 1)
     per_token = 2 * layout.args.dim + 128 * (8 + 4 + 4) + 8
     nvl = channels * nvl_ranks * (256 * per_token + (2 * rdma_ranks + 3) * 4)

@@ -43,7 +43,7 @@ def _header(plan: Plan) -> list[str]:
     parts = [f"PP {dims.pp}", f"FSDP {dims.dp_shard * dims.cp}"]
     if dims.dp_replicate > 1:
         parts.insert(1, f"HSDP replicas {dims.dp_replicate}")
-    parts += [f"EP {dims.ep} ({par.expert_parallel_comm_backend})", f"TP {dims.tp}", f"CP {dims.cp}"]
+    parts += [f"EP {dims.ep} ({layout.exchange.name})", f"TP {dims.tp}", f"CP {dims.cp}"]
     experts = args.moe_args.num_experts
     where = "across nodes (RDMA)" if layout.spans_nodes(dims.ep) else "inside one node (NVLink)"
     lines.append(

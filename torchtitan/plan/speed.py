@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
+from torchtitan.models.moe.exchange import DeepEPBackend
 from torchtitan.plan.hardware import DEEPEP_INTERNODE, DEEPEP_INTRANODE_EP8, NVLINK, RDMA
 from torchtitan.plan.layout import Layout, ranks_per_token
 from torchtitan.plan.memory import imbalance, reshards, storage
@@ -124,8 +125,8 @@ def profiled_layout() -> Layout:
     from torchtitan.preflight import check_layout
 
     job = ConfigManager().parse_args(list(PROFILED_ARGS))
-    args, dims = check_layout(job, world_size=2)
-    return Layout(args, dims, job, gpus_per_node=8)
+    checked = check_layout(job, world_size=2)
+    return Layout(checked.model_args, checked.parallel_dims, job, 8, checked.exchange)
 
 
 def exchange_seconds(layout: Layout, tokens: int) -> float:
@@ -142,7 +143,7 @@ def exchange_seconds(layout: Layout, tokens: int) -> float:
     else:
         dispatch, combine = deepep_rates(par.deepep_num_sms)
     seconds = received / (dispatch * 1e9) + received / (combine * 1e9)
-    return seconds * (STANDARD_EXCHANGE_SLOWDOWN if par.expert_parallel_comm_backend != "deepep" else 1.0)
+    return seconds * (1.0 if isinstance(layout.exchange, DeepEPBackend) else STANDARD_EXCHANGE_SLOWDOWN)
 
 
 def deepep_rates(num_sms: int) -> tuple[float, float]:

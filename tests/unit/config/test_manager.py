@@ -387,40 +387,13 @@ def test_uncaught_help_exits_process_with_zero():
         (["--comm.train_timeout_seconds", "2147483648"], "train_timeout_seconds must be at most 2147483647"),
         (["--parallelism.deepep_num_sms=23"], "deepep_num_sms must be a positive even"),
         (["--parallelism.deepep_num_sms=0"], "deepep_num_sms must be a positive even"),
-        (["--parallelism.deepep_sync_free_dispatch"], "deepep_sync_free_dispatch needs .*deepep"),
-        (["--quantize.float8_dispatch"], "float8_dispatch needs .*deepep"),
-        (["--parallelism.expert_parallel_capacity_factor=1.2"], "capacity_factor bounds .* needs .*symm_mem, or dee"),
-        (
-            [
-                "--parallelism.expert_parallel_capacity_factor=1.2",
-                "--parallelism.expert_parallel_comm_backend=deepep",
-                "--parallelism.expert_parallel_degree=2",
-            ],
-            "capacity_factor .* or deepep with --parallelism.deepep_sync_free_dispatch",
-        ),
-        (
-            [
-                "--parallelism.expert_parallel_capacity_factor=1.2",
-                "--parallelism.expert_parallel_comm_backend=symm_mem",
-            ],
-            r"capacity_factor .* needs expert_parallel_degree > 1 .*got 'symm_mem', 1",
-        ),
         (["--parallelism.expert_parallel_capacity_factor=0"], "capacity_factor must be none or a finite number > 0"),
         (["--parallelism.expert_parallel_capacity_factor=nan"], "capacity_factor must be none or a finite number"),
-        (
-            ["--parallelism.deepep_sync_free_dispatch", "--parallelism.expert_parallel_comm_backend=deepep"],
-            "deepep_sync_free_dispatch needs .*expert_parallel_degree > 1",
-        ),
-        (
-            ["--parallelism.deepep_sync_free_dispatch", "--parallelism.expert_parallel_comm_backend=symm_mem"],
-            "deepep_sync_free_dispatch needs .*deepep .*got 'symm_mem'",
-        ),
         (["--parallelism.expert_tensor_parallel_degree=0"], "expert_tensor_parallel_degree must be >= 1"),
         (["--parallelism.expert_tensor_parallel_degree=2"], "must be 1 or equal to .*tensor_parallel_degree"),
         (["--parallelism.data_parallel_shard_degree=0"], "data_parallel_shard_degree must be -1"),
         (["--lr_scheduler.decay_ratio=1.5"], r"decay_ratio must be in \[0, 1\]"),
         (["--lr_scheduler.warmup_steps=-1"], "warmup_steps must be >= 0"),
-        (["--model.name=llama3"], "model.name must be one of deepseek_v3; got 'llama3'"),
         (["--parallelism.tensor_parallel_degree=2", "--training.seq_len=33"], r"seq_len \(33\) must be divisible by"),
         (["--parallelism.tensor_parallel_degree=2", "--validation.seq_len=33"], r"validation.seq_len \(33\) must be"),
         (["--parallelism.context_parallel_degree=0"], "context_parallel_degree must be >= 1"),
@@ -470,24 +443,6 @@ def test_validation_rejects_bad_values(flags, message):
         ["--comm.init_timeout_seconds", str(2**31 - 1)],
         ["--training.seq_len", "127"],  # only context parallelism needs an even length
         ["--parallelism.context_parallel_degree=2", "--training.seq_len=36"],
-        [
-            "--parallelism.expert_parallel_comm_backend=deepep",
-            "--parallelism.expert_parallel_degree=2",
-            "--parallelism.deepep_num_sms=8",
-        ],
-        [
-            "--parallelism.expert_parallel_comm_backend=deepep",
-            "--parallelism.expert_parallel_degree=2",
-            "--parallelism.deepep_sync_free_dispatch",
-            "--parallelism.expert_parallel_capacity_factor=1.25",
-        ],
-        [
-            "--parallelism.expert_parallel_comm_backend=symm_mem",
-            "--parallelism.expert_parallel_degree=2",
-            "--parallelism.expert_parallel_capacity_factor=1.25",
-        ],
-        # a DeepEP setting left at its default is no request: it passes with any backend
-        ["--parallelism.deepep_sync_free_dispatch=false", "--parallelism.expert_parallel_comm_backend=symm_mem"],
         ["--optimizer.name=Muon", "--optimizer.moments_dtype=bfloat16"],  # AdamW's part keeps bf16 moments
         ["--optimizer.name=Muon", "--optimizer.muon_groups=experts,head", "--optimizer.muon_update_scale=original",
          "--optimizer.muon_momentum=0", "--optimizer.no-muon_nesterov", "--optimizer.muon_ns_steps=10"],
@@ -529,14 +484,6 @@ def test_a_value_float32_rounds_out_of_its_range_is_refused_naming_what_it_becom
 def test_an_int_option_past_int64_is_refused():
     with pytest.raises(ConfigError, match=rf"training.steps={2**63} does not fit in int64"):
         parse("--training.steps", str(2**63))
-
-
-def test_a_capacity_factor_above_the_ep_degree_is_refused():
-    deepep = ["--parallelism.expert_parallel_comm_backend=deepep", "--parallelism.expert_parallel_degree=2",
-              "--parallelism.deepep_sync_free_dispatch"]  # fmt: skip
-    with pytest.raises(ConfigError, match=r"capacity_factor=3.0 is above expert_parallel_degree \(2\).*<= 2, or none"):
-        parse(*deepep, "--parallelism.expert_parallel_capacity_factor=3")
-    parse(*deepep, "--parallelism.expert_parallel_capacity_factor=2")
 
 
 def test_validate_runs_on_toml_values(tmp_path):

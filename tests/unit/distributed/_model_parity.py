@@ -14,6 +14,8 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.deepseek_v3.args import deepseekv3_flavors
 from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
 from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
+from torchtitan.models.moe.exchange import ExchangeBackend, resolve_exchange
+from torchtitan.models.parallelized import ParallelizedModel
 
 SEQ_LEN, BATCH = 16, 4
 
@@ -74,11 +76,20 @@ def reference_loss_and_grads(model):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def parallelized(reference, cfg, world_size):
-    """A copy of `reference` parallelized per `cfg` over a CPU mesh of `world_size` ranks; returns (model, dims)."""
+def parallelize(
+    reference, cfg, world_size, exchange: ExchangeBackend | None = None
+) -> tuple[ParallelizedModel, ParallelDims]:
+    """A copy of `reference` parallelized per `cfg` over a CPU mesh of `world_size` ranks, its tokens exchanged by
+    `exchange` (default: the one `cfg` names); returns (what parallelize made, dims)."""
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     dims.build_mesh("cpu")
-    return parallelize_deepseekv3(copy.deepcopy(reference), dims, cfg), dims
+    return parallelize_deepseekv3(copy.deepcopy(reference), dims, cfg, exchange or resolve_exchange(cfg)), dims
+
+
+def parallelized(reference, cfg, world_size):
+    """`parallelize`'s model, where it is one part: (model, dims)."""
+    parallel, dims = parallelize(reference, cfg, world_size)
+    return parallel.model, dims
 
 
 def rank_batch(rank, world_size):

@@ -10,7 +10,7 @@ from tests.unit.distributed._model_parity import (
     build_reference,
     job_config,
     loss_of,
-    parallelized,
+    parallelize,
     rank_batch,
     reference_loss_and_grads,
     tiny_args,
@@ -18,7 +18,6 @@ from tests.unit.distributed._model_parity import (
 from tests.unit.distributed._spawn import run_distributed
 from tests.unit.distributed.test_activation_checkpoint import CountAllToAll
 from torchtitan.distributed.activation_budget import LEVELS, ActivationBudget, BlockCost, plan_levels, set_level
-from torchtitan.distributed.activation_checkpoint import budget_blocks
 
 _BUDGET_CONFIG = job_config(
     parallelism__expert_parallel_degree=2,
@@ -70,8 +69,8 @@ def _levels_train_alike(rank: int, world_size: int) -> None:
     reference = build_reference(tiny_args())
     ref_loss, ref_grads = reference_loss_and_grads(reference)
     inputs, labels = rank_batch(rank, world_size)
-    model, _ = parallelized(reference, _BUDGET_CONFIG, world_size)
-    blocks = budget_blocks(model)
+    parallel, _ = parallelize(reference, _BUDGET_CONFIG, world_size)
+    model, blocks = parallel.model, parallel.budget_blocks
     assert len(blocks) == 2  # tiny_args: 3 blocks, the first dense
     assert all(block.moe.experts.recompute for _, block in blocks)
     calls = {}
@@ -100,8 +99,8 @@ def test_each_level_trains_like_the_others_and_only_full_recompute_communicates(
 def _budget_chooses_from_step_one(rank: int, world_size: int) -> None:
     reference = build_reference(tiny_args())
     inputs, labels = rank_batch(rank, world_size)
-    model, _ = parallelized(reference, _BUDGET_CONFIG, world_size)
-    blocks = budget_blocks(model)
+    parallel, _ = parallelize(reference, _BUDGET_CONFIG, world_size)
+    model, blocks = parallel.model, parallel.budget_blocks
     # the allocator as the hooks see it: each MoE block's forward keeps 0.1 GiB on rank 0 and 0.2 GiB on rank 1
     # (the plan uses the larger), step 1 reserved 0.5 GiB; a block without checkpointing adds its routed rows.
     reads = itertools.count()  # a block's pre-hook read, then its post-hook read, block after block

@@ -14,6 +14,7 @@ from torchtitan.components.adamw import MultiTensorAdamW
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.utils import clip_grad_norm_, grad_norm_and_clip_coef
 from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
+from torchtitan.models.moe.exchange import resolve_exchange
 
 
 def _mixed_meshes(rank: int, world_size: int) -> None:
@@ -27,7 +28,7 @@ def _mixed_meshes(rank: int, world_size: int) -> None:
     cfg = job_config(parallelism__expert_parallel_degree=2)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     dims.build_mesh("cpu")
-    model = parallelize_deepseekv3(copy.deepcopy(reference), dims, cfg)
+    model = parallelize_deepseekv3(copy.deepcopy(reference), dims, cfg, resolve_exchange(cfg)).model
     meshes = {p.device_mesh for p in model.parameters()}
     assert len(meshes) == 2, meshes  # dense params on dp_shard, experts on (dp_shard_mod_ep, ep)
     size = dims.get_mesh("dp").size()

@@ -31,6 +31,7 @@ from torchtitan.models.deepseek_v3 import DeepSeekV3Model, deepseekv3_flavors
 from torchtitan.models.deepseek_v3.attention import MLA, build_attention_mask
 from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
 from torchtitan.models.deepseek_v3.rope import precompute_freqs_cis
+from torchtitan.models.moe.exchange import resolve_exchange
 
 SEQ_LEN, BATCH, BOS = 16, 4, 1
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
@@ -106,7 +107,9 @@ def _check_model(dims: ParallelDims, cp: ContextParallel) -> None:
 
     dims_config = job_config(parallelism__data_parallel_shard_degree=dims.dp_shard)
     dims_config.parallelism.context_parallel_degree = dims.cp
-    model = parallelize_deepseekv3(model, dims, dims_config)
+    parallel = parallelize_deepseekv3(model, dims, dims_config, resolve_exchange(dims_config))
+    model = parallel.model
+    assert parallel.context_parallel is model.context_parallel is not None  # what the trainer runs the model with
     dp_mesh = dims.get_optional_mesh("dp")
     batch = slice(None)
     if dp_mesh is not None:

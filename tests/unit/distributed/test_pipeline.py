@@ -23,6 +23,7 @@ from tests.unit.distributed._spawn import run_distributed
 from torchtitan.components.loss import IGNORE_INDEX, LossWithMTP, RescaledLoss, cross_entropy_sum, mtp_targets
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.deepseek_v3.pipeline import module_names_per_stage, pipeline_deepseekv3
+from torchtitan.models.moe.exchange import resolve_exchange
 
 
 def test_stage_split_weights_embedding_and_head_as_layers():
@@ -49,14 +50,16 @@ def _pipeline_step(model, args, schedule, world_size, loss_fn, inputs, target, *
     )
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     dims.build_mesh("cpu")
-    pp_schedule, parts, has_first, has_last = pipeline_deepseekv3(model, dims, cfg, torch.device("cpu"), args, loss_fn)
+    exchange = resolve_exchange(cfg)
+    parallel = pipeline_deepseekv3(model, dims, cfg, exchange, torch.device("cpu"), args, loss_fn)
+    pipeline, parts = parallel.pipeline, parallel.parts
     losses = []
-    target = target if has_last else None
-    if has_first:
-        pp_schedule.step(inputs, target=target, losses=losses, **kwargs)
+    target = target if pipeline.has_last_stage else None
+    if pipeline.has_first_stage:
+        pipeline.schedule.step(inputs, target=target, losses=losses, **kwargs)
     else:
-        pp_schedule.step(target=target, losses=losses, **kwargs)
-    loss = torch.stack(losses).sum().detach() if has_last else torch.zeros(())
+        pipeline.schedule.step(target=target, losses=losses, **kwargs)
+    loss = torch.stack(losses).sum().detach() if pipeline.has_last_stage else torch.zeros(())
     dist.all_reduce(loss)
     return loss, parts
 

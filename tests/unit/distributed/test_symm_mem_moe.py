@@ -20,7 +20,7 @@ from torchtitan.distributed.deepep import destroy_buffers
 from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel, SymmMemExpertParallel
 from torchtitan.models.moe import MoE, MoEArgs
 from torchtitan.models.moe.deepep_moe import DeepEPMoE
-from torchtitan.models.moe.exchange import get_backend
+from torchtitan.models.moe.exchange import SymmMemBackend
 
 DIM, HIDDEN, TOP_K, NUM_TOKENS = 16, 32, 3, 10
 
@@ -90,7 +90,7 @@ def _parity_and_checkpointing(rank: int, world_size: int) -> None:
     exchanges = []
     all_to_all_single = dist.all_to_all_single
     dist.all_to_all_single = lambda *args, **kwargs: exchanges.append(1) or all_to_all_single(*args, **kwargs)
-    sac_context = partial(per_op_sac_contexts, get_backend("symm_mem").sac_save_ops())
+    sac_context = partial(per_op_sac_contexts, SymmMemBackend(max_tokens=64).sac_save_ops())
     runs = {}
     for label, wrap in (
         ("plain", None),
@@ -189,9 +189,9 @@ class _Dims:
 def test_check_names_what_symm_mem_needs(monkeypatch):
     for dims in (_Dims(tp=2), _Dims(pp=2)):
         with pytest.raises(ValueError, match="needs CUDA with NVSHMEM, an EP group within one host and tensor_"):
-            get_backend("symm_mem").check(dims)
-    get_backend("symm_mem").check(_Dims())  # no CUDA here: nothing else to check
+            SymmMemBackend(max_tokens=64).check(dims, dim=128)
+    SymmMemBackend(max_tokens=64).check(_Dims(), dim=128)  # no CUDA here: nothing else to check
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.distributed._symmetric_memory, "is_nvshmem_available", lambda: False)
     with pytest.raises(ImportError, match="pip install nvidia-nvshmem-cu13"):
-        get_backend("symm_mem").check(_Dims())
+        SymmMemBackend(max_tokens=64).check(_Dims(), dim=128)

@@ -1,4 +1,4 @@
-"""The model spec the trainer and preflight look up by `model.name`."""
+"""The model spec the trainer and preflight look up by `model.name`, and the args contract every model meets."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch
 from tests.unit.distributed._model_parity import job_config
 from torchtitan.config import ConfigError
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model
-from torchtitan.models.spec import MODELS, get_model_spec
+from torchtitan.models.spec import MODELS, ModelArgs, get_model_spec
 
 
 def test_deepseek_v3_spec_builds_the_model_of_the_jobs_args_and_its_adapter():
@@ -26,3 +26,13 @@ def test_an_unknown_model_name_lists_the_known_ones():
     assert sorted(MODELS) == ["deepseek_v3"]
     with pytest.raises(ConfigError, match=r"model.name='llama'.*\['deepseek_v3'\]"):
         get_model_spec("llama")
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_models_args_give_what_the_trainer_and_preflight_read(name):
+    args = get_model_spec(name).model_args(job_config())
+    assert isinstance(args, ModelArgs)
+    with torch.device("meta"):
+        model = get_model_spec(name).build(args)
+    nparams, flops_per_token = args.get_nparams_and_flops(model, 16)
+    assert nparams == sum(p.numel() for p in model.parameters()) and flops_per_token > 0

@@ -17,10 +17,10 @@ JOBS = {
 def test_each_real_size_job_passes_preflight_at_its_world_size(config, world_size, tmp_path):
     """As run_train.sh runs it; on this CPU host the 16B job's auto memory budget is off and deepep's install is not
     looked for (both need a GPU)."""
-    job_config, model_args = check_job(["--job.config_file", config, "--job.dump_folder", str(tmp_path)], world_size)
-    assert job_config.parallelism.expert_parallel_degree == 8
+    job = check_job(["--job.config_file", config, "--job.dump_folder", str(tmp_path)], world_size)
+    assert job.config.parallelism.expert_parallel_degree == 8
     if "671b" in config:
-        assert (job_config.model.flavor, model_args.mtp_layers) == ("671B", 1)
+        assert (job.config.model.flavor, job.model_args.mtp_layers) == ("671B", 1)
 
 
 @pytest.mark.parametrize("gpu", ["h100", "h200"])

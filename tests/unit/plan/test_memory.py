@@ -43,8 +43,7 @@ def trainer_state(trainer: Trainer) -> dict[str, int]:
 
 
 def check_state_matches(rank: int, world_size: int, argv: list[str], expected_bf16: set[str]) -> None:
-    job_config, model_args = check_job(argv, world_size)
-    trainer = Trainer(job_config, model_args)
+    trainer = Trainer(check_job(argv, world_size))
     trainer.train_step(iter(trainer.dataloader))
     plan = plan_from_argv(argv, nnodes=1, gpus_per_node=world_size, gpu="h100")
     assert {kind for kind, s in storage(plan.layout).items() if s.master_bits} == expected_bf16

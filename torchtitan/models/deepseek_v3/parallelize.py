@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from torchtitan.config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import MoERegions, apply_compile
 from torchtitan.distributed.context_parallel import ContextParallel
@@ -40,7 +41,7 @@ from torchtitan.distributed.tensor_parallel import NoParallel, SyncGradColumns
 from torchtitan.distributed.utils import device_type, transformer_blocks
 from torchtitan.kernels.float8 import check_float8_supported
 from torchtitan.models.deepseek_v3.float8_linears import convert_to_float8_linears
-from torchtitan.models.moe.exchange import ExchangeContext, get_backend
+from torchtitan.models.moe.exchange import ExchangeBackend, ExchangeContext
 from torchtitan.models.moe.experts import convert_to_float8_experts, run_routed_experts
 from torchtitan.models.moe.parallelize import (
     apply_fsdp,
@@ -48,6 +49,7 @@ from torchtitan.models.moe.parallelize import (
     experts_outside_fsdp,
     say_experts_stay_bf16,
 )
+from torchtitan.models.parallelized import ParallelizedModel
 from torchtitan.tools.dtypes import DTYPES
 
 logger = logging.getLogger(__name__)
@@ -55,11 +57,13 @@ logger = logging.getLogger(__name__)
 __all__ = ["parallelize_deepseekv3"]
 
 
-def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_config: Any) -> nn.Module:
-    """Apply TP/SP -> EP/ETP -> AC -> compile -> FSDP2 in place; returns the model. The config was validated by
-    `preflight.check_job` (every rank runs it before building the model)."""
+def parallelize_deepseekv3(
+    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig, exchange: ExchangeBackend
+) -> ParallelizedModel:
+    """Apply TP/SP -> EP/ETP (the MoE layers' tokens through `exchange`) -> AC -> compile -> FSDP2 in place; returns
+    the model with what was chosen on the way. The config was validated by `preflight.check_job` (every rank runs it
+    before building the model), which resolved `exchange`."""
     parallelism = job_config.parallelism
-    backend = get_backend(parallelism.expert_parallel_comm_backend)
     experts_outside = experts_outside_fsdp(parallel_dims, job_config)
     say_experts_stay_bf16(model, job_config.training.mixed_precision_param)
     compile_config = job_config.compile
@@ -69,13 +73,14 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
     regions = MoERegions.build(compile_config.backend, run_routed_experts) if compiled else None
     permutation = regions.permutation if regions is not None else EAGER_PERMUTATION
 
-    if parallel_dims.cp_enabled:
-        model.context_parallel = ContextParallel(parallel_dims.get_mesh("cp"))
+    context_parallel = ContextParallel(parallel_dims.get_mesh("cp")) if parallel_dims.cp_enabled else None
+    if context_parallel is not None:
+        model.context_parallel = context_parallel
         for block in transformer_blocks(model):
-            block.attention.context_parallel = model.context_parallel
+            block.attention.context_parallel = context_parallel
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.get_mesh("tp"), parallel_dims.loss_parallel_enabled)
-    apply_moe_parallel(model, parallel_dims, backend, ExchangeContext(job_config, permutation, device_type() == "cuda"))
+    apply_moe_parallel(model, parallel_dims, exchange, ExchangeContext(permutation, device_type() == "cuda"))
     if job_config.quantize.float8_experts:
         check_float8_supported(torch.device(device_type()))
         # FSDP gathers the weights anew every forward: quantized at every use there, else once per optimizer step
@@ -90,8 +95,9 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
         converted = convert_to_float8_linears(model)
         logger.info(f"quantize.float8_linears: {converted} linears run FP8 GEMMs")
 
-    exchange_ops = backend.sac_save_ops() if parallel_dims.ep_enabled else set()
-    apply_ac(model, job_config.activation_checkpoint, regions.all() if regions is not None else (), exchange_ops)
+    exchange_ops = exchange.sac_save_ops() if parallel_dims.ep_enabled else set()
+    compiled_regions = regions.all() if regions is not None else ()
+    budget_blocks = apply_ac(model, job_config.activation_checkpoint, compiled_regions, exchange_ops)
     if regions is not None:
         apply_compile(model, compile_config.backend, regions)
 
@@ -110,7 +116,7 @@ def parallelize_deepseekv3(model: nn.Module, parallel_dims: ParallelDims, job_co
             experts_outside=experts_outside,
             blocks_per_unit=parallelism.fsdp_blocks_per_unit,
         )
-    return model
+    return ParallelizedModel([model], experts_outside, context_parallel, budget_blocks)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:

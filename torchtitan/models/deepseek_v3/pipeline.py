@@ -34,8 +34,12 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.loss import LossWithMTP
+from torchtitan.config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
 from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
+from torchtitan.models.moe.exchange import ExchangeBackend
+from torchtitan.models.parallelized import ParallelizedModel, Pipeline
 
 __all__ = ["TrainingStage", "module_names_per_stage", "pipeline_deepseekv3"]
 
@@ -72,13 +76,14 @@ def _restored(module: nn.Module, loss_fn: Callable | None = None) -> Iterator[No
 def pipeline_deepseekv3(
     model: nn.Module,
     parallel_dims: ParallelDims,
-    job_config: Any,
+    job_config: JobConfig,
+    exchange: ExchangeBackend,
     device: torch.device,
-    model_args: Any,
+    model_args: DeepSeekV3ModelArgs,
     loss_fn: Callable,
-) -> tuple[Any, list[nn.Module], bool, bool]:
-    """Returns (schedule, model_parts of this rank, has_first_stage, has_last_stage). `model` may be on the meta device
-    (initialize each part afterwards) or initialized (its weights are copied into the stages)."""
+) -> ParallelizedModel:
+    """This rank's stages, each parallelized (`parallelize_deepseekv3`), and their schedule. `model` may be on the meta
+    device (initialize each part afterwards) or initialized (its weights are copied into the stages)."""
     parallelism = job_config.parallelism
     pp_mesh = parallel_dims.get_mesh("pp")
     schedule_class = get_schedule_class(parallelism.pipeline_parallel_schedule)
@@ -95,12 +100,11 @@ def pipeline_deepseekv3(
     else:  # loop style: r, r + pp, ...
         stage_ids = [pp_rank + i * pp_size for i in range(per_rank)]
 
-    stages, model_parts = [], []
+    stages, parallelized = [], []
     for stage_id in stage_ids:
-        part = _split(model, names_per_stage[stage_id])
-        part = parallelize_deepseekv3(part, parallel_dims, job_config)
-        model_parts.append(part)
-        stages.append(TrainingStage(part, stage_id, num_stages, device, group=pp_mesh.get_group()))
+        part = parallelize_deepseekv3(_split(model, names_per_stage[stage_id]), parallel_dims, job_config, exchange)
+        parallelized.append(part)
+        stages.append(TrainingStage(part.model, stage_id, num_stages, device, group=pp_mesh.get_group()))
 
     schedule = schedule_class(
         stages if issubclass(schedule_class, PipelineScheduleMulti) else stages[0],
@@ -108,7 +112,8 @@ def pipeline_deepseekv3(
         loss_fn=loss_fn,
         scale_grads=False,
     )
-    return schedule, model_parts, any(stage.is_first for stage in stages), any(stage.is_last for stage in stages)
+    has_first, has_last = any(stage.is_first for stage in stages), any(stage.is_last for stage in stages)
+    return ParallelizedModel.of_stages(parallelized, Pipeline(schedule, has_first, has_last))
 
 
 def stages_per_rank(parallelism: Any, pp_degree: int, num_layers: int) -> int:

@@ -1,6 +1,9 @@
-"""Token-exchange backends of expert parallelism, looked up by `parallelism.expert_parallel_comm_backend`
-(`get_backend`). A new backend is an `ExchangeBackend` subclass registered (`register_backend`) when imported. Tensor
-parallelism inside the experts (ETP) keeps its own all-to-all style.
+"""Token-exchange backends of expert parallelism. `resolve_exchange` turns a job's
+`parallelism.expert_parallel_comm_backend` into its backend, once (preflight, which hands it to the trainer): the
+backend is a dataclass of its own settings, read and checked there. From then on preflight's layout check,
+`parallelize`, activation checkpointing and the trainer's teardown use that object, never the name. A new backend is
+an `ExchangeBackend` subclass registered (`register_backend`) when imported. Tensor parallelism inside the experts
+(ETP) keeps its own all-to-all style.
 """
 
 from __future__ import annotations
@@ -9,28 +12,78 @@ import logging
 import sys
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from torchtitan.config import ConfigError
+from torchtitan.config import ConfigError, JobConfig
 from torchtitan.distributed.expert_parallel.dispatcher import TokenPermutation
 from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel, SymmMemExpertParallel
+from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.moe.deepep_moe import DeepEPMoE
 from torchtitan.models.moe.moe import MoE
 from torchtitan.tools.dtypes import DTYPES
 
-__all__ = ["BACKENDS", "ExchangeBackend", "ExchangeContext", "get_backend", "register_backend"]
+__all__ = ["BACKENDS", "ExchangeBackend", "ExchangeContext", "register_backend", "resolve_exchange"]
 
 logger = logging.getLogger(__name__)
+
+
+def resolve_exchange(job_config: JobConfig) -> ExchangeBackend:
+    """The job's token exchange: the backend `parallelism.expert_parallel_comm_backend` names, holding its settings,
+    checked against the rest of the config; raises ConfigError naming the fix. What needs the world size or the model
+    is its `check`."""
+    name = job_config.parallelism.expert_parallel_comm_backend
+    if name not in BACKENDS:
+        raise ConfigError(
+            f"parallelism.expert_parallel_comm_backend={name!r} is not a token-exchange backend; pass one of "
+            f"{sorted(BACKENDS)}"
+        )
+    _check_requests(job_config, name)
+    exchange = BACKENDS[name].from_config(job_config)
+    _check_capacity_factor(exchange, job_config.parallelism)
+    return exchange
+
+
+def _check_requests(job_config: JobConfig, name: str) -> None:
+    """A backend's own setting, set to anything but its default, asks for that backend (the job's is `name`) with
+    expert parallelism."""
+    ep, defaults = job_config.parallelism.expert_parallel_degree, JobConfig()
+    for backend in BACKENDS.values():
+        for key in backend.requested_by:
+            if _setting(job_config, key) != _setting(defaults, key) and (backend.name != name or ep == 1):
+                raise ConfigError(
+                    f"{key} needs --parallelism.expert_parallel_comm_backend {backend.name} and "
+                    f"expert_parallel_degree > 1 (it is a {backend.name} setting; got {name!r}, {ep}); drop the flag "
+                    "or switch the backend"
+                )
+
+
+def _check_capacity_factor(exchange: ExchangeBackend, parallelism: Any) -> None:
+    """The capacity factor bounds a sync-free exchange's receive buffers, to at most the EP-fold worst case."""
+    factor, ep = parallelism.expert_parallel_capacity_factor, parallelism.expert_parallel_degree
+    if factor is None:
+        return
+    if not (exchange.sync_free and ep > 1):
+        bounded = ", or ".join(backend.sync_free_with for backend in BACKENDS.values() if backend.sync_free_with)
+        raise ConfigError(
+            "parallelism.expert_parallel_capacity_factor bounds what a sync-free exchange receives: it needs "
+            f"expert_parallel_degree > 1 and --parallelism.expert_parallel_comm_backend {bounded} (got "
+            f"{exchange.name!r}, {ep}); drop the factor or switch the backend"
+        )
+    if factor > ep:
+        raise ConfigError(
+            f"parallelism.expert_parallel_capacity_factor={factor} is above expert_parallel_degree ({ep}): a rank "
+            f"never receives more than {ep}x its balanced load, so it would drop nothing and size its receive buffer "
+            f"past the worst case; pass a factor <= {ep}, or none"
+        )
 
 
 @dataclass
 class ExchangeContext:
     """What a backend builds one model's layers from (`parallelize` makes one per model)."""
 
-    job_config: Any
     permutation: TokenPermutation
     on_cuda: bool
 
@@ -41,12 +94,27 @@ class ExchangeContext:
 
 
 class ExchangeBackend:
-    """The default of each method is what a backend without that need does."""
+    """One token exchange with the job's settings for it. The default of each method is what a backend without that
+    need does."""
 
-    name = ""
+    name: ClassVar[str] = ""
+    requested_by: ClassVar[tuple[str, ...]] = ()
+    """Config keys that ask for this backend: set to anything but their default, they need it (and EP > 1)."""
+    sync_free_with: ClassVar[str] = ""
+    """How to ask for this backend with receive buffers sized ahead (`sync_free`), as the capacity factor's error says
+    it; empty where it has none."""
+    sync_free: bool = False
+    """Its receive buffers are sized ahead, so no host waits for the counts: what
+    `parallelism.expert_parallel_capacity_factor` bounds."""
 
-    def check(self, parallel_dims: Any) -> None:
-        """Raise naming the fix where this backend cannot run with these degrees or this install."""
+    @classmethod
+    def from_config(cls, job_config: JobConfig) -> ExchangeBackend:
+        """This backend with its settings read from the job; raise ConfigError naming the fix where they conflict."""
+        return cls()
+
+    def check(self, parallel_dims: ParallelDims, dim: int) -> None:
+        """Raise naming the fix where this backend cannot run with these degrees, tokens of `dim` values (the model's
+        hidden size) or this install."""
 
     def style(self, ctx: ExchangeContext) -> ParallelStyle:
         """The ParallelStyle of every MoE layer's routed experts over the 1-D EP mesh (built once per model)."""
@@ -64,29 +132,28 @@ class ExchangeBackend:
         """Free what the backend holds, after a finished run and before the process groups go."""
 
 
-BACKENDS: dict[str, ExchangeBackend] = {}
+BACKENDS: dict[str, type[ExchangeBackend]] = {}
 
 
-def register_backend(backend: ExchangeBackend) -> ExchangeBackend:
+def register_backend(backend: type[ExchangeBackend]) -> type[ExchangeBackend]:
+    """Make `backend` the one `parallelism.expert_parallel_comm_backend` names by its `name` (a class decorator)."""
     if not backend.name or backend.name in BACKENDS:
         raise ValueError(f"an exchange backend needs a new name, got {backend.name!r} (taken: {sorted(BACKENDS)})")
     BACKENDS[backend.name] = backend
     return backend
 
 
-def get_backend(name: str) -> ExchangeBackend:
-    if name not in BACKENDS:
-        raise ConfigError(
-            f"parallelism.expert_parallel_comm_backend={name!r} is not a token-exchange backend; pass one of "
-            f"{sorted(BACKENDS)}"
-        )
-    return BACKENDS[name]
+def _setting(job_config: JobConfig, key: str) -> Any:
+    section, _, field = key.partition(".")
+    return getattr(getattr(job_config, section), field)
 
 
+@register_backend
+@dataclass(frozen=True)
 class StandardBackend(ExchangeBackend):
     """torch's all-to-all (`AllToAllTokenDispatcher`)."""
 
-    name = "standard"
+    name: ClassVar[str] = "standard"
 
     def style(self, ctx: ExchangeContext) -> ParallelStyle:
         return ExpertParallel(ctx.permutation)
@@ -96,13 +163,41 @@ DEEPEP_EP_SIZES = (2, 4, 8, 16, 24, 32, 64, 128, 144, 160)
 """EP sizes DeepEP v1 has dispatch/combine configs for (`deep_ep.Buffer.get_dispatch_config`); others assert."""
 
 
+@register_backend
+@dataclass(frozen=True)
 class DeepEPBackend(ExchangeBackend):
     """DeepEP's dispatch and combine as torch custom ops (`distributed/deepep/`), the optional deep_ep package on
     CUDA; layers become `DeepEPMoE`, whose shared experts run on one side stream per model."""
 
-    name = "deepep"
+    name: ClassVar[str] = "deepep"
+    requested_by: ClassVar[tuple[str, ...]] = ("parallelism.deepep_sync_free_dispatch", "quantize.float8_dispatch")
+    sync_free_with: ClassVar[str] = "deepep with --parallelism.deepep_sync_free_dispatch"
 
-    def check(self, parallel_dims: Any) -> None:
+    num_sms: int = 64
+    """`parallelism.deepep_num_sms`"""
+    sync_free: bool = False
+    """`parallelism.deepep_sync_free_dispatch`"""
+    fp8: bool = False
+    """`quantize.float8_dispatch`"""
+    capacity_factor: float | None = None
+    """`parallelism.expert_parallel_capacity_factor`"""
+
+    @classmethod
+    def from_config(cls, job_config: JobConfig) -> DeepEPBackend:
+        parallelism = job_config.parallelism
+        return cls(
+            num_sms=parallelism.deepep_num_sms,
+            sync_free=parallelism.deepep_sync_free_dispatch,
+            fp8=job_config.quantize.float8_dispatch,
+            capacity_factor=parallelism.expert_parallel_capacity_factor,
+        )
+
+    def check(self, parallel_dims: ParallelDims, dim: int) -> None:
+        if self.fp8 and dim % 128:
+            raise ConfigError(
+                f"--quantize.float8_dispatch sends one scale per 128 channels, but the model dim is {dim}; drop the "
+                "flag or use a model whose dim is a multiple of 128"
+            )
         # DeepEP dispatch expects every rank to send its own tokens; sequence-sharding the MoE input over TP ranks
         # before dispatch is not implemented
         if parallel_dims.tp > 1 or parallel_dims.etp > 1:
@@ -129,15 +224,13 @@ class DeepEPBackend(ExchangeBackend):
             import_deep_ep()
 
     def style(self, ctx: ExchangeContext) -> ParallelStyle:
-        parallelism, fp8 = ctx.job_config.parallelism, ctx.job_config.quantize.float8_dispatch
-        if fp8:
+        if self.fp8:
             logger.info("quantize.float8_dispatch: DeepEP dispatches FP8 tokens (one scale per 128 channels)")
-        factor = capacity_factor(parallelism)
         return DeepEPExpertParallel(
-            num_sms=parallelism.deepep_num_sms,
-            sync_free=parallelism.deepep_sync_free_dispatch,
-            capacity_factor=factor,
-            fp8=fp8,
+            num_sms=self.num_sms,
+            sync_free=self.sync_free,
+            capacity_factor=_announced(self.capacity_factor),
+            fp8=self.fp8,
         )
 
     def layer(self, moe: MoE, ctx: ExchangeContext) -> MoE:
@@ -156,15 +249,40 @@ class DeepEPBackend(ExchangeBackend):
             destroy_buffers()
 
 
+@register_backend
+@dataclass(frozen=True)
 class SymmMemBackend(ExchangeBackend):
     """All-to-all-v over NVSHMEM symmetric memory with the split sizes on the device
     (`distributed/symm_mem_all_to_all.py`): the standard backend's layout without its host wait. Receive buffers hold
     the worst case (EP x the local copies) or, with `parallelism.expert_parallel_capacity_factor`, the capacity; on
     CPU the ops run their gloo reference."""
 
-    name = "symm_mem"
+    name: ClassVar[str] = "symm_mem"
+    sync_free_with: ClassVar[str] = "symm_mem"
+    sync_free: ClassVar[bool] = True
 
-    def check(self, parallel_dims: Any) -> None:
+    max_tokens: int
+    """The most tokens a rank routes in one micro-batch (training's or validation's), the buffers' size."""
+    itemsize: int = 2
+    """Bytes of one token value: the parameter dtype's, at least bf16's."""
+    capacity_factor: float | None = None
+    """`parallelism.expert_parallel_capacity_factor`"""
+
+    @classmethod
+    def from_config(cls, job_config: JobConfig) -> SymmMemBackend:
+        training, validation = job_config.training, job_config.validation
+        micro_batches = [(training.local_batch_size, training.seq_len)]
+        if validation.enable:
+            micro_batches.append(
+                (validation.local_batch_size or training.local_batch_size, validation.seq_len or training.seq_len)
+            )
+        # every rank routes its share of whole sequences' tokens (CP splits each sequence)
+        parallelism = job_config.parallelism
+        max_tokens = max(bs * seq_len for bs, seq_len in micro_batches) // parallelism.context_parallel_degree
+        itemsize = max(2, DTYPES[training.mixed_precision_param].itemsize)  # the tokens' dtype, or bf16 rows
+        return cls(max_tokens, itemsize, parallelism.expert_parallel_capacity_factor)
+
+    def check(self, parallel_dims: ParallelDims, dim: int) -> None:
         if parallel_dims.tp > 1 or parallel_dims.pp > 1:
             raise ValueError(
                 "expert_parallel_comm_backend='symm_mem' needs CUDA with NVSHMEM, an EP group within one host and "
@@ -177,17 +295,8 @@ class SymmMemBackend(ExchangeBackend):
             check_nvshmem()
 
     def style(self, ctx: ExchangeContext) -> ParallelStyle:
-        job = ctx.job_config
-        training, validation = job.training, job.validation
-        micro_batches = [(training.local_batch_size, training.seq_len)]
-        if validation.enable:
-            micro_batches.append(
-                (validation.local_batch_size or training.local_batch_size, validation.seq_len or training.seq_len)
-            )
-        # every rank routes its share of whole sequences' tokens (CP splits each sequence)
-        max_tokens = max(bs * seq_len for bs, seq_len in micro_batches) // job.parallelism.context_parallel_degree
-        itemsize = max(2, DTYPES[training.mixed_precision_param].itemsize)  # the tokens' dtype, or bf16 rows
-        return SymmMemExpertParallel(max_tokens, capacity_factor(job.parallelism), itemsize, ctx.permutation)
+        factor = _announced(self.capacity_factor)
+        return SymmMemExpertParallel(self.max_tokens, factor, self.itemsize, ctx.permutation)
 
     def sac_save_ops(self) -> set[Any]:
         return {
@@ -203,17 +312,12 @@ class SymmMemBackend(ExchangeBackend):
             release_buffers()
 
 
-def capacity_factor(parallelism: Any) -> float | None:
-    """`parallelism.expert_parallel_capacity_factor`, announced once per model where it is set."""
-    factor = parallelism.expert_parallel_capacity_factor
-    if factor is not None:
+def _announced(capacity_factor: float | None) -> float | None:
+    """`capacity_factor`, announced once per model where it is set."""
+    if capacity_factor is not None:
         logger.info(
-            f"parallelism.expert_parallel_capacity_factor={factor}: a rank receives at most {factor}x its balanced "
-            "load of token copies; each sender drops the copies past it, lowest routing weight first"
+            f"parallelism.expert_parallel_capacity_factor={capacity_factor}: a rank receives at most "
+            f"{capacity_factor}x its balanced load of token copies; each sender drops the copies past it, lowest "
+            "routing weight first"
         )
-    return factor
-
-
-register_backend(StandardBackend())
-register_backend(DeepEPBackend())
-register_backend(SymmMemBackend())
+    return capacity_factor

@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan.components.optimizer import updates_master_weights
+from torchtitan.config import JobConfig
 from torchtitan.distributed.expert_parallel.dispatcher import LocalTokenDispatcher
 from torchtitan.distributed.expert_parallel.styles import ExpertTensorParallel, TensorParallel
 from torchtitan.distributed.fsdp_gradients import ComputePoolReduceScatter
@@ -44,7 +45,7 @@ __all__ = [
 ]
 
 
-def experts_outside_fsdp(parallel_dims: ParallelDims, job_config: Any) -> bool:
+def experts_outside_fsdp(parallel_dims: ParallelDims, job_config: JobConfig) -> bool:
     """Whether FSDP leaves the routed experts alone: every expert lives on one rank (the experts' FSDP mesh has one
     rank, e.g. EP = the data-parallel degree), so there is nothing to shard, gather or reduce, and wrapping them would
     only copy their weights in each forward and their gradients in each backward. Unwrapped, they compute in the
@@ -82,7 +83,7 @@ def expert_bias_reduce_group(parallel_dims: ParallelDims) -> dist.ProcessGroup |
 
 
 def apply_moe_parallel(
-    model: nn.Module, parallel_dims: ParallelDims, backend: ExchangeBackend, exchange: ExchangeContext
+    model: nn.Module, parallel_dims: ParallelDims, exchange: ExchangeBackend, context: ExchangeContext
 ) -> None:
     """Layouts at the MoE boundary plus the experts' ParallelStyle.
 
@@ -92,9 +93,9 @@ def apply_moe_parallel(
     | tp > 1, etp == 1, ep  | local sequence shard  | replicated weights, own tokens | the backend's style (ep)    |
     | tp == 1, ep > 1       | plain tensor          | plain                          | the backend's style (ep)    |
     With a Replicate input the MoE output is a partial sum over tp, reduce-scattered to the sequence shard. The
-    all-to-all dispatchers are built with `exchange.permutation`; the backend may give each layer a subclass.
+    all-to-all dispatchers are built with `context.permutation`; the backend may give each layer a subclass.
     """
-    style = backend.style(exchange) if parallel_dims.ep_enabled and not parallel_dims.etp_enabled else None
+    style = exchange.style(context) if parallel_dims.ep_enabled and not parallel_dims.etp_enabled else None
     tp_mesh = parallel_dims.get_optional_mesh("tp")
     for block in transformer_blocks(model):
         if not block.moe_enabled:
@@ -124,9 +125,9 @@ def apply_moe_parallel(
 
         # the experts' sharding and the token dispatcher that feeds them (without TP or EP: a local one)
         if parallel_dims.etp_enabled:
-            parallelize_module(moe, parallel_dims.get_mesh(["ep", "etp"]), ExpertTensorParallel(exchange.permutation))
+            parallelize_module(moe, parallel_dims.get_mesh(["ep", "etp"]), ExpertTensorParallel(context.permutation))
         elif style is not None:
-            block.moe = moe = backend.layer(moe, exchange)
+            block.moe = moe = exchange.layer(moe, context)
             parallelize_module(moe, parallel_dims.get_mesh("ep"), style)
         elif tp_mesh is not None:
             parallelize_module(moe, tp_mesh, TensorParallel())

@@ -20,7 +20,7 @@ from torchtitan.distributed.deepep.buffer import import_deep_ep
 from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel
 from torchtitan.models.moe import MoE, MoEArgs
 from torchtitan.models.moe.deepep_moe import DeepEPMoE
-from torchtitan.models.moe.exchange import get_backend
+from torchtitan.models.moe.exchange import DeepEPBackend
 
 DIM, HIDDEN = 16, 32
 
@@ -101,7 +101,7 @@ def _checkpointing(rank: int, world_size: int) -> None:
         return dict(calls), x.grad, _grads(moe)
 
     # the trainer's per-op SAC policy (activation_checkpoint.py), not a test-only one
-    sac_context = partial(per_op_sac_contexts, get_backend("deepep").sac_save_ops())
+    sac_context = partial(per_op_sac_contexts, DeepEPBackend().sac_save_ops())
     plain = run(lambda m, x: m(x))
     sac = run(lambda m, x: checkpoint(m, x, use_reentrant=False, context_fn=sac_context))
     full = run(lambda m, x: checkpoint(m, x, use_reentrant=False))
@@ -182,7 +182,7 @@ def _sync_free_matches_synced(rank: int, world_size: int) -> None:
     the grouped GEMMs and with the per-expert loop, also under the trainer's per-op SAC."""
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
     tokens = torch.randn(2, 6, DIM, generator=torch.Generator().manual_seed(rank))  # the same count on every rank
-    sac_context = partial(per_op_sac_contexts, get_backend("deepep").sac_save_ops())
+    sac_context = partial(per_op_sac_contexts, DeepEPBackend().sac_save_ops())
     with_sac = partial(checkpoint, use_reentrant=False, context_fn=sac_context)
     for use_grouped_mm in (False, True):
         _, moe = _sync_free_equals_synced(mesh, tokens, with_sac, use_grouped_mm=use_grouped_mm)
@@ -257,16 +257,16 @@ class _Dims:
 
 def test_check_deepep_rejects_tensor_parallel():
     with pytest.raises(ValueError, match="tensor_parallel_degree=2"):
-        get_backend("deepep").check(_Dims(tp=2))
+        DeepEPBackend().check(_Dims(tp=2), dim=128)
     with pytest.raises(ValueError, match="expert_tensor_parallel_degree=2"):
-        get_backend("deepep").check(_Dims(tp=2, etp=2))
-    get_backend("deepep").check(_Dims())
+        DeepEPBackend().check(_Dims(tp=2, etp=2), dim=128)
+    DeepEPBackend().check(_Dims(), dim=128)
 
 
 def test_check_deepep_rejects_ep_sizes_deepep_has_no_config_for():
     with pytest.raises(ValueError, match=r"expert_parallel_degree=6: DeepEP has kernel configs only for EP sizes 2, 4"):
-        get_backend("deepep").check(_Dims(ep=6))
-    get_backend("deepep").check(_Dims(ep=8))
+        DeepEPBackend().check(_Dims(ep=6), dim=128)
+    DeepEPBackend().check(_Dims(ep=8), dim=128)
 
 
 def test_missing_deep_ep_raises_install_hint(monkeypatch):
@@ -275,4 +275,4 @@ def test_missing_deep_ep_raises_install_hint(monkeypatch):
         import_deep_ep()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ImportError, match="build DeepEP from source"):
-        get_backend("deepep").check(_Dims())
+        DeepEPBackend().check(_Dims(), dim=128)

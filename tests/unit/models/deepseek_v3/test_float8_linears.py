@@ -14,8 +14,9 @@ from torchtitan.kernels import float8
 from torchtitan.kernels.float8 import dequantize, float8_linear, quantize_rowwise
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model
 from torchtitan.models.deepseek_v3.float8_linears import Float8Linear, convert_to_float8_linears
+from torchtitan.models.moe.exchange import resolve_exchange
 from torchtitan.models.output_head import OutputHead
-from torchtitan.preflight import check_float8_dispatch, check_float8_linears
+from torchtitan.preflight import check_float8_linears
 
 from .conftest import tiny_args
 
@@ -138,9 +139,10 @@ def test_preflight_rejects_what_fp8_linears_cannot_run(extra, world_size, messag
         check_float8_linears(job_config, parallel_dims)
 
 
-def test_preflight_rejects_fp8_dispatch_when_the_dim_is_not_in_128_channel_blocks():
+def test_the_deepep_backend_rejects_fp8_dispatch_when_the_dim_is_not_in_128_channel_blocks():
     flags = ["--quantize.float8_dispatch", "--parallelism.expert_parallel_comm_backend", "deepep"]
     job_config = ConfigManager().parse_args([*flags, "--parallelism.expert_parallel_degree", "2"])
+    exchange, parallel_dims = resolve_exchange(job_config), ParallelDims.from_config(job_config.parallelism, 2)
     with pytest.raises(ConfigError, match="one scale per 128 channels, but the model dim is 64"):
-        check_float8_dispatch(job_config, tiny_args())
-    check_float8_dispatch(job_config, tiny_args(dim=128))
+        exchange.check(parallel_dims, tiny_args().dim)
+    exchange.check(parallel_dims, tiny_args(dim=128).dim)

@@ -1,5 +1,6 @@
 """Token-exchange backends (models/moe/exchange.py): a backend is its own class plus one registration, and the
-model trains with it; the registry refuses what it cannot look up."""
+model trains with it; the registry refuses what it cannot look up; `resolve_exchange` holds each backend's settings and
+refuses one backend's settings on another, and a capacity factor where nothing bounds the receive."""
 
 import pytest
 import torch
@@ -9,14 +10,22 @@ from tests.unit.distributed._model_parity import (
     build_reference,
     job_config,
     loss_of,
-    parallelized,
+    parallelize,
     rank_batch,
     tiny_args,
 )
 from tests.unit.distributed._spawn import run_distributed
-from torchtitan.config import ConfigError
+from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.distributed.expert_parallel.styles import ExpertParallel
-from torchtitan.models.moe.exchange import BACKENDS, ExchangeBackend, get_backend, register_backend
+from torchtitan.models.moe.exchange import (
+    BACKENDS,
+    DeepEPBackend,
+    ExchangeBackend,
+    StandardBackend,
+    SymmMemBackend,
+    register_backend,
+    resolve_exchange,
+)
 
 
 class ToyExchange(ExchangeBackend):
@@ -39,15 +48,17 @@ class ToyExchange(ExchangeBackend):
         return {torch.ops._c10d_functional.all_to_all_single.default}
 
 
-def _train_three_steps(backend: str, rank: int, world_size: int) -> list[float]:
-    """FSDP2 x EP2 with per-op SAC, three SGD steps on this rank's slice of the batch; the global losses."""
+def _train_three_steps(backend: str, rank: int, world_size: int) -> tuple[list[float], ExchangeBackend]:
+    """FSDP2 x EP2 with per-op SAC, three SGD steps on this rank's slice of the batch; the global losses and the
+    exchange the config resolved to."""
     cfg = job_config(
         parallelism__expert_parallel_degree=2,
         parallelism__expert_parallel_comm_backend=backend,
         activation_checkpoint__mode="selective",
         activation_checkpoint__selective_ac_option="op",
     )
-    model, _ = parallelized(build_reference(tiny_args()), cfg, world_size)
+    exchange = resolve_exchange(cfg)
+    model = parallelize(build_reference(tiny_args()), cfg, world_size, exchange)[0].model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     inputs, labels = rank_batch(rank, world_size)
     losses = []
@@ -59,17 +70,18 @@ def _train_three_steps(backend: str, rank: int, world_size: int) -> list[float]:
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item())
-    return losses
+    return losses, exchange
 
 
 def _toy_backend_trains_like_the_standard_one(rank: int, world_size: int) -> None:
-    toy = register_backend(ToyExchange())
+    register_backend(ToyExchange)
     try:
-        toy_losses = _train_three_steps(toy.name, rank, world_size)
+        toy_losses, toy = _train_three_steps(ToyExchange.name, rank, world_size)
     finally:
-        BACKENDS.pop(toy.name)
+        BACKENDS.pop(ToyExchange.name)
+    assert isinstance(toy, ToyExchange)
     assert toy.styles == 1 and toy.layers == 2  # one style per model, each of tiny_args' two MoE layers
-    standard_losses = _train_three_steps("standard", rank, world_size)
+    standard_losses, _ = _train_three_steps("standard", rank, world_size)
     assert toy_losses == standard_losses  # the same exchange: bit for bit
     assert toy_losses[2] < toy_losses[0]  # and it trains
 
@@ -79,8 +91,78 @@ def test_a_registered_toy_backend_trains_like_the_standard_all_to_all():
 
 
 def test_the_registry_names_its_backends_and_refuses_a_taken_or_unknown_name():
-    assert {"standard", "deepep"} <= set(BACKENDS)
+    assert {"standard", "deepep", "symm_mem"} <= set(BACKENDS)
     with pytest.raises(ConfigError, match=r"expert_parallel_comm_backend='nccl_ep'.*\['deepep', 'standard'"):
-        get_backend("nccl_ep")
+        resolve_exchange(job_config(parallelism__expert_parallel_comm_backend="nccl_ep"))
     with pytest.raises(ValueError, match="needs a new name"):
-        register_backend(get_backend("standard"))
+        register_backend(StandardBackend)
+
+
+def _resolve(*flags: str) -> ExchangeBackend:
+    return resolve_exchange(ConfigManager().parse_args(list(flags)))
+
+
+def test_each_backend_holds_its_own_settings_from_the_config():
+    assert _resolve() == StandardBackend()
+    deepep = ["--parallelism.expert_parallel_comm_backend=deepep", "--parallelism.expert_parallel_degree=2"]
+    assert _resolve(*deepep, "--parallelism.deepep_num_sms=8") == DeepEPBackend(num_sms=8)
+    sync_free = ["--parallelism.deepep_sync_free_dispatch", "--parallelism.expert_parallel_capacity_factor=1.25"]
+    assert _resolve(*deepep, *sync_free, "--quantize.float8_dispatch") == DeepEPBackend(
+        sync_free=True, fp8=True, capacity_factor=1.25
+    )
+    symm_mem = ["--parallelism.expert_parallel_comm_backend=symm_mem", "--parallelism.expert_parallel_degree=2"]
+    batch = ["--training.local_batch_size=4", "--training.seq_len=64", "--training.mixed_precision_param=float32"]
+    # validation's larger micro-batch sizes the buffers, each context-parallel rank routing half of its tokens
+    validation = ["--validation.enable", "--validation.local_batch_size=8", "--parallelism.context_parallel_degree=2"]
+    assert _resolve(*symm_mem, *batch, *validation, "--parallelism.expert_parallel_capacity_factor=1.25") == (
+        SymmMemBackend(max_tokens=8 * 64 // 2, itemsize=4, capacity_factor=1.25)
+    )
+    # a DeepEP setting left at its default is no request: it passes with any backend
+    assert _resolve(*symm_mem, "--parallelism.deepep_sync_free_dispatch=false").sync_free
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--parallelism.deepep_sync_free_dispatch"], "deepep_sync_free_dispatch needs .*deepep"),
+        (["--quantize.float8_dispatch"], "float8_dispatch needs .*deepep"),
+        (
+            ["--parallelism.deepep_sync_free_dispatch", "--parallelism.expert_parallel_comm_backend=deepep"],
+            "deepep_sync_free_dispatch needs .*expert_parallel_degree > 1",
+        ),
+        (
+            ["--parallelism.deepep_sync_free_dispatch", "--parallelism.expert_parallel_comm_backend=symm_mem"],
+            "deepep_sync_free_dispatch needs .*deepep .*got 'symm_mem'",
+        ),
+        (
+            ["--parallelism.expert_parallel_capacity_factor=1.2"],
+            "capacity_factor bounds .* needs .*deepep with --parallelism.deepep_sync_free_dispatch, or symm_mem",
+        ),
+        (
+            [
+                "--parallelism.expert_parallel_capacity_factor=1.2",
+                "--parallelism.expert_parallel_comm_backend=deepep",
+                "--parallelism.expert_parallel_degree=2",
+            ],
+            "capacity_factor .* deepep with --parallelism.deepep_sync_free_dispatch.*got 'deepep', 2",
+        ),
+        (
+            [
+                "--parallelism.expert_parallel_capacity_factor=1.2",
+                "--parallelism.expert_parallel_comm_backend=symm_mem",
+            ],
+            r"capacity_factor .* needs expert_parallel_degree > 1 .*got 'symm_mem', 1",
+        ),
+    ],
+)
+def test_a_setting_the_chosen_backend_does_not_read_is_refused(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        _resolve(*flags)
+
+
+def test_a_capacity_factor_above_the_ep_degree_is_refused():
+    deepep = ["--parallelism.expert_parallel_comm_backend=deepep", "--parallelism.expert_parallel_degree=2",
+              "--parallelism.deepep_sync_free_dispatch"]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"capacity_factor=3.0 is above expert_parallel_degree \(2\).*<= 2, or none"):
+        _resolve(*deepep, "--parallelism.expert_parallel_capacity_factor=3")
+    assert _resolve(*deepep, "--parallelism.expert_parallel_capacity_factor=2").capacity_factor == 2
