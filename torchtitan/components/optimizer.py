@@ -121,15 +121,19 @@ class OptimizersContainer:
         checkpoint (AdamW's moments where Muon keeps a momentum) would otherwise fail inside DCP on a missing key."""
         ours = self.state_dict()
         missing = [key for key in ours if key.startswith("state.") and prefix + key not in checkpoint_keys]
-        if not missing:
+        # a parameter whose state the checkpoint holds under other names; one it holds no state for at all is
+        # another model's (a shape or flavor change), which the model's own load names
+        for key in missing:
+            parameter = key.removeprefix("state.").rpartition(".")[0]
+            if saved := _state_names(checkpoint_keys, f"{prefix}state.{parameter}."):
+                break
+        else:
             return None
-        parameter = missing[0].removeprefix("state.").rpartition(".")[0]
-        saved = _state_names(checkpoint_keys, f"{prefix}state.{parameter}.")
         kept = _state_names(ours, f"state.{parameter}.")
         kinds = ", ".join(sorted({type(optimizer).__name__ for optimizer in self.optimizers}))
         return (
             f"its optimizer state is another optimizer's ({len(missing)} tensors missing; for {parameter} it holds "
-            f"{saved or 'nothing'}, this run's {kinds} keeps {kept}): resume with the --optimizer.name it was saved "
+            f"{saved}, this run's {kinds} keeps {kept}): resume with the --optimizer.name it was saved "
             "with, or start from its weights in another --job.dump_folder with --checkpoint.initial_load_path <it> "
             "--checkpoint.initial_load_model_only"
         )
