@@ -160,9 +160,7 @@ class Trainer:
             bf16_modules = (GroupedExperts,)  # FSDP casts the rest; these it does not wrap
         if bf16_modules:
             # several backwards per step (accumulation, pipeline micro-batches) sum their gradients in fp32
-            training, parallelism = job_config.training, job_config.parallelism
-            pipelined = training.local_batch_size // parallelism.pipeline_parallel_microbatch_size
-            microbatches = self.grad_accum_steps * (pipelined if self.parallel_dims.pp_enabled else 1)
+            microbatches = self.grad_accum_steps * (self.pipeline.microbatches if self.pipeline else 1)
             master_low_bits = store_weights_in_bf16(self.model_parts, bf16_modules, microbatches > 1)
             logger.info(
                 f"{len(master_low_bits)} weights stored in bf16, their fp32 masters (the weight and 16 low bits) "

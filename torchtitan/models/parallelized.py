@@ -52,3 +52,5 @@ class Pipeline:
     """torch.distributed.pipelining's schedule over this rank's stages."""
     has_first_stage: bool
     has_last_stage: bool
+    microbatches: int
+    """Micro-batches the schedule runs per step, each a backward that adds to the gradients."""

@@ -113,7 +113,7 @@ def pipeline_deepseekv3(
         scale_grads=False,
     )
     has_first, has_last = any(stage.is_first for stage in stages), any(stage.is_last for stage in stages)
-    return ParallelizedModel.of_stages(parallelized, Pipeline(schedule, has_first, has_last))
+    return ParallelizedModel.of_stages(parallelized, Pipeline(schedule, has_first, has_last, n_microbatches))
 
 
 def stages_per_rank(parallelism: Any, pp_degree: int, num_layers: int) -> int:
