@@ -24,7 +24,7 @@ from torchtitan.components.checkpoint_folder import (
 )
 from torchtitan.components.run_lock import DumpFolderBusyError, check_dump_folder_free
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
-from torchtitan.config.manager import command_line_keys
+from torchtitan.config.manager import command_line_keys, memory_budget_applies
 from torchtitan.datasets.corpus import CACHE_DIR_ENV, check_corpus, disk_cache_dir
 
 if TYPE_CHECKING:
@@ -460,10 +460,7 @@ def auto_memory_budget(job_config: JobConfig, card: Callable[[], tuple[str, floa
     where a budget applies): BUDGET_SHARE of the card, or 0 (off) where a budget does not apply."""
     from torchtitan.tools.out_of_memory import BUDGET_SHARE
 
-    ac = job_config.activation_checkpoint
-    applies = ac.mode == "selective" and ac.selective_ac_option == "op" and ac.num_blocks == -1
-    applies = applies and job_config.parallelism.pipeline_parallel_degree == 1 and not job_config.compile.cuda_graphs
-    if not applies:
+    if not memory_budget_applies(job_config) or job_config.compile.cuda_graphs:
         return 0.0, "off (it needs per-op SAC on every block, no pipeline parallelism and no CUDA graphs)"
     if (found := card()) is None:
         return 0.0, "off (no GPU here)"

@@ -205,10 +205,9 @@ def validate(job_config: JobConfig) -> None:
         f"activation_checkpoint.num_blocks={ac.num_blocks} limits which blocks are checkpointed, but the mode is "
         "none; pass --activation_checkpoint.mode selective (or full), or drop --activation_checkpoint.num_blocks",
     )
-    per_op_sac = ac.mode == "selective" and ac.selective_ac_option == "op"
     budget = ac.memory_budget_gib  # `auto` turns itself off where it does not apply (preflight)
     _require(
-        budget in (0, "auto") or (per_op_sac and ac.num_blocks == -1 and par.pipeline_parallel_degree == 1),
+        budget in (0, "auto") or memory_budget_applies(job_config),
         f"activation_checkpoint.memory_budget_gib={_show(budget)} picks each MoE block's checkpointing "
         "(per-op SAC, none or whole-block recompute): it needs --activation_checkpoint.mode selective, "
         "selective_ac_option op and no num_blocks, and no pipeline parallelism yet; drop the budget or those flags",
@@ -240,6 +239,14 @@ def _check_muon(opt: Any) -> None:
             getattr(opt, name) == getattr(defaults, name),
             f"optimizer.{name} applies to --optimizer.name Muon, got {opt.name}; pass --optimizer.name Muon or drop it",
         )
+
+
+def memory_budget_applies(job_config: JobConfig) -> bool:
+    """Where activation_checkpoint.memory_budget_gib can choose each MoE block's level: per-op SAC on every block,
+    without pipeline parallelism."""
+    ac = job_config.activation_checkpoint
+    per_op_sac = ac.mode == "selective" and ac.selective_ac_option == "op" and ac.num_blocks == -1
+    return per_op_sac and job_config.parallelism.pipeline_parallel_degree == 1
 
 
 _POSITIVE_KEYS = (
