@@ -312,9 +312,8 @@ class CheckpointManager:
     def _check_same_optimizer(self, what: str, keys: set[str]) -> None:
         """Another optimizer's state (AdamW's moments where this run's Muon keeps a momentum, or the reverse) would
         fail inside DCP on a missing key: refuse in one line, on every rank (each checks its own pipeline stage)."""
-        mismatches = [m for m in self._all_gather(self.optimizers.resume_mismatch(keys)) if m is not None]
-        if mismatches:
-            raise CheckpointError(f"{what}: {mismatches[0]}")
+        mismatch = self.optimizers.resume_mismatch(keys)
+        self._raise_if_any_rank(None if mismatch is None else f"{what}: {mismatch}")
 
     def _check_initial_model(self, path: str, keys: set[str], prefix: str) -> None:
         """An initial checkpoint may hold optional modules this run leaves out (MTP): one line says so. Any other
