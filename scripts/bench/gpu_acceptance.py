@@ -76,7 +76,7 @@ def all_rows() -> list[Row]:
             "all-to-all-v over NVSHMEM symmetric memory, worst-case receive buffers", needs_ep=True),
         Row("full_ac", ["--activation_checkpoint.mode", "full"], SAME_MATH, "recomputation only"),
         Row("no_ac", ["--activation_checkpoint.mode", "none"], SAME_MATH, "recomputation only"),
-        Row("memory_budget", [], SAME_MATH, "recompute per MoE block fit to a budget between the full_ac row's "
+        Row("memory_budget", [], SAME_MATH, "recompute per block fit to a budget between the full_ac row's "
             "peak and the base's (1 GiB under the base's without full_ac), which the run's peak must not exceed"),
         Row("eager", ["--compile.enable=false"], OTHER_KERNELS, "unfused kernels"),
         Row("plain_output_head", ["--training.fused_output_loss=false"], OTHER_KERNELS, "whole logits, bf16 head grad"),

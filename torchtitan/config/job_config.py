@@ -270,10 +270,10 @@ class ActivationCheckpoint:
     others keep every activation. -1: every block `mode` selects."""
 
     memory_budget_gib: float | Literal["auto"] = 0.0
-    """With per-op SAC on a GPU: the peak reserved GiB per GPU to stay within. After two measured steps each MoE block
-    runs whichever of per-op SAC, no checkpointing or full recompute is fastest yet predicted to fit. 0: off. `auto`:
-    0.91 of the GPU's memory (the rest is NCCL's, DeepEP's and a margin), off where the budget does not apply (no GPU,
-    another AC mode, num_blocks, pipeline parallelism); the log says what it chose."""
+    """With per-op SAC on a GPU: the peak reserved GiB per GPU to stay within. After two measured steps each block
+    runs whichever of per-op SAC, no checkpointing (MoE blocks) or full recompute is fastest yet predicted to fit.
+    0: off. `auto`: 0.91 of the GPU's memory (the rest is NCCL's, DeepEP's and a margin), off where the budget does
+    not apply (no GPU, another AC mode, num_blocks, pipeline parallelism); the log says what it chose."""
 
 
 @dataclass

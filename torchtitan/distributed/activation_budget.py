@@ -1,20 +1,23 @@
 """A memory budget for activation checkpointing (`activation_checkpoint.memory_budget_gib`).
 
-Each MoE block can run at one of three levels, from least memory (slowest) to most (fastest):
+Each block under per-op SAC can run at one of three levels, from least memory (slowest) to most (fastest):
 
-    full   the whole block recomputed in backward (its exchange too): it keeps only its input
-    sac    per-op SAC on its routed experts (the default; `activation_checkpoint.py`)
-    none   no recompute: it keeps every activation
+    full   the whole block recomputed in backward (an MoE block's exchange too): it keeps only its input
+    sac    per-op SAC (the default; `activation_checkpoint.py`): on an MoE block's routed experts, a dense block whole
+    none   no recompute: it keeps every activation (offered for MoE blocks only: a dense block's cost there is not
+           measured)
 
-The run's first step (or the first after a resume) runs every MoE block at `full` but the last, at `sac`: the least
-memory that still shows each level's cost (per-op SAC everywhere may not fit). Hooks read the peak reserved memory
-and, per MoE block, what its forward leaves allocated and the rows its routed experts computed, maximized over ranks
-(every rank must choose the same levels: a `full` block exchanges tokens in its recompute). `plan_levels` then picks
-`sac` everywhere if the predicted peak fits, then the last blocks to `none` while it fits; else the first blocks to
-`full` until it fits. The second step is measured and planned again (the model misses the allocator's free blocks
-and first-step-only allocations); the allocator's cache is released after each choice so one step's high-water mark
-does not carry into the next. The last block's `sac` measurement stands for every block's, scaled by rows; `none`
-adds the routed experts' input rows and SwiGLU output, rows x (dim + hidden) values.
+The run's first step (or the first after a resume) runs every MoE block at `full` but the last, at `sac`, and the
+dense blocks at `sac`: the least memory that still shows each level's cost (per-op SAC everywhere may not fit). Hooks
+read the peak reserved memory and, per block, what its forward leaves allocated and the rows an MoE block's routed
+experts computed, maximized over ranks (every rank must choose the same levels: a `full` MoE block exchanges tokens in
+its recompute). `plan_levels` then picks `sac` everywhere if the predicted peak fits, then the last blocks to `none`
+while it fits; else the first blocks (dense ones first: they come first) to `full` until it fits, so every block at
+`full` is full activation checkpointing. The second step is measured and planned again (the model misses the
+allocator's free blocks and first-step-only allocations such as the optimizer's moments); the allocator's cache is
+released after each choice so one step's high-water mark does not carry into the next. The last MoE block's `sac`
+measurement stands for every MoE block's, scaled by rows; `none` adds the routed experts' input rows and SwiGLU output,
+rows x (dim + hidden) values.
 """
 
 from __future__ import annotations
@@ -43,17 +46,18 @@ even (benchmarks/NOTES.md, "Capacity-bounded sync-free dispatch")."""
 
 @dataclass(frozen=True)
 class BlockCost:
-    """Bytes an MoE block keeps from its forward to its backward at each level."""
+    """Bytes a block keeps from its forward to its backward at each level; `none` is None where that level is not
+    offered (a dense block)."""
 
     full: float
     sac: float
-    none: float
+    none: float | None
 
 
 def plan_levels(
     budget: float, measured_peak: float, measured_levels: list[str], costs: list[BlockCost], margin: float = PLAN_MARGIN
 ) -> tuple[list[str], float]:
-    """The levels of the MoE blocks (in forward order) and their predicted peak: the fastest plan that fits `budget`
+    """The levels of the blocks (in forward order) and their predicted peak: the fastest plan that fits `budget`
     bytes, from a step that reserved `measured_peak` at `measured_levels`. All `full` when nothing fits."""
     levels = ["sac"] * len(costs)
 
@@ -70,6 +74,8 @@ def plan_levels(
                 break
         return levels, peak()
     for i in reversed(range(len(costs))):
+        if costs[i].none is None:
+            continue
         levels[i] = "none"
         if peak() > budget:
             levels[i] = "sac"
@@ -78,23 +84,24 @@ def plan_levels(
 
 
 def _held_at_peak(costs: list[BlockCost], levels: list[str]) -> float:
-    """What the MoE blocks hold at the step's peak: at the end of the forward every block's kept bytes; a `full`
-    block's backward re-creates all of its activations while the blocks before it still hold theirs."""
+    """What the blocks hold at the step's peak: at the end of the forward every block's kept bytes; a `full` block's
+    backward re-creates all of its activations while the blocks before it still hold theirs (a dense block's `sac`
+    bytes stand for them: it comes first, so its recompute falls where the other blocks have freed theirs)."""
     kept = [getattr(cost, level) for cost, level in zip(costs, levels, strict=True)]
     held = sum(kept)
     for i, (cost, level) in enumerate(zip(costs, levels, strict=True)):
         if level == "full":
-            held = max(held, sum(kept[:i]) + cost.none)
+            held = max(held, sum(kept[:i]) + (cost.none if cost.none is not None else cost.sac))
     return held
 
 
 class ActivationBudget:
-    """Measures the run's first step (hooks on the MoE blocks, at `measuring_levels`), sets the MoE blocks' levels
-    after it and corrects them once after the next step (`after_step`).
+    """Measures the run's first step (hooks on the blocks, at `measuring_levels`), sets the blocks' levels after it
+    and corrects them once after the next step (`after_step`).
 
-    `blocks`: (its `SwitchableCheckpointWrapper`, MoE block) per MoE block in forward order, as `apply_ac` returns
-    them. The allocator functions are injectable for tests. The hooks run after FSDP's, so gathered weights do not
-    count as kept.
+    `blocks`: (its `SwitchableCheckpointWrapper`, block) per block under per-op SAC in forward order, as `apply_ac`
+    returns them. The allocator functions are injectable for tests. The hooks run after FSDP's, so gathered weights
+    do not count as kept.
     """
 
     def __init__(
@@ -112,15 +119,18 @@ class ActivationBudget:
         self.release_cached = release_cached
         self.kept = [0.0] * len(blocks)
         self.output = [0.0] * len(blocks)
-        self.recomputed = [0.0] * len(blocks)  # rows x (dim + hidden) x bytes of the routed experts
+        self.recomputed = [0.0] * len(blocks)  # rows x (dim + hidden) x bytes of an MoE block's routed experts
         self._before = [0] * len(blocks)
-        self.measuring_levels = ["full"] * (len(blocks) - 1) + ["sac"]
+        self.moe = [wrapper.recomputes_part for wrapper, _ in blocks]
+        last_moe = _last_moe(self.moe)
+        self.measuring_levels = ["full" if moe and i != last_moe else "sac" for i, moe in enumerate(self.moe)]
         self._set_levels(self.measuring_levels)
         self._hooks = []
         for i, (wrapper, block) in enumerate(blocks):
             self._hooks.append(wrapper.register_forward_pre_hook(self._pre_hook(i)))
             self._hooks.append(wrapper.register_forward_hook(self._post_hook(i)))
-            self._hooks.append(block.moe.experts.register_forward_hook(self._experts_hook(i)))
+            if self.moe[i]:
+                self._hooks.append(block.moe.experts.register_forward_hook(self._experts_hook(i)))
         self.levels: list[str] | None = None
         self.predicted = 0.0  # the peak predicted for `levels`
         self.calibrated = False
@@ -149,15 +159,19 @@ class ActivationBudget:
         return hook
 
     def costs(self, kept: list[float], output: list[float], recomputed: list[float]) -> list[BlockCost]:
-        """Each block's cost at each level from the measured step: `full` its output (the next block's input);
-        `sac` what the block measured at it kept, scaled by the rows each block computed; `none` that plus what
-        per-op SAC recomputes."""
-        sac_kept, sac_rows = kept[-1], recomputed[-1]
-        scale = [max(1.0, rows / sac_rows) if sac_rows else 1.0 for rows in recomputed]
-        return [
-            BlockCost(full=out, sac=sac_kept * s, none=sac_kept * s + rows)
-            for out, s, rows in zip(output, scale, recomputed, strict=True)
-        ]
+        """Each block's cost at each level from the measured step: `full` its output (the next block's input); a
+        dense block's `sac` what it kept; an MoE block's `sac` what the last MoE block (measured there) kept, scaled by
+        the rows each block computed, and `none` that plus what per-op SAC recomputes."""
+        last_moe = _last_moe(self.moe)
+        sac_kept, sac_rows = (kept[last_moe], recomputed[last_moe]) if last_moe is not None else (0.0, 0.0)
+        costs = []
+        for moe, out, block_kept, rows in zip(self.moe, output, kept, recomputed, strict=True):
+            if not moe:
+                costs.append(BlockCost(full=out, sac=block_kept, none=None))
+                continue
+            scaled = sac_kept * (max(1.0, rows / sac_rows) if sac_rows else 1.0)
+            costs.append(BlockCost(full=out, sac=scaled, none=scaled + rows))
+        return costs
 
     def after_step(self, device: torch.device) -> None:
         """After each of the run's first two steps (the trainer calls it until `calibrated`), before the step's
@@ -186,7 +200,7 @@ class ActivationBudget:
         self.release_cached()
         self._log(
             f"the first step reserved {measured_peak / GIB:.1f} GiB (every MoE block recomputed whole but the last, "
-            "at per-op SAC)"
+            "the rest at per-op SAC)"
         )
 
     def _recalibrate(self, device: torch.device) -> None:
@@ -204,7 +218,8 @@ class ActivationBudget:
         summary = ", ".join(f"{self.levels.count(level)} {level}" for level in LEVELS if level in self.levels)
         message = (
             f"activation_checkpoint.memory_budget_gib={self.budget / GIB:g}: {measured}; from the next step the "
-            f"{len(self.blocks)} MoE blocks run {summary} (predicted peak {self.predicted / GIB:.1f} GiB)"
+            f"{len(self.blocks)} blocks ({sum(self.moe)} MoE) run {summary} (predicted peak "
+            f"{self.predicted / GIB:.1f} GiB)"
         )
         if self.predicted > self.budget:
             logger.warning(message + ": above the budget even with full activation checkpointing")
@@ -216,6 +231,11 @@ class ActivationBudget:
             set_level(wrapper, block, level)
 
 
+def _last_moe(moe: list[bool]) -> int | None:
+    """The index of the last MoE block (its `sac` cost is measured in the first step), None without MoE blocks."""
+    return max((i for i, is_moe in enumerate(moe) if is_moe), default=None)
+
+
 def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
     measured = torch.tensor([float(value) for value in values], dtype=torch.float64, device=device)
     if dist.is_available() and dist.is_initialized():
@@ -224,8 +244,9 @@ def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
 
 
 def set_level(wrapper: nn.Module, block: nn.Module, level: str) -> None:
-    """Run one MoE block at `level` (module docstring) from its next forward on."""
+    """Run one block at `level` (module docstring) from its next forward on."""
     if level not in LEVELS:
         raise ValueError(f"activation checkpoint level {level!r}: use one of {LEVELS}")
-    wrapper.enabled = level == "full"
-    block.recompute_part(level == "sac")
+    wrapper.level = level
+    if wrapper.recomputes_part:
+        block.recompute_part(level == "sac")

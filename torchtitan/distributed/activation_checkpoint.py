@@ -22,9 +22,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from torchtitan.distributed.compile import CompiledRegion, recompile_guard_contexts
+from torchtitan.distributed.compile import CompiledRegion, Compiler, MoERegions, recompile_guard_contexts
 
 __all__ = ["PartialRecompute", "SwitchableCheckpointWrapper", "apply_ac", "per_op_sac_contexts"]
 
@@ -90,8 +90,8 @@ def apply_ac(
     checkpoints of MoE blocks get `compile.recompile_guard_contexts` over `compiled_regions`. `exchange_ops`: the
     exchange backend's ops, which per-op SAC saves too.
 
-    Returns (its switchable wrapper, MoE block) of each MoE block a memory budget switches
-    (`activation_checkpoint.memory_budget_gib`, `activation_budget.py`), in forward order; empty without a budget.
+    Returns (its switchable wrapper, block) of each block a memory budget switches (under per-op SAC with
+    `activation_checkpoint.memory_budget_gib`, `activation_budget.py`), in forward order; empty without a budget.
     """
     mode, option = ac_config.mode, str(ac_config.selective_ac_option)
     num_blocks = ac_config.num_blocks
@@ -120,17 +120,43 @@ def per_op_sac_contexts(exchange_ops: Iterable[Any] = ()):
 
 
 class SwitchableCheckpointWrapper(CheckpointWrapper):
-    """A block's checkpoint wrapper that runs the block plainly while `enabled` is False (a memory budget's levels:
-    `activation_budget.py`). Parameter names are a checkpoint-wrapped block's."""
+    """A block's checkpoint wrapper whose level a memory budget sets (`activation_budget.py`), `sac` until then:
+    `full` checkpoints the block whole; `sac` is per-op SAC, run by this wrapper with `sac_context_fn` (a dense block)
+    or, without one, by the block on its own part (an MoE block's routed experts, `PartialRecompute`); `none` runs the
+    block plainly. Parameter names are a checkpoint-wrapped block's."""
 
-    def __init__(self, module: nn.Module, context_fn: Callable | None):
-        kwargs = {"context_fn": context_fn} if context_fn is not None else {}
+    def __init__(self, module: nn.Module, full_context_fn: Callable | None, sac_context_fn: Callable | None = None):
+        kwargs = {"context_fn": full_context_fn} if full_context_fn is not None else {}
         super().__init__(module, preserve_rng_state=False, **kwargs)
-        self.enabled = False
+        self._sac_checkpoint = (
+            partial(checkpoint, use_reentrant=False, preserve_rng_state=False, context_fn=sac_context_fn)
+            if sac_context_fn is not None
+            else None
+        )
+        self.level = "sac"
+        self._compiled_forward: Callable | None = None
+
+    @property
+    def recomputes_part(self) -> bool:
+        """Its block runs per-op SAC on a part of itself (an MoE block), not this wrapper on the whole block."""
+        return self._sac_checkpoint is None
+
+    def compile_parts(self, compiler: Compiler, regions: MoERegions) -> bool:
+        """`compile.CompiledParts`: a dense block's wrapper compiles its forward, not its module call, so the
+        budget's hooks (which read the allocator) stay outside the graph; an MoE block compiles its own parts."""
+        if self.recomputes_part:
+            return False
+        self._compiled_forward = compiler.function(self._forward_at_level)
+        return True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.enabled:
+        return (self._compiled_forward or self._forward_at_level)(*args, **kwargs)
+
+    def _forward_at_level(self, *args: Any, **kwargs: Any) -> Any:
+        if self.level == "full":
             return super().forward(*args, **kwargs)
+        if self.level == "sac" and self._sac_checkpoint is not None:
+            return self._sac_checkpoint(self._checkpoint_wrapped_module, *args, **kwargs)
         return self._checkpoint_wrapped_module(*args, **kwargs)
 
 
@@ -142,8 +168,8 @@ def _wrap_blocks(
     switchable: bool = False,
 ) -> list[tuple[SwitchableCheckpointWrapper, nn.Module]]:
     """Checkpoint the selected blocks; per-op SAC when `sac_save_ops` is given, else whole-block recompute.
-    switchable: MoE blocks under per-op SAC are also wrapped whole, switched off (a memory budget's `full` level);
-    returns those (wrapper, block) pairs."""
+    switchable: blocks under per-op SAC get `SwitchableCheckpointWrapper`s, whose level a memory budget sets; returns
+    those (wrapper, block) pairs."""
     switchable_blocks = []
     # the transformer blocks, then the multi-token prediction modules (blocks too), by position
     blocks = [(model.layers, "layers", name, block) for name, block in model.layers.named_children()]
@@ -156,18 +182,19 @@ def _wrap_blocks(
         has_part = isinstance(block, PartialRecompute) and block.recompute_part(sac_save_ops is not None)
         guard_name = f"{prefix}.{name}" if has_part and compiled_regions else None
         guarded = compiled_regions if guard_name is not None else ()  # dynamo traces a dense block's partial
-        if has_part and sac_save_ops is not None:
-            if switchable:  # a memory budget may recompute the whole block instead (activation_budget.py)
-                whole = partial(_checkpoint_contexts, None, guard_name, guarded) if guard_name is not None else None
-                wrapper = SwitchableCheckpointWrapper(block, whole)
-                container.register_module(name, wrapper)
-                switchable_blocks.append((wrapper, block))
-            continue
-        # dynamo traces a dense block's checkpoint: pass no context_fn unless there is something to run in it
-        kwargs = {}
-        if sac_save_ops is not None or guard_name is not None:
-            kwargs["context_fn"] = partial(_checkpoint_contexts, sac_save_ops, guard_name, guarded)
-        container.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False, **kwargs))
+        whole = partial(_checkpoint_contexts, None, guard_name, guarded) if guard_name is not None else None
+        sac = partial(_checkpoint_contexts, sac_save_ops, None, ()) if sac_save_ops is not None else None
+        if switchable and sac is not None:  # a memory budget sets the level (activation_budget.py)
+            wrapper = SwitchableCheckpointWrapper(block, whole, None if has_part else sac)
+            container.register_module(name, wrapper)
+            switchable_blocks.append((wrapper, block))
+        elif has_part and sac is not None:
+            continue  # the block checkpoints its part itself
+        else:
+            # dynamo traces a dense block's checkpoint: pass no context_fn unless there is something to run in it
+            context_fn = sac if sac is not None else whole
+            kwargs = {"context_fn": context_fn} if context_fn is not None else {}
+            container.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False, **kwargs))
     return switchable_blocks
 
 

@@ -48,8 +48,9 @@ def apply_compile(model: nn.Module, backend: str, regions: MoERegions) -> None:
     compiler = Compiler(backend)
     for block in transformer_blocks(model):
         inner = unwrapped_block(block)
-        if not (isinstance(inner, CompiledParts) and inner.compile_parts(compiler, regions)):
-            compiler.module(block)  # whole, with its checkpoint wrapper: dynamo traces the checkpoint too
+        if any(isinstance(part, CompiledParts) and part.compile_parts(compiler, regions) for part in (inner, block)):
+            continue  # the block, or its wrapper (a memory budget's: activation_checkpoint.py), compiled its parts
+        compiler.module(block)  # whole, with its checkpoint wrapper: dynamo traces the checkpoint too
 
 
 @dataclass(frozen=True)

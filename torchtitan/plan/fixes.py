@@ -41,7 +41,7 @@ def candidate_changes(plan: Plan) -> list[Change]:
         budget = ac.memory_budget_gib
         target = room if budget <= 0 or budget > room else int(budget * 0.85)
         flags = ("--activation_checkpoint.memory_budget_gib", str(target))
-        changes.append(Change(f"a memory budget of {target} GiB (each MoE block's recompute chosen to fit)", flags))
+        changes.append(Change(f"a memory budget of {target} GiB (each block's recompute chosen to fit)", flags))
     if ac.mode != "full":
         flags = ("--activation_checkpoint.mode", "full", "--activation_checkpoint.memory_budget_gib", "0")
         changes.append(Change("full activation checkpointing", flags))

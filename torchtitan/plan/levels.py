@@ -40,29 +40,34 @@ def configured_levels(layout: Layout, rank: int) -> Levels:
 
 
 def budget_levels(layout: Layout, rank: int, reserved: Callable[[Levels], float], budget_bytes: float) -> Levels:
-    """The MoE blocks' levels after the trainer's two planning steps (`ActivationBudget`): the first step runs every
-    MoE block `full` but the last (`sac`), the plan from its peak; the second step runs that plan, the plan again
-    from its peak. `reserved(levels)` is this plan's predicted reserved peak at those levels."""
+    """The blocks' levels after the trainer's two planning steps (`ActivationBudget`, which switches every block under
+    per-op SAC): the first step runs every MoE block `full` but the last and the rest `sac`, the plan from its peak;
+    the second step runs that plan, the plan again from its peak. `reserved(levels)` is this plan's predicted reserved
+    peak at those levels."""
     base = configured_levels(layout, rank)
-    moe = [(s, b) for s, stage in enumerate(layout.stages[rank]) for b, block in enumerate(stage.blocks) if block.moe]
-    if not moe or budget_bytes <= 0:
-        return base
     stages = layout.stages[rank]
-    costs = [_cost(layout, stages[s].blocks[b]) for s, b in moe]
+    switched = [(s, b) for s, stage_levels in enumerate(base) for b, level in enumerate(stage_levels) if level == "sac"]
+    if not switched or budget_bytes <= 0:
+        return base
+    moe = [stages[s].blocks[b].moe for s, b in switched]
+    costs = [_cost(layout, stages[s].blocks[b]) for s, b in switched]
 
-    def with_moe_levels(moe_levels: list[str]) -> Levels:
+    def with_levels(switched_levels: list[str]) -> Levels:
         levels = [list(stage_levels) for stage_levels in base]
-        for (s, b), level in zip(moe, moe_levels, strict=True):
+        for (s, b), level in zip(switched, switched_levels, strict=True):
             levels[s][b] = level
         return levels
 
-    measuring = ["full"] * (len(moe) - 1) + ["sac"]
-    chosen, _ = plan_levels(budget_bytes, reserved(with_moe_levels(measuring)) * (1 + STEADY_GROWTH), measuring, costs)
-    chosen, _ = plan_levels(budget_bytes, reserved(with_moe_levels(chosen)) * (1 + STEADY_GROWTH), chosen, costs)
-    return with_moe_levels(chosen)
+    last_moe = max((i for i, is_moe in enumerate(moe) if is_moe), default=None)
+    measuring = ["full" if is_moe and i != last_moe else "sac" for i, is_moe in enumerate(moe)]
+    chosen, _ = plan_levels(budget_bytes, reserved(with_levels(measuring)) * (1 + STEADY_GROWTH), measuring, costs)
+    chosen, _ = plan_levels(budget_bytes, reserved(with_levels(chosen)) * (1 + STEADY_GROWTH), chosen, costs)
+    return with_levels(chosen)
 
 
 def _cost(layout: Layout, block: Block) -> BlockCost:
-    """A block's kept bytes at each level, from the plan's per-token counts (what the budget measures with hooks)."""
+    """A block's kept bytes at each level, from the plan's per-token counts (what the budget measures with hooks);
+    a dense block is not offered `none`, as in the trainer."""
     tokens = layout.microbatch_tokens * ACTIVATION_SCALE
-    return BlockCost(*(block_bytes_per_token(layout, block, level) * tokens for level in ("full", "sac", "none")))
+    full, sac, none = (block_bytes_per_token(layout, block, level) * tokens for level in ("full", "sac", "none"))
+    return BlockCost(full, sac, none if block.moe else None)

@@ -1,5 +1,5 @@
-"""The activation memory budget: the plan it picks for a given budget, and the levels it switches MoE blocks to
-(whole-block recompute, per-op SAC on the routed experts, none) train with the same gradients."""
+"""The activation memory budget: the plan it picks for a given budget, and the levels it switches blocks to
+(whole-block recompute, per-op SAC, none) train with the same gradients."""
 
 import itertools
 
@@ -55,6 +55,17 @@ def test_plan_is_the_fastest_that_fits(budget, levels, peak):
     assert plan_levels(budget, 95, ["full", "full", "sac"], COSTS, margin=1.0) == (levels, peak)
 
 
+def test_a_dense_block_goes_full_first_and_never_to_none():
+    # a dense block first (per-op SAC keeps 4 of its activations, its output 1), then the three MoE blocks
+    costs = [BlockCost(full=1, sac=4, none=None), *COSTS]
+    assert plan_levels(1000, 100, ["sac"] * 4, costs, margin=1.0) == (["sac", "none", "none", "none"], 112)
+    # 3 over: the dense block recomputed whole frees 3 before any MoE block is
+    assert plan_levels(97, 100, ["sac"] * 4, costs, margin=1.0) == (["full", "sac", "sac", "sac"], 97)
+    # every block full: 19 held at per-op SAC become 4; the peak is the last MoE block's recompute (3 held before it
+    # + its 9 = 12), not the dense block's (its 4 alone, at the end of the backward): 100 - 19 + 12 = 93
+    assert plan_levels(50, 100, ["sac"] * 4, costs, margin=1.0) == (["full"] * 4, 93)
+
+
 def test_a_plan_counts_what_it_adds_with_a_margin_and_what_it_frees_as_estimated():
     # +4 for the last block without checkpointing counts 5 under the default margin (1.25): 104 no longer fits it
     assert plan_levels(104, 100, ["sac"] * 3, COSTS) == (["sac", "sac", "sac"], 100)
@@ -71,8 +82,9 @@ def _levels_train_alike(rank: int, world_size: int) -> None:
     inputs, labels = rank_batch(rank, world_size)
     parallel, _ = parallelize(reference, _BUDGET_CONFIG, world_size)
     model, blocks = parallel.model, parallel.budget_blocks
-    assert len(blocks) == 2  # tiny_args: 3 blocks, the first dense
-    assert all(block.moe.experts.recompute for _, block in blocks)
+    assert len(blocks) == 3  # tiny_args: 3 blocks, the first dense, each switchable
+    assert [wrapper.recomputes_part for wrapper, _ in blocks] == [False, True, True]
+    assert all(block.moe.experts.recompute for _, block in blocks[1:])
     calls = {}
     for level in LEVELS:
         for wrapper, block in blocks:
@@ -101,7 +113,7 @@ def _budget_chooses_from_step_one(rank: int, world_size: int) -> None:
     inputs, labels = rank_batch(rank, world_size)
     parallel, _ = parallelize(reference, _BUDGET_CONFIG, world_size)
     model, blocks = parallel.model, parallel.budget_blocks
-    # the allocator as the hooks see it: each MoE block's forward keeps 0.1 GiB on rank 0 and 0.2 GiB on rank 1
+    # the allocator as the hooks see it: each block's forward keeps 0.1 GiB on rank 0 and 0.2 GiB on rank 1
     # (the plan uses the larger), step 1 reserved 0.5 GiB; a block without checkpointing adds its routed rows.
     reads = itertools.count()  # a block's pre-hook read, then its post-hook read, block after block
 
@@ -118,24 +130,26 @@ def _budget_chooses_from_step_one(rank: int, world_size: int) -> None:
         max_memory_reserved=lambda: int(next(reserved)),
         release_cached=lambda: released.append(True),
     )
-    # the first step: the first MoE block recomputed whole, the last at per-op SAC
-    (first_wrapper, first), (last_wrapper, last) = blocks
-    assert first_wrapper.enabled and not first.moe.experts.recompute
-    assert not last_wrapper.enabled and last.moe.experts.recompute
+    # the first step: the dense block at per-op SAC, the first MoE block recomputed whole, the last at per-op SAC
+    (dense_wrapper, _), (first_wrapper, first), (last_wrapper, last) = blocks
+    assert dense_wrapper.level == "sac"
+    assert first_wrapper.level == "full" and not first.moe.experts.recompute
+    assert last_wrapper.level == "sac" and last.moe.experts.recompute
     loss_of(model(inputs), labels, labels.numel() * world_size).backward()
-    assert budget.kept == [pytest.approx((rank + 1) * 0.1 * 2**30)] * 2
-    assert all(rows > 0 for rows in budget.recomputed)
+    assert budget.kept == [pytest.approx((rank + 1) * 0.1 * 2**30)] * 3
+    assert budget.recomputed[0] == 0 and all(rows > 0 for rows in budget.recomputed[1:])
     budget.after_step(torch.device("cpu"))
-    # 0.5 GiB + the tiny model's routed rows (bytes) fit 1 GiB: no block needs checkpointing
-    assert budget.levels == ["none", "none"] and not budget.calibrated and released == [True]
-    assert all(not wrapper.enabled and not block.moe.experts.recompute for wrapper, block in blocks)
+    # 0.5 GiB + the tiny model's routed rows (bytes) fit 1 GiB: no MoE block needs checkpointing; the dense block
+    # keeps per-op SAC (its cost without checkpointing is not measured)
+    assert budget.levels == ["sac", "none", "none"] and not budget.calibrated and released == [True]
+    assert all(wrapper.level == "none" and not block.moe.experts.recompute for wrapper, block in blocks[1:])
     loss_of(model(inputs), labels, labels.numel() * world_size).backward()  # hooks removed, trains on
     budget.after_step(torch.device("cpu"))
-    # 1.1 GiB measured at none, none, counted 5% higher (the steady state's growth): per-op SAC on both saves only
-    # the routed rows (bytes); the first block recomputed whole saves its 0.2 GiB: ~0.955 GiB; the allocator's cache
-    # is released after each choice
-    assert budget.levels == ["full", "sac"] and budget.calibrated and released == [True, True]
-    assert first_wrapper.enabled and last.moe.experts.recompute
+    # 1.1 GiB measured at sac, none, none, counted 5% higher (the steady state's growth): per-op SAC on the MoE
+    # blocks saves only the routed rows (bytes); the dense block, first, recomputed whole saves its 0.2 GiB: ~0.955
+    # GiB; the allocator's cache is released after each choice
+    assert budget.levels == ["full", "sac", "sac"] and budget.calibrated and released == [True, True]
+    assert dense_wrapper.level == "full" and last.moe.experts.recompute
     assert budget.predicted == pytest.approx((1.1 * 1.05 - 0.2) * 2**30, rel=0.01)
 
 

@@ -3,6 +3,7 @@ pieces meant to run compiled do."""
 
 import collections
 import copy
+import time
 from dataclasses import replace
 
 import pytest
@@ -11,6 +12,7 @@ from torch._dynamo.utils import get_compilation_metrics
 
 from tests.unit.distributed._model_parity import batch, build_reference, loss_of, reference_loss_and_grads, tiny_args
 from torchtitan.config.job_config import ActivationCheckpoint
+from torchtitan.distributed.activation_budget import LEVELS, set_level
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import MoERegions, apply_compile
 from torchtitan.distributed.expert_parallel.dispatcher import LocalTokenDispatcher
@@ -52,6 +54,34 @@ def test_compiled_model_matches_eager(ac_mode):
     for name in (*regions, "sum_experts", "forward"):
         assert name in compiled, (name, compiled)
     _assert_matches_eager(loss, grads, ref_loss, ref_grads)
+
+
+def test_a_memory_budget_switches_compiled_blocks_with_its_hooks_outside_the_graphs():
+    """Under a budget every block is switchable: a dense block is compiled but for its hooks (the budget reads the
+    allocator there, which dynamo cannot trace), and each level of every block gives eager gradients."""
+    torch._dynamo.reset()
+    reference = build_reference(tiny_args())
+    ref_loss, ref_grads = reference_loss_and_grads(reference)
+    model = copy.deepcopy(reference)
+    regions = MoERegions.build("aot_eager", run_routed_experts)
+    for block in model.layers.values():
+        if block.moe_enabled:
+            block.moe.dispatcher = LocalTokenDispatcher(block.moe.num_experts, False)
+    ac = ActivationCheckpoint(mode="selective", selective_ac_option="op", memory_budget_gib=1.0)
+    blocks = apply_ac(model, ac, regions.all())
+    apply_compile(model, "aot_eager", regions)
+    assert [wrapper.recomputes_part for wrapper, _ in blocks] == [False, True, True]
+    forwards = []
+    for wrapper, _ in blocks:
+        wrapper.register_forward_pre_hook(lambda module, args: forwards.append(time.perf_counter()))
+    for level in LEVELS:
+        for wrapper, block in blocks:
+            set_level(wrapper, block, level)
+        model.zero_grad(set_to_none=True)
+        loss, grads = reference_loss_and_grads(model)
+        _assert_matches_eager(loss, grads, ref_loss, ref_grads)
+    assert len(forwards) == 3 * len(LEVELS)  # a Python hook dynamo cannot trace ran at every forward
+    assert "_forward_at_level" in [metrics.co_name for metrics in get_compilation_metrics()]  # the dense block
 
 
 def _profile_one_step(model):
