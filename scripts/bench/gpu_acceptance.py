@@ -262,7 +262,8 @@ def judge(row: Row, run: dict, base: dict, by_name: dict[str, Row], opts) -> dic
 
 def check_hf_export(by_name: dict[str, Row], work: Path, flavor: str) -> dict:
     """The resumed run's HF export, imported with scripts/convert_hf.py, against the straight run's model-only
-    export (same training up to the resume's 1e-4): logits agree; and to-hf -> from-hf of the latter is exact."""
+    export (same training up to the resume's 1e-4): logits agree; and to-hf -> from-hf of the latter, in fp32, is
+    exact."""
     if not all(_passed(by_name, name) for name, _ in CHECKPOINT_ROWS):
         return {"status": "failed", "reason": "needs passing checkpoint_save and checkpoint_resume rows"}
     from scripts.convert_hf import load_model_from_dcp
@@ -277,7 +278,10 @@ def check_hf_export(by_name: dict[str, Row], work: Path, flavor: str) -> dict:
     start = time.time()
     convert_hf(["from-hf", str(hf_export), str(work / "hf_imported")])
     imported = load_model_from_dcp(str(work / "hf_imported"), args)
-    convert_hf(["to-hf", str(work / "straight_export"), str(work / "hf_roundtrip"), "--flavor", flavor])
+    # fp32 both ways: exact (to-hf writes bf16 unless asked, as releases are published)
+    convert_hf(
+        ["to-hf", str(work / "straight_export"), str(work / "hf_roundtrip"), "--flavor", flavor, "--dtype", "float32"]
+    )
     convert_hf(["from-hf", str(work / "hf_roundtrip"), str(work / "hf_roundtrip_dcp")])
     roundtrip = load_model_from_dcp(str(work / "hf_roundtrip_dcp"), args)
     logits = {name: _logits(args, sd) for name, sd in (("straight", straight), ("imported", imported),
