@@ -9,8 +9,9 @@ SYMM_MEM_TEST_WORLD_SIZE picks the number of GPUs (default 2). With OUT set, ran
 $OUT/symm_mem_gpu_summary.json (per-check status, errors, timings, versions). Skips cleanly without CUDA, without
 NVSHMEM, or with fewer than 2 GPUs. Two ranks on one GPU need CUDA MPS (NVSHMEM runs one PE per GPU otherwise, and
 may refuse two even under MPS): start the MPS daemon, then set SYMM_MEM_TEST_SHARE_GPU=1 to run the op checks with
-both ranks on GPU 0 (`test_symm_mem_ops_two_ranks_sharing_one_gpu`); a failure there that names NVSHMEM's
-initialization means this NVSHMEM cannot share a GPU: run the 2-GPU test.
+both ranks on GPU 0 (`test_symm_mem_ops_two_ranks_sharing_one_gpu`, which sets NVSHMEM's MPS variables unless given:
+passed on one H200 with NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=1 and NVSHMEM_DISABLE_NCCL=1); a failure there
+that names NVSHMEM's initialization means this NVSHMEM cannot share a GPU: run the 2-GPU test.
 """
 
 import datetime
@@ -235,7 +236,11 @@ def test_symm_mem_cuda_ops_against_cpu_reference_and_moe():
     reason="two NVSHMEM PEs on one GPU need CUDA MPS: start its daemon and set SYMM_MEM_TEST_SHARE_GPU=1 (or run the "
     "2-GPU test)",
 )
-def test_symm_mem_ops_two_ranks_sharing_one_gpu():
+def test_symm_mem_ops_two_ranks_sharing_one_gpu(monkeypatch):
+    # NVSHMEM under MPS: every PE may use the whole GPU (else it wants CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100 / PEs),
+    # and NCCL, which MPS disables, is not looked for
+    for name in ("NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "NVSHMEM_DISABLE_NCCL"):
+        monkeypatch.setenv(name, os.environ.get(name, "1"))
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
             _worker,
