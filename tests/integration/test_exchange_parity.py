@@ -93,8 +93,8 @@ def _assert_close(got: tuple[dict, dict], expected: tuple[dict, dict], extra: li
         # standard backend compiles the same MoE regions (the token exchange runs eager between them, see
         # distributed/compile.py): its compiled runs are in test_parallel_parity.py and test_mtp.py (aot_eager)
         (2, [*DEEPEP, *SYNC_FREE, *INDUCTOR, *OP_SAC]),
-        # deepep at EP=4 (four processes on two cores), eager
-        (4, [*DEEPEP, *OP_SAC]),
+        # deepep's sync-free dispatch at EP=4 (four processes on two cores), eager; its synced dispatch runs above
+        (4, [*DEEPEP, *SYNC_FREE, *OP_SAC]),
         # all-to-all-v with the splits on the device: eager, compiled with per-op SAC, and at EP=4
         (2, SYMM_MEM),
         (2, [*SYMM_MEM, *AOT_EAGER, *OP_SAC]),
@@ -104,7 +104,7 @@ def _assert_close(got: tuple[dict, dict], expected: tuple[dict, dict], extra: li
         "ep2-deepep-eager",
         "ep2-deepep-inductor-every-2nd",
         "ep2-deepep-sync-free-inductor-op-sac",
-        "ep4-deepep-op-sac",
+        "ep4-deepep-sync-free-op-sac",
         "ep2-symm-mem-eager",
         "ep2-symm-mem-aot-eager-op-sac",
         "ep4-symm-mem-op-sac",
