@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ActivationBudget", "BlockCost", "plan_levels"]
+__all__ = ["ActivationBudget", "BlockCost", "measuring_levels", "plan_levels"]
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +122,7 @@ class ActivationBudget:
         self.recomputed = [0.0] * len(blocks)  # rows x (dim + hidden) x bytes of an MoE block's routed experts
         self._before = [0] * len(blocks)
         self.moe = [wrapper.recomputes_part for wrapper, _ in blocks]
-        last_moe = _last_moe(self.moe)
-        self.measuring_levels = ["full" if moe and i != last_moe else "sac" for i, moe in enumerate(self.moe)]
+        self.measuring_levels = measuring_levels(self.moe)
         self._set_levels(self.measuring_levels)
         self._hooks = []
         for i, (wrapper, block) in enumerate(blocks):
@@ -229,6 +228,13 @@ class ActivationBudget:
     def _set_levels(self, levels: list[str]) -> None:
         for (wrapper, block), level in zip(self.blocks, levels, strict=True):
             set_level(wrapper, block, level)
+
+
+def measuring_levels(moe: list[bool]) -> list[str]:
+    """The first step's levels of the blocks (True: an MoE block): every MoE block `full` but the last, the rest `sac`
+    (module docstring)."""
+    last_moe = _last_moe(moe)
+    return ["full" if is_moe and i != last_moe else "sac" for i, is_moe in enumerate(moe)]
 
 
 def _last_moe(moe: list[bool]) -> int | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from torchtitan.distributed.activation_budget import STEADY_GROWTH, BlockCost, plan_levels
+from torchtitan.distributed.activation_budget import STEADY_GROWTH, BlockCost, measuring_levels, plan_levels
 from torchtitan.plan.layout import Block, Layout
 from torchtitan.plan.memory import ACTIVATION_SCALE, block_bytes_per_token
 
@@ -49,7 +49,6 @@ def budget_levels(layout: Layout, rank: int, reserved: Callable[[Levels], float]
     switched = [(s, b) for s, stage_levels in enumerate(base) for b, level in enumerate(stage_levels) if level == "sac"]
     if not switched or budget_bytes <= 0:
         return base
-    moe = [stages[s].blocks[b].moe for s, b in switched]
     costs = [_cost(layout, stages[s].blocks[b]) for s, b in switched]
 
     def with_levels(switched_levels: list[str]) -> Levels:
@@ -58,8 +57,7 @@ def budget_levels(layout: Layout, rank: int, reserved: Callable[[Levels], float]
             levels[s][b] = level
         return levels
 
-    last_moe = max((i for i, is_moe in enumerate(moe) if is_moe), default=None)
-    measuring = ["full" if is_moe and i != last_moe else "sac" for i, is_moe in enumerate(moe)]
+    measuring = measuring_levels([stages[s].blocks[b].moe for s, b in switched])
     chosen, _ = plan_levels(budget_bytes, reserved(with_levels(measuring)) * (1 + STEADY_GROWTH), measuring, costs)
     chosen, _ = plan_levels(budget_bytes, reserved(with_levels(chosen)) * (1 + STEADY_GROWTH), chosen, costs)
     return with_levels(chosen)
