@@ -14,41 +14,26 @@ from torch.utils.checkpoint import checkpoint
 
 from tests.unit.distributed._spawn import run_distributed
 from tests.unit.distributed._symm_mem_stand_in import install_stand_in
+from tests.unit.distributed._tiny_moe import DIM, TOP_K, build_moe
 from torchtitan.distributed import symm_mem_all_to_all as ops
 from torchtitan.distributed.activation_checkpoint import per_op_sac_contexts
 from torchtitan.distributed.deepep import destroy_buffers
 from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel, SymmMemExpertParallel
-from torchtitan.models.moe import MoE, MoEArgs
+from torchtitan.models.moe import MoE
 from torchtitan.models.moe.deepep_moe import DeepEPMoE
 from torchtitan.models.moe.exchange import SymmMemBackend
 
-DIM, HIDDEN, TOP_K, NUM_TOKENS = 16, 32, 3, 10
-
-
-def _build(cls=MoE, score_before_experts: bool = False, use_grouped_mm: bool = False) -> MoE:
-    torch.manual_seed(0)
-    args = MoEArgs(
-        num_experts=8,
-        num_shared_experts=1,
-        top_k=TOP_K,
-        score_func="sigmoid",
-        route_norm=True,
-        score_before_experts=score_before_experts,
-        use_grouped_mm=use_grouped_mm,
-    )
-    moe = cls(args, DIM, HIDDEN)
-    moe.init_weights(init_std=0.02)
-    return moe
+NUM_TOKENS = 10
 
 
 def _symm_mem_moe(mesh, capacity_factor: float | None = None, **kwargs) -> MoE:
-    moe = _build(**kwargs)
+    moe = build_moe(**kwargs)
     parallelize_module(moe, mesh, SymmMemExpertParallel(NUM_TOKENS, capacity_factor))
     return moe
 
 
 def _standard_moe(mesh, **kwargs) -> MoE:
-    moe = _build(**kwargs)
+    moe = build_moe(**kwargs)
     parallelize_module(moe, mesh, ExpertParallel())
     return moe
 
@@ -119,7 +104,7 @@ def _capacity_drops_like_deepep_and_counts_them(rank: int, world_size: int) -> N
     assert generous.capacity_drops.tolist() == [0, routed]
 
     tight = _symm_mem_moe(mesh, capacity_factor=0.5)
-    deepep = _build(DeepEPMoE)
+    deepep = build_moe(DeepEPMoE)
     parallelize_module(deepep, mesh, DeepEPExpertParallel(sync_free=True, capacity_factor=0.5))
     got = _run(tight, x)
     _assert_same(got, _run(deepep, x), "factor 0.5 vs deepep")

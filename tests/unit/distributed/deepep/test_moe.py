@@ -14,35 +14,18 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.checkpoint import checkpoint
 
 from tests.unit.distributed._spawn import run_distributed
+from tests.unit.distributed._tiny_moe import DIM, build_moe
 from torchtitan.distributed.activation_checkpoint import per_op_sac_contexts
 from torchtitan.distributed.deepep import cpu_kernels, destroy_buffers
 from torchtitan.distributed.deepep.buffer import import_deep_ep
 from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel
-from torchtitan.models.moe import MoE, MoEArgs
+from torchtitan.models.moe import MoE
 from torchtitan.models.moe.deepep_moe import DeepEPMoE
 from torchtitan.models.moe.exchange import DeepEPBackend
 
-DIM, HIDDEN = 16, 32
-
-
-def _build(cls, score_before_experts: bool = False, use_grouped_mm: bool = False) -> MoE:
-    torch.manual_seed(0)
-    args = MoEArgs(
-        num_experts=8,
-        num_shared_experts=1,
-        top_k=3,
-        score_func="sigmoid",
-        route_norm=True,
-        score_before_experts=score_before_experts,
-        use_grouped_mm=use_grouped_mm,
-    )
-    moe = cls(args, DIM, HIDDEN)
-    moe.init_weights(init_std=0.02)
-    return moe
-
 
 def _deepep_moe(mesh, sync_free: bool = False, capacity_factor: float | None = None, **kwargs) -> DeepEPMoE:
-    moe = _build(DeepEPMoE, **kwargs)
+    moe = build_moe(DeepEPMoE, **kwargs)
     parallelize_module(moe, mesh, DeepEPExpertParallel(sync_free=sync_free, capacity_factor=capacity_factor))
     return moe
 
@@ -71,7 +54,7 @@ def _count_kernel_calls(monkeypatch_calls: dict[str, int]) -> None:
 def _parity_with_standard_ep(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
     for score_before_experts in (False, True):
-        reference = _build(MoE, score_before_experts)
+        reference = build_moe(MoE, score_before_experts)
         parallelize_module(reference, mesh, ExpertParallel())
         moe = _deepep_moe(mesh, score_before_experts=score_before_experts)
         x_ref, x = _tokens(rank).requires_grad_(), _tokens(rank).requires_grad_()
