@@ -32,6 +32,20 @@ FAST_ARGS = [
 ]  # fmt: skip
 
 
+PARITY_ARGS = [
+    "--model.flavor", "debugmodel_tiny",
+    "--training.seq_len", "64",
+    "--training.global_batch_size", "8",
+    "--training.mixed_precision_param", "float32",
+    "--metrics.log_freq", "1",
+    "--debug.deterministic",
+    "--activation_checkpoint.mode", "none",
+    "--checkpoint.enable=false",
+]  # fmt: skip
+"""A parity test's runs: the tiny model in fp32, deterministic, nothing checkpointed; each layout adds its local batch
+and the test its steps."""
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -11,22 +11,11 @@ import subprocess
 
 import pytest
 
-from tests.integration.conftest import FAST_ARGS, read_losses, run_trainer
+from tests.integration.conftest import FAST_ARGS, PARITY_ARGS, read_losses, run_trainer
 
 STEPS = 5
 MUON = ["--optimizer.name", "Muon"]  # the debug config's AdamW lr and weight decay: Moonlight's recipe
-COMMON = [
-    "--model.flavor", "debugmodel_tiny",
-    "--training.seq_len", "64",
-    "--training.global_batch_size", "8",
-    "--training.steps", str(STEPS),
-    "--training.mixed_precision_param", "float32",
-    "--metrics.log_freq", "1",
-    "--debug.deterministic",
-    "--activation_checkpoint.mode", "none",
-    "--checkpoint.enable=false",
-    *MUON,
-]  # fmt: skip
+COMMON = [*PARITY_ARGS, "--training.steps", str(STEPS), *MUON]
 
 LAYOUTS = {
     "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),

@@ -20,19 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import read_losses, run_trainer
+from tests.integration.conftest import PARITY_ARGS, read_losses, run_trainer
 
 STEPS = 6
 COMMON = [
-    "--model.flavor", "debugmodel_tiny",
-    "--training.seq_len", "64",
-    "--training.global_batch_size", "8",
+    *PARITY_ARGS,
     "--training.steps", str(STEPS),
-    "--training.mixed_precision_param", "float32",
-    "--metrics.log_freq", "1",
-    "--debug.deterministic",
-    "--activation_checkpoint.mode", "none",
-    "--checkpoint.enable=false",
     "--validation.enable", "--validation.freq", "3", "--validation.steps", "1",
 ]  # fmt: skip
 
