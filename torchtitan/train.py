@@ -37,6 +37,7 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import build_optimizers, updates_master_weights
 from torchtitan.components.run_lock import DumpFolderBusyError, acquire_dump_folder, exit_with_parent
 from torchtitan.components.step_log import StepLog
+from torchtitan.components.update_rms import adam_update_rms
 from torchtitan.config import ConfigError, JobConfig, help_for
 from torchtitan.datasets.corpus import DatasetError
 from torchtitan.datasets.dataloader import build_dataloader
@@ -394,6 +395,7 @@ class Trainer:
                 mtp_loss = [] if self.last_mtp_loss is None else [self.last_mtp_loss]
                 # Checks and logs the previous step, with this one queued behind it: the device keeps running while
                 # the host waits for those values and then prepares the next step.
+                logs = step % job_config.metrics.log_freq == 0 or step == steps
                 step_log.add(
                     step,
                     lr,
@@ -402,6 +404,7 @@ class Trainer:
                     graphs_compiled(),
                     ep_load_imbalance=self.expert_bias_hook.ep_load_imbalance,
                     dropped_fraction=self.expert_bias_hook.dropped_fraction,
+                    update_rms=adam_update_rms(self.optimizers) if logs and job_config.metrics.log_update_rms else None,
                 )
                 validates = job_config.validation.enable and (step % job_config.validation.freq == 0 or step == steps)
                 saves = self.checkpointer.saves_at(step, last_step=step == steps)

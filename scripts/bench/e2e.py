@@ -151,6 +151,10 @@ def train_and_measure(
     plan = [line for line in output if "activation_checkpoint.memory_budget_gib=" in line]
     if plan:  # the levels the memory budget chose after the first and the second step, as the trainer logged them
         result["memory_budget_plan"] = [line[line.index("activation_checkpoint.") :] for line in plan]
+    rms_groups = sorted({key for r in records for key in r if key.startswith("update_rms/")})
+    if rms_groups:  # --metrics.log_update_rms: per logged step, Adam's update RMS per parameter group
+        result["update_rms"] = {key.removeprefix("update_rms/"): [r.get(key) for r in records] for key in rms_groups}
+        result["update_rms_lr"] = [r["lr"] for r in records]  # the lr of each logged step, to weight them by
     if validation:
         result.update(
             validation_steps=[r["step"] for r in validation],

@@ -6,6 +6,11 @@ update scaled to AdamW's RMS): step time, memory and the loss curve.
         --metrics.enable_tensorboard=false
     python scripts/bench/muon_vs_adamw.py --name 16b8L_1gpu --ngpu 1 --steps 300 -- <the same flags>
 
+With --match-update-rms, AdamW runs first with `--metrics.log_update_rms` and Muon then with `--optimizer.
+muon_update_rms` r: AdamW's update RMS over Muon's parameter groups (weighted by their sizes), averaged over the steps
+weighted by their lr (so that both move the weights as far over the run): Moonlight's recipe with this job's AdamW
+RMS in place of the 0.2 it measured on its own runs.
+
 Each run is `scripts/bench/e2e.py`'s (run_train.sh with the job's config, steady-state steps after --warmup-steps),
 named `e2e_<name>_<adamw|muon>_<steps>steps[_r<i>]`; with --repeats the runs alternate AdamW, Muon, AdamW, ... The
 comparison, `compare_<name>_muon_vs_adamw_<steps>steps.json` next to them ($BENCH_OUT or benchmarks/results/): each
@@ -50,6 +55,36 @@ def compare(runs: dict[str, list[dict]], window: int) -> dict:
     }
 
 
+def muon_group_sizes(config: str, train_args: list[str]) -> dict[str, int]:
+    """{parameter group Muon updates in this job: its number of parameters} (the model built on meta)."""
+    import torch
+
+    from torchtitan.components.optimizer import group_parameters
+    from torchtitan.config import ConfigManager
+    from torchtitan.models.spec import get_model_spec
+
+    job = ConfigManager().parse_args(["--job.config_file", config, *train_args, "--optimizer.name", "Muon"])
+    spec = get_model_spec(job.model.name)
+    with torch.device("meta"):
+        model = spec.build(spec.model_args(job))
+    sizes = dict.fromkeys(job.optimizer.muon_groups, 0)
+    for param, group in group_parameters(model).items():
+        if group in sizes:
+            sizes[group] += param.numel()
+    return sizes
+
+
+def adamw_update_rms(result: dict, sizes: dict[str, int]) -> float:
+    """AdamW's update RMS over the groups of `sizes`, each logged step weighted by its lr (module docstring)."""
+    rms, lrs = result["update_rms"], result["update_rms_lr"]
+    total = sum(sizes.values())
+    per_step = [
+        (sum(sizes[group] * rms[group][i] ** 2 for group in sizes if sizes[group]) / total) ** 0.5
+        for i in range(len(lrs))
+    ]
+    return sum(lr * value for lr, value in zip(lrs, per_step, strict=True)) / sum(lrs)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--name", required=True)
@@ -59,14 +94,29 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1, help="runs per optimizer, alternating")
     parser.add_argument("--warmup-steps", type=int, default=5)
     parser.add_argument("--window", type=int, default=20, help="steps per window of the loss comparison")
+    parser.add_argument(
+        "--match-update-rms", action="store_true", help="Muon's update RMS set to AdamW's measured one (docstring)"
+    )
     args, train_args = parser.parse_known_args()
     train_args = [a for a in train_args if a != "--"]
     out_dir = Path(os.environ.get("BENCH_OUT") or RESULTS_DIR)
     runs: dict[str, list[dict]] = {name: [] for name in OPTIMIZERS}
+    matched: dict = {}
     for repeat in range(1, args.repeats + 1):
         for name in OPTIMIZERS:
             run_name = f"{args.name}_{name.lower()}_{args.steps}steps" + (f"_r{repeat}" if args.repeats > 1 else "")
             optimizer_args = ["--optimizer.name", name, "--training.steps", str(args.steps)]
+            if args.match_update_rms and name == "AdamW":
+                optimizer_args += ["--metrics.log_update_rms"]
+            if args.match_update_rms and name == "Muon":
+                if not matched:  # from the first AdamW run
+                    adamw = runs["AdamW"][0]
+                    if adamw["returncode"] != 0:
+                        break
+                    sizes = muon_group_sizes(args.config, train_args)
+                    matched = {"muon_update_rms": adamw_update_rms(adamw, sizes), "group_sizes": sizes}
+                    print(json.dumps(matched))
+                optimizer_args += ["--optimizer.muon_update_rms", f"{matched['muon_update_rms']:.4f}"]
             result = train_and_measure(
                 run_name, args.ngpu, args.config, [*train_args, *optimizer_args], args.warmup_steps
             )
@@ -76,7 +126,8 @@ def main() -> int:
     failed = [r["name"] for results in runs.values() for r in results if r["returncode"] != 0]
     for result in (r for results in runs.values() for r in results if r["returncode"] != 0):
         print(result["error_log_tail"])
-    summary = {"name": args.name, "steps": args.steps, "train_args": train_args}
+    summary = {"name": args.name, "steps": args.steps, "train_args": train_args, **matched}
+    failed += [] if len(runs["Muon"]) == args.repeats else ["Muon (not run: the AdamW run failed)"]
     summary |= {"failed": failed} if failed else compare(runs, args.window)
     path = write_result(summary, f"compare_{args.name}_muon_vs_adamw_{args.steps}steps", out_dir)
     print(json.dumps({k: v for k, v in summary.items() if k in ("step_ms", "muon_step_time_over_adamw", "failed")}))

@@ -31,14 +31,23 @@ def test_debugmodel_loss_falls(dump_folder):
     assert re.search(line, proc.stdout + proc.stderr), proc.stdout[-2000:]
 
 
-def test_metrics_line_format(dump_folder):
-    proc = run_trainer(dump_folder, [*FAST_ARGS, "--training.steps", "2"])
+def test_metrics_line_format_and_adam_update_rms(dump_folder):
+    proc = run_trainer(dump_folder, [*FAST_ARGS, "--training.steps", "2", "--metrics.log_update_rms"])
     out = proc.stdout + proc.stderr
     assert "step: 2  loss: " in out
     pattern = (
         r"step: 2  loss: \d+\.\d{4}  grad_norm: \d+\.\d{4}  memory: \S+  tps: [\d,]+  tflops: \d+\.\d{2}  mfu: \S+"
     )
     assert re.search(pattern, out), out[-2000:]
+    # every group of the MoE model, each step. Adam's first update is +-1 where the gradient is not zero: RMS 1 for
+    # dense gradients (less where one is within a few eps of 0), the root of the share of touched elements for the
+    # embedding rows of 128 tokens
+    records = [json.loads(line) for line in (dump_folder / "metrics.jsonl").read_text().splitlines()]
+    groups = ("matrices", "experts", "embeddings", "head", "router_gate", "norms_and_biases")
+    first, second = ({group: record[f"update_rms/{group}"] for group in groups} for record in records)
+    assert all(first[group] > 0.95 for group in ("matrices", "head", "router_gate", "norms_and_biases")), first
+    assert first["embeddings"] < 0.5, first
+    assert all(0.0 < rms <= 1.0 for rms in [*first.values(), *second.values()]), (first, second)
 
 
 def test_an_odd_seq_len_trains_without_context_parallelism(dump_folder):

@@ -175,6 +175,7 @@ class MetricsProcessor:
         mtp_loss: float | None = None,
         ep_load_imbalance: list[float] | None = None,
         dropped_fraction: float | None = None,
+        update_rms: dict[str, float] | None = None,
     ) -> dict[str, Any]:
         """Log one step's metrics for the window of steps since the previous call; returns the jsonl record.
 
@@ -182,7 +183,8 @@ class MetricsProcessor:
         steps excluded). graphs_compiled: graphs compiled in the window (more than 0 after warm-up means recompiles).
         mtp_loss: the MTP modules' mean loss (`loss` is then the main model's). ep_load_imbalance: per MoE layer, the
         busiest EP rank's token copies over the mean (`update_expert_bias`). dropped_fraction: the window's share of
-        routed token copies dropped at the exchange's capacity (`capacity_dropped_fraction`).
+        routed token copies dropped at the exchange's capacity (`capacity_dropped_fraction`). update_rms: {parameter
+        group: the RMS of Adam's update} (`--metrics.log_update_rms`).
         """
         seconds = max(seconds, 1e-9)
         tps = self.tokens_per_step * steps / seconds
@@ -217,6 +219,8 @@ class MetricsProcessor:
             record["ep_load_imbalance_max"] = max(ep_load_imbalance)
         if dropped_fraction is not None:
             record["dropped_fraction"] = dropped_fraction
+        for group, value in (update_rms or {}).items():
+            record[f"update_rms/{group}"] = value
         if self.is_logging_rank:
             logger.info(format_metrics_line(record, memory, total_steps, eta_seconds))
             if dropped_fraction is not None and dropped_fraction > DROPPED_FRACTION_WARNING:
@@ -224,6 +228,7 @@ class MetricsProcessor:
             scalars = {k: record.get(k) for k in _SCALARS}
             for layer, value in enumerate(record.get("ep_load_imbalance", [])):
                 scalars[f"ep_load_imbalance/moe_layer_{layer}"] = value
+            scalars |= {tag: value for tag, value in record.items() if tag.startswith("update_rms/")}
             scalars["memory_pct"] = memory.max_reserved_pct if memory else None
             self._write_scalars(scalars, step)
             self._write_jsonl(record)

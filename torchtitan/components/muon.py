@@ -10,9 +10,10 @@ The update (torch.optim.Muon's; Keller Jordan's iteration; the scaling of "Muon 
 Moonlight writes the momentum as B = mu B + g, U = g + mu B: (1 - mu) times these, which the iteration's
 normalization removes; this form's buffer is torch.optim.Muon's `momentum_buffer`, so their states interchange.
 
-`match_rms_adamw`: s = 0.2 sqrt(max(A, B)) gives O the update RMS AdamW typically has (0.2-0.4), so AdamW's lr and
-weight decay carry over (Moonlight's recipe); `original`: Keller Jordan's sqrt(max(1, A / B)). A 3-D parameter is a
-stack of matrices (the routed experts' (E, out, in)): each expert's matrix is orthogonalized and scaled on its own.
+`match_rms_adamw`: s = r sqrt(max(A, B)) gives O the update RMS r that AdamW has (Moonlight: r = 0.2, "AdamW's
+typical 0.2-0.4"), so AdamW's lr and weight decay carry over (Moonlight's recipe); `original`: Keller Jordan's
+sqrt(max(1, A / B)). A 3-D parameter is a stack of matrices (the routed experts' (E, out, in)): each expert's
+matrix is orthogonalized and scaled on its own.
 
 Layouts: the iteration needs whole matrices. Where a mesh dimension shards a matrix dimension (FSDP's rows, TP's
 rows or columns), the updates of same-layout parameters are stacked and re-sharded over the stack (DTensor's
@@ -68,16 +69,17 @@ class Muon(torch.optim.Optimizer):
         nesterov: bool = True,
         ns_steps: int = 5,
         update_scale: UpdateScale = "match_rms_adamw",
+        update_rms: float = 0.2,
         master_low_bits: Mapping[torch.Tensor, torch.Tensor] | None = None,
         ns_dtype: torch.dtype | None = None,
         max_elements_per_batch: int = 2**28,
         compile_updates: bool | None = None,
     ) -> None:
-        """`ns_dtype`: the iteration's dtype (None: bf16 on CUDA, fp32 elsewhere). `max_elements_per_batch`: how many
-        matrix elements one rank orthogonalizes at once (bounds the iteration's temporary memory).
-        `compile_updates`: run the elementwise updates (the momentum; decay and step on the weight or its master) as
-        one compiled kernel each instead of a dozen eager passes over every weight (None: where the parameters are
-        on CUDA)."""
+        """`update_rms`: r of `match_rms_adamw` (module docstring). `ns_dtype`: the iteration's dtype (None: bf16 on
+        CUDA, fp32 elsewhere). `max_elements_per_batch`: how many matrix elements one rank orthogonalizes at once
+        (bounds the iteration's temporary memory). `compile_updates`: run the elementwise updates (the momentum;
+        decay and step on the weight or its master) as one compiled kernel each instead of a dozen eager passes over
+        every weight (None: where the parameters are on CUDA)."""
         defaults = dict(
             lr=lr,
             weight_decay=weight_decay,
@@ -87,6 +89,7 @@ class Muon(torch.optim.Optimizer):
             update_scale=update_scale,
         )
         super().__init__(params, defaults)
+        self.update_rms = update_rms  # not a group key: checkpoints from before it resume, the job's value applies
         self.master_low_bits = dict(master_low_bits or {})
         self.ns_dtype = ns_dtype
         self.max_elements_per_batch = max_elements_per_batch
@@ -138,7 +141,7 @@ class Muon(torch.optim.Optimizer):
                 orthogonal = orthogonalize(batch, updates, partial(newton_schulz, steps=group["ns_steps"]))
                 lr = float(group["lr"])
                 decay = torch.tensor(1 - lr * group["weight_decay"])  # tensors: a compiled update takes any value
-                step_size = torch.tensor(lr * update_scale(batch[0].shape, group["update_scale"]))
+                step_size = torch.tensor(lr * update_scale(batch[0].shape, group["update_scale"], self.update_rms))
                 for param, update in zip(batch, orthogonal, strict=True):
                     low_bits = self.master_low_bits.get(param)
                     low_bits = None if low_bits is None else _flat(local_shard(low_bits))
@@ -193,11 +196,12 @@ def apply_update(
     low_bits.copy_(new_low)
 
 
-def update_scale(shape: torch.Size, rule: UpdateScale) -> float:
-    """s(A, B) for the A x B matrices of a parameter of `shape` (the last two dimensions)."""
+def update_scale(shape: torch.Size, rule: UpdateScale, rms: float = 0.2) -> float:
+    """s(A, B) for the A x B matrices of a parameter of `shape` (the last two dimensions); `rms`: the update RMS
+    `match_rms_adamw` gives (an orthogonal A x B matrix has RMS 1 / sqrt(max(A, B)))."""
     rows, cols = shape[-2:]
     if rule == "match_rms_adamw":
-        return 0.2 * math.sqrt(max(rows, cols))
+        return rms * math.sqrt(max(rows, cols))
     if rule == "original":
         return math.sqrt(max(1.0, rows / cols))
     raise ValueError(f"update_scale must be 'match_rms_adamw' or 'original', got {rule!r}")

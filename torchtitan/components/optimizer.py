@@ -207,6 +207,7 @@ def build_optimizers(
                     nesterov=config.muon_nesterov,
                     ns_steps=config.muon_ns_steps,
                     update_scale=config.muon_update_scale,
+                    update_rms=config.muon_update_rms,
                     master_low_bits=master_low_bits,
                 )
             )

@@ -2,12 +2,14 @@
 device never waits for the host between steps, or at once where the trainer needs the step checked before it goes on
 (a checkpoint, a validation pass, the last step)."""
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from torchtitan.components.loss import check_finite_loss, check_grad_norm
 from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer import PARAMETER_GROUPS
 from torchtitan.tools.async_readback import DeviceMark, HostScalars
 
 __all__ = ["StepLog"]
@@ -19,9 +21,10 @@ class _StepReport:
     lr: float
     graphs_compiled: int  # graphs dynamo had compiled in this process once the step was launched
     started: DeviceMark  # before the step loaded its batch: its time runs from here to `scalars.ready`
-    scalars: HostScalars  # loss, grad norm[, MTP loss][, dropped fraction][, EP load imbalance per MoE layer]
+    scalars: HostScalars  # loss, grad norm[, MTP loss][, dropped fraction][, update RMS per group][, EP imbalance]
     num_scalars: int  # loss, grad norm[, MTP loss]: the values before the others
     has_dropped_fraction: bool
+    has_update_rms: bool
 
 
 class StepLog:
@@ -46,11 +49,13 @@ class StepLog:
         graphs_compiled: int,
         ep_load_imbalance: torch.Tensor | None = None,
         dropped_fraction: torch.Tensor | None = None,
+        update_rms: torch.Tensor | None = None,
     ) -> None:
         """A launched step (`started` marked before it loaded its batch; scalars: loss, grad norm[, MTP loss];
-        ep_load_imbalance: (MoE layers,), dropped_fraction: 0-d, both from `ExpertBiasHook`). Checks and logs the step
-        before it, whose work has run by the time this one's is queued."""
-        extra = [t for t in (dropped_fraction, ep_load_imbalance) if t is not None]
+        ep_load_imbalance: (MoE layers,), dropped_fraction: 0-d, both from `ExpertBiasHook`; update_rms: one per
+        `PARAMETER_GROUPS`, `adam_update_rms`). Checks and logs the step before it, whose work has run by the time this
+        one's is queued."""
+        extra = [t for t in (dropped_fraction, update_rms, ep_load_imbalance) if t is not None]
         report = _StepReport(
             step,
             lr,
@@ -59,6 +64,7 @@ class StepLog:
             HostScalars([*scalars, *extra]),
             len(scalars),
             dropped_fraction is not None,
+            update_rms is not None,
         )
         self.flush()
         self._unchecked = report
@@ -74,6 +80,10 @@ class StepLog:
         rest = values[report.num_scalars :]
         if report.has_dropped_fraction:
             self._dropped_since_last_log.append(rest.pop(0))
+        update_rms = None
+        if report.has_update_rms:
+            values_rms, rest = rest[: len(PARAMETER_GROUPS)], rest[len(PARAMETER_GROUPS) :]
+            update_rms = {n: v for n, v in zip(PARAMETER_GROUPS, values_rms, strict=True) if math.isfinite(v)}
         ep_load_imbalance = rest or None
         check_finite_loss(loss, report.step, self.rank)
         check_grad_norm(grad_norm, report.step)
@@ -91,6 +101,7 @@ class StepLog:
                 graphs_compiled=report.graphs_compiled - self._graphs_at_last_log,
                 mtp_loss=mtp_loss[0] if mtp_loss else None,
                 ep_load_imbalance=ep_load_imbalance,
+                update_rms=update_rms,
                 # every step routes the same number of copies: the window's share is the mean of its steps'
                 dropped_fraction=_mean(self._dropped_since_last_log),
                 seconds=self._seconds_since_last_log,

@@ -93,9 +93,13 @@ class Optimizer:
     """Muon: Newton-Schulz iterations per update (Keller Jordan's quintic, coefficients 3.4445, -4.7750, 2.0315)."""
 
     muon_update_scale: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
-    """Muon: per A x B matrix, the orthogonalized update times 0.2 sqrt(max(A, B)) (`match_rms_adamw`: AdamW's
-    update RMS, so AdamW's lr and weight decay carry over, Moonlight's recipe), or sqrt(max(1, A / B))
-    (`original`, Keller Jordan's, for an lr tuned for Muon)."""
+    """Muon: per A x B matrix, the orthogonalized update times muon_update_rms x sqrt(max(A, B))
+    (`match_rms_adamw`: the update RMS AdamW has, so AdamW's lr and weight decay carry over, Moonlight's recipe), or
+    sqrt(max(1, A / B)) (`original`, Keller Jordan's, for an lr tuned for Muon)."""
+
+    muon_update_rms: float = 0.2
+    """Muon with `match_rms_adamw`: the update RMS to match. 0.2 is what Moonlight measured of AdamW on its runs;
+    `--metrics.log_update_rms` logs what AdamW does on yours (docs/optimizers.md)."""
 
 
 @dataclass
@@ -315,6 +319,11 @@ class Metrics:
 
     wandb_run_name: str | None = None
     """W&B run name; None lets W&B pick one."""
+
+    log_update_rms: bool = False
+    """At each logged step, the RMS of Adam's update per parameter group (`update_rms/<group>`: matrices, experts,
+    ...), read from its moments: what `--optimizer.muon_update_rms` matches. Costs a pass over the moments and one
+    all-reduce per logged step."""
 
 
 @dataclass

@@ -231,6 +231,11 @@ def _check_muon(opt: Any) -> None:
         f"optimizer.muon_groups must name each of {', '.join(_MUON_GROUPS)} at most once and at least one of them, "
         f"got {opt.muon_groups}; pass e.g. --optimizer.muon_groups matrices,experts",
     )
+    _require(
+        opt.muon_update_scale == "match_rms_adamw" or opt.muon_update_rms == type(opt)().muon_update_rms,
+        "optimizer.muon_update_rms applies to --optimizer.muon_update_scale match_rms_adamw, got "
+        f"{opt.muon_update_scale}; drop one of them",
+    )
     if opt.name == "Muon":
         return
     defaults = type(opt)()
@@ -278,6 +283,7 @@ _RANGES = (
     ("optimizer.eps", lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
     ("optimizer.weight_decay", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
     ("optimizer.muon_momentum", lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+    ("optimizer.muon_update_rms", lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
     ("checkpoint.keep_latest_k", lambda v: v >= 0, ">= 0 (0 keeps all)"),
     ("checkpoint.load_step", lambda v: v == -1 or v >= 1, "-1 (the latest checkpoint) or a step >= 1"),
     ("activation_checkpoint.num_blocks", lambda v: v >= -1, "-1 (every block) or a number of blocks >= 0"),

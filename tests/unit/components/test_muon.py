@@ -59,6 +59,20 @@ def test_update_scale_is_moonlights_or_keller_jordans():
     assert update_scale(torch.Size([64, 256]), "original") == 1.0
 
 
+def test_update_rms_sets_the_rms_of_the_step():
+    """s = r sqrt(max(A, B)) gives the step lr x r x RMS(O) with RMS(O) = 1 / sqrt(max(A, B)) x its singular values'
+    RMS (Keller Jordan's quintic leaves them in about [0.7, 1.2]): the step's RMS over lr is about r."""
+    for rms in (0.2, 0.9):
+        params = make_params()
+        before = [p.detach().clone() for p in params]
+        optimizer = Muon(params, lr=1e-3, weight_decay=0.0, update_rms=rms)
+        set_grads(0, params)
+        optimizer.step()
+        for old, param in zip(before, params, strict=True):
+            moved = (param.detach() - old).square().mean().sqrt().item() / 1e-3
+            assert 0.7 * rms < moved < 1.2 * rms
+
+
 def make_params(dtype=torch.float32, seed=0) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(random_matrices(shape, seed + i, dtype)) for i, shape in enumerate(SHAPES)]
 

@@ -92,3 +92,17 @@ def test_a_diverged_step_stops_training_when_it_is_read(clock):
     _add(step_log, 1, float("nan"), 1.0, clock)
     with pytest.raises(FloatingPointError, match="non-finite loss at step 1 on rank 0"):
         _add(step_log, 2, 4.0, 1.0, clock)
+
+
+def test_adams_update_rms_is_logged_per_group_without_the_groups_it_does_not_step(clock):
+    metrics = _Metrics()
+    step_log = StepLog(metrics, rank=0, total_steps=1, graphs_compiled=0)
+    clock.append(0.0)
+    rms = torch.tensor([0.5, float("nan"), 0.25, 1.0, float("nan"), 0.75])  # one per PARAMETER_GROUPS
+    scalars = [torch.tensor(5.0), torch.tensor(1.0)]
+    step_log.add(1, 1e-3, DeviceMark(torch.device("cpu")), scalars, 0, ep_load_imbalance=torch.tensor([1.5]),
+                 dropped_fraction=torch.tensor(0.125), update_rms=rms)  # fmt: skip
+    step_log.flush()
+    ((_, fields),) = metrics.logged
+    assert fields["update_rms"] == {"matrices": 0.5, "embeddings": 0.25, "head": 1.0, "norms_and_biases": 0.75}
+    assert fields["ep_load_imbalance"] == [1.5] and fields["dropped_fraction"] == 0.125

@@ -334,7 +334,14 @@ def test_help_lists_every_field_with_type_default_and_doc():
             assert line.partition(")  ")[2].strip(), f"{flag} has no docstring"
     assert "--training.steps  (int, default: 10000)  Optimizer steps to train." in text
     assert "--optimizer.name  ({AdamW,Adam,Muon}, default: AdamW)" in text
-    for knob in ("muon_groups", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_update_scale"):
+    for knob in (
+        "muon_groups",
+        "muon_momentum",
+        "muon_nesterov",
+        "muon_ns_steps",
+        "muon_update_scale",
+        "muon_update_rms",
+    ):
         assert f"--optimizer.{knob}  (" in text
     assert "--debug.seed  (int | None, default: 0)" in text
     assert "--compile.components  (list[str], default: model,loss)" in text
@@ -418,6 +425,12 @@ def test_uncaught_help_exits_process_with_zero():
         (["--optimizer.name=Muon", "--optimizer.muon_groups=experts,experts"], "muon_groups must name each of"),
         (["--optimizer.name=Muon", "--optimizer.muon_groups", ","], "and at least one of them"),
         (["--optimizer.muon_momentum=0.9"], "optimizer.muon_momentum applies to --optimizer.name Muon, got AdamW"),
+        (["--optimizer.name=Muon", "--optimizer.muon_update_rms=0"], "muon_update_rms must be a finite number > 0"),
+        (
+            ["--optimizer.name=Muon", "--optimizer.muon_update_scale=original", "--optimizer.muon_update_rms=0.5"],
+            "muon_update_rms applies to --optimizer.muon_update_scale match_rms_adamw, got original",
+        ),
+        (["--optimizer.muon_update_rms=0.5"], "optimizer.muon_update_rms applies to --optimizer.name Muon, got AdamW"),
         (["--optimizer.name=Adam", "--optimizer.muon_groups=matrices"], "muon_groups applies to --optimizer.name Muon"),
         (
             ["--optimizer.name=Muon", "--optimizer.moments_dtype=bfloat16", "--optimizer.implementation=fused"],
@@ -444,6 +457,7 @@ def test_validation_rejects_bad_values(flags, message):
         ["--training.seq_len", "127"],  # only context parallelism needs an even length
         ["--parallelism.context_parallel_degree=2", "--training.seq_len=36"],
         ["--optimizer.name=Muon", "--optimizer.moments_dtype=bfloat16"],  # AdamW's part keeps bf16 moments
+        ["--optimizer.name=Muon", "--optimizer.muon_update_rms=0.6", "--metrics.log_update_rms"],
         ["--optimizer.name=Muon", "--optimizer.muon_groups=experts,head", "--optimizer.muon_update_scale=original",
          "--optimizer.muon_momentum=0", "--optimizer.no-muon_nesterov", "--optimizer.muon_ns_steps=10"],
     ],

@@ -5,7 +5,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from scripts.bench.muon_step import newton_schulz_flops
-from scripts.bench.muon_vs_adamw import compare
+from scripts.bench.muon_vs_adamw import adamw_update_rms, compare, muon_group_sizes
 from torchtitan.components.muon import newton_schulz
 
 
@@ -36,3 +36,19 @@ def test_newton_schulz_flops_count_what_torch_counts(shape):
     with FlopCounterMode(display=False) as counter:
         newton_schulz(torch.zeros(shape).reshape(-1, *shape[-2:]), steps=5)
     assert newton_schulz_flops(torch.Size(shape), steps=5) == counter.get_total_flops()
+
+
+def test_the_matched_update_rms_weights_groups_by_size_and_steps_by_lr():
+    # step 1: RMS 1 over both groups; step 2: sqrt((3 x 0.5^2 + 1 x 0.1^2) / 4) = 0.4359; lr weights 1 : 3
+    result = {
+        "update_rms": {"experts": [1.0, 0.5], "matrices": [1.0, 0.1], "head": [9.0, 9.0]},
+        "update_rms_lr": [1, 3],
+    }
+    expected = (1.0 + 3 * ((3 * 0.25 + 0.01) / 4) ** 0.5) / 4
+    assert adamw_update_rms(result, {"experts": 3, "matrices": 1}) == pytest.approx(expected)
+
+
+def test_muon_group_sizes_are_the_muon_groups_parameter_counts():
+    args = ["--model.flavor", "debugmodel_tiny", "--optimizer.muon_groups", "experts,head"]
+    sizes = muon_group_sizes("./train_configs/deepseek_v3_debugmodel.toml", args)
+    assert set(sizes) == {"experts", "head"} and all(size > 0 for size in sizes.values())
