@@ -15,7 +15,7 @@ from typing import Any
 from torchtitan.models.deepseek_v3.pipeline import module_names_per_stage, stages_per_rank
 from torchtitan.models.moe.exchange import ExchangeBackend
 
-__all__ = ["Block", "Layout", "Stage", "block_params", "ranks_per_token"]
+__all__ = ["Block", "Layout", "Stage", "block_matrices", "block_params", "ranks_per_token"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,8 @@ class Block:
     position: int
     """Its position among its model part's blocks (activation checkpointing's `num_blocks` counts these)."""
     params: Counter = field(compare=False, hash=False)
+    matrices: Counter = field(default_factory=Counter, compare=False, hash=False)
+    """`block_matrices`: what Muon orthogonalizes."""
 
 
 @dataclass
@@ -81,6 +83,35 @@ def block_params(args: Any, moe: bool, mtp: bool = False) -> Counter:
         params["norm"] += 3 * dim
         params["linear"] += 2 * dim * dim
     return params
+
+
+def block_matrices(args: Any, moe: bool, mtp: bool = False) -> Counter:
+    """The block's matrices as Muon sees them: {(group, rows, cols): how many}, `block_params`' linear and experts
+    counts by shape (`components/optimizer.py`'s groups: the router's gate is `router_gate`, the rest `matrices`)."""
+    dim, heads, m = args.dim, args.n_heads, args.moe_args
+    shapes = Counter()
+    if args.q_lora_rank == 0:
+        shapes["matrices", heads * args.qk_head_dim, dim] += 1
+    else:
+        shapes["matrices", args.q_lora_rank, dim] += 1
+        shapes["matrices", heads * args.qk_head_dim, args.q_lora_rank] += 1
+    shapes["matrices", args.kv_lora_rank + args.qk_rope_head_dim, dim] += 1
+    shapes["matrices", heads * (args.qk_nope_head_dim + args.v_head_dim), args.kv_lora_rank] += 1
+    shapes["matrices", dim, heads * args.v_head_dim] += 1
+    if moe:
+        shapes["router_gate", m.num_experts, dim] += 1
+        if m.num_shared_experts:
+            shared = args.moe_inter_dim * m.num_shared_experts
+            shapes["matrices", shared, dim] += 2
+            shapes["matrices", dim, shared] += 1
+        shapes["experts", args.moe_inter_dim, dim] += 2 * m.num_experts
+        shapes["experts", dim, args.moe_inter_dim] += m.num_experts
+    else:
+        shapes["matrices", args.inter_dim, dim] += 2
+        shapes["matrices", dim, args.inter_dim] += 1
+    if mtp:
+        shapes["matrices", dim, 2 * dim] += 1
+    return shapes
 
 
 @dataclass
@@ -140,12 +171,16 @@ class Layout:
 def _stage(args: Any, names: list[str], embedding: bool, head: bool) -> Stage:
     layers = [int(name.split(".")[1]) for name in names if name.startswith("layers.")]
     blocks = [
-        Block(i >= args.n_dense_layers, pos, block_params(args, i >= args.n_dense_layers))
+        Block(i >= args.n_dense_layers, pos, block_params(args, moe), block_matrices(args, moe))
         for pos, i in enumerate(layers)
+        for moe in [i >= args.n_dense_layers]
     ]
     mtp = args.mtp_layers if head else 0
     moe_mtp = args.n_layers >= args.n_dense_layers
-    blocks += [Block(moe_mtp, len(layers) + k, block_params(args, moe_mtp, mtp=True)) for k in range(mtp)]
+    blocks += [
+        Block(moe_mtp, len(layers) + k, block_params(args, moe_mtp, mtp=True), block_matrices(args, moe_mtp, mtp=True))
+        for k in range(mtp)
+    ]
     return Stage(blocks, embedding, head, mtp)
 
 

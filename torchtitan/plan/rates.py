@@ -11,7 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEEPEP_SM_SWEEP", "GPU_RATES", "GpuRates", "IMBALANCE", "Measured", "SHAPE_RATES"]
+__all__ = [
+    "DEEPEP_SM_SWEEP",
+    "GPU_RATES",
+    "GpuRates",
+    "IMBALANCE",
+    "MUON_STEP",
+    "MUON_STEP_ARGS",
+    "Measured",
+    "SHAPE_RATES",
+]
 
 
 @dataclass(frozen=True)
@@ -135,3 +144,15 @@ IMBALANCE = (
 """The busiest rank's grouped-GEMM time over the mean at EP2 and EP4 (natural routing, step 12 of a fresh run): the
 plan takes 1 + 0.1 sqrt(EP - 1) (1.10 at EP2, 1.17 at EP4, 1.26 at EP8; `memory.imbalance`). The expert-bias
 balancing lowers it over training."""
+
+MUON_STEP = (
+    Measured(52350.6, "e2e_16b8L_1gpu_gbs16_muon_300steps_498a64b.json", "tokens_per_sec_per_gpu"),
+    Measured(71604.1, "e2e_16b8L_1gpu_gbs16_adamw_300steps_498a64b.json", "tokens_per_sec_per_gpu"),
+)
+"""Muon's and AdamW's tokens/s on 16B_bench4, one H200, 4 x 16,384 tokens a step (two calls on one machine, 300 steps
+each): the difference of their step times is what Muon adds, its Newton-Schulz iteration with the copies around it;
+over the iteration's FLOPs it gives the rate the plan runs Newton-Schulz at (`newton_schulz.newton_schulz_rate`)."""
+MUON_STEP_ARGS = ("--model.flavor", "16B_bench4", "--parallelism.expert_parallel_degree", "1",
+                  "--training.local_batch_size", "4", "--training.seq_len", "4096",
+                  "--training.global_batch_size", "16", "--optimizer.name", "Muon")  # fmt: skip
+"""What of the MUON_STEP runs' job sets the iteration's FLOPs and the tokens a step (the runs: the 16B job file)."""

@@ -3,8 +3,9 @@
 Per micro-batch a rank runs its blocks' GEMMs (dense at the dense rate, the routed experts at the grouped rate, the
 busiest EP rank's share of them), attention (causal FLOPs at the measured forward and backward rates), the
 memory-bound kernels (measured per token and layer, scaled by the shape's widths), whole-block recomputes, and the
-expert exchange's exposed share; per optimizer step the AdamW pass (its bytes at the measured bandwidth) and FSDP's
-collectives beyond what compute hides; with pipeline parallelism the schedule's bubble and the stage-to-stage sends.
+expert exchange's exposed share; per optimizer step the AdamW pass (its bytes at the measured bandwidth; Muon's
+parameters counted the same), Muon's Newton-Schulz iteration (`newton_schulz.py`) and FSDP's collectives beyond what
+compute hides; with pipeline parallelism the schedule's bubble and the stage-to-stage sends.
 The profiles' idle time is not added: it is the profiler's own host cost (unprofiled steps of the same runs match the
 sum of the kernels within 3%).
 """
@@ -19,6 +20,7 @@ from torchtitan.models.moe.exchange import DeepEPBackend
 from torchtitan.plan.hardware import DEEPEP_INTERNODE, DEEPEP_INTRANODE_EP8, NVLINK, RDMA
 from torchtitan.plan.layout import Layout, ranks_per_token
 from torchtitan.plan.memory import imbalance, reshards, storage
+from torchtitan.plan.newton_schulz import newton_schulz_seconds
 from torchtitan.plan.rates import (
     ATTENTION_FLOPS,
     DEEPEP_SM_SWEEP,
@@ -96,6 +98,8 @@ def rank_time(layout: Layout, rank: int, levels: list[list[str]], gpu: str) -> R
         seconds["pipeline bubble"] = sum(t.values()) * slots * layout.accumulation_steps
         seconds["pipeline sends (fill and drain)"] = _pipeline_send_seconds(layout, rank) * layout.accumulation_steps
     seconds["optimizer"] = optimizer_bytes(layout, rank) / optimizer_bandwidth(gpu)
+    if job.optimizer.name == "Muon":
+        seconds["Muon's Newton-Schulz"] = newton_schulz_seconds(layout, rank, gpu)
     seconds["FSDP collectives (exposed)"] = _fsdp_exposed_seconds(layout, rank, sum(seconds.values()))
     return RankTime(seconds)
 

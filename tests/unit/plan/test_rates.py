@@ -25,7 +25,7 @@ def lookup(source: str, key: str) -> float:
 
 
 def every_measured() -> list[Measured]:
-    found = [*rates.ATTENTION_FLOPS, *rates.IMBALANCE, *rates.SHAPE_RATES.values()]
+    found = [*rates.ATTENTION_FLOPS, *rates.IMBALANCE, *rates.SHAPE_RATES.values(), *rates.MUON_STEP]
     found += [m for pair in rates.DEEPEP_SM_SWEEP.values() for m in pair]
     for gpu_rates in rates.GPU_RATES.values():
         for value in gpu_rates.__dict__.values():
@@ -36,6 +36,24 @@ def every_measured() -> list[Measured]:
 @pytest.mark.parametrize("measured", every_measured(), ids=lambda m: f"{m.source}:{m.key}")
 def test_each_rate_is_its_json_value(measured):
     assert lookup(measured.source, measured.key) == pytest.approx(measured.value, rel=2e-3)
+
+
+def test_the_muon_step_args_are_those_runs_jobs():
+    """MUON_STEP_ARGS: the runs' own flags and, from their job file, the tokens per micro-batch; Muon and AdamW ran
+    the same job apart from the optimizer."""
+    muon, adamw = (json.loads((RESULTS / m.source).read_text()) for m in rates.MUON_STEP)
+    flags, world, gpu = job_of(muon)
+    assert (world, gpu) == (1, "h200") and muon["tokens_per_gpu_per_step"] == 4 * 4096
+    from torchtitan.config import ConfigManager
+
+    ran, planned = ConfigManager().parse_args(flags), ConfigManager().parse_args(list(rates.MUON_STEP_ARGS))
+    for section, key in [("model", "flavor"), ("parallelism", "expert_parallel_degree"), ("optimizer", "name")] + [
+        ("training", key) for key in ("local_batch_size", "seq_len", "global_batch_size")
+    ]:
+        assert getattr(getattr(ran, section), key) == getattr(getattr(planned, section), key), key
+    assert [a for a in adamw["train_args"] if a not in ("AdamW", "Muon")] == [
+        a for a in muon["train_args"] if a not in ("AdamW", "Muon")
+    ]
 
 
 def plan_of(source: str, *extra: str):
