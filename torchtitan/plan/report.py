@@ -8,7 +8,8 @@ from torchtitan.plan.fixes import Change
 from torchtitan.plan.hardware import DEEPEP_INTERNODE, DEEPEP_INTRANODE_EP8, GPUS, NON_ALLOCATOR_GIB, NVLINK, RDMA
 from torchtitan.plan.layout import ranks_per_token
 from torchtitan.plan.memory import ACTIVATION_SCALE, GIB, imbalance, reshards
-from torchtitan.plan.rates import GPU_RATES, SHAPE_RATES
+from torchtitan.plan.newton_schulz import newton_schulz_rate
+from torchtitan.plan.rates import GPU_RATES, MUON_STEP, SHAPE_RATES
 from torchtitan.plan.speed import BUBBLE, NCCL_NVLINK_EFFICIENCY, deepep_rates, optimizer_bandwidth, shape_speedups
 
 __all__ = ["format_plan"]
@@ -129,6 +130,11 @@ def _assumptions(plan: Plan) -> list[str]:
         f"  memory-bound kernels per token and layer, scaled by the shape's widths; AdamW at "
         f"{optimizer_bandwidth(plan.gpu) / 1e12:.2f} TB/s ({source})"
     )
+    if plan.job.optimizer.name == "Muon":
+        lines.append(
+            f"  Muon's Newton-Schulz at {newton_schulz_rate(plan.gpu) / 1e12:.0f} TFLOP/s, each rank its share of the "
+            f"stacks (Muon's step over AdamW's: {MUON_STEP[0].source}, {MUON_STEP[1].source})"
+        )
     lines.append(
         f"  activations: counted per token from the shapes x {ACTIVATION_SCALE} (one GPU's measured peak, "
         "e2e_16b8L_ep1_compile_sac_d128255.json)"

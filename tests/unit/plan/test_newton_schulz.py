@@ -12,6 +12,7 @@ from torchtitan.config import ConfigManager
 from torchtitan.plan.__main__ import plan_from_argv
 from torchtitan.plan.layout import Layout, block_matrices
 from torchtitan.plan.newton_schulz import matrix_flops, newton_schulz_flops
+from torchtitan.plan.report import format_plan
 from torchtitan.preflight import check_layout
 
 
@@ -84,3 +85,5 @@ def test_the_plan_adds_the_iteration_to_muons_step():
     assert "Muon's Newton-Schulz" not in adamw.time[0].parts
     # 161.5 TFLOP at the rate MUON_STEP gives (~480 TFLOP/s): about a third of a second
     assert 0.25 < muon.time[0].parts["Muon's Newton-Schulz"] < 0.45
+    assert "Muon's Newton-Schulz at 480 TFLOP/s" in format_plan(muon)
+    assert "Newton-Schulz" not in format_plan(adamw)
