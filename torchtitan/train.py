@@ -395,7 +395,6 @@ class Trainer:
                 mtp_loss = [] if self.last_mtp_loss is None else [self.last_mtp_loss]
                 # Checks and logs the previous step, with this one queued behind it: the device keeps running while
                 # the host waits for those values and then prepares the next step.
-                logs = step % job_config.metrics.log_freq == 0 or step == steps
                 step_log.add(
                     step,
                     lr,
@@ -404,7 +403,9 @@ class Trainer:
                     graphs_compiled(),
                     ep_load_imbalance=self.expert_bias_hook.ep_load_imbalance,
                     dropped_fraction=self.expert_bias_hook.dropped_fraction,
-                    update_rms=adam_update_rms(self.optimizers) if logs and job_config.metrics.log_update_rms else None,
+                    update_rms=adam_update_rms(self.optimizers)
+                    if job_config.metrics.log_update_rms and step_log.logs(step)
+                    else None,
                 )
                 validates = job_config.validation.enable and (step % job_config.validation.freq == 0 or step == steps)
                 saves = self.checkpointer.saves_at(step, last_step=step == steps)

@@ -12,7 +12,6 @@ a step's tokens they say how large a batch hides them (the e2e comparison: scrip
 """
 
 import argparse
-import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +22,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.bench.common import RESULTS_DIR, time_ms, write_result  # noqa: E402
 from torchtitan.components.master_weights import store_weights_in_bf16  # noqa: E402
-from torchtitan.components.muon import Muon  # noqa: E402
+from torchtitan.components.muon import Muon, newton_schulz_flops  # noqa: E402
 from torchtitan.components.optimizer import OptimizersContainer, build_optimizers  # noqa: E402
 from torchtitan.config.job_config import JobConfig  # noqa: E402
 from torchtitan.distributed.utils import grad_norm_and_clip_coef  # noqa: E402
@@ -93,12 +92,6 @@ def clipped_step(optimizers: OptimizersContainer, params: list[torch.Tensor]) ->
         optimizers.step(grad_scale=clip_coef)
 
     return step
-
-
-def newton_schulz_flops(shape: torch.Size, steps: int) -> int:
-    """GEMM FLOPs of `steps` iterations on each matrix of a parameter of `shape` (..., A, B)."""
-    small, large = sorted(shape[-2:])
-    return math.prod(shape[:-2]) * steps * (4 * small * small * large + 2 * small**3)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,15 @@ from torchtitan.components.master_weights import (
     split_fp32,
 )
 
-__all__ = ["Muon", "apply_update", "momentum_update", "newton_schulz", "orthogonalize", "update_scale"]
+__all__ = [
+    "Muon",
+    "apply_update",
+    "momentum_update",
+    "newton_schulz",
+    "newton_schulz_flops",
+    "orthogonalize",
+    "update_scale",
+]
 
 # Keller Jordan's quintic: the largest slope at zero that still keeps every singular value in about [0.7, 1.2]
 KELLER_JORDAN_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -230,6 +238,13 @@ def newton_schulz(
     if transposed:
         x = x.mT
     return x.reshape(shape)
+
+
+def newton_schulz_flops(shape: tuple[int, ...], steps: int) -> int:
+    """GEMM FLOPs of `newton_schulz` with `steps` iterations on each matrix of a parameter of `shape` (..., A, B):
+    per step X X^T, its square and the product with X, 4 m^2 n + 2 m^3 for the matrix's m <= n sides."""
+    small, large = sorted(shape[-2:])
+    return math.prod(shape[:-2]) * steps * (4 * small * small * large + 2 * small**3)
 
 
 def orthogonalize(

@@ -69,6 +69,10 @@ class StepLog:
         self.flush()
         self._unchecked = report
 
+    def logs(self, step: int) -> bool:
+        """Whether `step` is logged: every `log_freq`-th step and the last."""
+        return step % self.metrics.log_freq == 0 or step == self.total_steps
+
     def flush(self) -> None:
         """Check the step not yet checked, if any (waits for the device to finish it): stop if it diverged
         (non-finite loss, zero or non-finite grad norm); log it if it is a `log_freq`-th step or the last."""
@@ -91,7 +95,7 @@ class StepLog:
         # and the validation passes and checkpoint saves between steps are not in it.
         self._seconds_since_last_log += report.started.seconds_until(report.scalars.ready)
         self._steps_since_last_log += 1
-        if report.step % self.metrics.log_freq == 0 or report.step == self.total_steps:
+        if self.logs(report.step):
             self.metrics.log(
                 report.step,
                 loss=loss,

@@ -15,7 +15,7 @@ from typing import Any
 from torchtitan.models.deepseek_v3.pipeline import module_names_per_stage, stages_per_rank
 from torchtitan.models.moe.exchange import ExchangeBackend
 
-__all__ = ["Block", "Layout", "Stage", "block_matrices", "block_params", "ranks_per_token"]
+__all__ = ["Block", "Layout", "Stage", "block_matrices", "block_params", "layout_from_flags", "ranks_per_token"]
 
 
 @dataclass(frozen=True)
@@ -182,6 +182,16 @@ def _stage(args: Any, names: list[str], embedding: bool, head: bool) -> Stage:
         for k in range(mtp)
     ]
     return Stage(blocks, embedding, head, mtp)
+
+
+def layout_from_flags(flags: tuple[str, ...], world_size: int) -> Layout:
+    """The layout of a measured run, from its job's flags (the trainer's defaults otherwise) and world size."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.preflight import check_layout
+
+    job = ConfigManager().parse_args(list(flags))
+    checked = check_layout(job, world_size=world_size)
+    return Layout(checked.model_args, checked.parallel_dims, job, 8, checked.exchange)
 
 
 def ranks_per_token(args: Any, ep: int) -> float:

@@ -18,7 +18,7 @@ from typing import Any
 
 from torchtitan.models.moe.exchange import DeepEPBackend
 from torchtitan.plan.hardware import DEEPEP_INTERNODE, DEEPEP_INTRANODE_EP8, NVLINK, RDMA
-from torchtitan.plan.layout import Layout, ranks_per_token
+from torchtitan.plan.layout import Layout, layout_from_flags, ranks_per_token
 from torchtitan.plan.memory import imbalance, reshards, storage
 from torchtitan.plan.newton_schulz import newton_schulz_seconds
 from torchtitan.plan.rates import (
@@ -125,12 +125,7 @@ def optimizer_bandwidth(gpu: str) -> float:
 @cache
 def profiled_layout() -> Layout:
     """The layout of the profiled run behind rates.GPU_RATES (rates.PROFILED_ARGS on 2 GPUs)."""
-    from torchtitan.config import ConfigManager
-    from torchtitan.preflight import check_layout
-
-    job = ConfigManager().parse_args(list(PROFILED_ARGS))
-    checked = check_layout(job, world_size=2)
-    return Layout(checked.model_args, checked.parallel_dims, job, 8, checked.exchange)
+    return layout_from_flags(PROFILED_ARGS, world_size=2)
 
 
 def exchange_seconds(layout: Layout, tokens: int) -> float:

@@ -6,12 +6,12 @@ from collections import Counter
 import pytest
 import torch
 
-from scripts.bench.muon_step import newton_schulz_flops as model_flops
+from torchtitan.components.muon import newton_schulz_flops as model_flops
 from torchtitan.components.optimizer import group_parameters
 from torchtitan.config import ConfigManager
 from torchtitan.plan.__main__ import plan_from_argv
 from torchtitan.plan.layout import Layout, block_matrices
-from torchtitan.plan.newton_schulz import matrix_flops, newton_schulz_flops
+from torchtitan.plan.newton_schulz import newton_schulz_flops
 from torchtitan.plan.report import format_plan
 from torchtitan.preflight import check_layout
 
@@ -60,12 +60,12 @@ def test_ranks_split_the_stacks_as_muon_does():
     # FSDP8 x EP8: each rank 8 of the 64 experts of each of the 7 MoE layers, whole; of each other stack of same-shape
     # matrices ceil(count / 8): one of the 8 layers' wq's, one of the dense layer's two w1 / w3 (the ranks wait for it)
     eight = layout("--parallelism.expert_parallel_degree", "8", world=8)
-    expert = 2 * matrix_flops(args.moe_inter_dim, args.dim, 5) + matrix_flops(args.dim, args.moe_inter_dim, 5)
+    expert = 2 * model_flops((args.moe_inter_dim, args.dim), 5) + model_flops((args.dim, args.moe_inter_dim), 5)
     stacks = Counter()
     for layer in range(args.n_layers):
         stacks.update(block_matrices(args, layer >= args.n_dense_layers))
     others = sum(
-        -(-count // 8) * matrix_flops(r, c, 5) for (group, r, c), count in stacks.items() if group == "matrices"
+        -(-count // 8) * model_flops((r, c), 5) for (group, r, c), count in stacks.items() if group == "matrices"
     )
     assert newton_schulz_flops(eight, 0) == pytest.approx(7 * 8 * expert + others)
     assert newton_schulz_flops(one, 0) / 8 < newton_schulz_flops(eight, 0) < newton_schulz_flops(one, 0) / 4
@@ -74,7 +74,7 @@ def test_ranks_split_the_stacks_as_muon_does():
         "--parallelism.expert_parallel_degree", "1", "--optimizer.muon_groups", "matrices,experts,router_gate"
     )
     assert newton_schulz_flops(with_gate, 0) - newton_schulz_flops(one, 0) == pytest.approx(
-        7 * matrix_flops(args.moe_args.num_experts, args.dim, 5)
+        7 * model_flops((args.moe_args.num_experts, args.dim), 5)
     )
 
 

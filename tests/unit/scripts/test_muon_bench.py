@@ -1,12 +1,12 @@
-"""scripts/bench/muon_vs_adamw.py's comparison and scripts/bench/muon_step.py's Newton-Schulz FLOP count."""
+"""scripts/bench/muon_vs_adamw.py's comparison and Muon's Newton-Schulz FLOP count (components/muon.py, which
+muon_step.py and the plan use)."""
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from scripts.bench.muon_step import newton_schulz_flops
 from scripts.bench.muon_vs_adamw import adamw_update_rms, compare, muon_group_sizes
-from torchtitan.components.muon import newton_schulz
+from torchtitan.components.muon import newton_schulz, newton_schulz_flops
 
 
 def _run(tps: float, losses: list[float], memory: float | None = 70.0) -> dict:
