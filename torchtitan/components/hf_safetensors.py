@@ -8,19 +8,9 @@ from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 INDEX_FILE = "model.safetensors.index.json"
-
-
-def load_hf_safetensors(folder: str) -> dict[str, torch.Tensor]:
-    """All tensors of a HF folder as they are stored (FP8 weights and their scales too): the shards named by its index
-    json, or every *.safetensors file without one. Loading a model reads only its part: `hf_checkpoint.HFCheckpoint`."""
-    state_dict: dict[str, torch.Tensor] = {}
-    for path in sorted(set(weight_map(folder).values())):
-        with reading_shard(path):
-            state_dict.update(load_file(path))
-    return state_dict
 
 
 def hf_safetensors_keys(folder: str) -> list[str]:

@@ -8,12 +8,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tests.unit.components._hf_safetensors import load_hf_safetensors
 from tests.unit.distributed._spawn import run_distributed
 from torchtitan.components import checkpoint_folder
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager
 from torchtitan.components.checkpoint_folder import MANIFEST_NAME
 from torchtitan.components.hf_checkpoint import HFSource
-from torchtitan.components.hf_safetensors import load_hf_safetensors, save_hf_safetensors
+from torchtitan.components.hf_safetensors import save_hf_safetensors
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config.job_config import JobConfig

@@ -69,7 +69,7 @@ _FP8_WEIGHT = re.compile(
 )
 # The tensors only an MTP layer has (a transformer layer past the model's is another model's)
 _MTP_ONLY_KEY = re.compile(r"model\.layers\.\d+\.(enorm|hnorm|eh_proj|embed_tokens|shared_head)\.")
-# Training-only state with no HF counterpart; from_hf recreates it as zeros.
+# Training-only state with no HF counterpart; a load from HF starts it at zeros.
 _OURS_ONLY = ("tokens_per_expert",)
 
 
@@ -159,19 +159,6 @@ class DeepSeekV3StateDictAdapter:
                 sources[f"layers.{i}.moe.{name}"] = HFSource()
         return {_layer_to_mtp_key(key, n_layers): source for key, source in sources.items()}
 
-    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """HF state dict (unquantized, or FP8 already dequantized) -> our full state dict (loadable with strict=True),
-        as `hf_sources` maps it; a folder is read with `HFCheckpoint.read_into`, which needs no whole dict."""
-        state_dict = {}
-        for name, source in self.hf_sources(hf_state_dict).items():
-            if not source.keys:  # expert_bias or tokens_per_expert: one fp32 value per expert
-                state_dict[name] = torch.zeros(self.model_args.moe_args.num_experts, dtype=torch.float32)
-            elif source.stacked:
-                state_dict[name] = torch.stack([hf_state_dict[key] for key in source.keys])
-            else:
-                state_dict[name] = hf_state_dict[source.keys[0]]
-        return state_dict
-
 
 def is_fp8_weight(hf_key: str) -> bool:
     """Whether DeepSeek's FP8 releases store this HF weight as float8_e4m3fn with block scales."""
@@ -224,7 +211,7 @@ def mtp_layers_for_checkpoint(
                 f"{path}: {prefix}* is a transformer layer, not an MTP module: the checkpoint is a deeper model than "
                 f"the {n_layers} layers given; give its own model shape (its config.json)"
             )
-        # the router's selection bias is optional in HF (a DeepSeek-V2 checkpoint has none; from_hf fills zeros)
+        # the router's selection bias is optional in HF (a DeepSeek-V2 checkpoint has none; it loads as zeros)
         expected = set(adapter.to_hf(module)) if in_hf else set(module)
         missing = sorted(key for key in expected - keys if not key.endswith("e_score_correction_bias"))
         if missing:

@@ -1,10 +1,11 @@
-"""Tiny DeepSeek-V3 configurations shared by the tests."""
+"""Tiny DeepSeek-V3 configurations shared by the tests, and HF state dicts in memory."""
 
 import dataclasses
 
 import pytest
+import torch
 
-from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs
+from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs, DeepSeekV3StateDictAdapter
 from torchtitan.models.moe.args import MoEArgs
 
 
@@ -42,3 +43,18 @@ def tiny_args(**overrides) -> DeepSeekV3ModelArgs:
 @pytest.fixture
 def args() -> DeepSeekV3ModelArgs:
     return tiny_args()
+
+
+def from_hf(args: DeepSeekV3ModelArgs, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A HF state dict in memory (unquantized) -> our full state dict (loadable with strict=True), as the adapter's
+    `hf_sources` maps it: zeros where it names no HF tensor, per-expert tensors stacked. (The package reads a folder
+    with `HFCheckpoint.read_into`, which needs no whole dict.)"""
+    state_dict = {}
+    for name, source in DeepSeekV3StateDictAdapter(args).hf_sources(hf_state_dict).items():
+        if not source.keys:  # expert_bias or tokens_per_expert: one fp32 value per expert
+            state_dict[name] = torch.zeros(args.moe_args.num_experts, dtype=torch.float32)
+        elif source.stacked:
+            state_dict[name] = torch.stack([hf_state_dict[key] for key in source.keys])
+        else:
+            state_dict[name] = hf_state_dict[source.keys[0]]
+    return state_dict

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tests.unit.components._hf_safetensors import load_hf_safetensors
 from torchtitan.components.checkpoint_folder import FORMAT_FULL, CheckpointError, publish, write_rank_checksums
-from torchtitan.components.hf_safetensors import load_hf_safetensors
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model
 from torchtitan.models.deepseek_v3.hf_config import hf_config_from_model_args
 

@@ -5,11 +5,12 @@ import os
 import pytest
 import torch
 
-from torchtitan.components.hf_safetensors import INDEX_FILE, load_hf_safetensors, parse_size, save_hf_safetensors
+from tests.unit.components._hf_safetensors import load_hf_safetensors
+from torchtitan.components.hf_safetensors import INDEX_FILE, parse_size, save_hf_safetensors
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3StateDictAdapter
 from torchtitan.models.deepseek_v3.hf_config import hf_config_from_model_args, model_args_from_hf_config
 
-from .conftest import tiny_args
+from .conftest import from_hf, tiny_args
 
 transformers = pytest.importorskip("transformers")
 
@@ -46,7 +47,7 @@ def test_to_hf_then_from_hf_is_identity():
     assert "model.layers.1.mlp.experts.7.gate_proj.weight" in hf
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in hf
     assert not any("tokens_per_expert" in k for k in hf)
-    back = adapter.from_hf(hf)
+    back = from_hf(args, hf)
     assert back.keys() == state_dict.keys()
     for key, value in state_dict.items():
         torch.testing.assert_close(back[key], value, rtol=0, atol=0, msg=key)
@@ -60,7 +61,7 @@ def test_from_hf_leaves_out_mtp_layers_saying_so_and_fills_missing_expert_bias(c
     hf["model.layers.3.embed_tokens.weight"] = torch.zeros(1)  # DeepSeek-V3's MTP layer sits after the last one
     hf["model.layers.3.eh_proj.weight"] = torch.zeros(1)
     with caplog.at_level("INFO"):
-        DeepSeekV3Model(args).load_state_dict(adapter.from_hf(hf), strict=True)
+        DeepSeekV3Model(args).load_state_dict(from_hf(args, hf), strict=True)
     (line,) = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
     assert line.startswith("left out 1 MTP layer(s) of the checkpoint that the model does not build (it has 0 MTP")
     assert "2 tensors, e.g. ['model.layers.3.eh_proj.weight', 'model.layers.3.embed_tokens.weight']" in line
@@ -73,7 +74,7 @@ def test_from_hf_refuses_transformer_layers_past_the_model():
     hf = DeepSeekV3StateDictAdapter(deeper).to_hf(_random_model(deeper).state_dict())
     expected = r"^transformer layers past the 3 \(and 0 MTP\) of the model shape given: model\.layers\.3\.\* to "
     with pytest.raises(ValueError, match=expected + r"model\.layers\.4\.\* \(a deeper model\)$"):
-        DeepSeekV3StateDictAdapter(tiny_args()).from_hf(hf)
+        from_hf(tiny_args(), hf)
 
 
 def test_safetensors_shards_and_index_round_trip(tmp_path):

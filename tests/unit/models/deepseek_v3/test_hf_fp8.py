@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from scripts import generate
-from torchtitan.components.hf_safetensors import load_hf_safetensors
+from tests.unit.components._hf_safetensors import load_hf_safetensors
 from torchtitan.models.deepseek_v3 import get_model_args
 from torchtitan.models.deepseek_v3.hf_config import hf_config_from_model_args
 

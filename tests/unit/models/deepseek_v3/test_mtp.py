@@ -21,7 +21,7 @@ from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3StateDictAd
 from torchtitan.models.deepseek_v3.hf_config import hf_config_from_model_args, model_args_from_hf_config
 from torchtitan.preflight import check_job
 
-from .conftest import tiny_args
+from .conftest import from_hf, tiny_args
 
 BOS = 1
 
@@ -193,13 +193,13 @@ def test_hf_round_trip_with_a_transformers_saved_mtp_config(tmp_path):
     ):
         assert f"{mtp}.{name}.weight" in hf, name
     torch.testing.assert_close(hf[f"{mtp}.shared_head.head.weight"], model.output.weight)
-    back = adapter.from_hf(hf)
+    back = from_hf(loaded_args, hf)
     assert back.keys() == model.state_dict().keys()
     for key, value in model.state_dict().items():
         torch.testing.assert_close(back[key], value, rtol=0, atol=0, msg=key)
     # without MTP modules the same checkpoint loads with the MTP layer dropped
     no_mtp = tiny_args(moe=dict(score_func="sigmoid", route_norm=True))
-    DeepSeekV3Model(no_mtp).load_state_dict(DeepSeekV3StateDictAdapter(no_mtp).from_hf(hf), strict=True)
+    DeepSeekV3Model(no_mtp).load_state_dict(from_hf(no_mtp, hf), strict=True)
 
 
 def test_flops_and_params_count_the_mtp_module():

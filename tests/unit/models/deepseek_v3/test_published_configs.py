@@ -18,11 +18,12 @@ import sys
 import pytest
 import torch
 
-from torchtitan.components.hf_safetensors import load_hf_safetensors
-from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3StateDictAdapter
+from tests.unit.components._hf_safetensors import load_hf_safetensors
+from torchtitan.models.deepseek_v3 import DeepSeekV3Model
 from torchtitan.models.deepseek_v3.hf_config import HF_CONFIGS, model_args_from_hf_config
 from torchtitan.models.deepseek_v3.rope import precompute_freqs_cis, rotary_scale, softmax_scale
 
+from .conftest import from_hf
 from .transformers_checkpoints import (
     fp32_experts,
     load_transformers_model,
@@ -83,7 +84,7 @@ def test_logits_match_transformers_for_the_published_config_shrunk_in_width(name
 
     model = DeepSeekV3Model(args)
     model.init_weights()
-    state_dict = DeepSeekV3StateDictAdapter(args).from_hf(load_hf_safetensors(str(tmp_path)))
+    state_dict = from_hf(args, load_hf_safetensors(str(tmp_path)))
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     assert not unexpected and all(key.startswith("mtp.") for key in missing) and bool(missing) == bool(args.mtp_layers)
 
