@@ -3,7 +3,8 @@
 A process holding part of a model (a pipeline stage, an FSDP shard, its experts under EP) reads only that part and
 opens only the shards that hold it; nothing of the checkpoint is held beyond the region being copied. FP8
 block-scaled weights, as DeepSeek releases them (`<name>` in float8_e4m3fn with a float32 `<name>_scale_inv`, one
-factor per block of config.json's `quantization_config.weight_block_size`), are dequantized as they are read.
+factor per block of config.json's `quantization_config.weight_block_size`), are dequantized as they are read, once
+their block scales are checked (`check_block_scales`: every reader of a folder goes through `HFCheckpoint.read_into`).
 
 How a model's tensor is made of the checkpoint's is the model's business: its state-dict adapter maps each of its
 tensor names to an `HFSource` (one HF tensor, several stacked, or none: zeros).
@@ -19,7 +20,7 @@ import torch
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.hf_safetensors import reading_shard, weight_map
+from torchtitan.components.hf_safetensors import DamagedTensorError, reading_shard, weight_map
 from torchtitan.kernels.float8_blocks import dequantize_blocks, scale_shape
 
 __all__ = ["HFCheckpoint", "HFSource"]
@@ -131,6 +132,8 @@ class HFCheckpoint:
         else:
             with reading_shard(scale_path), safe_open(scale_path, framework="pt") as other:
                 scale_inv = other.get_slice(scale_key)[blocks]
+        where = f"{scale_key} (in {scale_path})"
+        check_block_scales(where, values, scale_inv, self.block, (rows.start, cols.start))
         return dequantize_blocks(values, scale_inv, self.block, (rows.start, cols.start))
 
     def _headers(self, keys: set[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -162,6 +165,33 @@ class HFCheckpoint:
                 f"2-D F8_E4M3 weight with one scale per {self.block[0]} x {self.block[1]} block (weight_block_size in "
                 f"{os.path.join(self.folder, 'config.json')})"
             )
+
+
+def check_block_scales(
+    where: str, values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], start: tuple[int, int]
+) -> None:
+    """DamagedTensorError naming the first block whose scale cannot be right: NaN, inf or below 0 (its weights would
+    be NaN, inf or sign-flipped), or 0 over FP8 values that are not all 0 (they would load as a block of zeros).
+    `values` (R, C) is a region of the weight starting at row, column `start`, `scale_inv` the scales of the blocks it
+    touches (as `dequantize_blocks` takes them), `where` names the scale tensor."""
+    block_rows, block_cols = block
+    row0, col0 = start
+    first_row, first_col = row0 // block_rows, col0 // block_cols  # the block holding `start`
+    damaged = ~torch.isfinite(scale_inv) | (scale_inv < 0)
+    for i, j in (scale_inv == 0).nonzero().tolist():  # a zero scale is right only over a block of zeros
+        top, left = (first_row + i) * block_rows, (first_col + j) * block_cols
+        rows = slice(max(top, row0) - row0, top + block_rows - row0)
+        cols = slice(max(left, col0) - col0, left + block_cols - col0)
+        damaged[i, j] = bool(values[rows, cols].float().ne(0).any())
+    if not damaged.any():
+        return
+    i, j = damaged.nonzero()[0].tolist()
+    value = scale_inv[i, j].item()
+    over = " over FP8 values that are not all 0, which would load as zeros" if value == 0 else ""
+    raise DamagedTensorError(
+        f"{where} holds {value:g} for block [{first_row + i}, {first_col + j}] (of {block_rows} x {block_cols}, counted "
+        f"from 0){over}: a block scale is a finite number above 0; the checkpoint is damaged, fetch it again"
+    )
 
 
 @dataclass

@@ -48,11 +48,18 @@ def weight_map(folder: str) -> dict[str, str]:
     return located
 
 
+class DamagedTensorError(ValueError):
+    """A tensor read intact from its shard whose values cannot be right (e.g. an FP8 block scale of 0, NaN, inf or
+    below 0): its message names the tensor and the fix, and `reading_shard` passes it on as it is."""
+
+
 @contextlib.contextmanager
 def reading_shard(path: str) -> Iterator[None]:
     """A shard that cannot be read is one error naming it (safetensors raises its own type for a damaged file)."""
     try:
         yield
+    except DamagedTensorError:
+        raise
     except Exception as err:
         index = os.path.join(os.path.dirname(path), INDEX_FILE)
         listed = f" (listed in {index})" if os.path.exists(index) else ""

@@ -13,6 +13,8 @@ import torch.distributed.checkpoint as dcp
 
 from scripts import generate
 from tests.unit.components._hf_safetensors import load_hf_safetensors
+from torchtitan.components.checkpoint import CheckpointError
+from torchtitan.components.hf_checkpoint import check_block_scales
 from torchtitan.models.deepseek_v3 import get_model_args
 from torchtitan.models.deepseek_v3.hf_config import hf_config_from_model_args
 
@@ -231,3 +233,69 @@ def test_a_bad_fp8_block_size_is_one_error_line(tmp_path, value):
         convert_hf.main(
             ["to-hf", str(tmp_path), str(tmp_path / "out"), "--flavor", "debugmodel", "--fp8-blocks", value]
         )
+
+
+DAMAGED_SCALES = {"zero": 0.0, "nan": float("nan"), "inf": float("inf"), "negative": -0.01}
+
+
+def _damage_a_scale(fp8, value: float) -> tuple[str, str]:
+    """Block [0, 1] of one FP8 weight's scales set to `value` in its shard (the block's FP8 values are random, not all
+    zero); returns (the scale's name, its shard's path)."""
+    from safetensors.torch import load_file, save_file
+
+    key = "model.layers.1.self_attn.o_proj.weight_scale_inv"
+    shard = fp8 / json.loads((fp8 / "model.safetensors.index.json").read_text())["weight_map"][key]
+    tensors = load_file(str(shard))
+    assert tensors[key.removesuffix("_scale_inv")][:32, 48:96].float().ne(0).any()
+    tensors[key][0, 1] = value
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    return key, str(shard)
+
+
+@pytest.mark.parametrize("reader", ["trainer", "from-hf", "generate"])
+@pytest.mark.parametrize("damage", DAMAGED_SCALES)
+def test_a_damaged_block_scale_is_one_line_naming_the_tensor_and_the_block_in_every_reader(
+    release, tmp_path, monkeypatch, capsys, caplog, reader, damage
+):
+    """A scale of 0 over non-zero values loaded a block of zeros (trainer, from-hf) and a NaN one was sampled from
+    (generate.py): each reader now stops with the line of `check_block_scales`, which all of them call."""
+    fp8, _ = release
+    key, shard = _damage_a_scale(fp8, DAMAGED_SCALES[damage])
+    over = " over FP8 values that are not all 0, which would load as zeros" if damage == "zero" else ""
+    line = (
+        f"{key} (in {shard}) holds {DAMAGED_SCALES[damage]:g} for block [0, 1] (of 32 x 48, counted from 0){over}: a "
+        "block scale is a finite number above 0; the checkpoint is damaged, fetch it again"
+    )
+    if reader == "trainer":
+        job_config = start_from(fp8, "hf", tmp_path, caplog)
+        with pytest.raises(CheckpointError) as err:
+            load_model(job_config, get_model_args(job_config))
+        assert str(err.value) == f"checkpoint.initial_load_path {fp8}: {line}; or point it elsewhere"
+    elif reader == "from-hf":
+        monkeypatch.setattr(sys, "argv", [_SCRIPT, "from-hf", str(fp8), str(tmp_path / "out")])
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_path(_SCRIPT, run_name="__main__")
+        assert exit_info.value.code == f"error: {line}"
+        assert not (tmp_path / "out").exists()
+    else:
+        capsys.readouterr()
+        assert generate.main([str(fp8), "--prompt", "x", "--device", "cpu", "--max-new-tokens", "1"]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err == f"error: {line}\n"
+
+
+def test_a_zero_scale_over_a_block_of_zeros_is_right():
+    """A quantizer may give an all-zero block the scale 0 (ours gives it 1): its weights are zeros either way. Only
+    the blocks a region touches are checked, each over the part of it the region holds."""
+    values = torch.zeros(40, 64, dtype=torch.float8_e4m3fn)
+    values[20, 50] = 1.0  # in block [1, 1] of 16 x 32 blocks, in rows 16 to 31
+    scale_inv = torch.ones(3, 2)
+    scale_inv[0, 0] = 0.0
+    check_block_scales("s", values, scale_inv, (16, 32), (0, 0))
+    scale_inv[1, 1] = 0.0
+    with pytest.raises(ValueError, match=r"^s holds 0 for block \[1, 1\] \(of 16 x 32, counted from 0\) over FP8"):
+        check_block_scales("s", values, scale_inv, (16, 32), (0, 0))
+    # rows 24 to 39 of the weight (a rank's share): its first block row is block row 1, whose rows 24 to 31 it holds
+    check_block_scales("s", values[24:], scale_inv[1:], (16, 32), (24, 0))
+    with pytest.raises(ValueError, match=r"block \[1, 1\]"):
+        check_block_scales("s", values[18:], scale_inv[1:], (16, 32), (18, 0))
