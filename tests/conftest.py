@@ -1,10 +1,17 @@
 """Suite-wide setup."""
 
 import os
+from pathlib import Path
 
 import pytest
 
-from torchtitan.datasets.text_datasets import CACHE_DIR_ENV
+from torchtitan.config.job_config import JobConfig
+from torchtitan.datasets.corpus import CACHE_DIR_ENV
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DUMP_FOLDER = Path(JobConfig().job.dump_folder).parts[0]
+"""`outputs`: the default dump folder (`./outputs`, relative to the working directory), which every shipped TOML dumps
+under too: where a user's runs leave checkpoints, metrics and traces."""
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -18,6 +25,25 @@ def tokenized_corpus_cache(tmp_path_factory):
         os.environ.pop(CACHE_DIR_ENV)
     else:
         os.environ[CACHE_DIR_ENV] = previous
+
+
+@pytest.fixture(autouse=True)
+def checkout_without_outputs(tmp_path_factory, monkeypatch) -> Path:
+    """Each test runs in a folder of its own laid out like the checkout (a link to each of its entries) without its
+    ./outputs: a job that names no --job.dump_folder dumps there, not beside the checkpoints the user's runs left in
+    the checkout's ./outputs (preflight refuses those with checkpointing off). `run_trainer`'s ranks and the tests'
+    run_train.sh start there too."""
+    folder = tmp_path_factory.mktemp("checkout")
+    link_checkout_entries(folder)
+    monkeypatch.chdir(folder)
+    return folder
+
+
+def link_checkout_entries(folder: Path) -> None:
+    """Link each entry of the checkout but its default dump folder into `folder`."""
+    for entry in REPO_ROOT.iterdir():
+        if entry.name != DEFAULT_DUMP_FOLDER:
+            (folder / entry.name).symlink_to(entry)
 
 
 def pytest_configure(config):

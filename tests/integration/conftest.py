@@ -83,12 +83,12 @@ def run_trainer(
         for rank, (out, err) in enumerate(outputs):
             rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             if entry is None:
-                ranks.append(CONTEXT.Process(target=_trainer_rank, args=(argv, rank_env, out, err)))
+                ranks.append(CONTEXT.Process(target=_trainer_rank, args=(argv, os.getcwd(), rank_env, out, err)))
                 ranks[-1].start()
             else:
                 with open(out, "w") as stdout, open(err, "w") as stderr:
                     cmd = [sys.executable, *entry, *argv]
-                    ranks.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=rank_env, stdout=stdout, stderr=stderr))
+                    ranks.append(subprocess.Popen(cmd, env=rank_env, stdout=stdout, stderr=stderr))
         try:
             returncode = _wait_all(ranks, generous_timeout(timeout))
         finally:
@@ -101,9 +101,10 @@ def run_trainer(
     return subprocess.CompletedProcess(argv, returncode, stdout, stderr)
 
 
-def _trainer_rank(argv: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> None:
-    """One rank of `run_trainer`: `python -m torchtitan.train argv` in a forked process, its output in files."""
-    os.chdir(REPO_ROOT)
+def _trainer_rank(argv: list[str], cwd: str, env: dict[str, str], stdout: Path, stderr: Path) -> None:
+    """One rank of `run_trainer`: `python -m torchtitan.train argv` run in `cwd` (the forkserver's is the first
+    test's), in a forked process, its output in files."""
+    os.chdir(cwd)
     adopt_environment(env, int(env["OMP_NUM_THREADS"]))
     for fd, path in ((1, stdout), (2, stderr)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)

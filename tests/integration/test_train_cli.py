@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.integration.conftest import DEBUG_CONFIG, FAST_ARGS, REPO_ROOT, read_losses, run_trainer
+from tests.integration.conftest import DEBUG_CONFIG, FAST_ARGS, read_losses, run_trainer
 from tests.timeouts import generous_timeout
 
 
@@ -76,8 +76,7 @@ def test_folded_clipping_trains_like_clip_grad_norm_and_torch_adamw(tmp_path):
 def _run_launcher(args: list[str], env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "CONFIG_FILE": str(DEBUG_CONFIG), "NGPU": "1", "PYTHON": sys.executable, **(env_extra or {})}
     return subprocess.run(
-        ["bash", "run_train.sh", *args],
-        cwd=REPO_ROOT,
+        ["bash", "run_train.sh", *args],  # in the test's own checkout folder (tests/conftest.py)
         env=env,
         capture_output=True,
         text=True,
