@@ -25,7 +25,8 @@ from torchtitan.components.checkpoint_folder import (
 from torchtitan.components.run_lock import DumpFolderBusyError, check_dump_folder_free
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.manager import command_line_keys, memory_budget_applies
-from torchtitan.datasets.corpus import CACHE_DIR_ENV, check_corpus, disk_cache_dir
+from torchtitan.datasets.corpus import CACHE_DIR_ENV, disk_cache_dir
+from torchtitan.datasets.shards import check_sources
 
 if TYPE_CHECKING:
     from torchtitan.distributed.parallel_dims import ParallelDims
@@ -59,9 +60,7 @@ def check_job(argv: list[str], world_size: int) -> CheckedJob:
     check_checkpoint_folder(job_config)
     check_cache_folder()
     check_output_paths(job_config)
-    check_corpus(job_config.training.dataset, job_config.training.dataset_path)
-    if job_config.validation.enable and job_config.validation.dataset_path:
-        check_corpus("", job_config.validation.dataset_path, "validation")
+    check_sources(job_config)
     job = check_layout(job_config, world_size, this_host=True)
     warn_inert_flags(job_config, command_line_keys(argv), job.model_args, job.parallel_dims)
     return job

@@ -96,9 +96,12 @@ class Trainer:
         dp_mesh = self.parallel_dims.get_mesh("dp") if self.parallel_dims.dp_enabled else None
         dp_rank, dp_degree = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
         self.tokenizer = build_tokenizer(job_config)
-        self.dataloader = build_dataloader(job_config, self.tokenizer, dp_rank, dp_degree)
+        vocab_size = self.model_args.vocab_size
+        self.dataloader = build_dataloader(job_config, self.tokenizer, vocab_size, dp_rank, dp_degree)
         if job_config.validation.enable:
-            self.validation_loader = build_dataloader(job_config, self.tokenizer, dp_rank, dp_degree, "validation")
+            self.validation_loader = build_dataloader(
+                job_config, self.tokenizer, vocab_size, dp_rank, dp_degree, "validation"
+            )
 
         # Model: built on meta, parallelized, then materialized, so no rank ever holds the full model.
         spec = job.spec
@@ -208,20 +211,17 @@ class Trainer:
         self.metrics = MetricsProcessor(
             job_config, num_flops_per_token=self.flops_per_token, device=self.device, is_logging_rank=self.rank == 0
         )
+        if len(self.dataloader.dataset.mixture.streams) > 1:  # a blend: the tokens trained from each source
+            samples_per_step = job_config.training.local_batch_size * self.grad_accum_steps * dp_degree
+            self.metrics.source_tokens = lambda step: self.dataloader.dataset.tokens_per_source(step * samples_per_step)
 
     def _dp_group(self) -> dist.ProcessGroup | None:
         return self.parallel_dims.get_mesh("dp").get_group() if self.parallel_dims.dp_enabled else None
 
-    def _on_device(self, batch: tuple[dict, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A dataloader batch -> (tokens, labels) on the device."""
+    def _on_device(self, batch: tuple[dict, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A dataloader batch -> (tokens, labels, document ids of the window: (bs, seqlen + 1)) on the device."""
         input_dict, labels = batch
-        return batch_to_device(input_dict["input"], self.device), batch_to_device(labels, self.device)
-
-    def _document_ids(self, tokens: torch.Tensor) -> torch.Tensor | None:
-        """Block-causal attention: a new document starts at every BOS token."""
-        if self.model_args.attn_mask_type != "block_causal":
-            return None
-        return (tokens == self.tokenizer.bos_id).cumsum(dim=1)
+        return tuple(batch_to_device(t, self.device) for t in (input_dict["input"], labels, input_dict["document_ids"]))
 
     def _setup_fused_output_loss(self, job_config: JobConfig) -> bool:
         """training.fused_output_loss where it applies (returns True): the head computes the loss sums (OutputHead;
@@ -243,14 +243,20 @@ class Trainer:
         return True
 
     def forward_backward(
-        self, tokens: torch.Tensor, labels: torch.Tensor, mtp_labels: list[torch.Tensor], backward: bool = True
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor,
+        document_ids: torch.Tensor,
+        mtp_labels: list[torch.Tensor],
+        backward: bool = True,
     ) -> torch.Tensor:
         """One micro-batch -> its share of the step's loss (main + lambda x MTP with MTP modules); zero on ranks
-        without the last pipeline stage. mtp_labels: each MTP module's `mtp_targets` (empty without MTP);
-        backward: False for the forward only (validation; the pipeline schedule's eval)."""
+        without the last pipeline stage. document_ids: the loader's, (bs, seqlen + 1); mtp_labels: each MTP module's
+        `mtp_targets` (empty without MTP); backward: False for the forward only (validation; the pipeline schedule's
+        eval)."""
         kwargs = {}
-        if (document_ids := self._document_ids(tokens)) is not None:
-            kwargs["document_ids"] = document_ids
+        if self.model_args.attn_mask_type == "block_causal":  # packed documents attend only within themselves
+            kwargs["document_ids"] = document_ids[:, :-1]
         target = labels
         if mtp_labels:
             kwargs["next_tokens"] = labels
@@ -304,25 +310,26 @@ class Trainer:
         return self._reduce_loss_for_logging(loss), grad_norm, lr
 
     def _accumulate_gradients(self, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The step's gradients from its micro-batches (tokens, labels, tokens, labels, ...) -> (loss,), or with MTP
-        (main loss, MTP loss), each this rank's share (zero on ranks without the last pipeline stage). All that
+        """The step's gradients from its micro-batches (tokens, labels, document ids, tokens, ...) -> (loss,), or with
+        MTP (main loss, MTP loss), each this rank's share (zero on ranks without the last pipeline stage). All that
         `compile.cuda_graphs` captures: the step reads nothing else it sets."""
         self.optimizers.zero_grad()
-        microbatches = list(zip(batch[0::2], batch[1::2], strict=True))
+        microbatches = list(zip(batch[0::3], batch[1::3], batch[2::3], strict=True))
         # whole sequences (every context-parallel rank holds them): valid tokens are counted over the dp ranks only
-        self.loss_fn.global_valid_tokens = count_valid_tokens((labels for _, labels in microbatches), self._dp_group())
+        all_labels = (labels for _, labels, _ in microbatches)
+        self.loss_fn.global_valid_tokens = count_valid_tokens(all_labels, self._dp_group())
         # per micro-batch, the targets of each MTP module; their valid counts over the step, per module
         mtp_labels = [
-            [mtp_targets(tokens, labels, k, self.tokenizer.bos_id) for k in range(self.model_args.mtp_layers)]
-            for tokens, labels in microbatches
+            [mtp_targets(document_ids, labels, k) for k in range(self.model_args.mtp_layers)]
+            for _, labels, document_ids in microbatches
         ]
         if self.model_args.mtp_layers:
             self.step_loss.start_step(
                 [count_valid_tokens(targets, self._dp_group()) for targets in zip(*mtp_labels, strict=True)]
             )
         loss = torch.zeros((), device=self.device)
-        for (tokens, labels), targets in zip(microbatches, mtp_labels, strict=True):
-            loss = loss + self.forward_backward(tokens, labels, targets)
+        for (tokens, labels, document_ids), targets in zip(microbatches, mtp_labels, strict=True):
+            loss = loss + self.forward_backward(tokens, labels, document_ids, targets)
         if self.model_args.mtp_layers:  # the backward used main + lambda x MTP; log the parts
             return self.step_loss.main_total.to(self.device), self.step_loss.mtp_total.to(self.device)
         return (loss,)
@@ -337,11 +344,11 @@ class Trainer:
         token_sum, all_labels = torch.zeros((), device=self.device), []
         self.validation_loader.dataset.load_state_dict({"samples_yielded": 0})  # every pass reads the same batches
         for batch in itertools.islice(self.validation_loader, self.job_config.validation.steps):
-            tokens, labels = self._on_device(batch)
+            tokens, labels, document_ids = self._on_device(batch)
             if mtp_layers:  # the MTP heads run as in training; only the main loss is kept
                 self.step_loss.start_step([1.0] * mtp_layers)
-            mtp_labels = [mtp_targets(tokens, labels, k, self.tokenizer.bos_id) for k in range(mtp_layers)]
-            loss = self.forward_backward(tokens, labels, mtp_labels, backward=False)
+            mtp_labels = [mtp_targets(document_ids, labels, k) for k in range(mtp_layers)]
+            loss = self.forward_backward(tokens, labels, document_ids, mtp_labels, backward=False)
             token_sum += self.step_loss.main_total.to(self.device) if mtp_layers else loss
             all_labels.append(labels)
         return self._reduce_loss_for_logging(token_sum) / count_valid_tokens(all_labels, self._dp_group())

@@ -76,18 +76,17 @@ def count_valid_tokens(label_batches: Iterable[torch.Tensor], group: dist.Proces
     return count
 
 
-def mtp_targets(tokens: torch.Tensor, labels: torch.Tensor, module: int, bos_id: int) -> torch.Tensor:
+def mtp_targets(document_ids: torch.Tensor, labels: torch.Tensor, module: int) -> torch.Tensor:
     """Targets of multi-token prediction module `module` (0-based): at position i, token i + module + 2.
 
-    tokens, labels (bs, seqlen): the inputs and the next tokens. A target past the sequence or in another packed
-    document (one starts at every BOS token) is IGNORE_INDEX. Returns (bs, seqlen) int64.
+    document_ids (bs, seqlen + 1): the packed document of every token of the window (inputs, then the last label;
+    the loader's); labels (bs, seqlen): the next tokens. A target past the sequence or in another document is
+    IGNORE_INDEX. Returns (bs, seqlen) int64.
     """
     offset = module + 1  # the target is labels[:, i + offset]
-    stream = torch.cat([tokens[:, :1], labels], dim=1)  # tokens 0..seqlen
-    documents = (stream == bos_id).cumsum(dim=1)
     seqlen = labels.shape[1]
     targets = torch.full_like(labels, IGNORE_INDEX)
-    same_document = documents[:, offset + 1 :] == documents[:, : seqlen - offset]  # token i + offset + 1 vs i
+    same_document = document_ids[:, offset + 1 :] == document_ids[:, : seqlen - offset]  # token i + offset + 1 vs i
     targets[:, : seqlen - offset] = torch.where(same_document, labels[:, offset:], IGNORE_INDEX)
     return targets
 

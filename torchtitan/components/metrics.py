@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -104,6 +105,8 @@ class MetricsProcessor:
         self.peak_flops = get_peak_flops(torch.cuda.get_device_name(device)) if self.memory_monitor.is_cuda else None
         self.capacity_factor = job_config.parallelism.expert_parallel_capacity_factor
         self._warned_about_drops = False
+        # A blend's tokens trained from each source after a step (the trainer sets it: `tokens_per_source`)
+        self.source_tokens: Callable[[int], dict[str, int]] | None = None
 
         self._logged_before = False
         # Seconds and steps of every window but the first (which holds init, compile and checkpoint load).
@@ -221,6 +224,8 @@ class MetricsProcessor:
             record["dropped_fraction"] = dropped_fraction
         for group, value in (update_rms or {}).items():
             record[f"update_rms/{group}"] = value
+        for source, tokens in (self.source_tokens(step) if self.source_tokens else {}).items():
+            record[f"data_tokens/{source}"] = tokens
         if self.is_logging_rank:
             logger.info(format_metrics_line(record, memory, total_steps, eta_seconds))
             if dropped_fraction is not None and dropped_fraction > DROPPED_FRACTION_WARNING:
@@ -228,7 +233,7 @@ class MetricsProcessor:
             scalars = {k: record.get(k) for k in _SCALARS}
             for layer, value in enumerate(record.get("ep_load_imbalance", [])):
                 scalars[f"ep_load_imbalance/moe_layer_{layer}"] = value
-            scalars |= {tag: value for tag, value in record.items() if tag.startswith("update_rms/")}
+            scalars |= {tag: value for tag, value in record.items() if tag.startswith(("update_rms/", "data_tokens/"))}
             scalars["memory_pct"] = memory.max_reserved_pct if memory else None
             self._write_scalars(scalars, step)
             self._write_jsonl(record)

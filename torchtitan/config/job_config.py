@@ -123,7 +123,13 @@ class Training:
     """Dataset name; `tinycorpus` is the small English corpus shipped in torchtitan/assets."""
 
     dataset_path: str | None = None
-    """Local corpus (jsonl / txt / parquet file, a folder of them, or a saved HF dataset); overrides `dataset`."""
+    """The training data, overriding `dataset`: a token-shard folder (scripts/tokenize_corpus.py), a Megatron-LM indexed
+    dataset (PREFIX of PREFIX.bin / .idx, or a folder of them), or a raw corpus of up to 100 MiB tokenized on first use
+    (jsonl / txt / parquet / arrow file, a folder of them, or a saved HF dataset). docs/data.md."""
+
+    dataset_blend: list[str] = field(default_factory=list)
+    """Several training sources mixed by weight, each `WEIGHT:PATH` (a path as `dataset_path` takes), e.g.
+    `0.7:/data/web,0.3:/data/code_text_document`; weights are normalized. Replaces `dataset_path`."""
 
     local_batch_size: int = 8
     """Sequences per data-parallel rank per micro-step."""
@@ -333,7 +339,8 @@ class Validation:
     untouched); logs validation/loss and validation/perplexity."""
 
     dataset_path: str | None = None
-    """A validation corpus (as training.dataset_path); None: every 20th training document, which training skips."""
+    """A validation corpus (as training.dataset_path); None: the last 1/20 of every training shard's documents, which
+    training then skips."""
 
     local_batch_size: int | None = None
     """Sequences per data-parallel rank per validation batch; None = training.local_batch_size."""

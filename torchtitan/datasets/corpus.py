@@ -12,8 +12,10 @@ Empty documents are skipped; a corpus whose documents are all empty or whitespac
 """
 
 import gzip
+import itertools
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -92,26 +94,39 @@ def read_documents(path: Path, limit: int | None = None) -> list[str]:
     """Documents of one corpus file (format chosen by suffix, see the module docstring). With `limit`, a cheap look
     at its start: the first `limit` documents, read without the rest of the file (a .txt file's one document cut at
     PEEK_TEXT_CHARS characters). Undecodable content raises DatasetError naming the file and line."""
+    return list(itertools.islice(iter_documents(path, peek=limit is not None), limit))
+
+
+def iter_documents(path: Path, part: tuple[int, int] | None = None, peek: bool = False) -> Iterator[str]:
+    """The documents of one corpus file, streamed: memory holds one record batch or line (a .txt file is one document:
+    `iter_text_pieces` streams it). part: a .jsonl file's byte range [start, end) (the lines that begin in it), or a
+    Parquet file's row groups [start, end); None for all. peek: a .txt document cut at PEEK_TEXT_CHARS."""
     name = path.name.lower()
     try:
         if name.endswith((".jsonl", ".jsonl.gz")):
-            return _read_jsonl(path, limit)
-        if name.endswith((".txt", ".txt.gz")):
+            yield from _jsonl_documents(path, part)
+        elif name.endswith((".txt", ".txt.gz")):
             with _open_text(path) as f:
-                return [f.read() if limit is None else f.read(PEEK_TEXT_CHARS)]
-        if name.endswith(".parquet"):
+                yield f.read(PEEK_TEXT_CHARS) if peek else f.read()
+        elif name.endswith(".parquet"):
             import pyarrow.parquet as pq  # only Parquet/Arrow corpora need pyarrow
 
             parquet = pq.ParquetFile(path)  # reads and checks the footer
             columns = parquet.schema_arrow.names
             if TEXT_FIELD not in columns:
-                raise DatasetError(f"{path} has no {TEXT_FIELD!r} column (columns: {columns})")
-            if limit is None:
-                return _text_column(parquet.read(columns=[TEXT_FIELD]), path)
-            batches = parquet.iter_batches(batch_size=limit, columns=[TEXT_FIELD])
-            return _text_column(_pa_table(next(batches, None), parquet.schema_arrow), path)[:limit]
-        if name.endswith(".arrow"):
-            return _text_column(_read_arrow(path, limit), path)[:limit]
+                raise DatasetError(
+                    f"{path} has no {TEXT_FIELD!r} column (columns: {columns}); write the document text to a "
+                    f"{TEXT_FIELD!r} column"
+                )
+            groups = None if part is None else list(range(*part))
+            rows = PEEK_RECORDS if peek else 1024
+            for batch in parquet.iter_batches(batch_size=rows, columns=[TEXT_FIELD], row_groups=groups):
+                yield from _text_column(_pa_table(batch, parquet.schema_arrow), path)
+        elif name.endswith(".arrow"):
+            for batch in _arrow_batches(path):
+                yield from _text_column(_pa_table(batch, batch.schema), path)
+        else:
+            raise DatasetError(f"unsupported corpus file {path}; expected one of {', '.join(DOCUMENT_SUFFIXES)}")
     except DatasetError:
         raise
     except UnicodeDecodeError as err:
@@ -125,33 +140,77 @@ def read_documents(path: Path, limit: int | None = None) -> list[str]:
         if isinstance(err, FileNotFoundError):
             raise
         raise DatasetError(f"{path}: cannot be read ({err}); check the file (a truncated download?)") from None
-    raise DatasetError(f"unsupported corpus file {path}; expected one of {', '.join(DOCUMENT_SUFFIXES)}")
 
 
-def _read_jsonl(path: Path, limit: int | None) -> list[str]:
-    documents: list[str] = []
-    with _open_text(path) as f:
-        for line_number, line in enumerate(f, start=1):
-            if limit is not None and len(documents) >= limit:
+def iter_text_pieces(path: Path, piece_chars: int = 1 << 20) -> Iterator[str]:
+    """A .txt[.gz] file's one document in pieces of about `piece_chars` characters, each ending at a line end where
+    the text has one: a large file is tokenized without holding it whole (a piece boundary only ever falls after a
+    newline, where a byte-level BPE tokenizer splits anyway)."""
+    try:
+        with _open_text(path) as f:
+            pending = ""
+            while chunk := f.read(piece_chars):
+                text = pending + chunk
+                cut = text.rfind("\n") + 1
+                if cut == 0:
+                    pending = text
+                    continue
+                pending = text[cut:]
+                yield text[:cut]
+            if pending:
+                yield pending
+    except UnicodeDecodeError as err:
+        raise DatasetError(
+            f"{path}: not UTF-8 text (invalid byte 0x{err.object[err.start]:02x}); convert the file to UTF-8"
+        ) from None
+    except (OSError, EOFError) as err:
+        if isinstance(err, FileNotFoundError):
+            raise
+        raise DatasetError(f"{path}: cannot be read ({err}); check the file (a truncated download?)") from None
+
+
+def _jsonl_documents(path: Path, part: tuple[int, int] | None) -> Iterator[str]:
+    """Documents of the lines of a .jsonl[.gz] file; with part (plain .jsonl only), of the lines that begin in the
+    byte range [start, end). Errors name the line number (the byte offset within a part)."""
+    if part is None:
+        with _open_text(path) as f:
+            for line_number, line in enumerate(f, start=1):
+                if line.strip():
+                    yield _jsonl_text(line, f"{path}:{line_number}")
+        return
+    start, end = part
+    with open(path, "rb") as f:
+        if start > 0:
+            f.seek(start - 1)
+            f.readline()  # the line holding byte start - 1 belongs to the part before
+        while (offset := f.tell()) < end:
+            line = f.readline()
+            if not line:
                 break
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DatasetError(
-                    f"{path}:{line_number}: not a JSON object ({err.msg} at column {err.colno}); fix or remove the line"
-                ) from None
-            if not isinstance(record, dict) or TEXT_FIELD not in record:
-                raise DatasetError(f"{path}:{line_number}: JSON object has no {TEXT_FIELD!r} field")
-            text = record[TEXT_FIELD]
-            if not isinstance(text, str):
-                raise DatasetError(
-                    f"{path}:{line_number}: {TEXT_FIELD!r} is a {type(text).__name__}, not a string; every record's "
-                    f"{TEXT_FIELD!r} must be the document text"
-                )
-            documents.append(text)
-    return documents
+            if line.strip():
+                yield _jsonl_text(line.decode("utf-8"), f"{path} (the line at byte {offset})")
+
+
+def _jsonl_text(line: str, where: str) -> str:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DatasetError(
+            f"{where}: not a JSON object ({err.msg} at column {err.colno}); fix or remove the line"
+        ) from None
+    if not isinstance(record, dict) or TEXT_FIELD not in record:
+        fields = f" (its fields: {', '.join(sorted(record)[:8])})" if isinstance(record, dict) else ""
+        raise DatasetError(
+            f"{where}: JSON object has no {TEXT_FIELD!r} field{fields}; every line must hold the document text "
+            f"under {TEXT_FIELD!r} (rename the field, e.g. with jq '{{text: .content}}')"
+        )
+    text = record[TEXT_FIELD]
+    if not isinstance(text, str):
+        raise DatasetError(
+            f"{where}: {TEXT_FIELD!r} is a {type(text).__name__}, not a string; every record's "
+            f"{TEXT_FIELD!r} must be the document text"
+        )
+    return text
 
 
 def _saved_hf_dataset_files(folder: Path, flag: str) -> list[Path]:
@@ -182,8 +241,8 @@ def _saved_hf_dataset_files(folder: Path, flag: str) -> list[Path]:
     return files
 
 
-def _read_arrow(path: Path, limit: int | None = None) -> "pa.Table":
-    """An Arrow IPC file's table; with `limit`, its first record batch only."""
+def _arrow_batches(path: Path) -> Iterator["pa.RecordBatch"]:
+    """An Arrow IPC file's record batches, one at a time."""
     import pyarrow as pa
     import pyarrow.ipc
 
@@ -191,15 +250,13 @@ def _read_arrow(path: Path, limit: int | None = None) -> "pa.Table":
     with pa.OSFile(str(path)) as source:
         try:
             reader = pa.ipc.open_stream(source)
-            if limit is None:
-                return reader.read_all()
-            return _pa_table(next(iter(reader), None), reader.schema)
         except pa.ArrowInvalid:
             source.seek(0)
-            reader = pa.ipc.open_file(source)  # checks the footer
-            if limit is None:
-                return reader.read_all()
-            return _pa_table(reader.get_batch(0) if reader.num_record_batches else None, reader.schema)
+            file_reader = pa.ipc.open_file(source)  # checks the footer
+            for i in range(file_reader.num_record_batches):
+                yield file_reader.get_batch(i)
+            return
+        yield from reader
 
 
 def _pa_table(batch: "pa.RecordBatch | None", schema: "pa.Schema") -> "pa.Table":

@@ -17,11 +17,11 @@ INFORMATIONAL_IDENTITY_KEYS = ("dataset",)
 LAYOUT_IDENTITY_KEYS = ("dp_world_size", "local_batch_size")
 # The settings that change each identity entry, named in the error of a resume that does not match.
 _TOKENS = (
-    "the training tokens (--validation.enable without --validation.dataset_path holds every 20th document out of "
-    "training; --training.dataset, --training.dataset_path)"
+    "the training tokens (--validation.enable without --validation.dataset_path holds the last 1/20 of every shard's "
+    "documents out of training; --training.dataset, --training.dataset_path, --training.dataset_blend)"
 )
 CHANGED_SETTING = {
-    "tokens_sha256": _TOKENS,
+    "data_sha256": _TOKENS,
     "num_documents": _TOKENS,
     "num_tokens": _TOKENS,
     "tokenizer": "the tokenizer (--model.tokenizer_path)",
@@ -117,12 +117,14 @@ class ParallelAwareDataloader(StatefulDataLoader):
 def build_dataloader(
     job_config: JobConfig,
     tokenizer: Tokenizer,
+    vocab_size: int,
     dp_rank: int,
     dp_world_size: int,
     split: str = "train",
     num_workers: int = 0,
 ) -> ParallelAwareDataloader:
-    """Loader yielding `({"input": (L, seq_len) int64}, labels (L, seq_len) int64)` forever, with the training's or
-    the validation split's L and seq_len. Every dp degree sees the same global batches (see text_datasets)."""
-    dataset, identity = build_text_dataset(job_config, tokenizer, dp_rank, dp_world_size, split)
+    """Loader yielding `({"input": (L, seq_len) int64, "document_ids": (L, seq_len + 1) int32}, labels (L, seq_len)
+    int64)` forever, with the training's or the validation split's L and seq_len. Every dp degree sees the same global
+    batches (see text_datasets). vocab_size: the model's (no token id may reach it)."""
+    dataset, identity = build_text_dataset(job_config, tokenizer, vocab_size, dp_rank, dp_world_size, split)
     return ParallelAwareDataloader(dataset, identity, num_workers)
