@@ -162,10 +162,12 @@ def test_model_only_last_save_with_keep_latest_1_resumes_from_the_last_full_chec
     records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [*range(1, 7)]
     assert sorted(os.listdir(dump / "checkpoint")) == ["exports", "step-4"]
-    # Steps that save (2, 4, 6) are read on the host at once, the others one step later: each is timed alone (timed
-    # from the previous log call, a saving step read 1000x the others' tokens/s; a busy CI host varies them ~3x).
-    tps = [r["tps"] for r in records if r["step"] not in (1, 3)]  # 1 and 3 start a launch
-    assert max(tps) < 20 * min(tps), tps
+    # Steps that save (2, 4, 6) are read on the host at once, the others one step later: each is still timed over its
+    # own window. Timed from the log call just before it, a saving step's window was microseconds (tokens/s 1000x the
+    # others'). No step of this model runs in under a millisecond, on however fast or idle a host (a load only slows
+    # it): a window that short is that bug, not a speed.
+    tokens_per_step = 4 * 32  # FAST_ARGS' local batch x seq_len, one rank
+    assert all(r["tps"] < tokens_per_step / 1e-3 for r in records), [r["tps"] for r in records]
 
 
 def test_divergence_stops_before_its_checkpoint_and_another_flavor_is_one_line(dump_folder):
