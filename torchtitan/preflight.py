@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import logging
 import os
 import sys
@@ -355,10 +356,13 @@ def check_checkpoint_folder(job_config: JobConfig) -> None:
                 )
         earlier = complete_checkpoints(folder) if os.path.isdir(folder) else {}
         if earlier:
+            dump_folder, last, steps = job_config.job.dump_folder.rstrip("/"), max(earlier), job_config.training.steps
+            new_folder = next(name for n in itertools.count(2) if not os.path.exists(name := f"{dump_folder}-{n}"))
+            more_steps = f" --training.steps {last + steps}" if steps <= last else ""  # else it has nothing to train
             raise ConfigError(
-                f"the dump folder {job_config.job.dump_folder!r} holds checkpoints of an earlier run (up to step "
-                f"{max(earlier)}, in {folder}) but checkpointing is off: add --checkpoint.enable to resume it, or "
-                "choose another --job.dump_folder"
+                f"the dump folder {dump_folder!r} holds checkpoints of an earlier run (up to step {last}, in {folder}) "
+                f"and checkpointing is off: to start this run apart, pass --job.dump_folder {new_folder} (a new "
+                f"folder); to continue that run, the flags it was saved with plus --checkpoint.enable{more_steps}"
             )
         return
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():

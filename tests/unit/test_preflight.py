@@ -52,21 +52,29 @@ def fake_checkpoint(folder, step):
     (folder / f"step-{step}" / "complete.json").write_text(json.dumps({"step": step, "format": "full", "files": {}}))
 
 
-def test_checkpoints_of_an_earlier_run_with_checkpointing_off_is_one_line(tmp_path, capsys):
-    """Without --checkpoint.enable the run would start at step 1 beside them and cut their metrics.jsonl."""
-    fake_checkpoint(tmp_path / "checkpoint", 2)
-    fake_checkpoint(tmp_path / "checkpoint", 4)
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n' * 4)
-    args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--training.steps", "2"]
+def test_checkpoints_of_an_earlier_run_with_checkpointing_off_is_one_line_whose_hints_run(tmp_path, capsys):
+    """Without --checkpoint.enable the run would start at step 1 beside them and cut their metrics.jsonl. The line
+    names a new dump folder first (after the README's resume example every later command stopped here), and a
+    --checkpoint.enable that resumes to train something (alone, at the same training.steps, it had nothing to)."""
+    dump_folder = tmp_path / "outputs"
+    fake_checkpoint(dump_folder / "checkpoint", 2)
+    fake_checkpoint(dump_folder / "checkpoint", 4)
+    (dump_folder / "metrics.jsonl").write_text('{"step": 1}\n' * 4)
+    (tmp_path / "outputs-2").mkdir()  # taken: not a new folder
+    args = [*DEBUG_TOML, "--job.dump_folder", str(dump_folder), "--training.steps", "4"]
     assert main(["--world-size", "1", *args]) == 2
     assert capsys.readouterr().err == (
-        f"error: the dump folder '{tmp_path}' holds checkpoints of an earlier run (up to step 4, in "
-        f"{tmp_path / 'checkpoint'}) but checkpointing is off: add --checkpoint.enable to resume it, or choose another "
-        "--job.dump_folder\n"
+        f"error: the dump folder '{dump_folder}' holds checkpoints of an earlier run (up to step 4, in "
+        f"{dump_folder / 'checkpoint'}) and checkpointing is off: to start this run apart, pass --job.dump_folder "
+        f"{tmp_path / 'outputs-3'} (a new folder); to continue that run, the flags it was saved with plus "
+        "--checkpoint.enable --training.steps 8\n"
     )
-    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n' * 4
-    check_job([*args, "--checkpoint.enable"], world_size=1)
+    assert (dump_folder / "metrics.jsonl").read_text() == '{"step": 1}\n' * 4
+    check_job([*args, "--job.dump_folder", str(tmp_path / "outputs-3")], world_size=1)
+    check_job([*args, "--checkpoint.enable", "--training.steps", "8"], world_size=1)
     check_job([*args, "--checkpoint.folder", "elsewhere"], world_size=1)  # checkpoint.folder is where they are found
+    with pytest.raises(ConfigError, match=r"plus --checkpoint.enable$"):  # steps past the last checkpoint's: enough
+        check_job([*args, "--training.steps", "5"], world_size=1)
 
 
 @pytest.mark.parametrize("flag", ["--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only"])
