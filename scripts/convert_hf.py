@@ -17,8 +17,10 @@ tensors in --dtype (bfloat16 unless given; the router's selection bias stays flo
 time into the output (FP8 weights dequantized with their block scales, to float32) and writes each tensor as stored
 unless --dtype is given; it holds the model once, in the output's dtypes. Nothing is written unless the output folder
 is new (or empty) and can be made, every weight is finite and the tensors have the shape given; to-hf also checks the
-checkpoint's files against their manifest (sizes and crc32, as a resume checks). Bad input ends with one `error:` line
-naming the fix.
+checkpoint's files against their manifest (sizes and crc32, as a resume checks), and writes into
+`<output>.incomplete-<pid>`, renamed to the output folder once complete (a killed to-hf leaves no output folder that
+looks complete). Bad input, and a write that fails (a full disk, no permission), end with one `error:` line naming
+the fix.
 """
 
 import argparse
@@ -28,9 +30,11 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import warnings
+from collections.abc import Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -48,7 +52,11 @@ from torchtitan.components.checkpoint_folder import (  # noqa: E402
     verify_checkpoint_files,
 )
 from torchtitan.components.hf_checkpoint import SCALE_SUFFIX, HFCheckpoint  # noqa: E402
-from torchtitan.components.hf_safetensors import save_hf_safetensors  # noqa: E402
+from torchtitan.components.hf_safetensors import (  # noqa: E402
+    export_bytes,
+    export_write_problem,
+    save_hf_safetensors,
+)
 from torchtitan.kernels.float8_blocks import quantize_blocks  # noqa: E402
 from torchtitan.models.deepseek_v3 import (  # noqa: E402
     DeepSeekV3Model,
@@ -156,7 +164,6 @@ def dcp_to_hf(
             hf_state_dict[key] = value.to(dtype)
         else:
             hf_state_dict[key] = value
-    save_hf_safetensors(hf_state_dict, dst, max_shard_size=max_shard_size)
     config = hf_config_from_model_args(args)
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     if fp8_block is not None:  # as DeepSeek-V3's config.json says it
@@ -166,8 +173,10 @@ def dcp_to_hf(
             "quant_method": "fp8",
             "weight_block_size": list(fp8_block),
         }
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    with _export_folder(dst, src, export_bytes(hf_state_dict)) as folder:
+        save_hf_safetensors(hf_state_dict, folder, max_shard_size=max_shard_size)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
 
 
 def hf_to_dcp(
@@ -246,6 +255,26 @@ def _check_writable(dst: str) -> None:
         raise ValueError(
             f"cannot write {dst}: {existing} takes no new folder ({err.strerror}); give an output folder you can write"
         ) from None
+
+
+@contextlib.contextmanager
+def _export_folder(dst: str, src: str, needed: int) -> Iterator[str]:
+    """A new folder beside `dst` to write the export into (`<dst>.incomplete-<pid>`), renamed to `dst` once complete:
+    a killed export leaves that folder, never a `dst` that looks complete. A write that fails (a full disk, no
+    permission) removes it and is one line; `needed`: the export's bytes."""
+    tmp = f"{os.path.abspath(dst)}.incomplete-{os.getpid()}"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        yield tmp
+        os.rename(tmp, dst)  # over `dst` if it is an empty folder
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        problem = export_write_problem(dst, err, needed, "give another output folder")
+        raise ValueError(f"exporting {src} failed, nothing was written ({src} is untouched): {problem}") from None
+    except BaseException:  # an interrupt, or bad input found while writing
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 @contextlib.contextmanager

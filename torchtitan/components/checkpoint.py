@@ -59,7 +59,7 @@ from torchtitan.components.checkpoint_folder import (
     write_rank_checksums,
 )
 from torchtitan.components.hf_checkpoint import HFCheckpoint, HFSource
-from torchtitan.components.hf_safetensors import save_hf_safetensors
+from torchtitan.components.hf_safetensors import export_bytes, export_write_problem, save_hf_safetensors
 from torchtitan.components.loss import nonfinite_weight
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.job_config import JobConfig
@@ -173,7 +173,7 @@ class CheckpointManager:
         self._barrier()
 
         if last_step and self.config.last_save_in_hf:
-            self._save_hf(tmp_path)
+            self._save_hf(curr_step, tmp_path)
             fmt = FORMAT_HF
         elif last_step and self.config.last_save_model_only:
             self._dcp_save({"model": self._in_export_dtype(self.model.state_dict())}, curr_step, tmp_path)
@@ -258,16 +258,29 @@ class CheckpointManager:
     def _in_export_dtype(self, state: dict[str, Any]) -> dict[str, Any]:
         return {k: v.to(self.export_dtype) if torch.is_floating_point(v) else v for k, v in state.items()}
 
-    def _save_hf(self, tmp_path: str) -> None:
+    def _save_hf(self, step: int, tmp_path: str) -> None:
+        """Rank 0 writes the HF export into `tmp_path`; a write that fails (a full disk, no permission) removes what it
+        wrote and stops every rank with one line (the previous checkpoints are untouched)."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to CPU on global rank 0 only
         full_state = {k: v for part in self.model_parts for k, v in get_model_state_dict(part, options=options).items()}
+        problem = None
         if self.rank == 0:
-            os.makedirs(tmp_path, exist_ok=True)
-            save_hf_safetensors(self.state_dict_adapter.to_hf(self._in_export_dtype(full_state)), tmp_path)
-            hf_config = self.state_dict_adapter.hf_config()
-            if hf_config is not None:  # config.json makes the folder loadable by transformers as is
-                with open(os.path.join(tmp_path, "config.json"), "w") as f:
-                    json.dump(hf_config, f, indent=2)
+            hf_state = self.state_dict_adapter.to_hf(self._in_export_dtype(full_state))
+            try:
+                os.makedirs(tmp_path, exist_ok=True)
+                save_hf_safetensors(hf_state, tmp_path)
+                hf_config = self.state_dict_adapter.hf_config()
+                if hf_config is not None:  # config.json makes the folder loadable by transformers as is
+                    with open(os.path.join(tmp_path, "config.json"), "w") as f:
+                        json.dump(hf_config, f, indent=2)
+            except OSError as err:
+                shutil.rmtree(tmp_path, ignore_errors=True)
+                elsewhere = "save elsewhere: --job.dump_folder"
+                problem = (
+                    f"exporting checkpoint step {step} to Hugging Face failed, the previous checkpoints are untouched: "
+                    f"{export_write_problem(self.folder, err, export_bytes(hf_state), elsewhere)}"
+                )
+        self._raise_if_any_rank(problem)
 
     # ---- load ----------------------------------------------------------------------------------------
 

@@ -1,13 +1,15 @@
 """Read and write Hugging Face safetensors folders (sharded, with model.safetensors.index.json)."""
 
 import contextlib
+import errno
 import json
 import os
 import re
+import shutil
 from collections.abc import Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -71,7 +73,8 @@ def save_hf_safetensors(
     state_dict: dict[str, torch.Tensor], folder: str, max_shard_size: int | str = "5GB"
 ) -> list[str]:
     """Write `state_dict` as shards of at most max_shard_size bytes (int, or "5GB" / "500MB"; a larger tensor gets a
-    shard of its own) plus the index json; returns the shard file names."""
+    shard of its own) plus the index json; returns the shard file names. A write that fails (a full disk, no
+    permission) is an OSError with its errno, whichever library wrote (`export_write_problem` says it in a line)."""
     max_bytes = parse_size(max_shard_size)
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
@@ -90,13 +93,53 @@ def save_hf_safetensors(
         # clone: safetensors refuses tensors that share storage (e.g. experts unstacked from one 3D tensor)
         shard = {k: v.detach().cpu().clone() for k, v in shard.items()}
         path = os.path.join(folder, name)
-        save_file(shard, path, metadata={"format": "pt"})
+        _save_file(shard, path)
         os.chmod(path, _FILE_MODE)  # safetensors writes 0600; an export is read by others, like the index json
         weight_map.update(dict.fromkeys(shard, name))
-    total_size = sum(t.numel() * t.element_size() for t in state_dict.values())
     with open(os.path.join(folder, INDEX_FILE), "w") as f:
-        json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, f, indent=2)
+        json.dump({"metadata": {"total_size": export_bytes(state_dict)}, "weight_map": weight_map}, f, indent=2)
     return names
+
+
+def export_bytes(state_dict: dict[str, torch.Tensor]) -> int:
+    """The bytes `save_hf_safetensors` writes for `state_dict`, to within its headers and index."""
+    return sum(tensor.numel() * tensor.element_size() for tensor in state_dict.values())
+
+
+def export_write_problem(folder: str, err: OSError, needed: int, elsewhere: str) -> str:
+    """Why writing an export of `needed` bytes into `folder` failed with `err`, and the fix, for a one-line error: a
+    full disk names the space the export needs and the space free there; `elsewhere` says how to write it elsewhere."""
+    reason = err.strerror or str(err)
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        existing = os.path.abspath(folder)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        free = shutil.disk_usage(existing).free
+        return (
+            f"{reason} in {folder}: the export needs {_size(needed)}, {_size(free)} are free there; free the space, or "
+            f"{elsewhere}"
+        )
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{folder} cannot be written ({reason}); make it writable, or {elsewhere}"
+    return f"writing into {folder} failed ({reason}); {elsewhere}"
+
+
+def _size(size: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} bytes"
+
+
+def _save_file(tensors: dict[str, torch.Tensor], path: str) -> None:
+    """safetensors' save_file, whose I/O errors ("... (os error 28)" in a SafetensorError) become the OSError open()
+    raises."""
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except SafetensorError as err:
+        if (code := re.search(r"\(os error (\d+)\)", str(err))) is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), path) from None
 
 
 def _umask() -> int:

@@ -1,3 +1,4 @@
+import errno
 import json
 import os
 import random
@@ -8,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.unit.components._hf_safetensors import load_hf_safetensors
+from tests.unit.components._hf_safetensors import fail_hf_writes, load_hf_safetensors
 from tests.unit.distributed._spawn import run_distributed
 from torchtitan.components import checkpoint_folder
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager
@@ -597,6 +598,60 @@ def test_last_save_in_hf_goes_through_adapter_and_hf_io(tmp_path):
     fresh = Run(config, seed=9, state_dict_adapter=PrefixAdapter())
     assert fresh.manager.load() is False
     torch.testing.assert_close(fresh.model.output.weight, written["model.output.weight"].float())
+
+
+@pytest.mark.parametrize("where", ["shard", "index"])
+def test_last_save_in_hf_into_a_full_disk_is_one_line_naming_the_folder_and_the_space_it_needs(
+    tmp_path, monkeypatch, where
+):
+    """It was a traceback on rank 0 (others waited at the barrier); now every rank stops with one line, the partial
+    export is gone and the previous checkpoints are as they were."""
+    run = Run(make_config(tmp_path, last_save_in_hf=True), state_dict_adapter=PrefixAdapter())
+    run.train(9)
+    before = {path.name: path.read_bytes() for path in (folder(tmp_path) / "step-8").iterdir()}
+    fail_hf_writes(monkeypatch, errno.ENOSPC, where)
+    with pytest.raises(CheckpointError) as err:
+        run.train(1)
+    assert re.fullmatch(
+        r"exporting checkpoint step 10 to Hugging Face failed, the previous checkpoints are untouched: No space left "
+        rf"on device in {re.escape(str(folder(tmp_path)))}: the export needs \d+\.\d KiB, [\d.]+ [KMG]iB are free "
+        r"there; free the space, or save elsewhere: --job.dump_folder",
+        str(err.value),
+    ), str(err.value)
+    assert listing(tmp_path) == ["step-2", "step-4", "step-6", "step-8"]  # no step-10.tmp, no exports/
+    assert {path.name: path.read_bytes() for path in (folder(tmp_path) / "step-8").iterdir()} == before
+
+
+def test_last_save_in_hf_into_a_folder_it_cannot_write_is_one_line_naming_it(tmp_path, monkeypatch):
+    run = Run(make_config(tmp_path, last_save_in_hf=True), state_dict_adapter=PrefixAdapter())
+    run.train(9)
+    fail_hf_writes(monkeypatch, errno.EACCES, "shard")
+    with pytest.raises(CheckpointError) as err:
+        run.train(1)
+    assert str(err.value) == (
+        "exporting checkpoint step 10 to Hugging Face failed, the previous checkpoints are untouched: "
+        f"{folder(tmp_path)} cannot be written (Permission denied); make it writable, or save elsewhere: "
+        "--job.dump_folder"
+    )
+    assert listing(tmp_path) == ["step-2", "step-4", "step-6", "step-8"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder: the test above fakes the refusal")
+def test_last_save_in_hf_into_a_read_only_folder_is_one_line_naming_it(tmp_path):
+    run = Run(make_config(tmp_path, last_save_in_hf=True), state_dict_adapter=PrefixAdapter())
+    run.train(9)
+    folder(tmp_path).chmod(0o555)
+    try:
+        with pytest.raises(CheckpointError) as err:
+            run.train(1)
+    finally:
+        folder(tmp_path).chmod(0o755)
+    assert str(err.value) == (
+        "exporting checkpoint step 10 to Hugging Face failed, the previous checkpoints are untouched: "
+        f"{folder(tmp_path)} cannot be written (Permission denied); make it writable, or save elsewhere: "
+        "--job.dump_folder"
+    )
+    assert listing(tmp_path) == ["step-2", "step-4", "step-6", "step-8"]
 
 
 class _IdentityAdapter:

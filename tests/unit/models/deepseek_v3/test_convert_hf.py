@@ -1,3 +1,4 @@
+import errno
 import importlib.util
 import json
 import os
@@ -11,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.unit.components._hf_safetensors import load_hf_safetensors
+from tests.unit.components._hf_safetensors import fail_hf_writes, load_hf_safetensors
 from torchtitan.components.checkpoint_folder import FORMAT_FULL, CheckpointError, publish, write_rank_checksums
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model
 from torchtitan.models.deepseek_v3.hf_config import hf_config_from_model_args
@@ -315,3 +316,67 @@ def test_a_damaged_hf_folder_is_one_error_line_naming_the_shard_and_the_index(tm
     index = re.escape(str(hf / "model.safetensors.index.json"))
     assert re.match("error: " + expected.format(hf=re.escape(str(hf)), index=index, shard=shard), message), message
     assert not (tmp_path / "out").exists()
+
+
+def _run_script(monkeypatch, *argv) -> str:
+    """convert_hf.py run as a script: its one `error:` line (SystemExit's message)."""
+    monkeypatch.setattr(sys, "argv", [_SCRIPT, *map(str, argv)])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(_SCRIPT, run_name="__main__")
+    message = exit_info.value.code
+    assert isinstance(message, str) and "\n" not in message, message
+    return message
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in folder.iterdir()}
+
+
+@pytest.mark.parametrize("where", ["shard", "index"])
+def test_to_hf_into_a_full_disk_is_one_line_naming_the_folder_and_the_space_it_needs(tmp_path, monkeypatch, where):
+    """It was a SafetensorError's traceback; now nothing is left of the export and the checkpoint is as it was."""
+    checkpoint = _published_checkpoint(tmp_path)
+    before = _files(checkpoint)
+    fail_hf_writes(monkeypatch, errno.ENOSPC, where)
+    out = tmp_path / "hf"
+    message = _run_script(monkeypatch, "to-hf", checkpoint, out, "--hf-config", _shape_config(tmp_path, ARGS))
+    assert re.fullmatch(
+        rf"error: exporting {re.escape(str(checkpoint))} failed, nothing was written \({re.escape(str(checkpoint))} is "
+        rf"untouched\): No space left on device in {re.escape(str(out))}: the export needs \d+\.\d KiB, [\d.]+ [KMG]iB "
+        r"are free there; free the space, or give another output folder",
+        message,
+    ), message
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "config.json"]  # no output, no .incomplete-* folder
+    assert _files(checkpoint) == before
+
+
+def test_to_hf_into_a_folder_it_cannot_write_is_one_line_naming_it(tmp_path, monkeypatch):
+    """A write refused (permission, a read-only disk) after the output folder could be made."""
+    checkpoint = _published_checkpoint(tmp_path)
+    fail_hf_writes(monkeypatch, errno.EACCES, "shard")
+    out = tmp_path / "hf"
+    message = _run_script(monkeypatch, "to-hf", checkpoint, out, "--hf-config", _shape_config(tmp_path, ARGS))
+    assert message == (
+        f"error: exporting {checkpoint} failed, nothing was written ({checkpoint} is untouched): {out} cannot be "
+        "written (Permission denied); make it writable, or give another output folder"
+    )
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "config.json"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder: the test above fakes the refusal")
+def test_to_hf_into_a_read_only_folder_is_one_line_naming_it(tmp_path, monkeypatch):
+    checkpoint = _published_checkpoint(tmp_path)
+    parent = tmp_path / "read-only"
+    parent.mkdir()
+    parent.chmod(0o555)
+    try:
+        message = _run_script(
+            monkeypatch, "to-hf", checkpoint, parent / "hf", "--hf-config", _shape_config(tmp_path, ARGS)
+        )
+    finally:
+        parent.chmod(0o755)
+    assert message == (
+        f"error: cannot write {parent / 'hf'}: {parent} takes no new folder (Permission denied); give an output "
+        "folder you can write"
+    )
+    assert os.listdir(parent) == []
