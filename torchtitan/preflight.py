@@ -28,6 +28,7 @@ from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.manager import command_line_keys, memory_budget_applies
 from torchtitan.datasets.corpus import CACHE_DIR_ENV, disk_cache_dir
 from torchtitan.datasets.shards import check_sources
+from torchtitan.tools.cli import run_cli
 
 if TYPE_CHECKING:
     from torchtitan.distributed.parallel_dims import ParallelDims
@@ -537,4 +538,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)

@@ -14,6 +14,7 @@ from torchtitan.plan.fixes import Change, fitting_changes
 from torchtitan.plan.hardware import GPUS
 from torchtitan.plan.report import format_plan
 from torchtitan.preflight import check_layout
+from torchtitan.tools.cli import run_cli
 
 CHECK_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "plan_check.json"
 MEMORY_BOUND, SPEED_BOUND = 0.07, 0.15
@@ -79,4 +80,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)
