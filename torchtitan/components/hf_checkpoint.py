@@ -20,7 +20,13 @@ import torch
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.hf_safetensors import DamagedTensorError, reading_shard, weight_map
+from torchtitan.components.hf_safetensors import (
+    INCOMPLETE_FIX,
+    INDEX_FILE,
+    DamagedCheckpointError,
+    reading_shard,
+    weight_map,
+)
 from torchtitan.kernels.float8_blocks import dequantize_blocks, scale_shape
 
 __all__ = ["HFCheckpoint", "HFSource"]
@@ -50,6 +56,10 @@ class HFCheckpoint:
     def __init__(self, folder: str) -> None:
         self.folder = folder
         self.weight_map = weight_map(folder)  # tensor name -> shard path
+        self.index = os.path.join(folder, INDEX_FILE) if os.path.exists(os.path.join(folder, INDEX_FILE)) else None
+        self.listed: dict[str, set[str]] = {}  # shard path -> the tensor names the index lists in it
+        for name, path in self.weight_map.items():
+            self.listed.setdefault(path, set()).add(name)
         self.scales = _scales_of_weights(folder, self.weight_map)  # FP8 weight name -> its scales' name
         self.block = _fp8_block_size(folder, self.scales) if self.scales else None  # (rows, cols) per scale
 
@@ -144,10 +154,27 @@ class HFCheckpoint:
         headers = {}
         for path, names in sorted(by_shard.items()):
             with reading_shard(path), safe_open(path, framework="pt") as shard:
+                self._check_listed(path, set(shard.keys()))
                 for key in names:
                     entry = shard.get_slice(key)
                     headers[key] = (entry.get_dtype(), tuple(entry.get_shape()))
         return headers
+
+    def _check_listed(self, path: str, held: set[str]) -> None:
+        """The tensors a shard holds are those the index lists in it: else the folder mixes an export with parts of
+        another, or a shard was rewritten after its index (an interrupted export or download)."""
+        if self.index is None:
+            return
+        problem = f"the folder is incomplete or mixed (an interrupted export or download); {INCOMPLETE_FIX}"
+        if absent := sorted(self.listed[path] - held):
+            raise DamagedCheckpointError(
+                f"{self.index} lists {len(absent)} tensor(s) in {path} that it does not hold, e.g. {absent[0]}: "
+                f"{problem}"
+            )
+        if unlisted := sorted(held - self.weight_map.keys()):
+            raise DamagedCheckpointError(
+                f"{path} holds {len(unlisted)} tensor(s) that {self.index} does not list, e.g. {unlisted[0]}: {problem}"
+            )
 
     def _check_fp8(self, key: str, headers: dict[str, tuple[str, tuple[int, ...]]]) -> None:
         dtype, shape = headers[key]
@@ -170,7 +197,7 @@ class HFCheckpoint:
 def check_block_scales(
     where: str, values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], start: tuple[int, int]
 ) -> None:
-    """DamagedTensorError naming the first block whose scale cannot be right: NaN, inf or below 0 (its weights would
+    """DamagedCheckpointError naming the first block whose scale cannot be right: NaN, inf or below 0 (its weights would
     be NaN, inf or sign-flipped), or 0 over FP8 values that are not all 0 (they would load as a block of zeros).
     `values` (R, C) is a region of the weight starting at row, column `start`, `scale_inv` the scales of the blocks it
     touches (as `dequantize_blocks` takes them), `where` names the scale tensor."""
@@ -188,9 +215,9 @@ def check_block_scales(
     i, j = damaged.nonzero()[0].tolist()
     value = scale_inv[i, j].item()
     over = " over FP8 values that are not all 0, which would load as zeros" if value == 0 else ""
-    raise DamagedTensorError(
-        f"{where} holds {value:g} for block [{first_row + i}, {first_col + j}] (of {block_rows} x {block_cols}, counted "
-        f"from 0){over}: a block scale is a finite number above 0; the checkpoint is damaged, fetch it again"
+    raise DamagedCheckpointError(
+        f"{where} holds {value:g} for block [{first_row + i}, {first_col + j}] (of {block_rows} x {block_cols}, "
+        f"counted from 0){over}: a block scale is a finite number above 0; the checkpoint is damaged, fetch it again"
     )
 
 

@@ -13,6 +13,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 INDEX_FILE = "model.safetensors.index.json"
+INCOMPLETE_FIX = "rerun scripts/convert_hf.py to-hf into a new folder, or fetch the folder again"
+"""What to do about a folder that an interrupted export or download left incomplete."""
+_SHARD_NAME = re.compile(r"model-\d+-of-\d+\.safetensors")
+"""A shard of a sharded save (ours, transformers'), whose index is written after every shard."""
 
 
 def hf_safetensors_keys(folder: str) -> list[str]:
@@ -22,7 +26,8 @@ def hf_safetensors_keys(folder: str) -> list[str]:
 
 def weight_map(folder: str) -> dict[str, str]:
     """Tensor name -> shard path: from the folder's index json (each shard it names must be there; none is opened),
-    else from the headers of every *.safetensors file."""
+    else from the headers of every *.safetensors file (shards of a sharded save without their index: an incomplete
+    folder, FileNotFoundError)."""
     index_path = os.path.join(folder, INDEX_FILE)
     if os.path.exists(index_path):
         try:
@@ -33,8 +38,8 @@ def weight_map(folder: str) -> dict[str, str]:
         files = sorted(set(names.values()))
         if missing := [name for name in files if not os.path.isfile(os.path.join(folder, name))]:
             raise FileNotFoundError(
-                f"{index_path} names {len(missing)} shard(s) missing from the folder, e.g. {missing[0]}: an "
-                "interrupted download? fetch or convert it again"
+                f"{index_path} names {len(missing)} shard(s) missing from the folder, e.g. {missing[0]}: the folder is "
+                f"incomplete (an interrupted export or download); {INCOMPLETE_FIX}"
             )
         if not files:
             raise FileNotFoundError(f"no .safetensors files in {folder}")
@@ -42,6 +47,11 @@ def weight_map(folder: str) -> dict[str, str]:
     files = sorted(name for name in os.listdir(folder) if name.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {folder}")
+    if shards := [name for name in files if _SHARD_NAME.fullmatch(name)]:
+        raise FileNotFoundError(
+            f"{folder} holds {len(shards)} shard(s) ({shards[0]}, ...) but not their {INDEX_FILE}, which is written "
+            f"after every shard: the folder is incomplete (an interrupted export or download); {INCOMPLETE_FIX}"
+        )
     located = {}
     for name in files:
         path = os.path.join(folder, name)
@@ -50,9 +60,10 @@ def weight_map(folder: str) -> dict[str, str]:
     return located
 
 
-class DamagedTensorError(ValueError):
-    """A tensor read intact from its shard whose values cannot be right (e.g. an FP8 block scale of 0, NaN, inf or
-    below 0): its message names the tensor and the fix, and `reading_shard` passes it on as it is."""
+class DamagedCheckpointError(ValueError):
+    """A folder whose files read intact but do not fit together (an index listing a tensor its shard lacks) or hold
+    values that cannot be right (an FP8 block scale of 0, NaN, inf or below 0): its message names what and the fix,
+    and `reading_shard` passes it on as it is."""
 
 
 @contextlib.contextmanager
@@ -60,7 +71,7 @@ def reading_shard(path: str) -> Iterator[None]:
     """A shard that cannot be read is one error naming it (safetensors raises its own type for a damaged file)."""
     try:
         yield
-    except DamagedTensorError:
+    except DamagedCheckpointError:
         raise
     except Exception as err:
         index = os.path.join(os.path.dirname(path), INDEX_FILE)

@@ -4,6 +4,7 @@ import json
 import os
 import re
 import runpy
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.unit.components._hf_safetensors import fail_hf_writes, load_hf_safetensors
+from tests.unit.components.test_hf_checkpoint import load_initial_hf
 from torchtitan.components.checkpoint_folder import FORMAT_FULL, CheckpointError, publish, write_rank_checksums
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model
 from torchtitan.models.deepseek_v3.hf_config import hf_config_from_model_args
@@ -291,7 +293,11 @@ def _damage_shards(hf: Path, damage: str, monkeypatch) -> None:
 @pytest.mark.parametrize(
     "damage, expected",
     [
-        ("missing", r"{index} names 1 shard\(s\) missing from the folder, e.g. {shard}: an interrupted download\?"),
+        (
+            "missing",
+            r"{index} names 1 shard\(s\) missing from the folder, e.g. {shard}: the folder is incomplete \(an "
+            r"interrupted export or download\); rerun scripts/convert_hf\.py to-hf into a new folder, or fetch the",
+        ),
         ("truncated", r"cannot read shard {hf}/{shard} \(listed in {index}\) \(.*\): truncated\? fetch or convert"),
         ("denied", r"cannot read shard {hf}/{shard} \(listed in {index}\) \(.*Permission denied.*\): fix its perm"),
         ("not-json", r"{index} is not a safetensors index \(JSONDecodeError\(.*\)\): fetch the folder again"),
@@ -380,3 +386,92 @@ def test_to_hf_into_a_read_only_folder_is_one_line_naming_it(tmp_path, monkeypat
         "folder you can write"
     )
     assert os.listdir(parent) == []
+
+
+class _Killed(BaseException):
+    """kill -9 mid-export: nothing of the process runs after it (no cleanup)."""
+
+
+def _killed_export(tmp_path, monkeypatch) -> Path:
+    """to-hf killed after writing its first shard (of several); returns the folder it was writing into."""
+    from torchtitan.components import hf_safetensors
+
+    real_save, written = hf_safetensors._save_file, []
+
+    def save_then_die(tensors, path):
+        if written:
+            raise _Killed
+        real_save(tensors, path)
+        written.append(path)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(hf_safetensors, "_save_file", save_then_die)
+        patch.setattr(convert_hf.shutil, "rmtree", lambda *args, **kwargs: None)
+        with pytest.raises(_Killed):
+            argv = ["--hf-config", _shape_config(tmp_path, ARGS), "--max-shard-size", "50KB"]
+            convert_hf.main(["to-hf", str(_published_checkpoint(tmp_path)), str(tmp_path / "hf"), *argv])
+    (incomplete,) = tmp_path.glob("hf.incomplete-*")
+    return incomplete
+
+
+def test_a_killed_to_hf_leaves_no_output_folder_and_its_partial_one_is_called_incomplete(tmp_path, monkeypatch):
+    """The trainer called what a killed export left "another model than --model.flavor builds"."""
+    incomplete = _killed_export(tmp_path, monkeypatch)
+    assert not (tmp_path / "hf").exists()
+    assert [path.name for path in incomplete.iterdir()] == ["model-00001-of-00008.safetensors"]
+    line = (
+        f"{incomplete} holds 1 shard(s) (model-00001-of-00008.safetensors, ...) but not their "
+        "model.safetensors.index.json, which is written after every shard: the folder is incomplete (an interrupted "
+        "export or download); rerun scripts/convert_hf.py to-hf into a new folder, or fetch the folder again"
+    )
+    assert _run_script(
+        monkeypatch, "from-hf", incomplete, tmp_path / "out", "--hf-config", tmp_path / "config.json"
+    ) == (f"error: {line}")
+    with pytest.raises(CheckpointError) as err:
+        load_initial_hf([DeepSeekV3Model(ARGS)], ARGS, incomplete, tmp_path / "run")
+    assert str(err.value) == f"checkpoint.initial_load_path {incomplete}: {line}; or point it elsewhere"
+
+
+def _mix_shards(hf: Path, how: str) -> tuple[str, str]:
+    """A shard that no longer holds what the index lists in it ("absent": one tensor gone) or that holds a tensor the
+    index does not list ("unlisted"); returns (that shard, the tensor)."""
+    from safetensors.torch import load_file, save_file
+
+    shard = sorted(hf.glob("model-00002-of-*.safetensors"))[0]
+    tensors = load_file(str(shard))
+    key = sorted(tensors)[0]
+    if how == "absent":
+        del tensors[key]
+    else:
+        key = "model.layers.1.self_attn.o_proj.weight_copy"
+        tensors[key] = torch.zeros(1)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    return str(shard), key
+
+
+@pytest.mark.parametrize("how", ["absent", "unlisted"])
+@pytest.mark.parametrize("reader", ["trainer", "from-hf"])
+def test_shards_that_do_not_hold_what_the_index_lists_are_an_incomplete_folder(tmp_path, monkeypatch, how, reader):
+    """A shard rewritten after the index (an interrupted export or download, or parts of two exports): the tensors
+    missing were "another model", an unlisted one went unread."""
+    hf = _hf_folder(tmp_path)
+    shutil.rmtree(hf)
+    argv = ["--hf-config", str(tmp_path / "tiny_config.json"), "--max-shard-size", "50KB"]
+    convert_hf.main(["to-hf", str(tmp_path / "ckpt"), str(hf), *argv])
+    shard, key = _mix_shards(hf, how)
+    index = hf / "model.safetensors.index.json"
+    fix = (
+        "the folder is incomplete or mixed (an interrupted export or download); rerun scripts/convert_hf.py to-hf into "
+        "a new folder, or fetch the folder again"
+    )
+    if how == "absent":
+        line = f"{index} lists 1 tensor(s) in {shard} that it does not hold, e.g. {key}: {fix}"
+    else:
+        line = f"{shard} holds 1 tensor(s) that {index} does not list, e.g. {key}: {fix}"
+    if reader == "from-hf":
+        assert _run_script(monkeypatch, "from-hf", hf, tmp_path / "out") == f"error: {line}"
+        assert not (tmp_path / "out").exists()
+    else:
+        with pytest.raises(CheckpointError) as err:
+            load_initial_hf([DeepSeekV3Model(ARGS)], ARGS, hf, tmp_path / "run")
+        assert str(err.value) == f"checkpoint.initial_load_path {hf}: {line}; or point it elsewhere"
