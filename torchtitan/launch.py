@@ -5,8 +5,9 @@ traceback and failure table and adds a line naming the rank and exit code only w
 terminal (a bug, a signal, a rank whose output `--local-ranks-filter` hides: `report_error` hands the line over
 through torchrun's error file), and turns Ctrl-C into one line and exit code 130. Where several ranks failed, it
 names the cause: a rank killed by a signal before one whose error says it lost that rank. A multi-node rendezvous
-endpoint is checked (a port that is a number, a host that resolves) before torchrun starts. torchrun's own log lines
-are off unless `LOGLEVEL` is set. run_train.sh uses it in place of `python -m torch.distributed.run`.
+endpoint is checked (a port that is a number, a host that resolves) before torchrun starts, and more processes than
+CPU cores on a machine without a GPU is a warning line. torchrun's own log lines are off unless `LOGLEVEL` is set.
+run_train.sh uses it in place of `python -m torch.distributed.run`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 
+import torch
 from torch.distributed import run
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -40,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     if problem := _rendezvous_problem(argv):
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    if warning := _more_processes_than_cores(argv):
+        print(f"warning: {warning}", file=sys.stderr)
     try:
         run.main(argv)
     except ChildFailedError as err:
@@ -142,6 +146,24 @@ def _resolve_problem(host: str, port: int, timeout_s: float) -> str | None:
     if outcome[0] is not None:
         return f"its host {host!r} does not resolve ({outcome[0].strerror or outcome[0]})"
     return None
+
+
+def _more_processes_than_cores(argv: list[str]) -> str | None:
+    """Where no GPU takes the work and this node's processes outnumber its CPU cores, what that costs and the fix (a
+    run that says nothing just crawls)."""
+    nproc = run.parse_args(argv).nproc_per_node  # a number, or torchrun's "auto", "cpu", "gpu"
+    cores = _usable_cores()
+    if torch.cuda.is_available() or not nproc.isdigit() or int(nproc) <= cores:
+        return None
+    return (
+        f"{nproc} processes per node (NGPU, torchrun's --nproc-per-node) on {cores} CPU cores and no GPU: they take "
+        f"turns on the cores and wait for each other in every collective; set NGPU to {cores} or fewer for speed"
+    )
+
+
+def _usable_cores() -> int:
+    """The CPU cores this process may run on (all of them where the OS cannot say)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _quiet_torchrun() -> None:

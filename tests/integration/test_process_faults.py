@@ -197,6 +197,31 @@ def test_the_interrupt_line_says_what_a_rerun_does(tmp_path):
     assert "before its first checkpoint (every 5 steps)" in enabled and "enable --checkpoint" not in enabled
 
 
+def test_more_processes_than_cores_without_a_gpu_is_one_warning_line(monkeypatch, capsys):
+    """NGPU=8 on a 2-core CPU machine started 8 processes without a word."""
+    import torch
+    from torch.distributed import run as torchrun
+
+    from torchtitan import launch
+
+    monkeypatch.setenv("LOGLEVEL", "CRITICAL")  # launch.main leaves torchrun's loggers alone (see below)
+    monkeypatch.setattr(torchrun, "main", lambda argv: None)  # no process started
+    monkeypatch.setattr(launch, "_usable_cores", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def launch_err(nproc: int) -> str:
+        assert launch.main(["--nproc-per-node", str(nproc), "--standalone", "-m", "torchtitan.train"]) == 0
+        return capsys.readouterr().err
+
+    assert launch_err(8) == (
+        "warning: 8 processes per node (NGPU, torchrun's --nproc-per-node) on 2 CPU cores and no GPU: they take turns "
+        "on the cores and wait for each other in every collective; set NGPU to 2 or fewer for speed\n"
+    )
+    assert launch_err(2) == ""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPUs do the work
+    assert launch_err(8) == ""
+
+
 def test_a_rank_killed_by_sigkill_points_at_host_memory(tmp_path, monkeypatch, capsys):
     # `--training.seq_len 8192` on a small host: the kernel's OOM killer ends rank 0 and leaves no output above
     from torch.distributed import run as torchrun
