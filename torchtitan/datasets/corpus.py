@@ -121,7 +121,7 @@ def iter_documents(path: Path, part: tuple[int, int] | None = None, peek: bool =
             groups = None if part is None else list(range(*part))
             rows = PEEK_RECORDS if peek else 1024
             for batch in parquet.iter_batches(batch_size=rows, columns=[TEXT_FIELD], row_groups=groups):
-                yield from _text_column(_pa_table(batch, parquet.schema_arrow), path)
+                yield from _text_column(_pa_table(batch, batch.schema), path)
         elif name.endswith(".arrow"):
             for batch in _arrow_batches(path):
                 yield from _text_column(_pa_table(batch, batch.schema), path)

@@ -100,7 +100,13 @@ def open_source(path: str | None, dataset: str, tokenizer: Tokenizer, vocab_size
     files = resolve_corpus_files(dataset, path, section)
     check_raw_size(files, flag)
     logger.info(f"{section} {describe_corpus(files, path)}")
-    return _open_shard_folder(_cached_shards(files, tokenizer), tokenizer, vocab_size, name=path or dataset)
+    folder = _cached_shards(files, tokenizer)
+    try:
+        return _open_shard_folder(folder, tokenizer, vocab_size, name=path or dataset)
+    except DatasetError as err:  # a damaged cache must never stop training: tokenize again
+        logger.warning(f"ignoring the damaged tokenized-corpus cache {folder} ({err}); tokenizing again")
+        shutil.rmtree(folder, ignore_errors=True)
+        return _open_shard_folder(_cached_shards(files, tokenizer), tokenizer, vocab_size, name=path or dataset)
 
 
 def training_sources(job_config: "JobConfig") -> list[tuple[float, str | None]]:
@@ -278,7 +284,7 @@ def _cached_shards(files: list[Path], tokenizer: Tokenizer) -> Path:
         parts = plan_parts(files)
         tokenize_parts(parts, tmp, tokenizer.path)
         manifest = join(tmp, parts, tokenizer.path)
-        if manifest["num_tokens"] == 0:
+        if not any(shard["text_documents"] for shard in manifest["shards"]):
             raise empty_corpus_error(files)
         try:
             tmp.rename(folder)

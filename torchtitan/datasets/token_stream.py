@@ -10,6 +10,7 @@ j counting the source's own samples. Any sample index maps to (source, j) in O(1
 and the per-source counts need no state beyond the global sample index.
 """
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,7 +91,10 @@ class Mixture:
 
     @property
     def names(self) -> list[str]:
-        return [stream.name for stream in self.streams]
+        """A short name of each source (its path's last part), unique: `_2`, `_3` ... after repeats."""
+        bases = [os.path.basename(stream.name.rstrip("/")) or stream.name for stream in self.streams]
+        repeats = [bases[:i].count(base) for i, base in enumerate(bases)]
+        return [base if not n else f"{base}_{n + 1}" for base, n in zip(bases, repeats, strict=True)]
 
     def realized_shares(self) -> np.ndarray:
         return self.cumulative[-1] / self.cumulative[-1].sum()

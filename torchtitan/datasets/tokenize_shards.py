@@ -117,23 +117,25 @@ def tokenize_part(tokenizer: Tokenizer, part: Part, out_dir: Path, index: int) -
     marker = prefix.with_suffix(".json")
     marker.unlink(missing_ok=True)
     writer = IndexedShardWriter(prefix, token_dtype(tokenizer.vocab_size))
-    text_bytes = 0
+    text_bytes, text_documents = 0, 0  # documents of more than whitespace
     started = time.perf_counter()
     path = Path(part.path)
     if path.name.lower().endswith((".txt", ".txt.gz")):  # one document, encoded in pieces
         writer.append([tokenizer.bos_id])
         for piece in iter_text_pieces(path):
             text_bytes += len(piece.encode("utf-8"))
+            text_documents = text_documents or int(not piece.isspace())
             writer.append(tokenizer.encode(piece))
         writer.append([tokenizer.eos_id])
         writer.end_document()
     else:
         for batch in _document_batches(path, part):
             text_bytes += sum(len(doc.encode("utf-8")) for doc in batch)
+            text_documents += sum(not doc.isspace() for doc in batch)
             for ids in tokenizer.encode_batch(batch, add_bos=True, add_eos=True):
                 writer.append(ids)
                 writer.end_document()
-    entry = {"name": prefix.name, "part": asdict(part), **writer.finish()}
+    entry = {"name": prefix.name, "part": asdict(part), "text_documents": text_documents, **writer.finish()}
     record = {"tokenizer": tokenizer.fingerprint, "text_bytes": text_bytes, "shard": entry}
     _write_json_atomic(marker, record)
     return {"text_bytes": text_bytes, "seconds": time.perf_counter() - started, "peak_rss_mib": _peak_rss_mib()}

@@ -8,17 +8,34 @@ import pytest
 import torch
 
 from torchtitan.datasets.corpus import (
+    CACHE_DIR_ENV,
     DatasetError,
     check_corpus,
     describe_corpus,
     read_documents,
     resolve_corpus_files,
 )
-from torchtitan.datasets.text_datasets import CACHE_DIR_ENV, PackedTextDataset, build_text_dataset, tokenize_corpus
+from torchtitan.datasets.shards import open_source
+from torchtitan.datasets.text_datasets import PackedTextDataset, build_text_dataset
+
+VOCAB = 2048  # the shipped tokenizer's, the debug model's
 
 
 def read_corpus(path) -> list[str]:
     return [doc for f in resolve_corpus_files("ignored", str(path)) for doc in read_documents(f)]
+
+
+def stream_of(dataset: PackedTextDataset) -> list[int]:
+    """The whole token stream of a one-source dataset."""
+    stream = dataset.mixture.streams[0]
+    return stream.window(0, stream.num_tokens)[0].tolist()
+
+
+def tokenize_corpus(files, tokenizer) -> tuple[torch.Tensor, int]:
+    """(the token stream of a raw corpus file, its number of documents), through the trainer's cached shards."""
+    source = open_source(str(files[0]), "", tokenizer, VOCAB, "training")
+    stream = source.stream()
+    return torch.from_numpy(stream.window(0, stream.num_tokens)[0]), source.num_documents
 
 
 def take(dataset: PackedTextDataset, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -38,32 +55,21 @@ def test_token_stream_is_bos_doc_eos_per_document(tokenizer, jsonl_corpus, docum
 def test_tokenized_corpus_is_cached_on_disk_for_later_processes(tokenizer, jsonl_corpus, monkeypatch, tmp_path, caplog):
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
     stream, num_documents = tokenize_corpus([jsonl_corpus], tokenizer)
-    [cache_file] = (tmp_path / "cache" / "tokenized").iterdir()
+    [cached] = (tmp_path / "cache" / "shards").iterdir()
+    assert (cached / "manifest.json").is_file() and (cached / "shard-000000.bin").is_file()
 
-    # the next call loads it and tokenizes nothing
-    monkeypatch.setattr(tokenizer, "encode_batch", lambda *args, **kwargs: pytest.fail("tokenized again"))
-    cached, cached_documents = tokenize_corpus([jsonl_corpus], tokenizer)
-    assert torch.equal(cached, stream) and cached_documents == num_documents
+    # the next call maps the shards and tokenizes nothing
+    with monkeypatch.context() as patch:
+        patch.setattr("torchtitan.datasets.shards.tokenize_parts", lambda *a, **k: pytest.fail("tokenized again"))
+        again, again_documents = tokenize_corpus([jsonl_corpus], tokenizer)
+    assert torch.equal(again, stream) and again_documents == num_documents
 
-    # A damaged cache file is rebuilt, with a warning, not an error.
-    cache_file.write_bytes(b"not a torch file")
-    monkeypatch.undo()
-    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    # A damaged cache (its index no longer matches its checksum) is rebuilt, with a warning, not an error.
+    index = cached / "shard-000000.idx"
+    index.write_bytes(index.read_bytes()[:-8] + bytes(8))
     with caplog.at_level("WARNING"):
         rebuilt, _ = tokenize_corpus([jsonl_corpus], tokenizer)
-    assert torch.equal(rebuilt, stream) and "unreadable tokenized-corpus cache" in caplog.text
-    assert torch.equal(torch.load(cache_file, weights_only=True)["tokens"], stream)
-
-    # One flipped bit in the cached tokens (the file still loads) fails its checksum: rebuilt, never trained on.
-    raw = bytearray(cache_file.read_bytes())
-    raw[raw.find(stream.numpy().tobytes()) + 8 * (len(stream) // 2)] ^= 0x10
-    cache_file.write_bytes(bytes(raw))
-    assert not torch.equal(torch.load(cache_file, weights_only=True)["tokens"], stream)
-    caplog.clear()
-    with caplog.at_level("WARNING"):
-        rebuilt, _ = tokenize_corpus([jsonl_corpus], tokenizer)
-    assert torch.equal(rebuilt, stream) and "its checksum does not match; tokenizing again" in caplog.text
-    assert torch.equal(torch.load(cache_file, weights_only=True)["tokens"], stream)
+    assert torch.equal(rebuilt, stream) and "ignoring the damaged tokenized-corpus cache" in caplog.text
 
     # An edited corpus (new size or mtime) is tokenized again.
     jsonl_corpus.write_text(json.dumps({"text": "one new document"}) + "\n")
@@ -73,8 +79,8 @@ def test_tokenized_corpus_is_cached_on_disk_for_later_processes(tokenizer, jsonl
 
 def test_samples_are_shifted_windows_of_the_stream_spanning_documents(tokenizer, jsonl_corpus, make_job_config):
     seq_len = 16
-    dataset, _ = build_text_dataset(make_job_config(jsonl_corpus, seq_len=seq_len), tokenizer, 0, 1)
-    stream = dataset.token_stream.tolist()
+    dataset, _ = build_text_dataset(make_job_config(jsonl_corpus, seq_len=seq_len), tokenizer, VOCAB, 0, 1)
+    stream = stream_of(dataset)
     assert len(stream) > 3 * (seq_len + 1)
     samples = take(dataset, 3)
     for i, (inputs, labels) in enumerate(samples):
@@ -93,31 +99,30 @@ def test_samples_are_shifted_windows_of_the_stream_spanning_documents(tokenizer,
 def test_a_corpus_smaller_than_one_step_is_a_warning_naming_the_flag(tmp_path, tokenizer, make_job_config, caplog):
     (tmp_path / "tiny.txt").write_text("hi")
     with caplog.at_level("WARNING"):
-        build_text_dataset(make_job_config(tmp_path / "tiny.txt", seq_len=16), tokenizer, 0, 1)
-    assert "fewer than one step reads (34)" in caplog.text and "--training.dataset_path" in caplog.text
+        build_text_dataset(make_job_config(tmp_path / "tiny.txt", seq_len=16), tokenizer, VOCAB, 0, 1)
+    assert "fewer than one step reads from it (34)" in caplog.text and "--training.dataset_path" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING"):
-        build_text_dataset(make_job_config(seq_len=16), tokenizer, 0, 1)  # the shipped corpus: no warning
+        build_text_dataset(make_job_config(seq_len=16), tokenizer, VOCAB, 0, 1)  # the shipped corpus: no warning
     assert "fewer than one step" not in caplog.text
 
 
-def test_stream_repeats_over_epochs_and_state_tracks_epoch(tokenizer, jsonl_corpus, make_job_config):
+def test_stream_repeats_over_epochs(tokenizer, jsonl_corpus, make_job_config):
     seq_len = 7
-    dataset, _ = build_text_dataset(make_job_config(jsonl_corpus, seq_len=seq_len), tokenizer, 0, 1)
-    stream = dataset.token_stream.tolist()
+    dataset, _ = build_text_dataset(make_job_config(jsonl_corpus, seq_len=seq_len), tokenizer, VOCAB, 0, 1)
+    stream = stream_of(dataset)
     samples_per_epoch = len(stream) // (seq_len + 1) + 2
     samples = take(dataset, 2 * samples_per_epoch)
     flat = [t for x, y in samples for t in [*x.tolist(), y[-1].item()]]
     assert flat == (stream * 3)[: len(flat)]
-    assert dataset.state_dict() == {"samples_yielded": len(samples), "epoch": len(flat) // len(stream)}
-    assert dataset.state_dict()["epoch"] >= 2
+    assert dataset.state_dict() == {"samples_yielded": len(samples)} and len(flat) // len(stream) >= 2
 
 
 def test_dataset_state_round_trip_resumes_exactly(tokenizer, jsonl_corpus, make_job_config):
     job_config = make_job_config(jsonl_corpus)
-    first, _ = build_text_dataset(job_config, tokenizer, 1, 3)
+    first, _ = build_text_dataset(job_config, tokenizer, VOCAB, 1, 3)
     take(first, 5)
-    second, _ = build_text_dataset(job_config, tokenizer, 1, 3)
+    second, _ = build_text_dataset(job_config, tokenizer, VOCAB, 1, 3)
     second.load_state_dict(first.state_dict())
     for (a, b), (c, d) in zip(take(first, 4), take(second, 4), strict=True):
         assert torch.equal(a, c) and torch.equal(b, d)
@@ -236,7 +241,7 @@ def test_empty_documents_are_skipped(tmp_path, tokenizer):
 # ---- validation split ----
 
 
-def test_validation_holds_out_every_20th_document_and_training_skips_it(tmp_path, tokenizer, make_job_config):
+def test_validation_holds_out_the_last_20th_of_each_shard_and_training_skips_it(tmp_path, tokenizer, make_job_config):
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(45)))
 
@@ -244,18 +249,19 @@ def test_validation_holds_out_every_20th_document_and_training_skips_it(tmp_path
         return [t for i in indices for t in tokenizer.encode(f"document {i}", add_bos=True, add_eos=True)]
 
     job_config = make_job_config(path)
-    assert build_text_dataset(job_config, tokenizer, 0, 1)[0].token_stream.tolist() == tokens(range(45))
+    assert stream_of(build_text_dataset(job_config, tokenizer, VOCAB, 0, 1)[0]) == tokens(range(45))
     job_config.validation.enable, job_config.validation.seq_len, job_config.validation.steps = True, 2, 1
-    train, train_identity = build_text_dataset(job_config, tokenizer, 0, 1)
-    held_out, identity = build_text_dataset(job_config, tokenizer, 0, 1, "validation")
-    assert held_out.token_stream.tolist() == tokens([19, 39]) and identity["num_documents"] == 2
-    assert train.token_stream.tolist() == tokens(i for i in range(45) if i not in (19, 39))
-    assert train_identity["num_documents"] == 43 and (train.seq_len, train.local_batch_size) == (16, 2)
+    train, train_identity = build_text_dataset(job_config, tokenizer, VOCAB, 0, 1)
+    held_out, identity = build_text_dataset(job_config, tokenizer, VOCAB, 0, 1, "validation")
+    assert stream_of(held_out) == tokens([43, 44])  # 45 // 20 documents, the shard's last
+    assert stream_of(train) == tokens(range(43))
+    assert train_identity["data_sha256"] != identity["data_sha256"]
+    assert (train.seq_len, train.local_batch_size) == (16, 2)
     assert (held_out.seq_len, held_out.local_batch_size) == (2, 2)  # its own seq_len, the training's batch size
     # a validation corpus of its own is read whole, and training reads every document again
     job_config.validation.dataset_path = str(path)
-    assert build_text_dataset(job_config, tokenizer, 0, 1, "validation")[0].token_stream.tolist() == tokens(range(45))
-    assert build_text_dataset(job_config, tokenizer, 0, 1)[0].token_stream.tolist() == tokens(range(45))
+    assert stream_of(build_text_dataset(job_config, tokenizer, VOCAB, 0, 1, "validation")[0]) == tokens(range(45))
+    assert stream_of(build_text_dataset(job_config, tokenizer, VOCAB, 0, 1)[0]) == tokens(range(45))
 
 
 def test_more_validation_steps_than_the_set_holds_is_one_error(tmp_path, tokenizer, make_job_config):
@@ -264,19 +270,21 @@ def test_more_validation_steps_than_the_set_holds_is_one_error(tmp_path, tokeniz
     path.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(45)))
     job_config = make_job_config(path)
     job_config.validation.enable, job_config.validation.seq_len, job_config.validation.steps = True, 2, 1
-    held = build_text_dataset(job_config, tokenizer, 0, 1, "validation")[0].token_stream.numel() // (3 * 2)
+    held = len(stream_of(build_text_dataset(job_config, tokenizer, VOCAB, 0, 1, "validation")[0])) // (3 * 2)
     job_config.validation.steps = held
-    build_text_dataset(job_config, tokenizer, 0, 1, "validation")
+    build_text_dataset(job_config, tokenizer, VOCAB, 0, 1, "validation")
     job_config.validation.steps = held + 1
-    with pytest.raises(DatasetError, match=f"validation.steps={held + 1} needs more batches .* \\({held} of 1 x 2 x 2"):
-        build_text_dataset(job_config, tokenizer, 0, 1, "validation")
+    with pytest.raises(DatasetError, match=f"validation.steps={held + 1} needs .* more than its validation set holds"):
+        build_text_dataset(job_config, tokenizer, VOCAB, 0, 1, "validation")
 
 
 def test_a_corpus_too_small_to_hold_out_from_is_one_error(tokenizer, jsonl_corpus, make_job_config):
     job_config = make_job_config(jsonl_corpus)
     job_config.validation.enable = True
-    with pytest.raises(DatasetError, match="4 documents, too few to hold out every 20th .*--validation.dataset_path"):
-        build_text_dataset(job_config, tokenizer, 0, 1, "validation")
+    with pytest.raises(
+        DatasetError, match="4 documents, too few to hold the last 1/20 of each shard out .*--validation.dataset_path"
+    ):
+        build_text_dataset(job_config, tokenizer, VOCAB, 0, 1, "validation")
 
 
 # ---- errors ----

@@ -94,7 +94,7 @@ def _check_model(dims: ParallelDims, cp: ContextParallel) -> None:
     stream = torch.randint(2, args.vocab_size, (BATCH, SEQ_LEN + 1), generator=generator)
     stream[:, [0, 6, 11]] = BOS
     tokens, labels = stream[:, :-1], stream[:, 1:]
-    documents, next_targets = (tokens == BOS).cumsum(1), mtp_targets(tokens, labels, 0, BOS)
+    documents, next_targets = (tokens == BOS).cumsum(1), mtp_targets((stream == BOS).cumsum(1), labels, 0)
     counts = (labels.numel(), (next_targets != -100).sum())
 
     def loss_of(model, tokens, labels, next_targets, **kwargs):

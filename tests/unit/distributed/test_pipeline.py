@@ -107,7 +107,8 @@ def _pipeline_with_mtp_matches(rank: int, world_size: int, schedule: str) -> Non
     inputs = inputs.clone()
     inputs[:, SEQ_LEN // 2] = BOS  # two packed documents per sequence
     document_ids = (inputs == BOS).cumsum(dim=1)
-    targets = torch.stack([labels, *(mtp_targets(inputs, labels, k, BOS) for k in range(2))], dim=1)
+    window_documents = (torch.cat([inputs[:, :1], labels], dim=1) == BOS).cumsum(dim=1)
+    targets = torch.stack([labels, *(mtp_targets(window_documents, labels, k) for k in range(2))], dim=1)
 
     def step_loss():
         loss = LossWithMTP(RescaledLoss(cross_entropy_sum, BATCH * SEQ_LEN), weight=0.3)

@@ -91,7 +91,7 @@ def test_mtp_targets_never_cross_a_document_or_the_sequence_end():
     tokens, labels = stream[:, :-1], stream[:, 1:]
     documents = (stream == BOS).cumsum(dim=1)
     for module in range(3):
-        targets = mtp_targets(tokens, labels, module, BOS)
+        targets = mtp_targets(documents, labels, module)
         offset = module + 2  # position i predicts token i + module + 2
         for b in range(3):
             for i in range(40):
@@ -128,7 +128,8 @@ def test_fused_output_loss_with_mtp_equals_the_plain_heads():
     tokens = torch.randint(2, args.vocab_size, (2, 12))
     tokens[1, 5] = BOS
     labels = torch.cat([tokens[:, 1:], torch.randint(2, args.vocab_size, (2, 1))], dim=1)
-    target = torch.stack([labels, *(mtp_targets(tokens, labels, k, BOS) for k in range(2))], dim=1)
+    documents = (torch.cat([tokens[:, :1], labels], dim=1) == BOS).cumsum(dim=1)  # the loader's document ids
+    target = torch.stack([labels, *(mtp_targets(documents, labels, k) for k in range(2))], dim=1)
     valid = [(target[:, k] != IGNORE_INDEX).sum().float() for k in range(3)]
 
     results = []
