@@ -64,10 +64,14 @@ def build_lr_schedulers(optimizers: OptimizersContainer, job_config: JobConfig) 
     config = job_config.lr_scheduler
     training_steps = job_config.training.steps
     warmup_steps = int(config.warmup_steps)  # the values were checked where they entered (config.manager)
+    # A run shorter than its schedule (a smoke test, a benchmark) warms up and decays over what it has, as torchtitan
+    # does: what such a run is for, so an info line, not a warning (the step line's lr shows the schedule too); the
+    # line names the setting that did not fit, for a run where a full schedule was meant.
+    shortened = None
     if warmup_steps > training_steps:
-        logger.warning(
-            f"lr_scheduler.warmup_steps={warmup_steps} > training.steps={training_steps}: warming up "
-            f"over all {training_steps} steps"
+        shortened = (
+            f"warming up over all {training_steps} steps, no decay (lr_scheduler.warmup_steps={warmup_steps} is "
+            "longer than the run)"
         )
         warmup_steps = training_steps
     if config.decay_ratio is None:
@@ -75,12 +79,13 @@ def build_lr_schedulers(optimizers: OptimizersContainer, job_config: JobConfig) 
     else:
         decay_steps = round(training_steps * config.decay_ratio)
         if warmup_steps + decay_steps > training_steps:
-            # Short runs (smoke tests, benchmarks) keep the warmup and decay over what is left, as torchtitan does.
-            logger.warning(
-                f"warmup ({warmup_steps}) + decay ({decay_steps}) > training.steps={training_steps}: "
-                f"decaying over the last {training_steps - warmup_steps} steps"
+            shortened = shortened or (
+                f"warmup {warmup_steps}, then decaying over the last {training_steps - warmup_steps} steps (the "
+                f"{decay_steps} of lr_scheduler.decay_ratio={config.decay_ratio} do not fit beside the warmup)"
             )
             decay_steps = training_steps - warmup_steps
+    if shortened:
+        logger.info(f"lr schedule of this {training_steps}-step run: {shortened}")
 
     lr_lambda = functools.partial(
         warmup_stable_decay_factor,

@@ -1,3 +1,4 @@
+import logging
 import math
 
 import pytest
@@ -109,3 +110,23 @@ def test_short_runs_clamp_warmup_and_decay_to_the_steps():
     used, schedulers = lrs_used_by_steps(10, warmup=5, decay_ratio=0.8)
     assert used[:5] == sorted(used[:5]) and used[5:] == sorted(used[5:], reverse=True)
     assert max(used) > 0.8 * PEAK  # torchtitan-style ramps: (s+1)/(W+1) up, then down from there
+
+
+@pytest.mark.parametrize(
+    ("steps", "warmup", "decay_ratio", "line"),
+    [
+        (50, 100, 0.8, "lr schedule of this 50-step run: warming up over all 50 steps, no decay "
+                       "(lr_scheduler.warmup_steps=100 is longer than the run)"),
+        (5, 2, 0.8, "lr schedule of this 5-step run: warmup 2, then decaying over the last 3 steps (the 4 of "
+                    "lr_scheduler.decay_ratio=0.8 do not fit beside the warmup)"),
+        (30, 2, 0.8, None),  # the debug model's schedule fits the quick start's 30 steps
+    ],
+    ids=["warmup-longer-than-the-run", "decay-shortened", "fits"],
+)  # fmt: skip
+def test_a_run_shorter_than_its_schedule_is_one_info_line_not_a_warning(caplog, steps, warmup, decay_ratio, line):
+    """Every short run warned, twice where the warmup took it all (the second: 'decaying over the last 0 steps'):
+    compressing the schedule is what a smoke test or benchmark wants, as in torchtitan."""
+    with caplog.at_level(logging.INFO, logger="torchtitan.components.lr_scheduler"):
+        make(steps=steps, warmup=warmup, decay_ratio=decay_ratio)
+    records = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "torchtitan.components.lr_scheduler"]
+    assert records == ([(logging.INFO, line)] if line else [])
