@@ -433,12 +433,21 @@ def test_more_checkpointed_blocks_than_the_model_has_is_one_error(tmp_path):
     check_job([*args, "--model.mtp_layers", "1", "--activation_checkpoint.num_blocks", "5"], world_size=1)
 
 
-def test_the_deepep_backend_without_expert_parallelism_says_it_runs_as_the_standard_one(tmp_path, caplog):
+@pytest.mark.parametrize("backend", ["deepep", "symm_mem", "standard"])
+def test_an_exchange_backend_without_expert_parallelism_says_it_runs_as_the_standard_one(tmp_path, caplog, backend):
+    # symm_mem at EP 1 trained with nothing to exchange and said nothing
     logging.disable(logging.NOTSET)  # preflight.main, run by a test above, turns warnings off for its process
-    args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--parallelism.expert_parallel_comm_backend", "deepep"]
+    args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--parallelism.expert_parallel_comm_backend", backend]
     check_job(args, world_size=1)
-    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "deepep" in r.getMessage()]
-    assert "expert_parallel_degree 1: there is no token exchange" in line and "as with the standard backend" in line
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "token exchange" in r.getMessage()]
+    if backend == "standard":  # the default: nothing chosen that goes unused
+        assert lines == []
+        return
+    assert lines == [
+        f"parallelism.expert_parallel_comm_backend={backend} with expert_parallel_degree 1: there is no token "
+        "exchange, so the MoE layers run the local dispatcher, as with the standard backend; set "
+        f"--parallelism.expert_parallel_degree > 1 to use {backend}"
+    ]
 
 
 def test_flags_this_job_never_reads_are_named_in_one_warning(tmp_path, caplog):

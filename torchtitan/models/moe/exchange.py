@@ -41,6 +41,7 @@ def resolve_exchange(job_config: JobConfig) -> ExchangeBackend:
             f"{sorted(BACKENDS)}"
         )
     _check_requests(job_config, name)
+    _warn_without_expert_parallelism(job_config, name)
     exchange = BACKENDS[name].from_config(job_config)
     _check_capacity_factor(exchange, job_config.parallelism)
     return exchange
@@ -58,6 +59,17 @@ def _check_requests(job_config: JobConfig, name: str) -> None:
                     f"expert_parallel_degree > 1 (it is a {backend.name} setting; got {name!r}, {ep}); drop the flag "
                     "or switch the backend"
                 )
+
+
+def _warn_without_expert_parallelism(job_config: JobConfig, name: str) -> None:
+    """A backend chosen over the default one exchanges tokens between EP ranks only: at EP 1 it is never used."""
+    default = JobConfig().parallelism.expert_parallel_comm_backend
+    if job_config.parallelism.expert_parallel_degree == 1 and name != default:
+        logger.warning(
+            f"parallelism.expert_parallel_comm_backend={name} with expert_parallel_degree 1: there is no token "
+            f"exchange, so the MoE layers run the local dispatcher, as with the {default} backend; set "
+            f"--parallelism.expert_parallel_degree > 1 to use {name}"
+        )
 
 
 def _check_capacity_factor(exchange: ExchangeBackend, parallelism: Any) -> None:
@@ -205,12 +217,6 @@ class DeepEPBackend(ExchangeBackend):
                 f"expert_parallel_comm_backend='deepep' does not support tensor_parallel_degree={parallel_dims.tp} / "
                 f"expert_tensor_parallel_degree={parallel_dims.etp}; set both to 1 (use FSDP + EP), or use "
                 "--parallelism.expert_parallel_comm_backend standard."
-            )
-        if parallel_dims.ep == 1:
-            logger.warning(
-                "parallelism.expert_parallel_comm_backend=deepep with expert_parallel_degree 1: there is no token "
-                "exchange, so the MoE layers run the local dispatcher, as with the standard backend; set "
-                "--parallelism.expert_parallel_degree > 1 to use DeepEP"
             )
         if parallel_dims.ep > 1 and parallel_dims.ep not in DEEPEP_EP_SIZES:
             raise ValueError(
