@@ -11,8 +11,8 @@ shards are checked and kept, a partial one is redone.
 
 On a cluster, run N independent parts and one final join (a Slurm array, or any scheduler):
 
-    python scripts/tokenize_corpus.py SRC --out OUT --tokenizer T --part ${SLURM_ARRAY_TASK_ID}/${SLURM_ARRAY_TASK_COUNT}
-    python scripts/tokenize_corpus.py SRC --out OUT --tokenizer T --join      # after every part finished
+    python scripts/tokenize_corpus.py SRC --out OUT --tokenizer T --part $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT
+    python scripts/tokenize_corpus.py SRC --out OUT --tokenizer T --join    # after every part finished
 
 `--verify OUT` reads every byte of a shard folder against its manifest's checksums. Prints one JSON line of what it
 did (parts, MB/s of text per worker, peak memory per worker).

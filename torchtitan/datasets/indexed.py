@@ -13,6 +13,7 @@ A shard is memory-mapped: opening it reads the header and checks its sizes (O(1)
 only where a window asks (see `token_stream.py`).
 """
 
+import bisect
 import mmap
 import struct
 import zlib
@@ -74,19 +75,22 @@ class IndexedShard:
     resident memory of a rank that reads through a large corpus stays bounded. Pickles as its prefix (loader workers
     map the files again)."""
 
-    def __init__(self, prefix: str | Path, chunk_crc32: list[int] | None = None):
-        """chunk_crc32: the CRC-32 of every CHUNK_BYTES of the .bin (a manifest's); each chunk is checked the first
-        time this process reads from it."""
+    def __init__(self, prefix: str | Path, chunk_crc32: list[int] | None = None, idx_crc32: int | None = None):
+        """chunk_crc32, idx_crc32: a manifest's CRC-32 of every CHUNK_BYTES of the .bin and of the whole .idx; a chunk
+        is checked the first time this process reads from it, the index the first time it looks up documents (not
+        when opened: a rank of a terabyte corpus reads only what it trains on)."""
         self.prefix = shard_prefix(prefix)
         self.bin_path, self.idx_path = _paths(self.prefix)
         self.chunk_crc32 = chunk_crc32
+        self.idx_crc32 = idx_crc32
         self.index = self._read_header()
         self._maps: tuple | None = None
         self._verified_chunks: set[int] = set()
         self._bytes_since_release = 0
 
     def __getstate__(self) -> dict:
-        return {key: self.__dict__[key] for key in ("prefix", "bin_path", "idx_path", "chunk_crc32", "index")}
+        keys = ("prefix", "bin_path", "idx_path", "chunk_crc32", "idx_crc32", "index")
+        return {key: self.__dict__[key] for key in keys}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, _maps=None, _verified_chunks=set(), _bytes_since_release=0)
@@ -118,20 +122,26 @@ class IndexedShard:
 
     def document_starts(self, start: int, end: int) -> np.ndarray:
         """The offsets in [start, end) where a document begins (int64, sorted), from the index."""
+        if self.idx_crc32 is not None and file_crc32(self.idx_path) != self.idx_crc32:
+            raise DatasetError(
+                f"{self.idx_path}: checksum mismatch against the manifest (the index changed or was damaged after "
+                "tokenizing); tokenize the corpus again (finished shards that still match are kept)"
+            )
+        self.idx_crc32 = None  # checked
         tokens, pointers, document_indices = self._mapped()[:3]
         itemsize = tokens.itemsize
-        first, last = np.searchsorted(pointers, [start * itemsize, end * itemsize])
-        sequences = np.arange(first, last)
+        # bisect, not np.searchsorted: the index's arrays sit at unaligned offsets, where numpy copies them whole
+        first, last = bisect.bisect_left(pointers, start * itemsize), bisect.bisect_left(pointers, end * itemsize)
+        sequences = range(first, last)
         if document_indices.size != pointers.size + 1:  # sequences grouped into documents: keep each group's first
-            at = np.searchsorted(document_indices, sequences)
-            sequences = sequences[document_indices[np.minimum(at, document_indices.size - 1)] == sequences]
-        return pointers[sequences] // itemsize
+            sequences = [s for s in sequences if _contains(document_indices, s)]
+        return np.array([pointers[s] // itemsize for s in sequences], dtype=np.int64)
 
-    def document_lengths(self) -> np.ndarray:
-        """Every document's length in tokens (reads the whole index: for writers and checks, not the hot path)."""
+    def document_start(self, document: int) -> int:
+        """The offset where document `document` begins (`num_tokens` for the one past the last)."""
         tokens, pointers, document_indices = self._mapped()[:3]
-        starts = pointers[document_indices[:-1]] // tokens.itemsize if pointers.size else np.zeros(0, np.int64)
-        return np.diff(np.append(starts, self.num_tokens))
+        sequence = int(document_indices[document])
+        return int(pointers[sequence]) // tokens.itemsize if sequence < pointers.size else self.num_tokens
 
     def release(self) -> None:
         """Drop this process's resident pages of the mapped files (they stay in the page cache)."""
@@ -303,6 +313,11 @@ def shard_prefix(path: str | Path) -> Path:
 def is_indexed_prefix(path: str | Path) -> bool:
     bin_path, idx_path = _paths(shard_prefix(path))
     return idx_path.is_file() or bin_path.is_file()
+
+
+def _contains(sorted_values: np.ndarray, value: int) -> bool:
+    at = bisect.bisect_left(sorted_values, value)
+    return at < sorted_values.size and sorted_values[at] == value
 
 
 def _paths(prefix: Path) -> tuple[Path, Path]:

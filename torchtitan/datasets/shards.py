@@ -8,10 +8,10 @@ A source path (`training.dataset_path`, each entry of `training.dataset_blend`, 
   in the cache (`disk_cache_dir()/shards/`), keyed by its files and the tokenizer. A larger one is refused in one line
   that names the tokenize command.
 
-Opening checks, before any training and without reading the tokens: the index headers and file sizes of every shard,
-each index's checksum against the manifest, the tokenizer the shards were written with, and that the token dtype and
-the largest token id fit the vocabulary. A shard's tokens are checksummed chunk by chunk as a rank first reads them
-(`IndexedShard`); `scripts/tokenize_corpus.py --verify DIR` checks every byte at once.
+Opening checks, before any training and in time independent of the corpus size: every shard's index header against
+both files' sizes and the manifest's counts, the tokenizer the shards were written with, and that the token dtype and
+the largest token id fit the vocabulary. The checksums are checked as a rank first reads a shard's index and each
+16 MiB of its tokens (`IndexedShard`); `scripts/tokenize_corpus.py --verify DIR` checks every byte at once.
 """
 
 import hashlib
@@ -33,7 +33,7 @@ from torchtitan.datasets.corpus import (
     empty_corpus_error,
     resolve_corpus_files,
 )
-from torchtitan.datasets.indexed import IndexedShard, file_crc32, is_indexed_prefix, max_token_id, shard_prefix
+from torchtitan.datasets.indexed import IndexedShard, is_indexed_prefix, max_token_id, shard_prefix
 from torchtitan.datasets.token_stream import Piece, TokenStream
 from torchtitan.datasets.tokenize_shards import (
     MANIFEST,
@@ -75,9 +75,8 @@ class Source:
             return TokenStream([Piece(shard, 0, shard.num_tokens) for shard in self.shards], self.name, vocab_size)
         pieces = []
         for shard in self.shards:
-            lengths = shard.document_lengths()
-            held = lengths.size // HELD_OUT_EVERY
-            boundary = int(lengths[: lengths.size - held].sum())
+            documents = shard.index.num_documents
+            boundary = shard.document_start(documents - documents // HELD_OUT_EVERY)
             pieces.append(Piece(shard, 0, boundary) if split == "train" else Piece(shard, boundary, shard.num_tokens))
         if not any(piece.end > piece.start for piece in pieces):
             raise DatasetError(
@@ -218,18 +217,13 @@ def _open_shard_folder(folder: Path, tokenizer: Tokenizer, vocab_size: int, name
 
 
 def _manifest_shard(folder: Path, entry: dict) -> IndexedShard:
-    """A manifest's shard, opened and checked against its entry (counts, index checksum)."""
-    shard = IndexedShard(folder / entry["name"], entry["chunk_crc32"])
+    """A manifest's shard, opened and checked against its entry (sizes, counts; its checksums as it is read)."""
+    shard = IndexedShard(folder / entry["name"], entry["chunk_crc32"], entry["idx_crc32"])
     if shard.num_tokens != entry["num_tokens"] or shard.index.num_documents != entry["num_documents"]:
         raise DatasetError(
             f"{shard.idx_path} indexes {shard.num_tokens:,} tokens in {shard.index.num_documents:,} documents, "
             f"the manifest {entry['num_tokens']:,} in {entry['num_documents']:,}: the index does not match its "
             "shard; tokenize the corpus again (finished shards that still match are kept)"
-        )
-    if file_crc32(shard.idx_path) != entry["idx_crc32"]:
-        raise DatasetError(
-            f"{shard.idx_path}: checksum mismatch against {folder / MANIFEST} (the index changed or was damaged "
-            "after tokenizing); tokenize the corpus again (finished shards that still match are kept)"
         )
     return shard
 
@@ -238,8 +232,9 @@ def _open_megatron(prefixes: list[Path], name: str, tokenizer: Tokenizer, vocab_
     shards = [IndexedShard(prefix) for prefix in prefixes]
     for shard in shards:
         _check_dtype(shard, vocab_size)
-    index_crcs = [file_crc32(shard.idx_path) for shard in shards]
-    fingerprint = hashlib.sha256(json.dumps(index_crcs).encode()).hexdigest()[:16]
+    # what identifies the data without reading it: each file's name and counts (the corpus may move)
+    described = [(shard.prefix.name, shard.num_tokens, shard.index.num_documents) for shard in shards]
+    fingerprint = hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
     num_documents = sum(shard.index.num_documents for shard in shards)
     logger.info(f"Megatron indexed dataset {name}: {len(shards)} file(s), {num_documents:,} documents")
     return Source(name, shards, fingerprint, num_documents, megatron=True)

@@ -201,11 +201,16 @@ def join(out_dir: Path, parts: list[Part], tokenizer_path: Path) -> dict:
             f"{len(missing)} of {len(parts)} parts are not tokenized yet in {out_dir}: {', '.join(missing[:5])}"
             f"{' ...' if len(missing) > 5 else ''}; run the tokenize command for them (the same command resumes)"
         )
+    return write_manifest(out_dir, shards, tokenizer)
+
+
+def write_manifest(out_dir: Path, shards: list[dict], tokenizer: Tokenizer) -> dict:
+    """`manifest.json` of shards (their entries, in stream order) written with `tokenizer`; returns it."""
     manifest = {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
         "tokenizer": {
-            "path": str(tokenizer_path),
+            "path": str(tokenizer.path),
             "fingerprint": tokenizer.fingerprint,
             "vocab_size": tokenizer.vocab_size,
             "bos_id": tokenizer.bos_id,

@@ -64,9 +64,9 @@ def test_tokenized_corpus_is_cached_on_disk_for_later_processes(tokenizer, jsonl
         again, again_documents = tokenize_corpus([jsonl_corpus], tokenizer)
     assert torch.equal(again, stream) and again_documents == num_documents
 
-    # A damaged cache (its index no longer matches its checksum) is rebuilt, with a warning, not an error.
-    index = cached / "shard-000000.idx"
-    index.write_bytes(index.read_bytes()[:-8] + bytes(8))
+    # A damaged cache (a truncated shard) is rebuilt, with a warning, not an error.
+    tokens = cached / "shard-000000.bin"
+    tokens.write_bytes(tokens.read_bytes()[:-2])
     with caplog.at_level("WARNING"):
         rebuilt, _ = tokenize_corpus([jsonl_corpus], tokenizer)
     assert torch.equal(rebuilt, stream) and "ignoring the damaged tokenized-corpus cache" in caplog.text
