@@ -52,6 +52,7 @@ from torchtitan.models.moe.parallelize import expert_bias_reduce_group
 from torchtitan.models.output_head import chunk_loss_and_grad
 from torchtitan.preflight import CheckedJob, check_batch_sizes, check_job
 from torchtitan.tools.async_readback import DeviceMark
+from torchtitan.tools.cli import run_cli
 from torchtitan.tools.cuda_graph import CudaGraphed
 from torchtitan.tools.lost_peer import lost_peer, lost_peer_line
 from torchtitan.tools.out_of_memory import is_out_of_memory, out_of_memory_line
@@ -519,4 +520,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)

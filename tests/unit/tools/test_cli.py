@@ -14,6 +14,7 @@ from tests.timeouts import generous_timeout
     "command",
     [
         ["-m", "torchtitan.preflight", "--world-size", "1", "--help"],  # what `run_train.sh --help` runs
+        ["-m", "torchtitan.train", "--help"],
         ["-m", "torchtitan.plan", "--job.config_file", "train_configs/deepseek_v3_debugmodel.toml", "--gpu", "h100"],
     ],
     ids=["run_train.sh-help", "plan"],
