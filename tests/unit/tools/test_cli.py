@@ -17,7 +17,7 @@ from tests.timeouts import generous_timeout
         ["-m", "torchtitan.train", "--help"],
         ["-m", "torchtitan.plan", "--job.config_file", "train_configs/deepseek_v3_debugmodel.toml", "--gpu", "h100"],
     ],
-    ids=["run_train.sh-help", "plan"],
+    ids=["run_train.sh-help", "train-help", "plan"],
 )
 def test_output_into_a_pipe_its_reader_closed_ends_quietly(command):
     """`head` exits after 10 lines; the command's next write met the closed pipe: a BrokenPipeError traceback."""
