@@ -32,8 +32,8 @@ class Tokenizer:
             ) from None
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
         bos, eos = special_tokens(self.path)
-        self.bos_id: int = self._special_token_id(bos)
-        self.eos_id: int = self._special_token_id(eos)
+        self.bos_id: int = self._special_token_id(*bos)
+        self.eos_id: int = self._special_token_id(*eos)
         # Stored in the dataloader state: a resume with another vocabulary or merges fails instead of feeding other ids.
         self.fingerprint: str = hashlib.sha256(self._tokenizer.to_str().encode("utf-8")).hexdigest()[:16]
 
@@ -51,8 +51,13 @@ class Tokenizer:
     def _wrap(self, ids: list[int], add_bos: bool, add_eos: bool) -> list[int]:
         return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
 
-    def _special_token_id(self, token: str) -> int:
+    def _special_token_id(self, token: str, named_by: str | None) -> int:
         token_id = self._tokenizer.token_to_id(token)
+        if token_id is None and named_by is not None:
+            raise ValueError(
+                f"{named_by} names {token!r}, a token tokenizer {self.path} does not have; fix that key (or remove "
+                "the file) or pass the tokenizer it belongs to as --model.tokenizer_path"
+            )
         if token_id is None:
             raise ValueError(
                 f"tokenizer {self.path} has no special token {token!r}; rebuild it with "
@@ -61,20 +66,27 @@ class Tokenizer:
         return token_id
 
 
-def special_tokens(path: Path) -> tuple[str, str]:
-    """(BOS, EOS): as the `tokenizer_config.json` next to `path` names them (a Hugging Face model folder), else ours."""
+def special_tokens(path: Path) -> tuple[tuple[str, str | None], tuple[str, str | None]]:
+    """(BOS, EOS), each (token, what named it): as the `tokenizer_config.json` next to `path` names them (a Hugging
+    Face model folder; "<file>'s bos_token"), else ours (None)."""
     config_path = path.with_name("tokenizer_config.json")
     if not config_path.is_file():
-        return BOS_TOKEN, EOS_TOKEN
+        return (BOS_TOKEN, None), (EOS_TOKEN, None)
     try:
         config = json.loads(config_path.read_text())
     except (ValueError, UnicodeDecodeError) as err:
         raise ValueError(f"{config_path} (beside the tokenizer) is not valid JSON ({err}); fix or remove it") from None
+    if not isinstance(config, dict):
+        held = json.dumps(config)
+        held = held if len(held) <= 40 else held[:37] + "..."
+        raise ValueError(
+            f"{config_path} (beside the tokenizer) is JSON but not an object (it holds {held}); fix or remove it"
+        )
 
-    def named(key: str, default: str) -> str:
-        token = config.get(key) if isinstance(config, dict) else None
+    def named(key: str, default: str) -> tuple[str, str | None]:
+        token = config.get(key)
         token = token.get("content") if isinstance(token, dict) else token
-        return token if isinstance(token, str) and token else default
+        return (token, f"{config_path}'s {key}") if isinstance(token, str) and token else (default, None)
 
     return named("bos_token", BOS_TOKEN), named("eos_token", EOS_TOKEN)
 

@@ -96,3 +96,33 @@ def test_a_hugging_face_folders_tokenizer_config_names_bos_and_eos(tmp_path):
     (folder / "tokenizer_config.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"tokenizer_config.json \(beside the tokenizer\) is not valid JSON"):
         Tokenizer(folder / "tokenizer.json")
+
+
+@pytest.mark.parametrize("key", ["bos_token", "eos_token"])
+def test_a_tokenizer_config_naming_a_token_the_tokenizer_lacks_names_the_config_and_its_key(tmp_path, key):
+    """The tokenizer is fine; the config beside it asked for a token it does not have: the error says which file and
+    key asked, not only the tokenizer's path."""
+    folder = tmp_path / "release"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text((REPO_ROOT / "torchtitan/assets/tokenizer/tokenizer.json").read_text())
+    config = folder / "tokenizer_config.json"
+    config.write_text(json.dumps({key: {"content": "<｜missing｜>"}}))
+    with pytest.raises(ValueError) as info:
+        Tokenizer(folder / "tokenizer.json")
+    message = str(info.value)
+    assert message.startswith(f"{config}'s {key} names '<｜missing｜>', a token tokenizer ")
+    assert "fix that key" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("text, held", [("[1, 2]", "[1, 2]"), ('"<s>"', '"<s>"'), ("null", "null")])
+def test_a_tokenizer_config_that_is_json_but_not_an_object_is_refused(tmp_path, text, held):
+    folder = tmp_path / "release"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text((REPO_ROOT / "torchtitan/assets/tokenizer/tokenizer.json").read_text())
+    (folder / "tokenizer_config.json").write_text(text)
+    with pytest.raises(ValueError) as info:
+        Tokenizer(folder / "tokenizer.json")
+    assert str(info.value) == (
+        f"{folder / 'tokenizer_config.json'} (beside the tokenizer) is JSON but not an object (it holds {held}); fix "
+        "or remove it"
+    )
