@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from scripts import convert_hf, generate
+from scripts import convert_hf, generate, tokenize_corpus
 from tests.integration.conftest import run_trainer
 from torchtitan import preflight, train
 from torchtitan.config import ConfigManager
@@ -144,6 +144,8 @@ def test_every_command_runs_or_passes_its_checks(sandbox, tmp_path_factory, monk
         elif argv[:2] == ["python", "scripts/convert_hf.py"]:
             if command.text not in ran:
                 convert_hf.main(argv[2:])
+        elif argv[:2] == ["python", "scripts/tokenize_corpus.py"]:
+            assert tokenize_corpus.main(argv[2:]) == 0, where
         elif argv[:2] == ["python", "scripts/generate.py"] and command.page == "README.md":
             assert generate.main(argv[2:]) == 0, where
             assert argv[argv.index("--prompt") + 1] in capsys.readouterr().out, where

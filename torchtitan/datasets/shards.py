@@ -14,11 +14,12 @@ the largest token id fit the vocabulary. The checksums are checked as a rank fir
 16 MiB of its tokens (`IndexedShard`); `scripts/tokenize_corpus.py --verify DIR` checks every byte at once.
 """
 
+import atexit
 import hashlib
 import json
 import logging
-import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from torchtitan.datasets.corpus import (
+    CACHE_DIR_ENV,
     DatasetError,
     check_corpus,
     describe_corpus,
@@ -268,29 +270,46 @@ def read_manifest(folder: Path) -> dict:
 
 def _cached_shards(files: list[Path], tokenizer: Tokenizer) -> Path:
     """The shard folder of a raw corpus in the cache, tokenized now if absent (in this process; concurrent ranks each
-    write their own temporary folder, and the first rename wins)."""
+    write a temporary folder of their own, and the first rename wins). A cache that cannot be written costs only
+    this run's tokenizing: the shards go to a temporary folder, removed at exit."""
     file_stats = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
     key = hashlib.sha256(repr((file_stats, tokenizer.fingerprint, _CACHE_FORMAT)).encode()).hexdigest()[:32]
     folder = disk_cache_dir() / "shards" / key
     if (folder / MANIFEST).is_file():
         return folder
-    tmp = folder.with_name(f"{key}.{os.getpid()}.tmp")
     try:
-        parts = plan_parts(files)
-        tokenize_parts(parts, tmp, tokenizer.path)
-        manifest = join(tmp, parts, tokenizer.path)
-        if not any(shard["text_documents"] for shard in manifest["shards"]):
-            raise empty_corpus_error(files)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=folder.parent))
+    except OSError as err:
+        logger.warning(
+            f"cannot cache the tokenized corpus in {folder.parent} ({err.strerror or err}): tokenizing it for this run "
+            f"only; set {CACHE_DIR_ENV} to a writable folder"
+        )
+        tmp = Path(tempfile.mkdtemp(prefix="torchtitan-shards-"))
+        atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+        _tokenize_raw(files, tokenizer, tmp)
+        return tmp
+    try:
+        _tokenize_raw(files, tokenizer, tmp)
         try:
             tmp.rename(folder)
         except OSError:  # another rank's rename came first
             if not (folder / MANIFEST).is_file():
                 raise
-    except OSError as err:
-        raise DatasetError(
-            f"cannot write the tokenized corpus to {tmp.parent} ({err.strerror or err}); point "
-            "TORCHTITAN_CACHE_DIR at a writable folder with room for it"
-        ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def _tokenize_raw(files: list[Path], tokenizer: Tokenizer, out_dir: Path) -> None:
+    try:
+        parts = plan_parts(files)
+        tokenize_parts(parts, out_dir, tokenizer.path)
+        manifest = join(out_dir, parts, tokenizer.path)
+    except OSError as err:
+        raise DatasetError(
+            f"cannot write the tokenized corpus to {out_dir} ({err.strerror or err}); point {CACHE_DIR_ENV} at a "
+            "writable folder with room for it"
+        ) from None
+    if not any(shard["text_documents"] for shard in manifest["shards"]):
+        raise empty_corpus_error(files)

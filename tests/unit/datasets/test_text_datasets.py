@@ -395,3 +395,14 @@ def test_preflight_reads_only_the_start_of_each_file(tmp_path):
     for path in (tmp_path / "d.parquet", stream, file):
         assert read_documents(path, limit=5) == [f"document {i}" for i in range(5)], path
         assert len(read_documents(path)) == 1000, path
+
+
+def test_a_cache_that_cannot_be_written_costs_only_this_runs_tokenizing(
+    tokenizer, jsonl_corpus, monkeypatch, tmp_path, caplog
+):
+    (tmp_path / "not_a_folder").write_text("a file where the cache folder would go")
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "not_a_folder" / "cache"))
+    with caplog.at_level("WARNING"):
+        stream, num_documents = tokenize_corpus([jsonl_corpus], tokenizer)
+    assert "cannot cache the tokenized corpus" in caplog.text and num_documents == 4
+    assert stream.tolist()[:1] == [tokenizer.bos_id]
