@@ -91,6 +91,13 @@ def main(argv: list[str] | None = None) -> None:
         help="to-hf: store the linear layers' weights as DeepSeek's FP8 releases do, float8_e4m3fn with one scale per "
         "block (128x128 unless given)",
     )
+    parser.add_argument(
+        "--drop-selection-bias",
+        action="store_true",
+        help="to-hf: export the routers without their selection bias, for softmax routing, whose HF type "
+        "(transformers' DeepseekV2) has none: every reader then computes the model without it, which chooses other "
+        "experts for some tokens than the model trained",
+    )
     parser.add_argument("--max-shard-size", default="5GB", help="to-hf: largest safetensors shard, e.g. 5GB")
     parser.add_argument(
         "--mtp-layers", type=int, help="multi-token prediction modules (as --model.mtp_layers; default: the shape's)"
@@ -98,6 +105,10 @@ def main(argv: list[str] | None = None) -> None:
     opts = parser.parse_args(argv)
     if opts.fp8_blocks and opts.direction == "from-hf":
         raise ValueError("--fp8-blocks is for to-hf: from-hf reads the block size from the folder's config.json")
+    if opts.drop_selection_bias and opts.direction == "from-hf":
+        raise ValueError(
+            "--drop-selection-bias is for to-hf: from-hf reads the folder's selection bias (zeros without)"
+        )
     fp8_block = _block_size(opts.fp8_blocks) if opts.fp8_blocks else None
 
     if not os.path.isdir(opts.src):
@@ -138,7 +149,9 @@ def main(argv: list[str] | None = None) -> None:
 
     dtype = DTYPES[opts.dtype] if opts.dtype else None
     if opts.direction == "to-hf":
-        dcp_to_hf(opts.src, opts.dst, args, dtype or torch.bfloat16, opts.max_shard_size, fp8_block)
+        dcp_to_hf(
+            opts.src, opts.dst, args, dtype or torch.bfloat16, opts.max_shard_size, fp8_block, opts.drop_selection_bias
+        )
     else:
         hf_to_dcp(opts.src, opts.dst, args, dtype, mtp_requested=opts.mtp_layers is not None)
     print(f"wrote {opts.dst}")
@@ -151,13 +164,15 @@ def dcp_to_hf(
     dtype: torch.dtype,
     max_shard_size: int | str,
     fp8_block: tuple[int, int] | None = None,
+    drop_selection_bias: bool = False,
 ) -> None:
     """fp8_block: quantize the weights DeepSeek's releases hold in FP8 (`is_fp8_weight`), one scale per block of that
-    many rows and columns, from the checkpoint's full-precision values."""
+    many rows and columns, from the checkpoint's full-precision values. drop_selection_bias: export the routers without
+    their selection bias (`DeepSeekV3StateDictAdapter.to_hf`)."""
     state_dict = load_model_from_dcp(src, args)
     _check_finite(state_dict, src)
     hf_state_dict = {}
-    for key, value in DeepSeekV3StateDictAdapter(args).to_hf(state_dict).items():
+    for key, value in DeepSeekV3StateDictAdapter(args).to_hf(state_dict, drop_selection_bias).items():
         if fp8_block is not None and is_fp8_weight(key):
             hf_state_dict[key], hf_state_dict[key + SCALE_SUFFIX] = quantize_blocks(value, fp8_block)
         elif value.is_floating_point() and not key.endswith("e_score_correction_bias"):  # fp32, as the model keeps it

@@ -155,18 +155,26 @@ def test_help_lists_every_field_and_exits_zero():
         assert key in proc.stdout
 
 
-def test_final_hf_export_loads_in_transformers(dump_folder):
+def test_final_hf_export_loads_in_transformers_with_the_logits_of_the_model_trained(dump_folder):
+    """Sigmoid routing (DeepSeek-V3's), whose selection bias training moved: transformers' DeepseekV3 uses it. (Softmax
+    routing's HF type ignores the bias: preflight refuses its final HF export, test_args.)"""
     import torch
     import transformers  # dev dependency
 
-    args = [*FAST_ARGS, "--training.steps", "2", "--checkpoint.enable", "--checkpoint.last_save_in_hf"]
+    from scripts import generate
+
+    flavor = ["--model.flavor", "debugmodel_tiny_671b"]
+    args = [*FAST_ARGS, *flavor, "--training.steps", "2", "--checkpoint.enable", "--checkpoint.last_save_in_hf"]
     run_trainer(dump_folder, args)
     export = dump_folder / "checkpoint" / "exports" / "step-2"
     assert (export / "config.json").is_file() and (export / "complete.json").is_file()
-    model = transformers.AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32, attn_implementation="eager")
+    _, model_args = generate._model_shape(str(export), None, None)
+    ours = generate.load_model(str(export), generate.inference_args(model_args), torch.device("cpu"))
+    assert any(ours.layers[str(i)].moe.expert_bias.any() for i in range(3, 6))  # trained, and exported
     tokens = torch.randint(0, 2048, (1, 16))
-    logits = model(tokens).logits
-    assert logits.shape == (1, 16, 2048) and torch.isfinite(logits).all()
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens).logits, ours(tokens), atol=1e-4, rtol=1e-4)
 
 
 def _bad_corpus(tmp_path, kind: str) -> tuple[str, str]:

@@ -259,28 +259,34 @@ class CheckpointManager:
         return {k: v.to(self.export_dtype) if torch.is_floating_point(v) else v for k, v in state.items()}
 
     def _save_hf(self, step: int, tmp_path: str) -> None:
-        """Rank 0 writes the HF export into `tmp_path`; a write that fails (a full disk, no permission) removes what it
-        wrote and stops every rank with one line (the previous checkpoints are untouched)."""
+        """Rank 0 writes the HF export into `tmp_path`; a problem there stops every rank with its line."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to CPU on global rank 0 only
         full_state = {k: v for part in self.model_parts for k, v in get_model_state_dict(part, options=options).items()}
-        problem = None
-        if self.rank == 0:
+        self._raise_if_any_rank(self._write_hf(step, tmp_path, full_state) if self.rank == 0 else None)
+
+    def _write_hf(self, step: int, tmp_path: str, full_state: dict[str, torch.Tensor]) -> str | None:
+        """The HF export of `full_state` into `tmp_path`, or why there is none: a model transformers would compute
+        otherwise (the adapter says why), or a write that failed (a full disk, no permission; what it wrote is
+        removed). The previous checkpoints are untouched either way."""
+        try:
             hf_state = self.state_dict_adapter.to_hf(self._in_export_dtype(full_state))
-            try:
-                os.makedirs(tmp_path, exist_ok=True)
-                save_hf_safetensors(hf_state, tmp_path)
-                hf_config = self.state_dict_adapter.hf_config()
-                if hf_config is not None:  # config.json makes the folder loadable by transformers as is
-                    with open(os.path.join(tmp_path, "config.json"), "w") as f:
-                        json.dump(hf_config, f, indent=2)
-            except OSError as err:
-                shutil.rmtree(tmp_path, ignore_errors=True)
-                elsewhere = "save elsewhere: --job.dump_folder"
-                problem = (
-                    f"exporting checkpoint step {step} to Hugging Face failed, the previous checkpoints are untouched: "
-                    f"{export_write_problem(self.folder, err, export_bytes(hf_state), elsewhere)}"
-                )
-        self._raise_if_any_rank(problem)
+        except ValueError as err:
+            return f"cannot export checkpoint step {step} to Hugging Face: {err}"
+        try:
+            os.makedirs(tmp_path, exist_ok=True)
+            save_hf_safetensors(hf_state, tmp_path)
+            hf_config = self.state_dict_adapter.hf_config()
+            if hf_config is not None:  # config.json makes the folder loadable by transformers as is
+                with open(os.path.join(tmp_path, "config.json"), "w") as f:
+                    json.dump(hf_config, f, indent=2)
+        except OSError as err:
+            shutil.rmtree(tmp_path, ignore_errors=True)
+            elsewhere = "save elsewhere: --job.dump_folder"
+            return (
+                f"exporting checkpoint step {step} to Hugging Face failed, the previous checkpoints are untouched: "
+                f"{export_write_problem(self.folder, err, export_bytes(hf_state), elsewhere)}"
+            )
+        return None
 
     # ---- load ----------------------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ import logging
 import os
 
 from .args import DeepSeekV3ModelArgs, benchmark_flavors, deepseekv3_flavors
-from .hf_config import load_hf_config
+from .hf_config import SELECTION_BIAS_IGNORED, load_hf_config, selection_bias_ignored_by_transformers
 from .model import DeepSeekV3Model
 from .state_dict_adapter import DeepSeekV3StateDictAdapter, mtp_layers_for_checkpoint
 
@@ -25,7 +25,8 @@ __all__ = [
 def get_model_args(job_config) -> DeepSeekV3ModelArgs:
     """Model args for a JobConfig: `model.hf_config_path` (a HF config.json) if set, else `model.flavor`, with the
     job's overrides. With an initial checkpoint that holds no MTP tensors, MTP is off unless model.mtp_layers asks for
-    it (mtp_layers_for_checkpoint)."""
+    it (mtp_layers_for_checkpoint). ValueError for --checkpoint.last_save_in_hf of a softmax-routed model whose
+    selection bias training moves (transformers would ignore it), before training rather than at its end."""
     if job_config.model.hf_config_path:
         _, args = load_hf_config(job_config.model.hf_config_path, "--model.hf_config_path")
     else:
@@ -53,6 +54,8 @@ def get_model_args(job_config) -> DeepSeekV3ModelArgs:
             raise ValueError(f"model.mtp_layers={job_config.model.mtp_layers}: use 0 (no MTP) or a positive depth")
         args.mtp_layers = job_config.model.mtp_layers
     checkpoint = job_config.checkpoint
+    if checkpoint.enable and checkpoint.last_save_in_hf:
+        _check_final_hf_export(args)
     keys = _initial_checkpoint_keys(checkpoint) if args.mtp_layers else None
     if keys is not None:
         args.mtp_layers = mtp_layers_for_checkpoint(
@@ -64,6 +67,18 @@ def get_model_args(job_config) -> DeepSeekV3ModelArgs:
             flag="--model.mtp_layers",
         )
     return args
+
+
+def _check_final_hf_export(args: DeepSeekV3ModelArgs) -> None:
+    """A softmax-routed model whose selection bias training moves has no faithful HF export at the run's end."""
+    trains_bias = args.moe_args.load_balance_coeff is not None and args.n_dense_layers < args.n_layers
+    if trains_bias and selection_bias_ignored_by_transformers(args):
+        raise ValueError(
+            f"--checkpoint.last_save_in_hf: training moves the routers' selection bias (aux-loss-free balancing), but "
+            f"{SELECTION_BIAS_IGNORED}: the export would compute other logits than the model trained. Drop the flag "
+            "and export the final checkpoint without the bias, knowing that some tokens then choose other experts "
+            "(scripts/convert_hf.py to-hf --drop-selection-bias), or train with sigmoid routing"
+        )
 
 
 def all_flavors() -> dict[str, DeepSeekV3ModelArgs]:

@@ -334,3 +334,17 @@ def hf_config_from_model_args(args: DeepSeekV3ModelArgs) -> dict[str, Any]:
             "mscale_all_dim": args.mscale_all_dim,
         }
     return config
+
+
+SELECTION_BIAS_IGNORED = (
+    "softmax routing exports as deepseek_v2, whose transformers code selects experts without the routers' selection "
+    "bias (DeepSeek-V3's, which uses it, scores by sigmoid only)"
+)
+"""Why a softmax-routed model whose selection bias is not zero has no faithful Hugging Face export."""
+
+
+def selection_bias_ignored_by_transformers(args: DeepSeekV3ModelArgs) -> bool:
+    """Whether transformers' own class of the model type these args export as (`hf_config_from_model_args`) selects
+    experts without the routers' selection bias (e_score_correction_bias): DeepseekV2's (softmax routing) has none,
+    and DeepseekV3's, which has it, scores by sigmoid whatever scoring_func says."""
+    return args.moe_args.score_func == "softmax"

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.hf_checkpoint import HFSource
 
 from .args import DeepSeekV3ModelArgs
-from .hf_config import hf_config_from_model_args
+from .hf_config import SELECTION_BIAS_IGNORED, hf_config_from_model_args, selection_bias_ignored_by_transformers
 from .model import MTPBlock
 
 logger = logging.getLogger(__name__)
@@ -85,11 +85,28 @@ class DeepSeekV3StateDictAdapter:
         """The transformers config.json of these model args."""
         return hf_config_from_model_args(self.model_args)
 
-    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Our (full or DTensor, gathered here) state dict -> HF keys with per-expert tensors. MTP module k becomes
-        model.layers.{n_layers + k}, with copies of the embedding and the output head."""
-        # gathered first, in the same order on every rank (a collective each), so the MTP copies below are full too
+    def to_hf(self, state_dict: dict[str, torch.Tensor], drop_selection_bias: bool = False) -> dict[str, torch.Tensor]:
+        """Our (full or DTensor, gathered here) state dict -> HF keys with per-expert tensors (`hf_layout`), for a
+        folder transformers computes this model from: ValueError for a softmax-routed model whose selection bias is
+        not zero, which transformers would ignore. drop_selection_bias: export without the bias (every reader then
+        computes the model without it, which chooses other experts for some tokens)."""
+        # gathered first, in the same order on every rank (a collective each), so the MTP copies are full too
         state_dict = {key: v.full_tensor() if isinstance(v, DTensor) else v for key, v in state_dict.items()}
+        if drop_selection_bias:
+            state_dict = {key: value for key, value in state_dict.items() if not key.endswith("expert_bias")}
+        elif selection_bias_ignored_by_transformers(self.model_args):
+            if biased := next((key for key, v in state_dict.items() if key.endswith("expert_bias") and v.any()), None):
+                raise ValueError(
+                    f"{biased} is not zero (training balanced the experts with it), but {SELECTION_BIAS_IGNORED}: "
+                    "transformers would compute other logits than this model. Export it without the bias, knowing "
+                    "that some tokens then choose other experts (scripts/convert_hf.py to-hf --drop-selection-bias), "
+                    "or sample it as it is with scripts/generate.py"
+                )
+        return self.hf_layout(state_dict)
+
+    def hf_layout(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Our full (or meta) state dict under HF keys, routed experts unstacked: MTP module k becomes
+        model.layers.{n_layers + k}, with copies of the embedding and the output head."""
         hf_state_dict = {}
         n_layers = self.model_args.n_layers
         for k in range(self.model_args.mtp_layers):
@@ -212,7 +229,7 @@ def mtp_layers_for_checkpoint(
                 f"the {n_layers} layers given; give its own model shape (its config.json)"
             )
         # the router's selection bias is optional in HF (a DeepSeek-V2 checkpoint has none; it loads as zeros)
-        expected = set(adapter.to_hf(module)) if in_hf else set(module)
+        expected = set(adapter.hf_layout(module)) if in_hf else set(module)
         missing = sorted(key for key in expected - keys if not key.endswith("e_score_correction_bias"))
         if missing:
             raise ValueError(

@@ -119,3 +119,24 @@ def test_block_causal_switch_applies_to_any_flavor():
     job_config.model.flavor = "debugmodel_flex"
     job_config.model.attn_mask_type = "causal"
     assert get_model_args(job_config).attn_mask_type == "causal"
+
+
+def test_a_final_hf_export_of_softmax_routing_whose_bias_training_moves_is_refused_before_training():
+    """The export at the run's end would ignore the bias (transformers' DeepseekV2): say so before the first step."""
+    job_config = JobConfig()
+    job_config.model.flavor = "debugmodel"  # softmax routing, aux-loss-free balancing
+    job_config.checkpoint.last_save_in_hf = True
+    get_model_args(job_config)  # without --checkpoint.enable the flag is preflight's (it has no effect)
+    job_config.checkpoint.enable = True
+    with pytest.raises(ValueError) as err:
+        get_model_args(job_config)
+    assert str(err.value) == (
+        "--checkpoint.last_save_in_hf: training moves the routers' selection bias (aux-loss-free balancing), but "
+        "softmax routing exports as deepseek_v2, whose transformers code selects experts without the routers' "
+        "selection bias (DeepSeek-V3's, which uses it, scores by sigmoid only): the export would compute other logits "
+        "than the model trained. Drop the flag and export the final checkpoint without the bias, knowing that some "
+        "tokens then choose other experts (scripts/convert_hf.py to-hf --drop-selection-bias), or train with sigmoid "
+        "routing"
+    )
+    job_config.model.flavor = "debugmodel_tiny_671b"  # sigmoid routing: DeepseekV3 uses the bias
+    get_model_args(job_config)

@@ -475,3 +475,25 @@ def test_shards_that_do_not_hold_what_the_index_lists_are_an_incomplete_folder(t
         with pytest.raises(CheckpointError) as err:
             load_initial_hf([DeepSeekV3Model(ARGS)], ARGS, hf, tmp_path / "run")
         assert str(err.value) == f"checkpoint.initial_load_path {hf}: {line}; or point it elsewhere"
+
+
+def test_to_hf_of_softmax_routing_with_a_selection_bias_is_one_line_or_drops_the_bias_when_asked(tmp_path, monkeypatch):
+    """transformers' DeepseekV2, softmax routing's type, ignores the bias: the export was not the model trained."""
+    args = tiny_args()  # softmax routing
+    torch.manual_seed(0)
+    model = DeepSeekV3Model(args)
+    model.init_weights()
+    state = model.state_dict()
+    state["layers.1.moe.expert_bias"][2] = 0.01  # as training's aux-loss-free balancing leaves it
+    dcp.save({"model": state}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    shape = ["--hf-config", _shape_config(tmp_path, args)]
+    message = _run_script(monkeypatch, "to-hf", tmp_path / "ckpt", tmp_path / "hf", *shape)
+    assert message.startswith(
+        "error: layers.1.moe.expert_bias is not zero (training balanced the experts with it), but softmax routing "
+        "exports as deepseek_v2, whose transformers code selects experts without the routers' selection bias"
+    ), message
+    assert not (tmp_path / "hf").exists()
+    convert_hf.main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), *shape, "--drop-selection-bias"])
+    assert not any(key.endswith("e_score_correction_bias") for key in load_hf_safetensors(str(tmp_path / "hf")))
+    with pytest.raises(ValueError, match=r"^--drop-selection-bias is for to-hf: from-hf reads the folder's selection"):
+        convert_hf.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "back"), "--drop-selection-bias"])

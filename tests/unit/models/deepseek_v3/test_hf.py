@@ -6,11 +6,15 @@ import pytest
 import torch
 
 from tests.unit.components._hf_safetensors import load_hf_safetensors
+from torchtitan.components.checkpoint import CheckpointError, CheckpointManager
 from torchtitan.components.hf_safetensors import INDEX_FILE, parse_size, save_hf_safetensors
-from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3StateDictAdapter
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3StateDictAdapter, deepseekv3_flavors
 from torchtitan.models.deepseek_v3.hf_config import hf_config_from_model_args, model_args_from_hf_config
 
 from .conftest import from_hf, tiny_args
+from .transformers_checkpoints import fp32_experts, load_transformers_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -161,3 +165,107 @@ def test_real_deepseek_v3_config_gives_671b_flavor():
     args = model_args_from_hf_config(config)
     assert args.nparams_total() == deepseekv3_flavors["671B"].nparams_total()
     assert os.path.basename(INDEX_FILE) == "model.safetensors.index.json"
+
+
+def _debug_model_after_training():
+    """The debug model (softmax routing) with the non-zero selection bias training's aux-loss-free balancing gives its
+    routers, and its export with the bias dropped, loaded by transformers (fp32, the experts' fp32 loop)."""
+    args = fp32_experts(deepseekv3_flavors["debugmodel"])
+    torch.manual_seed(0)
+    model = DeepSeekV3Model(args)
+    model.init_weights()  # its widths amplify fp32 rounding past 1e-5 with _random_model's peaked attention
+    with torch.no_grad():
+        for layer in list(model.layers.values())[args.n_dense_layers :]:
+            layer.moe.expert_bias.uniform_(-0.05, 0.05)
+    return args, model
+
+
+def _transformers_logits(args, hf_state_dict, folder, tokens, model_type=None):
+    save_hf_safetensors(hf_state_dict, str(folder))
+    config = hf_config_from_model_args(args)
+    if model_type == "deepseek_v3":  # keeps scoring_func softmax, which transformers' DeepseekV3 does not read
+        config.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"])
+    (folder / "config.json").write_text(json.dumps(config))
+    with torch.no_grad():
+        return load_transformers_model(folder)(tokens).logits
+
+
+def test_transformers_selects_experts_of_softmax_routing_without_the_selection_bias(tmp_path):
+    """Why a softmax-routed model whose bias is not zero has no faithful export: transformers' DeepseekV2 (its type)
+    ignores e_score_correction_bias, and its DeepseekV3 scores by sigmoid whatever scoring_func says. Should a
+    transformers release compute either, this fails: export to that type instead of refusing."""
+    args, model = _debug_model_after_training()
+    tokens = torch.randint(0, args.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(tokens)
+    hf = DeepSeekV3StateDictAdapter(args).hf_layout(model.state_dict())
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in hf
+    for model_type in ("deepseek_v2", "deepseek_v3"):
+        theirs = _transformers_logits(args, hf, tmp_path / model_type, tokens, model_type)
+        assert (ours - theirs).abs().max() > 1e-3, model_type  # 2e-6 apart without the bias (below)
+
+
+def test_a_softmax_model_with_a_selection_bias_is_refused_or_exported_without_it_as_every_reader_computes(tmp_path):
+    """The debug model after training exported as deepseek_v2 with its bias: transformers' logits were 0.014 off ours
+    after 30 steps. Now one line says so; --drop-selection-bias exports the model without the bias, which transformers
+    and this model (bias zeroed, as our readers load the export) compute alike."""
+    args, model = _debug_model_after_training()
+    adapter = DeepSeekV3StateDictAdapter(args)
+    with pytest.raises(ValueError) as err:
+        adapter.to_hf(model.state_dict())
+    assert str(err.value) == (
+        "layers.1.moe.expert_bias is not zero (training balanced the experts with it), but softmax routing exports as "
+        "deepseek_v2, whose transformers code selects experts without the routers' selection bias (DeepSeek-V3's, "
+        "which uses it, scores by sigmoid only): transformers would compute other logits than this model. Export it "
+        "without the bias, knowing that some tokens then choose other experts (scripts/convert_hf.py to-hf "
+        "--drop-selection-bias), or sample it as it is with scripts/generate.py"
+    )
+    hf = adapter.to_hf(model.state_dict(), drop_selection_bias=True)
+    assert not any(key.endswith("e_score_correction_bias") for key in hf)
+    tokens = torch.randint(0, args.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    theirs = _transformers_logits(args, hf, tmp_path, tokens)
+    DeepSeekV3Model(args).load_state_dict(from_hf(args, hf), strict=True)  # what our readers load: bias zero
+    with torch.no_grad():
+        for layer in list(model.layers.values())[args.n_dense_layers :]:
+            layer.moe.expert_bias.zero_()
+        torch.testing.assert_close(model(tokens), theirs, atol=2e-5, rtol=1e-5)
+
+
+def test_sigmoid_routing_exports_its_selection_bias_to_deepseek_v3_which_uses_it(tmp_path):
+    """The faithful case, with the debug model's shape: transformers' DeepseekV3 selects by the bias as we do."""
+    softmax_args, trained = _debug_model_after_training()
+    sigmoid = dataclasses.replace(softmax_args.moe_args, score_func="sigmoid", route_norm=True)
+    args = dataclasses.replace(softmax_args, moe_args=sigmoid)
+    model = DeepSeekV3Model(args)
+    model.load_state_dict(trained.state_dict())  # the same weights and bias
+    tokens = torch.randint(0, args.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    theirs = _transformers_logits(args, DeepSeekV3StateDictAdapter(args).to_hf(model.state_dict()), tmp_path, tokens)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), theirs, atol=2e-5, rtol=1e-5)
+
+
+def test_the_trainer_s_final_hf_export_of_a_softmax_model_with_a_selection_bias_is_one_line(tmp_path):
+    """Preflight refuses --checkpoint.last_save_in_hf where training moves the bias (test_args); a bias that came
+    otherwise (an initial checkpoint's) stops the final save on every rank with one line, writing nothing."""
+    from tests.unit.components.test_checkpoint import make_config
+
+    args = tiny_args()  # softmax; load_balance_coeff None: training leaves the bias as it is
+    model = _random_model(args)
+    with torch.no_grad():
+        model.layers["2"].moe.expert_bias[3] = 0.01
+    config = make_config(tmp_path, last_save_in_hf=True)
+    optimizers = build_optimizers([model], config)
+    manager = CheckpointManager(
+        config,
+        [model],
+        optimizers,
+        build_lr_schedulers(optimizers, config),
+        state_dict_adapter=DeepSeekV3StateDictAdapter(args),
+    )
+    with pytest.raises(CheckpointError) as err:
+        manager.save(10, last_step=True)
+    assert str(err.value).startswith(
+        "cannot export checkpoint step 10 to Hugging Face: layers.2.moe.expert_bias is not zero (training balanced the "
+        "experts with it), but softmax routing exports as deepseek_v2"
+    )
+    assert os.listdir(tmp_path / "checkpoint") == []
