@@ -507,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         if not is_out_of_memory(err):
             raise
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        report_error(out_of_memory_line(_global_rank(), step, device))
+        report_error(out_of_memory_line(_global_rank(), step, device, err))
         # No teardown: the other ranks wait inside collectives this rank never joins, and destroying its process
         # groups would wait for them (NCCL's watchdog fires minutes later). Exiting lets torchrun stop them at once.
         os._exit(1)

@@ -178,6 +178,41 @@ def test_out_of_memory_on_a_hidden_rank_is_one_line_and_stops_every_rank(tmp_pat
     assert stopped - float(mark.read_text()) < generous_timeout(30), "the other rank was not stopped at once"
 
 
+# On rank 0, the first optimizer step asks the CPU allocator for 1 PiB (past any address space): a real allocation
+# failure, the one a batch too large for the host's memory meets.
+_CPU_ALLOCATION_FAILS = """
+import torch
+from torchtitan.components import optimizer
+
+def step(self, *args, **kwargs):
+    torch.empty(2**50, dtype=torch.uint8)
+
+optimizer.OptimizersContainer.step = step
+"""
+
+
+def test_a_failed_cpu_allocation_is_one_out_of_memory_line_naming_the_fix(tmp_path):
+    """The CPU allocator's RuntimeError (a 68-line traceback before) ends the run as the GPU's out-of-memory does: one
+    line naming the rank, the step and the settings that lower the peak on a CPU."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_CPU_ALLOCATION_FAILS)
+    env = {**_env(), "PYTHONPATH": os.pathsep.join([str(hook), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    args = [*FAST_ARGS, "--training.steps", "2", "--job.dump_folder", str(tmp_path / "outputs")]
+    launcher = subprocess.run(
+        ["bash", "run_train.sh", *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+        timeout=generous_timeout(300),
+    )  # fmt: skip
+    assert launcher.returncode == 1, launcher.stderr[-3000:]
+    assert "Traceback" not in launcher.stderr, launcher.stderr[-3000:]
+    line = launcher.stderr.strip().splitlines()[-1]
+    assert line.endswith(
+        "error: rank 0 ran out of CPU memory at step 1 (an allocation of 1048576.0 GiB failed); lower the peak with "
+        "a smaller --training.local_batch_size or --training.seq_len (fewer tokens per rank), or "
+        "--activation_checkpoint.mode full"
+    ), launcher.stderr[-3000:]
+
+
 def test_the_launcher_knows_which_ranks_output_is_shown():
     from torchtitan.launch import _output_shown
 
