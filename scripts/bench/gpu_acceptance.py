@@ -19,7 +19,8 @@ warm-up, and its losses stay within the row's stated bound of the base's (relati
   by design), and MTP's main loss 10% (its extra loss trains the trunk differently) with an MTP loss that falls.
 The checkpoint rows save the full state mid-run and resume it in a second launch; the HF row imports the resumed
 run's HF export with scripts/convert_hf.py and compares its logits with the straight run's weights, and checks
-that our export -> import round trip is exact.
+that our export -> import round trip is exact (softmax routing, 16B_accept's, exports without its selection bias:
+`check_hf_export`).
 
 Writes benchmarks/results/acceptance_<commit>.json (or --out) with the command, device, torch and DeepEP versions
 and commit; exits 1 if any row failed. Rows a machine cannot run (EP rows on one GPU) are "skipped" with the reason.
@@ -186,8 +187,10 @@ def run_row(row: Row, by_name: dict[str, Row], base_args: list[str], opts, ep: i
         args += ["--activation_checkpoint.memory_budget_gib", f"{budget_of(by_name):.2f}"]
     checkpoints = work / "checkpoint"
     if row.name in ("checkpoint_save", "checkpoint_resume"):
-        # the mid-run full save, then the last step as a model-only export (save) or an HF export (resume)
-        last = "--checkpoint.last_save_model_only" if row.name == "checkpoint_save" else "--checkpoint.last_save_in_hf"
+        # the mid-run full save, then the last step as a model-only export (save) or an HF export (resume; model-only
+        # too where the trainer cannot export the model to HF faithfully: the HF row converts it with to-hf)
+        hf_export = row.name == "checkpoint_resume" and not _drops_selection_bias(opts.flavor)
+        last = "--checkpoint.last_save_in_hf" if hf_export else "--checkpoint.last_save_model_only"
         args += ["--checkpoint.enable", "--checkpoint.folder", str(checkpoints), "--checkpoint.interval",
                  str(opts.steps // 2), "--checkpoint.async_mode", "disabled", last]  # fmt: skip
         if row.name == "checkpoint_resume":
@@ -263,7 +266,9 @@ def judge(row: Row, run: dict, base: dict, by_name: dict[str, Row], opts) -> dic
 def check_hf_export(by_name: dict[str, Row], work: Path, flavor: str) -> dict:
     """The resumed run's HF export, imported with scripts/convert_hf.py, against the straight run's model-only
     export (same training up to the resume's 1e-4): logits agree; and to-hf -> from-hf of the latter, in fp32, is
-    exact."""
+    exact. Softmax routing exports without its selection bias (`_drops_selection_bias`): the resumed run's model-only
+    export goes through to-hf --drop-selection-bias, and the reference is the straight run's model without the bias,
+    as every reader computes such an export."""
     if not all(_passed(by_name, name) for name, _ in CHECKPOINT_ROWS):
         return {"status": "failed", "reason": "needs passing checkpoint_save and checkpoint_resume rows"}
     from scripts.convert_hf import load_model_from_dcp
@@ -276,12 +281,16 @@ def check_hf_export(by_name: dict[str, Row], work: Path, flavor: str) -> dict:
     (hf_export,) = (work / "checkpoint" / "exports").glob("step-*")
     straight = load_model_from_dcp(str(work / "straight_export"), args)
     start = time.time()
+    # fp32 both ways: exact (to-hf writes bf16 unless asked, as releases are published)
+    to_hf = ["--flavor", flavor, "--dtype", "float32"]
+    if _drops_selection_bias(flavor):
+        to_hf.append("--drop-selection-bias")
+        straight = {name: value.zero_() if name.endswith("expert_bias") else value for name, value in straight.items()}
+        convert_hf(["to-hf", str(hf_export), str(work / "hf_resumed"), *to_hf])  # the trainer's model-only export
+        hf_export = work / "hf_resumed"
     convert_hf(["from-hf", str(hf_export), str(work / "hf_imported")])
     imported = load_model_from_dcp(str(work / "hf_imported"), args)
-    # fp32 both ways: exact (to-hf writes bf16 unless asked, as releases are published)
-    convert_hf(
-        ["to-hf", str(work / "straight_export"), str(work / "hf_roundtrip"), "--flavor", flavor, "--dtype", "float32"]
-    )
+    convert_hf(["to-hf", str(work / "straight_export"), str(work / "hf_roundtrip"), *to_hf])
     convert_hf(["from-hf", str(work / "hf_roundtrip"), str(work / "hf_roundtrip_dcp")])
     roundtrip = load_model_from_dcp(str(work / "hf_roundtrip_dcp"), args)
     logits = {name: _logits(args, sd) for name, sd in (("straight", straight), ("imported", imported),
@@ -295,6 +304,15 @@ def check_hf_export(by_name: dict[str, Row], work: Path, flavor: str) -> dict:
     if rel > 1e-2 or top1 < 0.99:
         return {**result, "status": "failed", "reason": f"export logits differ: rel {rel:.2e}, top-1 {top1:.3f}"}
     return {**result, "status": "passed"}
+
+
+def _drops_selection_bias(flavor: str) -> bool:
+    """Softmax routing, whose HF type (transformers' DeepseekV2) has no selection bias: the trainer refuses its final
+    HF export, and to-hf exports it with --drop-selection-bias (docs/checkpoints-and-hf.md)."""
+    from torchtitan.models.deepseek_v3 import all_flavors
+    from torchtitan.models.deepseek_v3.hf_config import selection_bias_ignored_by_transformers
+
+    return selection_bias_ignored_by_transformers(all_flavors()[flavor])
 
 
 def _logits(args, state_dict: dict[str, torch.Tensor]) -> torch.Tensor:
