@@ -1,11 +1,12 @@
 """Convert model weights between our DCP checkpoints and Hugging Face safetensors folders (single process, CPU).
 
-    # our checkpoint (a full training checkpoint or a model-only export) -> HF folder with config.json, in bfloat16
-    python scripts/convert_hf.py to-hf outputs/checkpoint/step-1000 hf_out --flavor debugmodel
+    # our checkpoint (a full training checkpoint or a model-only export) -> HF folder with config.json, in bfloat16;
+    # softmax routing (the debug model's) exports without its trained selection bias, which its HF type ignores
+    python scripts/convert_hf.py to-hf outputs/checkpoint/step-1000 hf_out --flavor debugmodel --drop-selection-bias
 
     # ... or in the FP8 layout of DeepSeek's releases (linear layers' weights float8_e4m3fn, one scale per 128 x 128
     # block, config.json's quantization_config saying so)
-    python scripts/convert_hf.py to-hf outputs/checkpoint/step-1000 hf_fp8 --flavor debugmodel --fp8-blocks
+    python scripts/convert_hf.py to-hf outputs/checkpoint/step-1000 hf_fp8 --flavor 671B --fp8-blocks
 
     # HF folder (DeepSeek-V2/V3 config.json + safetensors, bf16 or DeepSeek's FP8) -> model-only DCP checkpoint,
     # usable as --checkpoint.initial_load_path (keys "model.<name>", like the trainer's own checkpoints)
