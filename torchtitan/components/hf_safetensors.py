@@ -125,11 +125,11 @@ def export_write_problem(folder: str, err: OSError, needed: int, elsewhere: str)
         existing = os.path.abspath(folder)
         while not os.path.exists(existing):
             existing = os.path.dirname(existing)
-        free = shutil.disk_usage(existing).free
-        return (
-            f"{reason} in {folder}: the export needs {_size(needed)}, {_size(free)} are free there; free the space, or "
-            f"{elsewhere}"
-        )
+        try:
+            free = f", {_size(shutil.disk_usage(existing).free)} are free there"
+        except OSError:
+            free = ""
+        return f"{reason} in {folder}: the export needs {_size(needed)}{free}; free the space, or {elsewhere}"
     if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"{folder} cannot be written ({reason}); make it writable, or {elsewhere}"
     return f"writing into {folder} failed ({reason}); {elsewhere}"
