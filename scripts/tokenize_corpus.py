@@ -56,12 +56,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         only = _parse_part(args.part) if args.part else None
         done = tokenize_parts(parts, args.out, tokenizer, args.workers, only)
+        busy_workers = max(1, min(args.workers, done["parts"]))
         report = {
             "parts": len(parts),
             "tokenized_now": done["parts"],
             "text_mb": round(done["text_bytes"] / 1e6, 1),
             "seconds": round(done["seconds"], 1),
-            "mb_per_s_per_worker": round(done["text_bytes"] / 1e6 / max(done["seconds"], 1e-9) / args.workers, 2),
+            "mb_per_s_per_worker": round(done["text_bytes"] / 1e6 / max(done["seconds"], 1e-9) / busy_workers, 2),
             "peak_rss_mib_per_worker": round(done["peak_rss_mib"]),
         }
         if only is None:

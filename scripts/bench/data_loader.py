@@ -187,7 +187,8 @@ def main() -> None:
         )
         result["loader_to_first_batch_ratio"] = large["seconds_to_first_batch"] / small["seconds_to_first_batch"]
     if args.tokenize_mib:
-        result["tokenizer"] = tokenize_rate(args.corpus_dir, args.tokenize_mib, args.workers)
+        tokenized = tokenize_rate(args.corpus_dir, args.tokenize_mib, args.workers)
+        result["tokenizer"] = {"workers": args.workers, **tokenized}
     print(json.dumps({k: v for k, v in result.items() if k != "sizes"}))
     print(write_result(result, f"data_loader_{git_commit()[:7]}"))
 
