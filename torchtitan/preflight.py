@@ -72,6 +72,7 @@ def check_layout(job_config: JobConfig, world_size: int, this_host: bool = False
     """The checks that need the world size or the model shape. this_host: also what depends on the machine running
     the check (the tokenizer file, a GPU, installed packages); a plan for another cluster (`torchtitan.plan`) leaves
     those out."""
+    from torchtitan.distributed.degrees import check_parallel_dims
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.models.spec import get_model_spec
 
@@ -138,50 +139,6 @@ def check_tokenizer(job_config: JobConfig, model_args) -> None:
             f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but the model's vocabulary is "
             f"{model_args.vocab_size} ({job_config.model.shape_source()}); pass a tokenizer of at most "
             f"{model_args.vocab_size} tokens (--model.tokenizer_path) or a model with a larger vocabulary"
-        )
-
-
-def check_parallel_dims(dims, model_args) -> None:
-    """The degrees must multiply out to the world size, leave EP whole ranks to borrow, and divide the model."""
-    others = dims.dp_replicate * dims.cp * dims.tp * dims.pp
-    if 1 <= dims.world_size < others:
-        raise ConfigError(
-            f"dp_replicate({dims.dp_replicate}) * cp({dims.cp}) * tp({dims.tp}) * pp({dims.pp}) = {others} "
-            f"processes at least, but the world size is {dims.world_size}; lower those degrees or launch more "
-            "processes (NGPU)"
-        )
-    if dims.world_size < 1 or dims.world_size != others * dims.dp_shard:
-        raise ConfigError(
-            f"dp_replicate({dims.dp_replicate}) * dp_shard({dims.dp_shard}) * cp({dims.cp}) * tp({dims.tp}) * "
-            f"pp({dims.pp}) = {others * dims.dp_shard} but the world size is {dims.world_size}; make the product equal "
-            "the number of processes (data_parallel_shard_degree=-1 fills in the rest when the world size is a "
-            f"multiple of dp_replicate * cp * tp * pp = {others})"
-        )
-    if dims.etp > 1 and dims.dp_shard % dims.ep:  # experts are TP-sharded, so EP can only borrow data-parallel ranks
-        raise ConfigError(
-            f"expert_parallel_degree ({dims.ep}) must divide data_parallel_shard_degree ({dims.dp_shard}) when "
-            "expert_tensor_parallel_degree == tensor_parallel_degree; lower ep, raise dp_shard, or set "
-            "expert_tensor_parallel_degree=1 to let EP borrow TP ranks"
-        )
-    if dims.etp == 1 and dims.dp_shard * dims.cp * dims.tp % dims.ep:
-        raise ConfigError(
-            f"expert_parallel_degree ({dims.ep}) must divide data_parallel_shard_degree * context_parallel_degree * "
-            f"tensor_parallel_degree ({dims.dp_shard} * {dims.cp} * {dims.tp} = {dims.dp_shard * dims.cp * dims.tp}): "
-            "EP borrows its ranks from FSDP, CP and TP; change expert_parallel_degree"
-        )
-    for divisor, name, count, what in [
-        (dims.ep, "expert_parallel_degree", model_args.moe_args.num_experts, "moe num_experts"),
-        (dims.etp, "expert_tensor_parallel_degree", model_args.moe_inter_dim, "moe_inter_dim"),
-        (dims.tp, "tensor_parallel_degree", model_args.n_heads, "n_heads"),
-    ]:
-        if count % divisor:
-            raise ConfigError(
-                f"{what} ({count}) is not divisible by {name} ({divisor}); set --parallelism.{name} to a divisor"
-            )
-    if model_args.n_layers < dims.pp:
-        raise ConfigError(
-            f"n_layers ({model_args.n_layers}) is smaller than pipeline_parallel_degree ({dims.pp}); every stage needs "
-            "at least one layer, lower --parallelism.pipeline_parallel_degree"
         )
 
 

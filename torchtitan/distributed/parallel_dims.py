@@ -37,6 +37,8 @@ class ParallelDims:
     world_size: int
     cp: int = 1
     enable_loss_parallel: bool = True
+    dp_shard_filled: bool = field(default=False, init=False)
+    """Whether dp_shard was -1 (the rest of the world size), not given."""
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
     _world_mesh: DeviceMesh | None = field(default=None, repr=False)
 
@@ -57,7 +59,8 @@ class ParallelDims:
 
     def __post_init__(self) -> None:
         # preflight.check_parallel_dims explains a layout that does not fill the world size; build_mesh fails on one.
-        if self.dp_shard == -1:
+        self.dp_shard_filled = self.dp_shard == -1
+        if self.dp_shard_filled:
             self.dp_shard = self.world_size // (self.dp_replicate * self.cp * self.tp * self.pp)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:

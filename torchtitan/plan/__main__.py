@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.distributed.degrees import LayoutError
 from torchtitan.plan.estimate import Plan, plan_job
 from torchtitan.plan.fixes import Change, fitting_changes
 from torchtitan.plan.hardware import GPUS
@@ -45,6 +46,16 @@ def accuracy_line() -> str:
     )
 
 
+def _nodes_that_fit(err: Exception, nnodes: int, gpus_per_node: int) -> str:
+    """'; plan it with --nnodes N' where the degrees do not fill nnodes x gpus_per_node GPUs and N nodes do."""
+    if not isinstance(err, LayoutError):
+        return ""
+    world = err.smallest_world_size(multiple_of=gpus_per_node)
+    if world is None or world == nnodes * gpus_per_node:
+        return ""
+    return f"; plan it with --nnodes {world // gpus_per_node}"
+
+
 def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
@@ -72,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                     return None
 
             fits = fitting_changes(plan, replan)
-    except (ConfigError, ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (ConfigError, ValueError, FileNotFoundError) as err:  # the trainer's words: what run_train.sh would print
+        print(f"error: {err}{_nodes_that_fit(err, args.nnodes, args.gpus_per_node)}", file=sys.stderr)
         return 2
     print(format_plan(plan, fits, accuracy_line()))
     return 0

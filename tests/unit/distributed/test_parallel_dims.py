@@ -7,8 +7,8 @@ import pytest
 
 from tests.unit.distributed._spawn import run_distributed
 from torchtitan.config import ConfigError
+from torchtitan.distributed.degrees import check_parallel_dims
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.preflight import check_parallel_dims
 
 
 def dims(world_size=8, dp_replicate=1, dp_shard=-1, tp=1, pp=1, ep=1, etp=1, cp=1) -> ParallelDims:
@@ -37,10 +37,14 @@ def test_ep_may_borrow_tp_ranks_when_etp_is_1():
     "kwargs, model_overrides, fragment",
     [
         (dict(world_size=8, dp_shard=3), {}, "but the world size is 8"),
-        (dict(world_size=2, pp=8), {}, "pp(8) = 8 processes at least, but the world size is 2; lower those degrees"),
+        (
+            dict(world_size=2, pp=8),
+            {},
+            "pp(8) = 8 processes at least, but the world size is 2; pass --parallelism.pipeline_parallel_degree 2",
+        ),
         (dict(world_size=6, tp=4), {}, "a multiple of dp_replicate * cp * tp * pp = 4"),
         (dict(world_size=8, tp=2, ep=3), {}, "must divide data_parallel_shard_degree * context_parallel_degree"),
-        (dict(world_size=8, tp=4, etp=4, ep=4), {}, "must divide data_parallel_shard_degree (2)"),
+        (dict(world_size=8, tp=4, etp=4, ep=4), {}, "must divide data_parallel_shard_degree (2) when"),
         (dict(ep=8), dict(moe_args=SimpleNamespace(num_experts=12)), "num_experts (12)"),
         (dict(tp=2, etp=2), dict(moe_inter_dim=255), "moe_inter_dim (255)"),
         (dict(tp=8), dict(n_heads=12), "n_heads (12)"),
@@ -52,6 +56,49 @@ def test_preflight_rejects_layouts_that_do_not_fill_the_world_or_divide_the_mode
         check_parallel_dims(dims(**kwargs), _model_args(**model_overrides))
     assert fragment in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def _deepseek_v3_671b():
+    return _model_args(n_heads=128, n_layers=61, moe_inter_dim=2048, moe_args=SimpleNamespace(num_experts=256))
+
+
+@pytest.mark.parametrize(
+    "kwargs, fix",
+    [
+        # the 671B job's PP 16 x EP 8 on one node: the degrees fill multiples of 128 processes, not of 16
+        (dict(world_size=8, pp=16, ep=8), "launch a multiple of 128 processes (NNODES x NGPU), or pass "
+         "--parallelism.pipeline_parallel_degree 1"),
+        # ... on 8 nodes: PP 16 leaves EP 4 ranks, so PP is the limit (named first); EP 4 and 128 processes fit too
+        (dict(world_size=64, pp=16, ep=8), "EP borrows its ranks from FSDP, CP and TP, and pipeline_parallel_degree "
+         "16 leaves it 4 of the 64 processes; pass --parallelism.pipeline_parallel_degree 8, or "
+         "--parallelism.expert_parallel_degree 4, or launch a multiple of 128 processes (NNODES x NGPU)"),
+        # a dp_shard given, not filled in: EP is the choice, no other degree is the limit
+        (dict(world_size=8, dp_shard=4, tp=2, ep=16), "(4 * 1 * 2 = 8): EP borrows its ranks from FSDP, CP and TP; "
+         "pass --parallelism.expert_parallel_degree 8"),
+        (dict(world_size=12, dp_shard=4, tp=2), "= 8 but the world size is 12; data_parallel_shard_degree=-1 fills in "
+         "the rest when the world size is a multiple of dp_replicate * cp * tp * pp = 2; launch 8 processes (NNODES x "
+         "NGPU), or pass --parallelism.data_parallel_shard_degree 6"),
+    ],
+)  # fmt: skip
+def test_a_layout_that_does_not_fit_names_values_that_do_and_the_degree_that_is_the_limit(kwargs, fix):
+    """Each value named fits: the message offers what was tried, not a direction ("change expert_parallel_degree")."""
+    with pytest.raises(ConfigError) as info:
+        check_parallel_dims(dims(**kwargs), _deepseek_v3_671b())
+    assert str(info.value).endswith(fix) and "\n" not in str(info.value)
+
+
+def test_the_smallest_world_size_that_fits_counts_in_whole_nodes():
+    from torchtitan.distributed.degrees import LayoutError
+
+    with pytest.raises(LayoutError) as info:
+        check_parallel_dims(dims(world_size=8, pp=16, ep=8), _deepseek_v3_671b())
+    assert info.value.smallest_world_size() == 128 and info.value.smallest_world_size(multiple_of=8) == 128
+    with pytest.raises(LayoutError) as info:  # 24 processes fill pp 3 x ep 8; in nodes of 16, 48 do
+        check_parallel_dims(dims(world_size=8, pp=3, ep=8), _deepseek_v3_671b())
+    assert (info.value.smallest_world_size(), info.value.smallest_world_size(multiple_of=16)) == (24, 48)
+    with pytest.raises(LayoutError) as info:  # a model the degree does not divide: no world size fits
+        check_parallel_dims(dims(world_size=8, ep=8), _model_args(moe_args=SimpleNamespace(num_experts=12)))
+    assert info.value.smallest_world_size() is None
 
 
 def _mesh_layout(rank: int, world_size: int) -> None:

@@ -52,3 +52,29 @@ def test_a_job_that_ran_out_of_memory_is_planned_not_to_fit_with_a_change_that_f
     assert "does NOT fit" in out
     fixes = out.split("changes that fit, fastest first (the first is the cheapest):\n")[1].splitlines()
     assert "GiB per GPU" in fixes[0] and fixes[1].strip().startswith("--")
+
+
+@pytest.mark.parametrize(
+    "nnodes, fix",
+    [
+        ([], "launch a multiple of 128 processes (NNODES x NGPU), or pass --parallelism.pipeline_parallel_degree 1"),
+        (["--nnodes", "8"], "pipeline_parallel_degree 16 leaves it 4 of the 64 processes; pass --parallelism."
+         "pipeline_parallel_degree 8, or --parallelism.expert_parallel_degree 4, or launch a multiple of 128 processes "
+         "(NNODES x NGPU)"),
+    ],
+    ids=["one-node", "eight-nodes"],
+)  # fmt: skip
+def test_the_671b_job_on_too_few_nodes_is_refused_as_the_trainer_refuses_it_naming_the_nodes_it_needs(
+    nnodes, fix, tmp_path, capsys
+):
+    """PP 16 x EP 8 fills multiples of 128 GPUs: the plan says what run_train.sh would say on that many GPUs (the
+    values it names fit), then the nodes to plan it on."""
+    from torchtitan.preflight import main as preflight
+
+    config = ["--job.config_file", "train_configs/deepseek_v3_671b.toml"]
+    world_size = 8 * int(nnodes[1]) if nnodes else 8
+    assert preflight(["--world-size", str(world_size), *config, "--job.dump_folder", str(tmp_path)]) == 2
+    trainer = capsys.readouterr().err.strip()
+    assert trainer.endswith(fix)
+    assert main([*config, *nnodes, "--gpu", "h200"]) == 2
+    assert capsys.readouterr().err == f"{trainer}; plan it with --nnodes 16\n"
