@@ -86,10 +86,10 @@ def check_layout(job_config: JobConfig, world_size: int, this_host: bool = False
     check_mtp(job_config, model_args, parallel_dims)
     check_activation_checkpoint(job_config, model_args)
     check_float8_linears(job_config, parallel_dims)
+    check_profiling(job_config, this_host)
     if this_host:
-        check_profiling(job_config)
         resolve_memory_budget(job_config)
-        check_cuda_graphs(job_config, parallel_dims)
+    check_cuda_graphs(job_config, parallel_dims, this_host)
     check_pipeline_schedule(job_config, parallel_dims)
     check_compile_backend(job_config)
     if job_config.training.enable_cpu_offload and not parallel_dims.fsdp_enabled:
@@ -430,14 +430,15 @@ def auto_memory_budget(job_config: JobConfig, card: Callable[[], tuple[str, floa
     return budget, f"{budget:g} GiB ({BUDGET_SHARE:g} of the {name}'s {total_gib:.1f} GiB)"
 
 
-def check_cuda_graphs(job_config: JobConfig, parallel_dims) -> None:
-    """compile.cuda_graphs captures one GPU's forward and backward at step 3 and replays it: a GPU, no exchange or
-    sharding that the host drives between kernels, and nothing that changes the step after it was captured."""
+def check_cuda_graphs(job_config: JobConfig, parallel_dims, this_host: bool = True) -> None:
+    """compile.cuda_graphs captures one GPU's forward and backward at step 3 and replays it: a GPU (this_host: one
+    here), no exchange or sharding that the host drives between kernels, and nothing that changes the step after it
+    was captured."""
     if not job_config.compile.cuda_graphs:
         return
     import torch
 
-    if not torch.cuda.is_available():
+    if this_host and not torch.cuda.is_available():
         raise ConfigError("compile.cuda_graphs captures the step on a GPU; none is visible: drop --compile.cuda_graphs")
     if parallel_dims.world_size > 1:
         raise ConfigError(
@@ -445,7 +446,8 @@ def check_cuda_graphs(job_config: JobConfig, parallel_dims) -> None:
             "(FSDP's hooks and the exchanges of EP, TP, CP and PP are driven by the host between kernels): run one "
             "process (NGPU=1) or drop --compile.cuda_graphs"
         )
-    if job_config.activation_checkpoint.memory_budget_gib > 0:
+    budget = job_config.activation_checkpoint.memory_budget_gib
+    if budget != "auto" and budget > 0:  # auto steps aside for graphs (auto_memory_budget)
         raise ConfigError(
             "compile.cuda_graphs captures step 3, the first to run the recompute that "
             "activation_checkpoint.memory_budget_gib chose after steps 1 and 2, which capture cannot compile: pass "
@@ -453,7 +455,9 @@ def check_cuda_graphs(job_config: JobConfig, parallel_dims) -> None:
         )
 
 
-def check_profiling(job_config: JobConfig) -> None:
+def check_profiling(job_config: JobConfig, this_host: bool = True) -> None:
+    """The profiled step is one the run reaches after the profiler's warm-up; this_host: a memory snapshot needs a
+    GPU here."""
     import torch
 
     from torchtitan.tools.profiling import MIN_PROFILE_FREQ
@@ -471,7 +475,7 @@ def check_profiling(job_config: JobConfig) -> None:
             f"profiling.profile_freq={freq} records step {freq}, but training.steps is {steps}: no step will be "
             f"profiled; pass --training.steps {freq}{lower}"
         )
-    if profiling.enable_memory_snapshot and not torch.cuda.is_available():
+    if this_host and profiling.enable_memory_snapshot and not torch.cuda.is_available():
         raise ConfigError("profiling.enable_memory_snapshot records the CUDA allocator; no GPU here: drop the flag")
 
 

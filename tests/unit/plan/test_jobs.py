@@ -78,3 +78,21 @@ def test_the_671b_job_on_too_few_nodes_is_refused_as_the_trainer_refuses_it_nami
     assert trainer.endswith(fix)
     assert main([*config, *nnodes, "--gpu", "h200"]) == 2
     assert capsys.readouterr().err == f"{trainer}; plan it with --nnodes 16\n"
+
+
+def test_the_plan_refuses_cuda_graphs_on_several_gpus_as_the_trainer_does(tmp_path, monkeypatch, capsys):
+    """The trainer's check of the layout runs in the plan too (its GPU check is the machine's: not the plan's)."""
+    import torch
+
+    from torchtitan.preflight import main as preflight
+
+    job = ["--job.config_file", "train_configs/deepseek_v3_16b.toml", "--compile.cuda_graphs"]
+    assert main([*job, "--gpu", "h100"]) == 2
+    planned = capsys.readouterr().err
+    assert planned.startswith("error: compile.cuda_graphs captures the step of one GPU, and this job runs 8 processes")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert preflight(["--world-size", "8", *job, "--job.dump_folder", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == planned
+    one_gpu = ["--gpus-per-node", "1", "--parallelism.expert_parallel_degree", "1"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the plan's machine has no GPU: no matter
+    assert main([*job, *one_gpu, "--gpu", "h100"]) == 0
