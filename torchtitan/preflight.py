@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torchtitan.components.checkpoint_folder import (
+    EXPORTS_DIR,
     CheckpointError,
     complete_checkpoints,
     is_step_name,
@@ -86,6 +87,7 @@ def check_layout(job_config: JobConfig, world_size: int, this_host: bool = False
     check_mtp(job_config, model_args, parallel_dims)
     check_activation_checkpoint(job_config, model_args)
     check_float8_linears(job_config, parallel_dims)
+    check_final_hf_export(job_config, parallel_dims)
     check_profiling(job_config, this_host)
     if this_host:
         resolve_memory_budget(job_config)
@@ -240,6 +242,26 @@ def check_float8_linears(job_config: JobConfig, parallel_dims) -> None:
             f"--quantize.float8_linears needs training.seq_len a multiple of 16 x context_parallel_degree (FP8 GEMM "
             f"alignment), got {job_config.training.seq_len}; change --training.seq_len or drop the flag"
         )
+
+
+def check_final_hf_export(job_config: JobConfig, parallel_dims) -> None:
+    """The final HF export gathers the whole model on rank 0, and under pipeline parallelism a rank holds only its
+    own stages (components/checkpoint.py refuses it once the model is built): say so before anything starts, with
+    the offline conversion that does the same from the last checkpoint."""
+    checkpoint = job_config.checkpoint
+    if not (checkpoint.enable and checkpoint.last_save_in_hf and parallel_dims.pp_enabled):
+        return
+    model = job_config.model
+    shape = f"--hf-config {model.hf_config_path}" if model.hf_config_path else f"--flavor {model.flavor}"
+    folder = os.path.join(job_config.job.dump_folder, checkpoint.folder)
+    last = os.path.join(
+        folder, EXPORTS_DIR if checkpoint.last_save_model_only else "", f"step-{job_config.training.steps}"
+    )
+    raise ConfigError(
+        f"--checkpoint.last_save_in_hf is not supported with pipeline parallelism (pipeline_parallel_degree "
+        f"{parallel_dims.pp}): the export gathers the model on rank 0, which holds only its own stages; drop the flag "
+        f"and convert the last checkpoint after the run: python scripts/convert_hf.py to-hf {last} <hf folder> {shape}"
+    )
 
 
 def check_validation(job_config: JobConfig, model_args, parallel_dims) -> None:

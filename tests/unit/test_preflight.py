@@ -84,6 +84,27 @@ def test_a_final_save_format_without_checkpointing_is_one_error(tmp_path, flag):
         check_job([*DEBUG_TOML, "--job.dump_folder", str(tmp_path), flag], world_size=1)
 
 
+@pytest.mark.parametrize("model_only", [False, True])
+def test_a_final_hf_export_with_pipeline_parallelism_is_one_error_naming_the_offline_conversion(tmp_path, model_only):
+    """The export gathers the model on rank 0, which holds only its own pipeline stages: the trainer refused it only
+    once the model was built, in a traceback. The line names the to-hf command for the last checkpoint (where it will
+    be saved)."""
+    dump = tmp_path / "run"
+    args = [*DEBUG_TOML, "--job.dump_folder", str(dump), "--model.flavor", "debugmodel_tiny_671b",
+            "--parallelism.pipeline_parallel_degree", "2", "--training.steps", "7", "--checkpoint.enable",
+            "--checkpoint.last_save_in_hf"]  # fmt: skip
+    last = dump / "checkpoint" / ("exports/step-7" if model_only else "step-7")
+    with pytest.raises(ConfigError) as info:
+        check_job([*args, *(["--checkpoint.last_save_model_only"] if model_only else [])], world_size=2)
+    assert str(info.value) == (
+        "--checkpoint.last_save_in_hf is not supported with pipeline parallelism (pipeline_parallel_degree 2): the "
+        "export gathers the model on rank 0, which holds only its own stages; drop the flag and convert the last "
+        f"checkpoint after the run: python scripts/convert_hf.py to-hf {last} <hf folder> --flavor debugmodel_tiny_671b"
+    )
+    check_job(args[:-1], world_size=2)  # without the flag the job passes
+    check_job([*args[:6], *args[8:]], world_size=2)  # and without pipelining
+
+
 def test_a_full_initial_state_from_an_hf_folder_is_one_error(tmp_path):
     """An HF folder holds weights only: asking for its optimizer state would silently load the model only."""
     args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path / "run"), "--checkpoint.initial_load_path", str(tmp_path),
