@@ -88,8 +88,8 @@ def test_mtp_targets_never_cross_a_document_or_the_sequence_end():
     gen = torch.Generator().manual_seed(0)
     stream = torch.randint(2, 50, (3, 41), generator=gen)
     stream[torch.rand(3, 41, generator=gen) < 0.15] = BOS  # packed documents start at BOS
-    tokens, labels = stream[:, :-1], stream[:, 1:]
-    documents = (stream == BOS).cumsum(dim=1)
+    labels = stream[:, 1:]
+    documents = (stream == BOS).cumsum(dim=1)  # the loader's document ids of each window
     for module in range(3):
         targets = mtp_targets(documents, labels, module)
         offset = module + 2  # position i predicts token i + module + 2
