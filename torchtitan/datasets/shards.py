@@ -103,11 +103,12 @@ def open_source(path: str | None, dataset: str, tokenizer: Tokenizer, vocab_size
     logger.info(f"{section} {describe_corpus(files, path)}")
     folder = _cached_shards(files, tokenizer)
     try:
-        return _open_shard_folder(folder, tokenizer, vocab_size, name=path or dataset)
+        _read_shard_folder(folder)
     except DatasetError as err:  # a damaged cache must never stop training: tokenize again
         logger.warning(f"ignoring the damaged tokenized-corpus cache {folder} ({err}); tokenizing again")
         shutil.rmtree(folder, ignore_errors=True)
-        return _open_shard_folder(_cached_shards(files, tokenizer), tokenizer, vocab_size, name=path or dataset)
+        folder = _cached_shards(files, tokenizer)
+    return _open_shard_folder(folder, tokenizer, vocab_size, name=path or dataset)
 
 
 def training_sources(job_config: "JobConfig") -> list[tuple[float, str | None]]:
@@ -195,7 +196,9 @@ def check_raw_size(files: list[Path], flag: str) -> None:
 
 
 def _open_shard_folder(folder: Path, tokenizer: Tokenizer, vocab_size: int, name: str | None = None) -> Source:
-    manifest = read_manifest(folder)
+    """A shard folder checked against its manifest (`_read_shard_folder`), then against the job: its tokenizer, and
+    the model's vocabulary (`vocab_size`, which may be larger than the tokenizer's)."""
+    manifest, shards = _read_shard_folder(folder)
     written_with = manifest["tokenizer"]
     if written_with["fingerprint"] != tokenizer.fingerprint:
         raise DatasetError(
@@ -203,19 +206,22 @@ def _open_shard_folder(folder: Path, tokenizer: Tokenizer, vocab_size: int, name
             f"{written_with['fingerprint']}) than the job's ({tokenizer.path}, {tokenizer.fingerprint}): pass that "
             "--model.tokenizer_path, or tokenize the corpus again with the job's tokenizer"
         )
-    shards = []
-    for entry in manifest["shards"]:
-        shard = _manifest_shard(folder, entry)
-        _check_dtype(shard, vocab_size)
+    for shard, entry in zip(shards, manifest["shards"], strict=True):
+        _check_dtype(shard, tokenizer.vocab_size)
         if entry["max_token_id"] >= vocab_size:
             raise DatasetError(
                 f"{shard.bin_path} holds token id {entry['max_token_id']}, past the model's vocabulary of "
                 f"{vocab_size:,}: the shards were written with another tokenizer; tokenize again, or use a model "
                 "whose vocab_size covers it"
             )
-        shards.append(shard)
     fingerprint = hashlib.sha256(json.dumps([s["idx_crc32"] for s in manifest["shards"]]).encode()).hexdigest()[:16]
     return Source(name or str(folder), shards, fingerprint, manifest["num_documents"], megatron=False)
+
+
+def _read_shard_folder(folder: Path) -> tuple[dict, list[IndexedShard]]:
+    """The manifest and its shards, each checked against its entry: what a damaged folder fails."""
+    manifest = read_manifest(folder)
+    return manifest, [_manifest_shard(folder, entry) for entry in manifest["shards"]]
 
 
 def _manifest_shard(folder: Path, entry: dict) -> IndexedShard:
@@ -233,7 +239,7 @@ def _manifest_shard(folder: Path, entry: dict) -> IndexedShard:
 def _open_megatron(prefixes: list[Path], name: str, tokenizer: Tokenizer, vocab_size: int) -> Source:
     shards = [IndexedShard(prefix) for prefix in prefixes]
     for shard in shards:
-        _check_dtype(shard, vocab_size)
+        _check_dtype(shard, tokenizer.vocab_size)
     # what identifies the data without reading it: each file's name and counts (the corpus may move)
     described = [(shard.prefix.name, shard.num_tokens, shard.index.num_documents) for shard in shards]
     fingerprint = hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
@@ -243,12 +249,13 @@ def _open_megatron(prefixes: list[Path], name: str, tokenizer: Tokenizer, vocab_
 
 
 def _check_dtype(shard: IndexedShard, vocab_size: int) -> None:
+    """The shard's token dtype holds every id of the tokenizer's `vocab_size` (a smaller one cut ids when written)."""
     dtype = shard.index.dtype
     if np.issubdtype(dtype, np.unsignedinteger) and max_token_id(dtype) < vocab_size - 1 and dtype.itemsize < 4:
         raise DatasetError(
             f"{shard.idx_path} stores {dtype.name} tokens (ids up to {max_token_id(dtype):,}), too small for the "
-            f"model's vocabulary of {vocab_size:,}: the shards were written for a smaller vocabulary; tokenize again "
-            "with the job's tokenizer"
+            f"tokenizer's vocabulary of {vocab_size:,}: the shards were written for a smaller vocabulary; tokenize "
+            "again with the job's tokenizer"
         )
 
 

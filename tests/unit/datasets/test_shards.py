@@ -139,8 +139,17 @@ def test_megatron_ids_past_the_vocabulary_and_too_small_a_dtype_are_refused(tmp_
     with pytest.raises(DatasetError, match=r"corpus_text_document\.bin holds token id 3000 .* past the model's vocab"):
         windows(make_job_config(prefix, seq_len=8, local_batch_size=1), tokenizer)
     small = megatron_files(tmp_path / "u8", [[1, 2, 3] * 20], dtype=np.uint8)
-    with pytest.raises(DatasetError, match=r"stores uint8 tokens \(ids up to 255\), too small for .* 2,048"):
+    with pytest.raises(
+        DatasetError, match=r"stores uint8 tokens \(ids up to 255\), too small for the tokenizer's .* 2,048"
+    ):
         open_source(str(small), "", tokenizer, VOCAB, "training")
+
+
+def test_a_model_vocabulary_past_the_shards_dtype_is_fine(shards, tokenizer, make_job_config):
+    """The 16B's 102,400 ids with the shipped 2,048-id tokenizer: uint16 shards hold every id the tokenizer writes."""
+    source = open_source(str(shards), "", tokenizer, 102_400, "training")
+    assert source.shards[0].index.dtype == np.uint16
+    assert open_source(None, "tinycorpus", tokenizer, 102_400, "training").num_documents == 269
 
 
 def test_a_raw_corpus_past_the_limit_is_refused_naming_the_tokenize_command(tmp_path, make_job_config, monkeypatch):
