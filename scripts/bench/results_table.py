@@ -58,7 +58,7 @@ BENCH4 = (
         "e2e_16b8L_ep1_cuda_graphs_b7830bc_old_r1.json", "graphs off"),
     Run("1 GPU, Muon (300 steps)", "e2e_16b8L_1gpu_muon_300steps_86b94cf.json"),
     Run("1 GPU, Muon, global batch 16 (4 micro-batches, 300 steps)", "e2e_16b8L_1gpu_gbs16_muon_300steps_498a64b.json",
-        "e2e_16b8L_1gpu_gbs16_adamw_300steps_498a64b.json", "AdamW (the next call, same machine)"),
+        "e2e_16b8L_1gpu_gbs16_adamw_300steps_498a64b.json", "AdamW (the next run, same machine)"),
     Run("1 GPU, Muon, global batch 128 (32 micro-batches)", "e2e_16b8L_1gpu_gbs128_muon_8steps_4b367e9.json",
         "e2e_16b8L_1gpu_gbs128_adamw_8steps_4b367e9.json", "AdamW"),
     Run("1 GPU, bf16 Adam moments (300 steps)", "e2e_16b8L_ep1_300steps_moments_bfloat16_sr_r2_2251419.json",
@@ -103,7 +103,7 @@ LOSSES = (
                "e2e_16b8L_ep1_300steps_moments_bfloat16_sr_r3_2251419.json")),
     LossCheck("1 GPU, 300 steps: Muon (Moonlight's update RMS 0.2, AdamW's lr) against AdamW (bf16 moments)",
               (MUON_REFERENCE,), ("e2e_16b8L_1gpu_muon_300steps_86b94cf.json",)),
-    LossCheck("1 GPU, 300 steps: Muon at AdamW's measured update RMS (0.22) against that AdamW run (one call)",
+    LossCheck("1 GPU, 300 steps: Muon at AdamW's measured update RMS (0.22) against that AdamW run (same machine)",
               (MUON_REFERENCE,), ("e2e_16b8L_1gpu_matched_rms_muon_300steps_435dded.json",)),
     LossCheck("1 GPU, 300 steps: Muon at 2x AdamW's lr (4.4e-4) against AdamW",
               (MUON_REFERENCE,), ("e2e_16b8L_1gpu_muon_lr4.4e-4_300steps_4b367e9.json",)),
@@ -149,6 +149,23 @@ def link(name: str) -> str:
     return f"[{Path(name).stem}](results/{name})"
 
 
+# Flags renamed since a result ran: RESULTS.md shows each command as it runs today (the JSON keeps it as run).
+RENAMED_FLAGS = {"--parallelism.deepep_sync_free_capacity_factor": "--parallelism.expert_parallel_capacity_factor"}
+
+
+def shown_command(result: dict) -> str:
+    """The result's command as a user reruns it: the interpreter that ran it as `python`, renamed flags by their names
+    today (`RENAMED_FLAGS`)."""
+    words = result["command"].split(" ")
+    if words[0].endswith("/python"):
+        words[0] = "python"
+    renamed = []
+    for word in words:
+        flag, equals, value = word.partition("=")
+        renamed.append(RENAMED_FLAGS.get(flag, flag) + equals + value)
+    return " ".join(renamed)
+
+
 def commit(result: dict) -> str:
     return str(result.get("git_commit", "?"))[:7]
 
@@ -159,8 +176,8 @@ def gib(value: float | None) -> str:
 
 def runs_table(runs: tuple[Run, ...]) -> list[str]:
     with_upstream = any(run.upstream for run in runs)
-    header = "| configuration | GPUs | tokens/s/GPU | MFU | reserved / allocated GiB | against a run of the same call |"
-    header += " upstream torchtitan, same call |" if with_upstream else ""
+    header = "| configuration | GPUs | tokens/s/GPU | MFU | reserved / allocated GiB | against a run, same machine |"
+    header += " upstream torchtitan, same machine |" if with_upstream else ""
     lines = [f"{header} commit | result |", "| --- " * (header.count("|") + 1) + "|"]
     commands = []
     for run in runs:
@@ -177,7 +194,7 @@ def runs_table(runs: tuple[Run, ...]) -> list[str]:
             cells.append(ratio(r, run.upstream, "upstream"))
         cells += [commit(r), link(run.file)]
         lines.append("| " + " | ".join(cells) + " |")
-        commands += [f"- {link(name)} ({load(name)['date'][:10]}): `{load(name)['command']}`"
+        commands += [f"- {link(name)} ({load(name)['date'][:10]}): `{shown_command(load(name))}`"
                      for name in (run.file, run.upstream) if name]  # fmt: skip
     return [*lines, "", "<details><summary>Commands</summary>", "", *commands, "", "</details>", ""]
 
@@ -287,7 +304,7 @@ def memory_tables() -> list[str]:
     lines = [
         f"Context parallelism at {cp['seq_len']:,} tokens per sequence, 16B_accept, compile + per-op SAC, both "
         f"ranks on one {device(cp)} (memory is real, speed is not; {link(CP_MEMORY)}, commit {commit(cp)}, "
-        f"`{cp['command']}`):",
+        f"`{shown_command(cp)}`):",
         "",
         "| run | tokens per rank | peak allocated per rank (GiB) | peak reserved per rank (GiB) |",
         "| --- | --- | --- | --- |",
@@ -361,8 +378,9 @@ def render() -> str:
         "from the JSONs in `benchmarks/results/` that each row links (each holds the exact command, device, torch",
         "version and commit); do not edit by hand. How the figures were reached, and everything superseded:",
         "[NOTES.md](NOTES.md) and `benchmarks/results/archive/`. MFU counts the device's dense bf16 peak (989",
-        "TFLOP/s on H100 and H200). Ratios are taken only between runs of one device call: machines of one kind",
-        "differ by up to 10% between calls.",
+        "TFLOP/s on H100 and H200). Ratios are taken only between runs on one machine, back to back: two machines of",
+        "one kind differ by up to 10%. Commands are shown as they run today (a flag renamed since a run by its new",
+        "name; the JSON keeps the command as run).",
         "",
         "![tokens/s per GPU](plots/tokens_per_sec.png)",
         "",
@@ -390,7 +408,7 @@ def render() -> str:
         "",
         "## GPU acceptance: where each feature trained on GPUs",
         "",
-        "`python scripts/bench/gpu_acceptance.py` trains each row against a base run of the same invocation",
+        "`python scripts/bench/gpu_acceptance.py` trains each row against a base run on the same machine",
         "(16B_accept: the 16B layer shapes, 3 layers; 12 steps; FSDP x EP over every GPU, deepep + compile +",
         "per-op SAC). Each cell is the newest run of that row at that GPU count; bounds are in the script.",
         "",

@@ -64,3 +64,15 @@ def test_acceptance_matrix_takes_the_newest_run_of_each_row_at_each_gpu_count(tm
     table = "\n".join(results_table.acceptance_table())
     mtp = next(line for line in table.splitlines() if line.startswith("| mtp |"))
     assert "passed at ccccccc" in mtp and "failed at aaaaaaa" in mtp and "| not run |" in mtp
+
+
+def test_a_command_is_shown_as_a_user_reruns_it_today():
+    """A row's command names the interpreter `python` and a renamed flag by its name today: the old name is refused."""
+    result = {
+        "command": "/opt/torch/.venv/bin/python ./run_train.sh --parallelism.deepep_sync_free_capacity_factor 1.2 "
+        "--parallelism.deepep_sync_free_capacity_factor=1.5 --training.steps 14"
+    }
+    assert results_table.shown_command(result) == (
+        "python ./run_train.sh --parallelism.expert_parallel_capacity_factor 1.2 "
+        "--parallelism.expert_parallel_capacity_factor=1.5 --training.steps 14"
+    )
