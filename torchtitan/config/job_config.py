@@ -51,7 +51,7 @@ class Optimizer:
     name: Literal["AdamW", "Adam", "Muon"] = "AdamW"
     """`AdamW` / `Adam`: one update for every parameter (weight decay on all). `Muon`: Muon (Newton-Schulz
     orthogonalized momentum) for the parameter groups of `muon_groups`, AdamW for the rest, both with this lr and
-    weight decay, as Moonlight was trained (components/optimizer.py, components/muon.py)."""
+    weight decay: Moonlight's update rule (components/optimizer.py, components/muon.py; docs/optimizers.md)."""
 
     lr: float = 8e-4
     """Peak learning rate."""
@@ -81,7 +81,8 @@ class Optimizer:
     muon_groups: list[str] = field(default_factory=lambda: ["matrices", "experts"])
     """Muon: the parameter groups it updates (AdamW the others): `matrices` (attention projections, dense and shared
     experts' MLPs), `experts` (routed experts, each expert's matrix on its own), `embeddings`, `head`, `router_gate`.
-    Norms and biases always take AdamW."""
+    Norms and biases always take AdamW. The default keeps the router gate on AdamW (this project's choice); Moonlight
+    and Megatron-LM give Muon every matrix but the embeddings and the head: `matrices,experts,router_gate`."""
 
     muon_momentum: float = 0.95
     """Muon: momentum mu of B = mu B + (1 - mu) grad."""
