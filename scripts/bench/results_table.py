@@ -51,6 +51,8 @@ class LossCheck:
 BENCH4 = (
     Run("1 GPU", "e2e_16b8L_ep1_compile_sac_09a0823.json"),
     Run("1 GPU", "e2e_16b8L_ep1_compile_sac_d128255.json"),
+    Run("1 GPU (H100), token shards + document ids from the index", "e2e_16b8L_ep1_data_0dacb28_r1.json",
+        "e2e_16b8L_ep1_data_f9d5aa5_r1.json", "f9d5aa5, the in-memory token stream (same machine)"),
     Run("1 GPU, FP8 experts", "e2e_16b8L_ep1_fp8experts_d172a53.json", "e2e_16b8L_ep1_bf16_d172a53.json", "bf16"),
     Run("1 GPU, FP8 experts + linears", "e2e_16b8L_ep1_fp8all_d172a53.json", "e2e_16b8L_ep1_bf16_d172a53.json",
         "bf16"),
@@ -126,6 +128,7 @@ GROUPED_GEMM = ("grouped_gemm_16b_ep1_t16384.json", "grouped_gemm_671b_ep4_t8192
 OPTIMIZER = "optimizer_16b8L_fsdp1_ep1_a9547a3.json"
 OUTPUT_HEAD = "output_head_16384x2048x102400_ebd51e2.json"
 DEEPEP_BANDWIDTH = "deepep_bandwidth_ep2_16b_sms64.json"
+DATA_LOADER = "data_loader_e6c102a.json"
 
 
 def load(name: str) -> dict:
@@ -136,7 +139,7 @@ def cited_files() -> list[str]:
     """Every JSON a table row names (the acceptance matrix's files come from `acceptance_files`)."""
     names = [name for run in (*BENCH4, *WHOLE_16B) for name in (run.file, run.against, run.upstream) if name]
     names += [name for check in LOSSES for name in (*check.reference, *check.runs)]
-    names += [CP_MEMORY, MEMORY_BREAKDOWN, *GROUPED_GEMM, OPTIMIZER, OUTPUT_HEAD, DEEPEP_BANDWIDTH]
+    names += [CP_MEMORY, MEMORY_BREAKDOWN, *GROUPED_GEMM, OPTIMIZER, OUTPUT_HEAD, DEEPEP_BANDWIDTH, DATA_LOADER]
     return sorted(set(names))
 
 
@@ -370,6 +373,36 @@ def kernels_table() -> list[str]:
     return [*lines, ""]
 
 
+def data_loader_table() -> list[str]:
+    result = load(DATA_LOADER)
+    settings = result["settings"]
+    lines = [
+        f"One rank's loader, `scripts/bench/data_loader.py` on {result['machine']} (no GPU; commit {commit(result)}, "
+        f"{link(DATA_LOADER)}): rank 0 of {settings['dp']} data-parallel ranks, {settings['batch']} x "
+        f"{settings['seq_len']} tokens a batch, {settings['batches']} batches, synthetic uint16 token shards written "
+        "outside the repository. Memory: the process's resident memory after the batches over its own after imports.",
+        "",
+        "| corpus | tokens/s, pages cached | tokens/s, pages evicted first | launch to first batch (s) "
+        "| resident memory growth (MiB) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for size in result["sizes"]:
+        warm, cold = size["warm"], size["cold"]
+        lines.append(
+            f"| {size['gib_of_tokens']:g} GiB ({size['tokens'] / 1e9:.2f}B tokens) | "
+            f"{warm['tokens_per_second'] / 1e6:.1f}M | {cold['tokens_per_second'] / 1e6:.1f}M | "
+            f"{warm['seconds_launch_to_first_batch']:.2f} | {warm['rss_growth_mib']:.0f} |"
+        )
+    if tokenizer := result.get("tokenizer"):
+        lines += [
+            "",
+            f"`scripts/tokenize_corpus.py` with {tokenizer['workers']} workers on {tokenizer['text_mb']} MB of text "
+            f"(the shipped corpus repeated, the shipped tokenizer): {tokenizer['mb_per_s_per_worker']} MB/s of text "
+            f"per worker, at most {tokenizer['peak_rss_mib_per_worker']} MiB resident per worker.",
+        ]
+    return [*lines, ""]
+
+
 def render() -> str:
     lines = [
         "# Results",
@@ -419,6 +452,9 @@ def render() -> str:
         "## Kernels",
         "",
         *kernels_table(),
+        "## Data loader",
+        "",
+        *data_loader_table(),
     ]
     return "\n".join(lines)
 
