@@ -47,7 +47,7 @@ from torchtitan.distributed.activation_budget import ActivationBudget
 from torchtitan.distributed.compile import graphs_compiled
 from torchtitan.distributed.weight_init import copy_from_unsharded_init
 from torchtitan.launch import report_error
-from torchtitan.models.moe import ExpertBiasHook, GroupedExperts, MoE
+from torchtitan.models.moe import ExpertBiasHook, GroupedExperts, set_tokens_per_optimizer_step
 from torchtitan.models.moe.parallelize import expert_bias_reduce_group
 from torchtitan.models.output_head import chunk_loss_and_grad
 from torchtitan.preflight import CheckedJob, check_batch_sizes, check_job
@@ -93,16 +93,7 @@ class Trainer:
             self.parallel_dims.world_mesh, self.device, job_config.debug.seed, job_config.debug.deterministic
         )
 
-        # Every DP rank reads its slice of one global batch stream; its CP ranks read the same samples.
-        dp_mesh = self.parallel_dims.get_mesh("dp") if self.parallel_dims.dp_enabled else None
-        dp_rank, dp_degree = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
-        self.tokenizer = build_tokenizer(job_config)
-        vocab_size = self.model_args.vocab_size
-        self.dataloader = build_dataloader(job_config, self.tokenizer, vocab_size, dp_rank, dp_degree)
-        if job_config.validation.enable:
-            self.validation_loader = build_dataloader(
-                job_config, self.tokenizer, vocab_size, dp_rank, dp_degree, "validation"
-            )
+        dp_rank = self._build_data(job_config)
 
         # Model: built on meta, parallelized, then materialized, so no rank ever holds the full model.
         spec = job.spec
@@ -139,43 +130,11 @@ class Trainer:
 
         self.fused_output_loss = self._setup_fused_output_loss(job_config)
 
-        tokens_per_step = self.grad_accum_steps * job_config.training.local_batch_size * self.parallel_dims.dp_size
-        for part in self.model_parts:
-            for module in part.modules():
-                if isinstance(module, MoE):
-                    module.tokens_per_optimizer_step = tokens_per_step * job_config.training.seq_len
-
-        init_device = "cpu" if job_config.training.enable_cpu_offload else self.device
-        for part in self.model_parts:
-            part.to_empty(device=init_device)
-            with torch.no_grad(), warnings.catch_warnings():
-                # on CPU the copy below replaces what DTensor's random ops draw here, and they warn on a CPU mesh
-                warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-                part.init_weights(buffer_device=self.device)
-            part.train()
-        if unsharded_model is not None:
-            copy_from_unsharded_init(self.model_parts, unsharded_model, seed=job_config.debug.seed or 0)
-            del unsharded_model
-
-        master_low_bits, bf16_modules = None, ()
-        if autocast_dtype == torch.bfloat16 and updates_master_weights(job_config.optimizer):
-            # what computes in bf16 is stored in bf16, updated through fp32 masters: no cast per use (master_weights.py)
-            bf16_modules = (nn.Linear, GroupedExperts)
-        elif job_config.training.mixed_precision_param == "bfloat16" and parallelized.experts_outside_fsdp:
-            bf16_modules = (GroupedExperts,)  # FSDP casts the rest; these it does not wrap
-        if bf16_modules:
-            # several backwards per step (accumulation, pipeline micro-batches) sum their gradients in fp32
-            microbatches = self.grad_accum_steps * (self.pipeline.microbatches if self.pipeline else 1)
-            master_low_bits = store_weights_in_bf16(self.model_parts, bf16_modules, microbatches > 1)
-            logger.info(
-                f"{len(master_low_bits)} weights stored in bf16, their fp32 masters (the weight and 16 low bits) "
-                "updated by the optimizer"
-            )
-        elif autocast_dtype is not None:
-            logger.info(
-                "weights stay fp32, cast by autocast at every use: bf16 weights need optimizers that update fp32 "
-                "masters (AdamW or Muon with implementation 'triton')"
-            )
+        sequences_per_step = self.grad_accum_steps * job_config.training.local_batch_size * self.parallel_dims.dp_size
+        set_tokens_per_optimizer_step(self.model_parts, sequences_per_step * job_config.training.seq_len)
+        self._materialize(unsharded_model)
+        del unsharded_model  # a whole copy of the model
+        master_low_bits = self._store_weights(autocast_dtype, parallelized.experts_outside_fsdp)
         self.optimizers = build_optimizers(self.model_parts, job_config, master_low_bits)
         self.activation_budget = None
         if parallelized.budget_blocks:  # activation_checkpoint.memory_budget_gib chooses their levels
@@ -186,17 +145,7 @@ class Trainer:
             self.model_parts, expert_bias_reduce_group(self.parallel_dims), self.parallel_dims.ep
         )
         self.optimizers.register_step_pre_hook(self.expert_bias_hook)
-        self.accumulate_gradients = self._accumulate_gradients
-        if job_config.compile.cuda_graphs:
-            # captured at step 3: step 1 compiles, autotunes and initializes; step 2 runs what step 1 compiled, where
-            # dynamo would recompile what step 1's state specialized. Gradients are dropped before the capture, which
-            # allocates them in the graph's own memory and writes them in every replay.
-            self.accumulate_gradients = CudaGraphed(
-                self._accumulate_gradients,
-                warmup_calls=2,
-                name="compile.cuda_graphs: the forward and backward of each step",
-                before_capture=self.optimizers.zero_grad,
-            )
+        self.accumulate_gradients = self._graphed_if_asked(self._accumulate_gradients)
 
         self.train_state = TrainState()
         self.checkpointer = CheckpointManager(
@@ -213,8 +162,71 @@ class Trainer:
             job_config, num_flops_per_token=self.flops_per_token, device=self.device, is_logging_rank=self.rank == 0
         )
         if len(self.dataloader.dataset.mixture.streams) > 1:  # a blend: the tokens trained from each source
-            samples_per_step = job_config.training.local_batch_size * self.grad_accum_steps * dp_degree
-            self.metrics.source_tokens = lambda step: self.dataloader.dataset.tokens_per_source(step * samples_per_step)
+            dataset = self.dataloader.dataset
+            self.metrics.source_tokens = lambda step: dataset.tokens_per_source(step * sequences_per_step)
+
+    def _build_data(self, job_config: JobConfig) -> int:
+        """The tokenizer and the loaders; returns this rank's data-parallel rank. Every DP rank reads its slice of one
+        global batch stream; its CP ranks read the same samples."""
+        dp_mesh = self.parallel_dims.get_mesh("dp") if self.parallel_dims.dp_enabled else None
+        dp_rank, dp_degree = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
+        self.tokenizer = build_tokenizer(job_config)
+        data = (job_config, self.tokenizer, self.model_args.vocab_size, dp_rank, dp_degree)
+        self.dataloader = build_dataloader(*data)
+        if job_config.validation.enable:
+            self.validation_loader = build_dataloader(*data, "validation")
+        return dp_rank
+
+    def _materialize(self, unsharded_model: nn.Module | None) -> None:
+        """The parallelized model's storage, allocated and initialized (on CPU from the unsharded model's init)."""
+        init_device = "cpu" if self.job_config.training.enable_cpu_offload else self.device
+        for part in self.model_parts:
+            part.to_empty(device=init_device)
+            with torch.no_grad(), warnings.catch_warnings():
+                # on CPU the copy below replaces what DTensor's random ops draw here, and they warn on a CPU mesh
+                warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+                part.init_weights(buffer_device=self.device)
+            part.train()
+        if unsharded_model is not None:
+            copy_from_unsharded_init(self.model_parts, unsharded_model, seed=self.job_config.debug.seed or 0)
+
+    def _store_weights(self, autocast_dtype: torch.dtype | None, experts_outside_fsdp: bool) -> dict | None:
+        """What computes in bf16 is stored in bf16 where the optimizer updates fp32 masters (master_weights.py): no
+        cast per use. Returns the masters' low bits for the optimizer, or None (weights stay as they are)."""
+        job_config, bf16_modules = self.job_config, ()
+        if autocast_dtype == torch.bfloat16 and updates_master_weights(job_config.optimizer):
+            bf16_modules = (nn.Linear, GroupedExperts)
+        elif job_config.training.mixed_precision_param == "bfloat16" and experts_outside_fsdp:
+            bf16_modules = (GroupedExperts,)  # FSDP casts the rest; these it does not wrap
+        if not bf16_modules:
+            if autocast_dtype is not None:
+                logger.info(
+                    "weights stay fp32, cast by autocast at every use: bf16 weights need optimizers that update fp32 "
+                    "masters (AdamW or Muon with implementation 'triton')"
+                )
+            return None
+        # several backwards per step (accumulation, pipeline micro-batches) sum their gradients in fp32
+        microbatches = self.grad_accum_steps * (self.pipeline.microbatches if self.pipeline else 1)
+        master_low_bits = store_weights_in_bf16(self.model_parts, bf16_modules, microbatches > 1)
+        logger.info(
+            f"{len(master_low_bits)} weights stored in bf16, their fp32 masters (the weight and 16 low bits) updated "
+            "by the optimizer"
+        )
+        return master_low_bits
+
+    def _graphed_if_asked(self, accumulate_gradients):
+        """`compile.cuda_graphs`: the step's forward and backward captured at step 3 (step 1 compiles, autotunes and
+        initializes; step 2 runs what step 1 compiled, where dynamo would recompile what step 1's state specialized)
+        and replayed. Gradients are dropped before the capture, which allocates them in the graph's own memory and
+        writes them in every replay."""
+        if not self.job_config.compile.cuda_graphs:
+            return accumulate_gradients
+        return CudaGraphed(
+            accumulate_gradients,
+            warmup_calls=2,
+            name="compile.cuda_graphs: the forward and backward of each step",
+            before_capture=self.optimizers.zero_grad,
+        )
 
     def _dp_group(self) -> dist.ProcessGroup | None:
         return self.parallel_dims.get_mesh("dp").get_group() if self.parallel_dims.dp_enabled else None

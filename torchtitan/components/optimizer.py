@@ -30,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 from torchtitan.components.adamw import MultiTensorAdamW
 from torchtitan.components.muon import Muon
-from torchtitan.config.job_config import JobConfig
+from torchtitan.config.job_config import PARAMETER_GROUPS, JobConfig
 from torchtitan.tools.dtypes import DTYPES
 
 logger = logging.getLogger(__name__)
@@ -47,8 +47,6 @@ __all__ = [
 StepHook = Callable[["OptimizersContainer", tuple, dict], None]
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-
-PARAMETER_GROUPS = ("matrices", "experts", "embeddings", "head", "router_gate", "norms_and_biases")
 
 
 class OptimizersContainer:

@@ -46,6 +46,10 @@ class Model:
         return f"--model.hf_config_path {hf_config}" if hf_config else f"--model.flavor {self.flavor}"
 
 
+PARAMETER_GROUPS = ("matrices", "experts", "embeddings", "head", "router_gate", "norms_and_biases")
+"""The optimizer's parameter groups (components/optimizer.py assigns them; Muon takes those `muon_groups` names)."""
+
+
 @dataclass
 class Optimizer:
     name: Literal["AdamW", "Adam", "Muon"] = "AdamW"

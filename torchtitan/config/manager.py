@@ -17,7 +17,7 @@ import types
 from collections.abc import Iterable
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from torchtitan.config.job_config import JobConfig
+from torchtitan.config.job_config import PARAMETER_GROUPS, JobConfig
 from torchtitan.config.numeric_limits import as_used, limit_problem
 
 _HELP_FLAGS = ("-h", "--help")
@@ -119,6 +119,14 @@ def help_for(argv: list[str]) -> str:
 def validate(job_config: JobConfig) -> None:
     """Reject values that are wrong for any world size, naming the key and the fix. Checks that need the world size
     or the model live in preflight, which runs after this."""
+    _check_numbers(job_config)
+    _check_batch_and_layout(job_config)
+    _check_optimizer(job_config.optimizer)
+    _check_features(job_config)
+
+
+def _check_numbers(job_config: JobConfig) -> None:
+    """Counts positive, degrees at least 1, ranges, and every number within what the dtype that uses it holds."""
     for key in _POSITIVE_KEYS:
         value = _value(job_config, key)
         _require(value > 0, f"{key} must be a positive integer, got {value}; pass --{key} N with N >= 1")
@@ -139,7 +147,9 @@ def validate(job_config: JobConfig) -> None:
         problem = limit_problem(value)
         _require(problem is None, f"{spec.key}={value!r} {problem}; pass --{spec.key} within that range")
 
-    # The loops above make every divisor below >= 1.
+
+def _check_batch_and_layout(job_config: JobConfig) -> None:
+    """Batch sizes and sequence lengths against the degrees that split them (`_check_numbers` made them >= 1)."""
     training, par = job_config.training, job_config.parallelism
     gbs, lbs, tp = training.global_batch_size, training.local_batch_size, par.tensor_parallel_degree
     _require(
@@ -172,7 +182,8 @@ def validate(job_config: JobConfig) -> None:
     )
     # the token exchange's settings (the backends' own, the capacity factor): `models/moe/exchange.py` (preflight)
 
-    opt = job_config.optimizer
+
+def _check_optimizer(opt: Any) -> None:
     _require(
         opt.moments_dtype == "float32" or (opt.name in ("AdamW", "Muon") and opt.implementation == "triton"),
         f"optimizer.moments_dtype={opt.moments_dtype} needs the update that keeps fp32 masters (--optimizer.name "
@@ -181,6 +192,10 @@ def validate(job_config: JobConfig) -> None:
     )
     _check_muon(opt)
 
+
+def _check_features(job_config: JobConfig) -> None:
+    """Checkpointing, compile and activation checkpointing: options that would silently do nothing or the wrong
+    thing."""
     checkpoint = job_config.checkpoint
     _require(
         checkpoint.load_step == -1 or checkpoint.enable,
@@ -220,7 +235,7 @@ def validate(job_config: JobConfig) -> None:
     )
 
 
-_MUON_GROUPS = ("matrices", "experts", "embeddings", "head", "router_gate")  # components/optimizer.py's, less norms
+_MUON_GROUPS = tuple(group for group in PARAMETER_GROUPS if group != "norms_and_biases")  # norms take AdamW
 
 
 def _check_muon(opt: Any) -> None:

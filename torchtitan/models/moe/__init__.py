@@ -2,6 +2,6 @@
 
 from torchtitan.models.moe.args import MoEArgs
 from torchtitan.models.moe.experts import GroupedExperts
-from torchtitan.models.moe.moe import ExpertBiasHook, MoE
+from torchtitan.models.moe.moe import ExpertBiasHook, MoE, set_tokens_per_optimizer_step
 
-__all__ = ["ExpertBiasHook", "GroupedExperts", "MoE", "MoEArgs"]
+__all__ = ["ExpertBiasHook", "GroupedExperts", "MoE", "MoEArgs", "set_tokens_per_optimizer_step"]

@@ -143,6 +143,15 @@ class MoE(nn.Module):
         self.capacity_drops = torch.zeros(2, dtype=torch.int64, device=device)
 
 
+def set_tokens_per_optimizer_step(model_parts: list[nn.Module], tokens: int) -> None:
+    """Tell every MoE layer how many tokens one optimizer step trains over all ranks and micro-batches (its
+    `tokens_per_optimizer_step`: the weight of each micro-batch's sequence aux loss)."""
+    for part in model_parts:
+        for module in part.modules():
+            if isinstance(module, MoE):
+                module.tokens_per_optimizer_step = tokens
+
+
 class ExpertBiasHook:
     """A step pre-hook (optimizer, args, kwargs) of the optimizers container (not of each optimizer) that runs
     `update_expert_bias` and keeps the step's EP load imbalance per MoE layer (`ep_load_imbalance`; None without EP)
