@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 __all__ = [
+    "bf16_weight_groups",
     "grad_like_param",
     "join_fp32",
     "load_state_keeping_dtypes",
@@ -83,6 +84,21 @@ def store_weights_in_bf16(
             module.register_state_dict_post_hook(partial(_masters_in_state_dict, own))
             module.register_load_state_dict_pre_hook(partial(_load_into_masters, own))
     return low_bits
+
+
+def bf16_weight_groups(
+    autocast_dtype: torch.dtype | None, masters_updated: bool, param_dtype: str, experts_outside_fsdp: bool
+) -> frozenset[str]:
+    """The parameter groups (`optimizer.PARAMETER_GROUPS`) whose weights the trainer stores in bf16 with fp32 masters
+    (`store_weights_in_bf16`): what computes in bf16 with no FSDP to cast it. Under bf16 autocast (one device), where
+    the optimizers update masters (`masters_updated`), every nn.Linear's weight (matrices, head, router_gate) and the
+    routed experts; under FSDP's bf16 (`param_dtype`) the routed experts FSDP leaves alone (`experts_outside_fsdp`,
+    which needs such optimizers); else none. The trainer's `_store_weights` applies the same rule by module type."""
+    if autocast_dtype == torch.bfloat16 and masters_updated:
+        return frozenset({"matrices", "head", "router_gate", "experts"})
+    if param_dtype == "bfloat16" and experts_outside_fsdp:
+        return frozenset({"experts"})
+    return frozenset()
 
 
 def _masters_in_state_dict(masters: dict[str, tuple], module: nn.Module, state_dict: dict, prefix: str, *_: Any):

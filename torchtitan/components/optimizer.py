@@ -40,7 +40,9 @@ __all__ = [
     "OptimizersContainer",
     "build_optimizers",
     "group_parameters",
+    "muon_groups",
     "parameter_group",
+    "state_bytes_per_parameter",
     "updates_master_weights",
 ]
 
@@ -174,6 +176,19 @@ def updates_master_weights(config: Any) -> bool:
     return all(getattr(cls, "updates_master_weights", False) for cls in _optimizer_classes(config))
 
 
+def muon_groups(config: Any) -> tuple[str, ...]:
+    """The parameter groups Muon steps under `config` (JobConfig.optimizer): none unless the optimizer is Muon."""
+    return tuple(config.muon_groups) if config.name == "Muon" else ()
+
+
+def state_bytes_per_parameter(config: Any) -> dict[str, int]:
+    """{parameter group: bytes of optimizer state per parameter} of the optimizers `config` (JobConfig.optimizer)
+    builds: Adam's two moments, in `moments_dtype` where `MultiTensorAdamW` keeps them so, else fp32 (the weights' or
+    their masters' dtype); Muon's momentum buffer for its groups, fp32 for the same reason."""
+    moment = DTYPES[config.moments_dtype].itemsize if _adam_class(config) is MultiTensorAdamW else 4
+    return {group: 4 if group in muon_groups(config) else 2 * moment for group in PARAMETER_GROUPS}
+
+
 def build_optimizers(
     model_parts: list[nn.Module],
     job_config: JobConfig,
@@ -191,9 +206,8 @@ def build_optimizers(
     optimizers_per_part = []
     for part in model_parts:
         groups = group_parameters(part)
-        muon_groups = config.muon_groups if config.name == "Muon" else []
-        muon_params = [param for param, group in groups.items() if group in muon_groups]
-        adam_params = [param for param, group in groups.items() if group not in muon_groups]
+        muon_params = [param for param, group in groups.items() if group in muon_groups(config)]
+        adam_params = [param for param, group in groups.items() if group not in muon_groups(config)]
         optimizers: list[torch.optim.Optimizer] = []
         if muon_params:
             optimizers.append(

@@ -68,6 +68,9 @@ class ModelSpec:
     """args -> the adapter between the model's state dict and Hugging Face's."""
     check_pipeline: Callable[[JobConfig, ParallelDims, ModelArgs], None]
     """(job_config, parallel_dims, args): raise where the pipeline split does not fit (preflight)."""
+    stage_modules: Callable[[JobConfig, ParallelDims, ModelArgs], list[list[str]]]
+    """(job_config, parallel_dims, args) -> the top-level module names of each pipeline stage, in stage order: the
+    split `pipeline` makes (the plan counts each stage's parameters from it)."""
 
 
 def _deepseek_v3() -> ModelSpec:
@@ -79,11 +82,14 @@ def _deepseek_v3() -> ModelSpec:
 
         return pipeline_deepseekv3(*args)
 
-    def check_pipeline(job_config: JobConfig, parallel_dims: ParallelDims, args: ModelArgs) -> None:
+    def stage_modules(job_config: JobConfig, parallel_dims: ParallelDims, args: ModelArgs) -> list[list[str]]:
         from torchtitan.models.deepseek_v3.pipeline import module_names_per_stage, stages_per_rank
 
         stages = parallel_dims.pp * stages_per_rank(job_config.parallelism, parallel_dims.pp, args.n_layers)
-        module_names_per_stage(stages, args.n_layers, mtp_layers=args.mtp_layers)
+        return module_names_per_stage(stages, args.n_layers, mtp_layers=args.mtp_layers)
+
+    def check_pipeline(job_config: JobConfig, parallel_dims: ParallelDims, args: ModelArgs) -> None:
+        stage_modules(job_config, parallel_dims, args)
 
     return ModelSpec(
         name="deepseek_v3",
@@ -93,6 +99,7 @@ def _deepseek_v3() -> ModelSpec:
         pipeline=pipeline,
         state_dict_adapter=DeepSeekV3StateDictAdapter,
         check_pipeline=check_pipeline,
+        stage_modules=stage_modules,
     )
 
 
