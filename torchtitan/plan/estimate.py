@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 
 from torchtitan.config import JobConfig
 from torchtitan.plan.hardware import GPUS, NON_ALLOCATOR_GIB
-from torchtitan.plan.layout import Layout
+from torchtitan.plan.layout import Layout, parameter_counts
 from torchtitan.plan.levels import budget_levels, configured_levels
 from torchtitan.plan.memory import GIB, RankMemory, rank_memory
 from torchtitan.plan.speed import RankTime, rank_time
@@ -64,16 +64,9 @@ class Plan:
     def counts(self) -> tuple[int, int, int, int, int]:
         """(parameters, active parameters, training FLOPs per token, both counts without MTP): the FLOPs by the
         trainer's formula (`get_nparams_and_flops`) on the model built on the meta device."""
-        import torch
-
-        from torchtitan.models.deepseek_v3 import DeepSeekV3Model
-
-        args = self.layout.args
-        with torch.device("meta"):
-            model = DeepSeekV3Model(args)
-        total, flops = args.get_nparams_and_flops(model, self.job.training.seq_len)
-        without_mtp = replace(args, mtp_layers=0)
-        return total, args.nparams_active(), flops, without_mtp.nparams_total(), without_mtp.nparams_active()
+        total, flops = self.layout.args.get_nparams_and_flops(self.layout.model, self.job.training.seq_len)
+        _, active, without_mtp, active_without_mtp = parameter_counts(self.layout)
+        return total, active, flops, without_mtp, active_without_mtp
 
     @property
     def mfu(self) -> float:
@@ -85,7 +78,7 @@ def plan_job(checked: CheckedJob, gpus_per_node: int, gpu: str) -> Plan:
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r}: plans are made for {', '.join(GPUS)}")
     job, dims = checked.config, checked.parallel_dims
-    layout = Layout(checked.model_args, dims, job, gpus_per_node, checked.exchange)
+    layout = Layout(checked.model_args, dims, job, gpus_per_node, checked.exchange, checked.spec)
     if job.activation_checkpoint.memory_budget_gib == "auto":  # what the trainer resolves it to on this card
         job.activation_checkpoint.memory_budget_gib, _ = auto_memory_budget(job, lambda: (gpu, GPUS[gpu].memory_gib))
     budget = job.activation_checkpoint.memory_budget_gib * GIB

@@ -1,8 +1,10 @@
-"""What one rank holds and runs: the model's parameters by kind and pipeline stage, the rank's stages, its tokens.
+"""What one rank holds and runs: the model's parameters by part and pipeline stage, the rank's stages, its tokens.
 
-Kinds, by how the trainer stores them: `linear` (every nn.Linear: attention projections, dense FFNs, shared experts,
-the router, the output head, MTP's projection), `experts` (the routed experts' w1 / w2 / w3), `norm` (RMSNorm
-weights), `embedding`.
+The parameters are the model's own: the one its spec builds on the meta device, each counted in its parameter group
+(`components/optimizer.py`'s `group_parameters`: matrices, experts, embeddings, head, router_gate, norms_and_biases),
+which also says how the trainer stores it (`components/master_weights.py`'s `bf16_weight_groups`). Each transformer
+block (`transformer_blocks`: the layers, then the MTP modules) is a part; so are the embedding and the head (every
+other top-level module of a stage: the final norm and the output).
 """
 
 from __future__ import annotations
@@ -12,22 +14,45 @@ from dataclasses import dataclass, field
 from math import comb
 from typing import Any
 
-from torchtitan.models.deepseek_v3.pipeline import module_names_per_stage, stages_per_rank
-from torchtitan.models.moe.exchange import ExchangeBackend
+import torch
+from torch import nn
 
-__all__ = ["Block", "Layout", "Stage", "block_matrices", "block_params", "layout_from_flags", "ranks_per_token"]
+from torchtitan.components.optimizer import group_parameters
+from torchtitan.distributed.utils import transformer_blocks
+from torchtitan.models.moe.exchange import ExchangeBackend
+from torchtitan.models.spec import ModelSpec
+
+__all__ = [
+    "Block",
+    "Layout",
+    "Part",
+    "Stage",
+    "dense_params",
+    "layout_from_flags",
+    "parameter_counts",
+    "ranks_per_token",
+]
 
 
 @dataclass(frozen=True)
-class Block:
+class Part:
+    """Parameters of one top-level part of the model: a transformer block, the embedding or the head."""
+
+    params: Counter = field(compare=False, hash=False)
+    """{parameter group: parameters}."""
+    matrices: Counter = field(compare=False, hash=False)
+    """{(group, rows, cols): how many}: the 2-D weights, and each expert's matrix of the 3-D stacks (what Muon
+    orthogonalizes, one matrix at a time)."""
+
+
+@dataclass(frozen=True)
+class Block(Part):
     """One transformer block (or MTP module) of a stage."""
 
-    moe: bool
-    position: int
+    moe: bool = False
+    """It holds routed experts (parameters of the `experts` group)."""
+    position: int = 0
     """Its position among its model part's blocks (activation checkpointing's `num_blocks` counts these)."""
-    params: Counter = field(compare=False, hash=False)
-    matrices: Counter = field(default_factory=Counter, compare=False, hash=False)
-    """`block_matrices`: what Muon orthogonalizes."""
 
 
 @dataclass
@@ -35,83 +60,22 @@ class Stage:
     """One pipeline stage: its blocks and what else it holds."""
 
     blocks: list[Block]
-    embedding: bool
-    head: bool
-    mtp: int
+    embedding: Part | None
+    head: Part | None
 
-    def params(self, args: Any) -> Counter:
+    def params(self) -> Counter:
         total = Counter()
-        for block in self.blocks:
-            total.update(block.params)
-        if self.embedding:
-            total["embedding"] += args.vocab_size * args.dim
-        if self.head:
-            total["linear"] += args.vocab_size * args.dim
-            total["norm"] += args.dim
+        for part in self.parts():
+            total.update(part.params)
         return total
 
-    def units(self, args: Any) -> list[Counter]:
+    def parts(self) -> list[Part]:
+        """The stage's parts, each an FSDP unit (one per block, the embedding, [norm, output])."""
+        return [*self.blocks, *(part for part in (self.embedding, self.head) if part is not None)]
+
+    def units(self) -> list[Counter]:
         """FSDP units of the stage's own parameters (one per block, the embedding, [norm, output])."""
-        units = [block.params for block in self.blocks]
-        if self.embedding:
-            units.append(Counter(embedding=args.vocab_size * args.dim))
-        if self.head:
-            units.append(Counter(linear=args.vocab_size * args.dim, norm=args.dim))
-        return units
-
-
-def block_params(args: Any, moe: bool, mtp: bool = False) -> Counter:
-    """Parameters of one block by kind, as `DeepSeekV3ModelArgs._count_params` counts them."""
-    dim, heads = args.dim, args.n_heads
-    params = Counter()
-    if args.q_lora_rank == 0:
-        params["linear"] += dim * heads * args.qk_head_dim
-    else:
-        params["linear"] += dim * args.q_lora_rank + args.q_lora_rank * heads * args.qk_head_dim
-        params["norm"] += args.q_lora_rank
-    params["linear"] += dim * (args.kv_lora_rank + args.qk_rope_head_dim)
-    params["linear"] += args.kv_lora_rank * heads * (args.qk_nope_head_dim + args.v_head_dim)
-    params["linear"] += heads * args.v_head_dim * dim
-    params["norm"] += args.kv_lora_rank + 2 * dim
-    m = args.moe_args
-    if moe:
-        params["linear"] += dim * m.num_experts + 3 * dim * args.moe_inter_dim * m.num_shared_experts
-        params["experts"] += 3 * dim * args.moe_inter_dim * m.num_experts
-    else:
-        params["linear"] += 3 * dim * args.inter_dim
-    if mtp:  # enorm, hnorm, head_norm; eh_proj
-        params["norm"] += 3 * dim
-        params["linear"] += 2 * dim * dim
-    return params
-
-
-def block_matrices(args: Any, moe: bool, mtp: bool = False) -> Counter:
-    """The block's matrices as Muon sees them: {(group, rows, cols): how many}, `block_params`' linear and experts
-    counts by shape (`components/optimizer.py`'s groups: the router's gate is `router_gate`, the rest `matrices`)."""
-    dim, heads, m = args.dim, args.n_heads, args.moe_args
-    shapes = Counter()
-    if args.q_lora_rank == 0:
-        shapes["matrices", heads * args.qk_head_dim, dim] += 1
-    else:
-        shapes["matrices", args.q_lora_rank, dim] += 1
-        shapes["matrices", heads * args.qk_head_dim, args.q_lora_rank] += 1
-    shapes["matrices", args.kv_lora_rank + args.qk_rope_head_dim, dim] += 1
-    shapes["matrices", heads * (args.qk_nope_head_dim + args.v_head_dim), args.kv_lora_rank] += 1
-    shapes["matrices", dim, heads * args.v_head_dim] += 1
-    if moe:
-        shapes["router_gate", m.num_experts, dim] += 1
-        if m.num_shared_experts:
-            shared = args.moe_inter_dim * m.num_shared_experts
-            shapes["matrices", shared, dim] += 2
-            shapes["matrices", dim, shared] += 1
-        shapes["experts", args.moe_inter_dim, dim] += 2 * m.num_experts
-        shapes["experts", dim, args.moe_inter_dim] += m.num_experts
-    else:
-        shapes["matrices", args.inter_dim, dim] += 2
-        shapes["matrices", dim, args.inter_dim] += 1
-    if mtp:
-        shapes["matrices", dim, 2 * dim] += 1
-    return shapes
+        return [part.params for part in self.parts()]
 
 
 @dataclass
@@ -126,23 +90,26 @@ class Layout:
     gpus_per_node: int
     exchange: ExchangeBackend
     """The token exchange, as preflight resolved it."""
+    spec: ModelSpec
+    model: nn.Module = field(init=False, repr=False)
+    """The model `spec` builds from `args`, on the meta device."""
     stages: list[list[Stage]] = field(default_factory=list)
     """Per pipeline rank, its stages in the order it runs them."""
 
     def __post_init__(self) -> None:
-        args, par = self.args, self.job.parallelism
+        with torch.device("meta"):
+            self.model = self.spec.build(self.args)
+        groups = group_parameters(self.model)
         pp = self.dims.pp
         if pp == 1:
-            self.stages = [[_stage(args, [f"layers.{i}" for i in range(args.n_layers)], True, True)]]
+            self.stages = [[_stage(self.model, groups, [name for name, _ in self.model.named_children()])]]
             return
-        per_rank = stages_per_rank(par, pp, args.n_layers)
-        names = module_names_per_stage(pp * per_rank, args.n_layers, mtp_layers=args.mtp_layers)
-        v_shape = par.pipeline_parallel_schedule in ("ZBVZeroBubble", "DualPipeV")
+        names = self.spec.stage_modules(self.job, self.dims, self.args)
+        per_rank = len(names) // pp
+        v_shape = self.job.parallelism.pipeline_parallel_schedule in ("ZBVZeroBubble", "DualPipeV")
         for rank in range(pp):
             ids = [rank, 2 * pp - 1 - rank] if v_shape else [rank + i * pp for i in range(per_rank)]
-            self.stages.append(
-                [_stage(args, names[i], "tok_embeddings" in names[i], "output" in names[i]) for i in ids]
-            )
+            self.stages.append([_stage(self.model, groups, names[i]) for i in ids])
 
     @property
     def microbatches(self) -> int:
@@ -168,20 +135,62 @@ class Layout:
         return group_size > 1 and group_size * stride > self.gpus_per_node
 
 
-def _stage(args: Any, names: list[str], embedding: bool, head: bool) -> Stage:
-    layers = [int(name.split(".")[1]) for name in names if name.startswith("layers.")]
-    blocks = [
-        Block(i >= args.n_dense_layers, pos, block_params(args, moe), block_matrices(args, moe))
-        for pos, i in enumerate(layers)
-        for moe in [i >= args.n_dense_layers]
-    ]
-    mtp = args.mtp_layers if head else 0
-    moe_mtp = args.n_layers >= args.n_dense_layers
-    blocks += [
-        Block(moe_mtp, len(layers) + k, block_params(args, moe_mtp, mtp=True), block_matrices(args, moe_mtp, mtp=True))
-        for k in range(mtp)
-    ]
-    return Stage(blocks, embedding, head, mtp)
+def _stage(model: nn.Module, groups: dict[nn.Parameter, str], names: list[str]) -> Stage:
+    """The stage of the model's top-level modules `names` (`groups`: the model's parameter groups): the blocks in or
+    under them, the embedding (the module of the `embeddings` group), the head (the others: the final norm, the
+    output)."""
+    block_ids = {id(block) for block in transformer_blocks(model)}
+    blocks, embedding, head = [], [], []
+    for module in (model.get_submodule(name) for name in names):
+        inside = [block for block in module.modules() if id(block) in block_ids]
+        if inside:
+            blocks += inside
+        elif any(groups[param] == "embeddings" for param in module.parameters()):
+            embedding.append(module)
+        elif any(True for _ in module.parameters()):
+            head.append(module)
+    return Stage(
+        blocks=[_block(groups, block, position) for position, block in enumerate(blocks)],
+        embedding=_part(groups, embedding) if embedding else None,
+        head=_part(groups, head) if head else None,
+    )
+
+
+def _block(groups: dict[nn.Parameter, str], block: nn.Module, position: int) -> Block:
+    part = _part(groups, [block])
+    return Block(part.params, part.matrices, moe=part.params["experts"] > 0, position=position)
+
+
+def _part(groups: dict[nn.Parameter, str], modules: list[nn.Module]) -> Part:
+    params, matrices = Counter(), Counter()
+    for module in modules:
+        for param in module.parameters():
+            group = groups[param]
+            params[group] += param.numel()
+            if param.ndim >= 2:  # a 3-D stack: one matrix per leading index
+                matrices[group, *param.shape[-2:]] += param.shape[0] if param.ndim == 3 else 1
+    return Part(params, matrices)
+
+
+def dense_params(params: Counter) -> int:
+    """Of `params` ({group: parameters}), those that multiply as dense GEMMs: every nn.Linear's weight."""
+    return params["matrices"] + params["router_gate"] + params["head"]
+
+
+def parameter_counts(layout: Layout) -> tuple[int, int, int, int]:
+    """(parameters, active parameters per token, both without the MTP modules) of the layout's model: a token uses
+    top_k of num_experts of the routed experts (the `experts` group); the MTP modules are the blocks past `layers`."""
+    model, moe = layout.model, layout.args.moe_args
+    groups = group_parameters(model)
+    mtp_ids = {id(param) for block in transformer_blocks(model)[len(model.layers) :] for param in block.parameters()}
+
+    def counts(params: list[nn.Parameter]) -> tuple[int, int]:
+        experts = sum(param.numel() for param in params if groups[param] == "experts")
+        total = sum(param.numel() for param in params)
+        return total, total - experts * (moe.num_experts - moe.top_k) // moe.num_experts
+
+    every = list(groups)
+    return *counts(every), *counts([param for param in every if id(param) not in mtp_ids])
 
 
 def layout_from_flags(flags: tuple[str, ...], world_size: int) -> Layout:
@@ -191,7 +200,7 @@ def layout_from_flags(flags: tuple[str, ...], world_size: int) -> Layout:
 
     job = ConfigManager().parse_args(list(flags))
     checked = check_layout(job, world_size=world_size)
-    return Layout(checked.model_args, checked.parallel_dims, job, 8, checked.exchange)
+    return Layout(checked.model_args, checked.parallel_dims, job, 8, checked.exchange, checked.spec)
 
 
 def ranks_per_token(args: Any, ep: int) -> float:

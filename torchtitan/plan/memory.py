@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from torchtitan.components.optimizer import updates_master_weights
+from torchtitan.components.master_weights import bf16_weight_groups
+from torchtitan.components.optimizer import PARAMETER_GROUPS, state_bytes_per_parameter, updates_master_weights
 from torchtitan.distributed.utils import autocast_dtype
 from torchtitan.models.moe.exchange import DeepEPBackend
 from torchtitan.models.moe.parallelize import experts_outside_fsdp
@@ -58,7 +59,7 @@ CHUNK_ROWS = 2048
 
 @dataclass(frozen=True)
 class Storage:
-    """How a rank stores one kind of parameter: bytes per parameter, and which share of the model's it holds."""
+    """How a rank stores the parameters of one group: bytes per parameter, and which share of the model's it holds."""
 
     weight: int
     master_bits: int
@@ -73,33 +74,37 @@ class Storage:
 
 
 def storage(layout: Layout) -> dict[str, Storage]:
-    """Per kind, how train.py stores it: bf16 weights with split fp32 masters where they compute in bf16 without FSDP
-    (every linear and expert on one device, the experts FSDP leaves out), FSDP's fp32 shards, else fp32."""
+    """Per parameter group, how the trainer stores it: bf16 weights with split fp32 masters where the trainer keeps
+    them so (`bf16_weight_groups`), FSDP's fp32 shards, else fp32; the optimizer's state (`state_bytes_per_parameter`)
+    beside them."""
     job, dims = layout.job, layout.dims
     param_dtype = job.training.mixed_precision_param
-    outside = experts_outside_fsdp(dims, job)
-    if autocast_dtype(dims, param_dtype) is not None and updates_master_weights(job.optimizer):
-        bf16 = {"linear", "experts"}
-    elif param_dtype == "bfloat16" and outside:
-        bf16 = {"experts"}
-    else:
-        bf16 = set()
-    moments = 2 * (2 if job.optimizer.moments_dtype == "bfloat16" else 4)
+    bf16 = bf16_weight_groups(
+        autocast_dtype(dims, param_dtype),
+        updates_master_weights(job.optimizer),
+        param_dtype,
+        experts_outside_fsdp(dims, job),
+    )
+    # every group is counted with AdamW's moments (a norm's state: Muon never takes norms), Muon's too: its one fp32
+    # momentum is the same 4 bytes as two bf16 moments, which its measured runs kept (plan_check.json), and half of
+    # two fp32 moments, which no run has measured
+    moments = state_bytes_per_parameter(job.optimizer)["norms_and_biases"]
     # bf16 weights' gradients: fp32 sums where a step adds several backwards (accumulation, pipeline micro-batches)
     grad = 4 if layout.accumulation_steps * layout.microbatches > 1 else 2
     compute = 2 if param_dtype == "bfloat16" else 4
     result = {}
-    for kind in ("linear", "experts", "norm", "embedding"):
-        local = 1.0 / dims.tp if kind in ("linear", "embedding") else 1.0
-        if kind == "experts":
+    for group in PARAMETER_GROUPS:
+        # TP splits every matrix and the embedding; EP (and ETP) the routed experts
+        local = 1.0 if group == "norms_and_biases" else 1.0 / dims.tp
+        if group == "experts":
             local = 1.0 / (dims.ep * dims.etp)
-        if kind in bf16:
-            result[kind] = Storage(2, 2, moments, grad, 0, 1, local)
+        if group in bf16:
+            result[group] = Storage(2, 2, moments, grad, 0, 1, local)
         elif dims.fsdp_enabled:
-            shard = dims.dp_shard_mod_ep if kind == "experts" else dims.dp_shard * dims.cp
-            result[kind] = Storage(4, 0, moments, 4, compute, shard, local)
+            shard = dims.dp_shard_mod_ep if group == "experts" else dims.dp_shard * dims.cp
+            result[group] = Storage(4, 0, moments, 4, compute, shard, local)
         else:
-            result[kind] = Storage(4, 0, moments, 4, 0, 1, local)
+            result[group] = Storage(4, 0, moments, 4, 0, 1, local)
     return result
 
 
@@ -199,13 +204,13 @@ class RankMemory:
 
 def state_bytes(layout: Layout, stages: list[Stage]) -> dict[str, float]:
     """Weights, master bits, moments and gradients (all of them) of a rank's stages."""
-    kinds = storage(layout)
+    groups = storage(layout)
     params = Counter()
     for stage in stages:
-        params.update(stage.params(layout.args))
+        params.update(stage.params())
     totals = dict.fromkeys(("weights", "master bits", "moments", "gradients"), 0.0)
-    for kind, count in params.items():
-        s = kinds[kind]
+    for group, count in params.items():
+        s = groups[group]
         local = count * s.local / s.shard
         totals["weights"] += local * s.weight
         totals["master bits"] += local * s.master_bits
@@ -216,8 +221,8 @@ def state_bytes(layout: Layout, stages: list[Stage]) -> dict[str, float]:
 
 def gathered_bytes(layout: Layout, unit: Counter) -> float:
     """FSDP's unsharded compute-dtype copy of a unit's parameters (0 for those FSDP does not wrap)."""
-    kinds = storage(layout)
-    return sum(count * kinds[kind].local * kinds[kind].gathered for kind, count in unit.items())
+    groups = storage(layout)
+    return sum(count * groups[group].local * groups[group].gathered for group, count in unit.items())
 
 
 def reshards(layout: Layout) -> bool:
@@ -230,12 +235,12 @@ def reshards(layout: Layout) -> bool:
 
 def rank_memory(layout: Layout, rank: int, levels: list[list[str]]) -> RankMemory:
     """The peak of pipeline rank `rank`, its blocks at `levels` (per stage, per block)."""
-    args, dims = layout.args, layout.dims
+    dims = layout.dims
     stages = layout.stages[rank]
     state = state_bytes(layout, stages)
     tokens = layout.microbatch_tokens
 
-    units = [unit for stage in stages for unit in stage.units(args)]
+    units = [unit for stage in stages for unit in stage.units()]
     gathered = [gathered_bytes(layout, unit) for unit in units]
     # without resharding every unit stays gathered from its forward to its backward; else the one computing and the
     # one prefetched (and [norm, output], kept unless resharding always)
@@ -297,7 +302,7 @@ class _BlockBytes:
 
 def _block_bytes(layout: Layout, block: Block, level: str) -> _BlockBytes:
     args, dims = layout.args, layout.dims
-    kinds = storage(layout)
+    groups = storage(layout)
     tokens = layout.microbatch_tokens * ACTIVATION_SCALE
     if block.moe:
         rows = args.moe_args.top_k * imbalance(dims.ep) * (args.dim + 2 * args.moe_inter_dim)
@@ -309,7 +314,7 @@ def _block_bytes(layout: Layout, block: Block, level: str) -> _BlockBytes:
         recompute=block_bytes_per_token(layout, block, "none") * tokens if level == "full" else 0.0,
         working=2 * rows * tokens,
         fsdp=3 * gathered_bytes(layout, block.params),
-        grads=sum(n * kinds[k].local / kinds[k].shard * kinds[k].grad for k, n in block.params.items()),
+        grads=sum(n * groups[g].local / groups[g].shard * groups[g].grad for g, n in block.params.items()),
     )
 
 

@@ -13,6 +13,7 @@ from collections import Counter
 from functools import cache
 
 from torchtitan.components.muon import newton_schulz_flops as matrix_flops
+from torchtitan.components.optimizer import muon_groups
 from torchtitan.models.moe.parallelize import experts_outside_fsdp
 from torchtitan.plan.layout import Layout, layout_from_flags
 from torchtitan.plan.rates import GPU_RATES, MUON_STEP, MUON_STEP_ARGS
@@ -22,10 +23,8 @@ __all__ = ["newton_schulz_flops", "newton_schulz_rate", "newton_schulz_seconds"]
 
 def newton_schulz_flops(layout: Layout, rank: int) -> float:
     """The iteration's FLOPs a pipeline rank runs per optimizer step (0 unless the job's optimizer is Muon)."""
-    opt, args, dims = layout.job.optimizer, layout.args, layout.dims
-    if opt.name != "Muon":
-        return 0.0
-    groups = set(opt.muon_groups)
+    opt, dims = layout.job.optimizer, layout.dims
+    groups = muon_groups(opt)
     # ranks that split each stack: FSDP's and TP's shards of a matrix; EP, FSDP over the experts and ETP for experts
     fsdp = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
     sharing = {"matrices": fsdp * dims.tp, "router_gate": fsdp, "embeddings": fsdp * dims.tp, "head": fsdp * dims.tp}
@@ -33,11 +32,7 @@ def newton_schulz_flops(layout: Layout, rank: int) -> float:
     sharing["experts"] = dims.ep * expert_fsdp * max(dims.etp, 1)
     total = 0.0
     for stage in layout.stages[rank]:
-        shapes = sum((block.matrices for block in stage.blocks), Counter())
-        if stage.embedding:
-            shapes["embeddings", args.vocab_size, args.dim] = 1
-        if stage.head:
-            shapes["head", args.vocab_size, args.dim] = 1
+        shapes = sum((part.matrices for part in stage.parts()), Counter())
         for (group, rows, cols), count in shapes.items():
             if group in groups:
                 total += math.ceil(count / sharing[group]) * matrix_flops((rows, cols), opt.muon_ns_steps)

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
+from torchtitan.components.optimizer import muon_groups
 from torchtitan.models.moe.exchange import DeepEPBackend
 from torchtitan.plan.hardware import DEEPEP_INTERNODE, DEEPEP_INTRANODE_EP8, NVLINK, RDMA
-from torchtitan.plan.layout import Layout, layout_from_flags, ranks_per_token
+from torchtitan.plan.layout import Layout, dense_params, layout_from_flags, ranks_per_token
 from torchtitan.plan.memory import imbalance, reshards, storage
 from torchtitan.plan.newton_schulz import newton_schulz_seconds
 from torchtitan.plan.rates import (
@@ -75,9 +76,10 @@ def rank_time(layout: Layout, rank: int, levels: list[list[str]], gpu: str) -> R
 
     t = dict.fromkeys(PARTS, 0.0)
     for stage, stage_levels in zip(layout.stages[rank], levels, strict=True):
-        head_passes = (1 + args.mtp_layers) if stage.head else 0  # each MTP module runs the output head again
-        dense_params = stage.params(args)["linear"] + max(head_passes - 1, 0) * args.vocab_size * args.dim
-        t["dense GEMMs"] += 6 * tokens * dense_params / dims.tp / dense_rate
+        dense = dense_params(stage.params())
+        if stage.head:  # each MTP module runs the output head again
+            dense += args.mtp_layers * stage.head.params["head"]
+        t["dense GEMMs"] += 6 * tokens * dense / dims.tp / dense_rate
         for block, level in zip(stage.blocks, stage_levels, strict=True):
             grouped = tokens * expert_flops / grouped_rate if block.moe else 0.0
             attention_f = tokens * attention_fwd / fwd_rate
@@ -87,7 +89,7 @@ def rank_time(layout: Layout, rank: int, levels: list[list[str]], gpu: str) -> R
             t["memory-bound kernels"] += glue
             t["expert exchange (exposed)"] += 2 * exchange if block.moe else 0.0
             if level == "full":  # the forward again in backward, its exchange too
-                block_dense = 6 * tokens * block.params["linear"] / dims.tp / dense_rate
+                block_dense = 6 * tokens * dense_params(block.params) / dims.tp / dense_rate
                 t["recompute (whole blocks)"] += (block_dense + grouped + glue) / 3 + attention_f
                 t["recompute (whole blocks)"] += exchange if block.moe else 0.0
     micro = layout.microbatches * layout.accumulation_steps
@@ -98,7 +100,7 @@ def rank_time(layout: Layout, rank: int, levels: list[list[str]], gpu: str) -> R
         seconds["pipeline bubble"] = sum(t.values()) * slots * layout.accumulation_steps
         seconds["pipeline sends (fill and drain)"] = _pipeline_send_seconds(layout, rank) * layout.accumulation_steps
     seconds["optimizer"] = optimizer_bytes(layout, rank) / optimizer_bandwidth(gpu)
-    if job.optimizer.name == "Muon":
+    if muon_groups(job.optimizer):
         seconds["Muon's Newton-Schulz"] = newton_schulz_seconds(layout, rank, gpu)
     seconds["FSDP collectives (exposed)"] = _fsdp_exposed_seconds(layout, rank, sum(seconds.values()))
     return RankTime(seconds)
@@ -107,11 +109,11 @@ def rank_time(layout: Layout, rank: int, levels: list[list[str]], gpu: str) -> R
 def optimizer_bytes(layout: Layout, rank: int) -> float:
     """Bytes the AdamW step moves on a rank: each weight (and its master bits) read and written, its gradient read
     twice (the clipping norm, the update), both moments read and written."""
-    kinds = storage(layout)
+    groups = storage(layout)
     total = 0.0
     for stage in layout.stages[rank]:
-        for kind, count in stage.params(layout.args).items():
-            s = kinds[kind]
+        for group, count in stage.params().items():
+            s = groups[group]
             total += count * s.local / s.shard * 2 * (s.weight + s.master_bits + s.grad + s.moments)
     return total
 
@@ -164,15 +166,15 @@ def _fsdp_exposed_seconds(layout: Layout, rank: int, compute: float) -> float:
     dims = layout.dims
     if not dims.fsdp_enabled:
         return 0.0
-    kinds = storage(layout)
+    groups = storage(layout)
     gathers = 2 if reshards(layout) else 1
     per_unit = []
-    for unit in (u for stage in layout.stages[rank] for u in stage.units(layout.args)):
+    for unit in (u for stage in layout.stages[rank] for u in stage.units()):
         seconds = 0.0
-        for kind, count in unit.items():
-            s = kinds[kind]
+        for group, count in unit.items():
+            s = groups[group]
             if s.gathered and s.shard > 1:
-                stride = dims.ep if kind == "experts" else dims.tp
+                stride = dims.ep if group == "experts" else dims.tp
                 moved = count * s.local * (s.shard - 1) / s.shard * (gathers * s.gathered + 4)
                 seconds += moved / _collective_bandwidth(layout, s.shard, stride)
         per_unit.append(seconds)
@@ -183,9 +185,9 @@ def _fsdp_exposed_seconds(layout: Layout, rank: int, compute: float) -> float:
     if dims.dp_replicate > 1:
         replicas = dims.dp_replicate
         shard_grads = sum(
-            count * kinds[kind].local / kinds[kind].shard * 4
+            count * groups[group].local / groups[group].shard * 4
             for stage in layout.stages[rank]
-            for kind, count in stage.params(layout.args).items()
+            for group, count in stage.params().items()
         )
         total += 2 * shard_grads * (replicas - 1) / replicas / (RDMA.gb_per_s * 1e9)
     return edges + max(0.0, total - edges - compute)
@@ -225,11 +227,18 @@ def linear_fwd_bwd_flops(args: Any, tokens: int) -> float:
 
 @cache
 def _linear_tflops() -> tuple[float, float]:
-    from torchtitan.models.deepseek_v3 import deepseekv3_flavors
-
-    small = linear_fwd_bwd_flops(deepseekv3_flavors["16B"], 16384) / (SHAPE_RATES["linear_16b_ms"].value / 1e3)
-    large = linear_fwd_bwd_flops(deepseekv3_flavors["671B"], 8192) / (SHAPE_RATES["linear_671b_ms"].value / 1e3)
+    small = linear_fwd_bwd_flops(_benchmarked_args("16B"), 16384) / (SHAPE_RATES["linear_16b_ms"].value / 1e3)
+    large = linear_fwd_bwd_flops(_benchmarked_args("671B"), 8192) / (SHAPE_RATES["linear_671b_ms"].value / 1e3)
     return small / 1e12, large / 1e12
+
+
+def _benchmarked_args(flavor: str) -> Any:
+    """The args of a shape the linear benchmarks timed: the trainer's default model at `flavor`, through its spec."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.models.spec import get_model_spec
+
+    job = ConfigManager().parse_args(["--model.flavor", flavor])
+    return get_model_spec(job.model.name).model_args(job)
 
 
 def shape_speedups(args: Any) -> tuple[float, float]:

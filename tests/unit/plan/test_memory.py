@@ -1,6 +1,7 @@
 """The plan's training state per GPU is exactly what the trainer allocates: weights, the fp32 masters' low bits, Adam's
 moments and the gradients of a real trainer after one step, on one process (bf16 weights with split masters under
-autocast) and on 2 gloo ranks (FSDP2 x EP2: FSDP's fp32 shards, the routed experts outside FSDP in bf16)."""
+autocast) and on 2 gloo ranks (FSDP2 x EP2: FSDP's fp32 shards, the routed experts outside FSDP in bf16). The stages
+hold the model's parameters, each once; the optimizer's state per parameter is what its optimizers allocate."""
 
 from collections import Counter
 
@@ -9,8 +10,10 @@ import torch
 
 from tests.unit.distributed._spawn import run_distributed
 from torchtitan.components.master_weights import local_shard
+from torchtitan.components.optimizer import build_optimizers, group_parameters, state_bytes_per_parameter
+from torchtitan.config import ConfigManager
 from torchtitan.plan.__main__ import plan_from_argv
-from torchtitan.plan.layout import block_params
+from torchtitan.plan.layout import layout_from_flags, parameter_counts
 from torchtitan.plan.memory import state_bytes, storage
 from torchtitan.preflight import check_job
 from torchtitan.train import Trainer
@@ -55,7 +58,7 @@ def check_state_matches(rank: int, world_size: int, argv: list[str], expected_bf
 
 def test_one_process_state_is_counted_exactly(tmp_path):
     argv = [*TINY, "--job.dump_folder", str(tmp_path), "--optimizer.moments_dtype", "bfloat16"]
-    run_distributed(check_state_matches, 1, argv, {"linear", "experts"})
+    run_distributed(check_state_matches, 1, argv, {"matrices", "head", "router_gate", "experts"})
 
 
 def test_fsdp_x_ep_state_per_rank_is_counted_exactly(tmp_path):
@@ -63,20 +66,52 @@ def test_fsdp_x_ep_state_per_rank_is_counted_exactly(tmp_path):
     run_distributed(check_state_matches, 2, argv, {"experts"})
 
 
-@pytest.mark.parametrize("flavor", ["debugmodel", "16B", "236B", "671B"])
-def test_the_parameter_kinds_add_up_to_the_models_count(flavor):
-    """The plan's per-block counts by kind sum to `nparams_total` (MTP included) and, on a built model, to its
-    parameters."""
-    from torchtitan.models.deepseek_v3 import DeepSeekV3Model, deepseekv3_flavors
+@pytest.mark.parametrize(
+    "flavor, pp, world",
+    [("debugmodel", 1, 1), ("16B", 1, 8), ("16B", 4, 8), ("671B", 16, 128)],
+)
+def test_the_stages_hold_each_parameter_of_the_model_once(flavor, pp, world):
+    """Over every pipeline rank's stages, the parameters by group are the built model's (MTP modules included), and
+    the counts without MTP are what the model's args count."""
+    flags = ("--model.flavor", flavor, "--model.mtp_layers", "1", "--parallelism.pipeline_parallel_degree", str(pp))
+    flags += ("--parallelism.expert_parallel_degree", "1", "--activation_checkpoint.memory_budget_gib", "0")
+    layout = layout_from_flags(flags, world_size=world)
+    planned = Counter()
+    for stages in layout.stages:
+        for stage in stages:
+            planned.update(stage.params())
+    built = Counter()
+    for param, group in group_parameters(layout.model).items():
+        built[group] += param.numel()
+    assert planned == built
+    assert sum(built.values()) == layout.args.nparams_total()
+    total, active, without_mtp, active_without_mtp = parameter_counts(layout)
+    assert (total, active) == (layout.args.nparams_total(), layout.args.nparams_active())
+    args = type(layout.args)(**{**layout.args.__dict__, "mtp_layers": 0})
+    assert (without_mtp, active_without_mtp) == (args.nparams_total(), args.nparams_active())
 
-    args = deepseekv3_flavors[flavor]
-    args = type(args)(**{**args.__dict__, "mtp_layers": 1})
-    total = Counter()
-    for layer in range(args.n_layers):
-        total.update(block_params(args, layer >= args.n_dense_layers))
-    total.update(block_params(args, True, mtp=True))
-    total.update(embedding=args.vocab_size * args.dim, linear=args.vocab_size * args.dim, norm=args.dim)
-    assert sum(total.values()) == args.nparams_total()
-    with torch.device("meta"):
-        model = DeepSeekV3Model(args)
-    assert sum(p.numel() for p in model.parameters()) == args.nparams_total()
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--optimizer.implementation", "foreach"],
+        ["--optimizer.implementation", "triton", "--optimizer.moments_dtype", "bfloat16"],
+        ["--optimizer.name", "Muon", "--optimizer.implementation", "triton", "--optimizer.moments_dtype", "bfloat16"],
+        ["--optimizer.name", "Muon", "--optimizer.muon_groups", "matrices,experts,embeddings,head,router_gate"],
+    ],
+)
+def test_the_state_per_parameter_is_what_the_optimizers_allocate(flags):
+    """`state_bytes_per_parameter` against the state tensors of the optimizers `build_optimizers` makes, per group,
+    after one step (torch's AdamW makes its moments then)."""
+    job = ConfigManager().parse_args(["--model.flavor", "debugmodel_tiny", *flags])
+    layout = layout_from_flags(("--model.flavor", "debugmodel_tiny", *flags), world_size=1)
+    model = layout.spec.build(layout.args)
+    optimizers = build_optimizers([model], job)
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    optimizers.step()
+    expected = state_bytes_per_parameter(job.optimizer)
+    states = {param: state for optimizer in optimizers for param, state in optimizer.state.items()}
+    for param, group in group_parameters(model).items():
+        tensors = [t for name, t in states[param].items() if name != "step" and t.shape == param.shape]
+        assert sum(t.element_size() for t in tensors) == expected[group], (group, flags)

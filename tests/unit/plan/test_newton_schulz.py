@@ -10,7 +10,7 @@ from torchtitan.components.muon import newton_schulz_flops as model_flops
 from torchtitan.components.optimizer import group_parameters
 from torchtitan.config import ConfigManager
 from torchtitan.plan.__main__ import plan_from_argv
-from torchtitan.plan.layout import Layout, block_matrices
+from torchtitan.plan.layout import Layout
 from torchtitan.plan.newton_schulz import newton_schulz_flops
 from torchtitan.plan.report import format_plan
 from torchtitan.preflight import check_layout
@@ -18,20 +18,22 @@ from torchtitan.preflight import check_layout
 
 @pytest.mark.parametrize("flavor", ["debugmodel", "16B", "671B"])
 def test_the_plans_matrices_are_the_models_by_group_and_shape(flavor):
-    """debugmodel has no q LoRA, 16B one dense layer, 671B q LoRA and three; MTP modules included."""
-    from torchtitan.models.deepseek_v3 import DeepSeekV3Model, deepseekv3_flavors
-
-    args = deepseekv3_flavors[flavor]
-    args = type(args)(**{**args.__dict__, "mtp_layers": 1})
+    """debugmodel has no q LoRA, 16B one dense layer, 671B q LoRA and three; MTP modules included, over the stages
+    of a 4-stage pipeline."""
+    job = ConfigManager().parse_args(
+        ["--model.flavor", flavor, "--model.mtp_layers", "1", "--parallelism.pipeline_parallel_degree", "4"]
+        + ["--parallelism.expert_parallel_degree", "1", "--activation_checkpoint.memory_budget_gib", "0"]
+    )
+    checked = check_layout(job, world_size=4)
     planned = Counter()
-    for layer in range(args.n_layers):
-        planned.update(block_matrices(args, layer >= args.n_dense_layers))
-    planned.update(block_matrices(args, args.n_layers >= args.n_dense_layers, mtp=True))
+    for stages in Layout(checked.model_args, checked.parallel_dims, job, 8, checked.exchange, checked.spec).stages:
+        for part in (part for stage in stages for part in stage.parts()):
+            planned.update(part.matrices)
     with torch.device("meta"):
-        model = DeepSeekV3Model(args)
+        model = checked.spec.build(checked.model_args)
     built = Counter()
     for param, group in group_parameters(model).items():
-        if group in ("matrices", "router_gate", "experts"):
+        if param.ndim >= 2:
             built[group, *param.shape[-2:]] += param.shape[0] if param.ndim == 3 else 1
     assert planned == built
 
@@ -39,16 +41,12 @@ def test_the_plans_matrices_are_the_models_by_group_and_shape(flavor):
 def layout(*flags: str, world: int = 1) -> Layout:
     job = ConfigManager().parse_args(["--model.flavor", "16B_bench4", "--optimizer.name", "Muon", *flags])
     checked = check_layout(job, world_size=world)
-    return Layout(checked.model_args, checked.parallel_dims, job, 8, checked.exchange)
+    return Layout(checked.model_args, checked.parallel_dims, job, 8, checked.exchange, checked.spec)
 
 
 def test_one_rank_runs_the_whole_models_iteration():
-    from torchtitan.models.deepseek_v3 import DeepSeekV3Model
-
     one = layout("--parallelism.expert_parallel_degree", "1")
-    with torch.device("meta"):
-        model = DeepSeekV3Model(one.args)
-    groups = group_parameters(model)
+    groups = group_parameters(one.model)
     expected = sum(model_flops(p.shape, 5) for p, g in groups.items() if g in ("matrices", "experts"))
     assert newton_schulz_flops(one, 0) == pytest.approx(expected)  # ~161.5 TFLOP
     assert newton_schulz_flops(layout("--optimizer.name", "AdamW"), 0) == 0
@@ -61,9 +59,7 @@ def test_ranks_split_the_stacks_as_muon_does():
     # matrices ceil(count / 8): one of the 8 layers' wq's, one of the dense layer's two w1 / w3 (the ranks wait for it)
     eight = layout("--parallelism.expert_parallel_degree", "8", world=8)
     expert = 2 * model_flops((args.moe_inter_dim, args.dim), 5) + model_flops((args.dim, args.moe_inter_dim), 5)
-    stacks = Counter()
-    for layer in range(args.n_layers):
-        stacks.update(block_matrices(args, layer >= args.n_dense_layers))
+    stacks = sum((block.matrices for block in one.stages[0][0].blocks), Counter())
     others = sum(
         -(-count // 8) * model_flops((r, c), 5) for (group, r, c), count in stacks.items() if group == "matrices"
     )
