@@ -34,14 +34,17 @@ def resolve_exchange(job_config: JobConfig) -> ExchangeBackend:
     """The job's token exchange: the backend `parallelism.expert_parallel_comm_backend` names, holding its settings,
     checked against the rest of the config; raises ConfigError naming the fix. What needs the world size or the model
     is its `check`."""
-    name = job_config.parallelism.expert_parallel_comm_backend
+    name, default = (
+        job_config.parallelism.expert_parallel_comm_backend,
+        JobConfig().parallelism.expert_parallel_comm_backend,
+    )
     if name not in BACKENDS:
         raise ConfigError(
             f"parallelism.expert_parallel_comm_backend={name!r} is not a token-exchange backend; pass one of "
             f"{sorted(BACKENDS)}"
         )
     _check_requests(job_config, name)
-    _warn_without_expert_parallelism(job_config, name)
+    _warn_without_expert_parallelism(job_config, name, default)
     exchange = BACKENDS[name].from_config(job_config)
     _check_capacity_factor(exchange, job_config.parallelism)
     return exchange
@@ -61,9 +64,8 @@ def _check_requests(job_config: JobConfig, name: str) -> None:
                 )
 
 
-def _warn_without_expert_parallelism(job_config: JobConfig, name: str) -> None:
+def _warn_without_expert_parallelism(job_config: JobConfig, name: str, default: str) -> None:
     """A backend chosen over the default one exchanges tokens between EP ranks only: at EP 1 it is never used."""
-    default = JobConfig().parallelism.expert_parallel_comm_backend
     if job_config.parallelism.expert_parallel_degree == 1 and name != default:
         logger.warning(
             f"parallelism.expert_parallel_comm_backend={name} with expert_parallel_degree 1: there is no token "
