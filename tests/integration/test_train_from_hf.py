@@ -48,7 +48,8 @@ def test_trainer_starts_from_a_transformers_checkpoint(case, way, tmp_path):
     # step 1's loss comes from the checkpoint's weights before any update: transformers' on the same batch (the
     # trainer's routed experts compute in bf16: within 1e-5 here; a model off by any weight is off by far more)
     job_config = ConfigManager().parse_args(["--job.config_file", str(DEBUG_CONFIG), *args])
-    inputs, labels = next(iter(build_dataloader(job_config, build_tokenizer(job_config), 0, 1)))
+    tokenizer = build_tokenizer(job_config)
+    inputs, labels = next(iter(build_dataloader(job_config, tokenizer, tokenizer.vocab_size, 0, 1)))
     with torch.no_grad():
         logits = load_transformers_model(reference)(inputs["input"]).logits
     expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX).item()
