@@ -103,4 +103,6 @@ def test_layout_matches_single_process(layout, single_process, tmp_path):
         assert losses[step] == pytest.approx(expected, rel=rtol), (layout, step, losses, single_process_losses)
     validation, expected = read_losses(tmp_path, "validation/loss"), read_losses(single_process, "validation/loss")
     assert sorted(validation) == sorted(expected) == [3, 6], validation
-    assert validation == pytest.approx(expected, abs=1e-5), (layout, validation, expected)
+    # forward only, after the steps' own drift (TP sums in another order: 1.3e-6 relative on the held-out last 1/20
+    # of the corpus's documents)
+    assert validation == pytest.approx(expected, rel=5e-6), (layout, validation, expected)

@@ -150,7 +150,8 @@ def test_jsonl_and_jsonl_gz(tmp_path, documents):
 def test_jsonl_without_text_field_is_an_error(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"content": "x"}\n')
     # the fix named: the field it has, and how to give it the one it needs
-    with pytest.raises(ValueError, match=r"a\.jsonl:1: JSON object has no 'text' field \(its fields: content\); .*rename"):
+    fix = r"a\.jsonl:1: JSON object has no 'text' field \(its fields: content\); .*rename"
+    with pytest.raises(ValueError, match=fix):
         read_corpus(tmp_path / "a.jsonl")
 
 
