@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": round(done["seconds"], 1),
             "mb_per_s_per_worker": round(done["text_bytes"] / 1e6 / max(done["seconds"], 1e-9) / busy_workers, 2),
             "peak_rss_mib_per_worker": round(done["peak_rss_mib"]),
+            "parts_by_encoder": done["parts_by_encoder"],
+            "documents_checked_against_tokenizers": done["checked_documents"],
         }
         if only is None:
             report["tokens"] = join(args.out, parts, tokenizer)["num_tokens"]

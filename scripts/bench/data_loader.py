@@ -154,7 +154,7 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=8, help="data-parallel ranks of the job (this process is rank 0)")
     parser.add_argument("--batches", type=int, default=500)
     parser.add_argument("--tokenize-mib", type=float, default=0, help="also time the tokenizer on this much text")
-    parser.add_argument("--workers", type=int, default=2, help="tokenizer worker processes")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="tokenizer worker processes, each timed")
     parser.add_argument("--rank-corpus", type=Path, help=argparse.SUPPRESS)  # internal: run as one rank
     args = parser.parse_args()
     if args.rank_corpus is not None:
@@ -187,8 +187,8 @@ def main() -> None:
         )
         result["loader_to_first_batch_ratio"] = large["seconds_to_first_batch"] / small["seconds_to_first_batch"]
     if args.tokenize_mib:
-        tokenized = tokenize_rate(args.corpus_dir, args.tokenize_mib, args.workers)
-        result["tokenizer"] = {"workers": args.workers, **tokenized}
+        tokenized = [tokenize_rate(args.corpus_dir, args.tokenize_mib, workers) for workers in args.workers]
+        result["tokenizer"] = [{"workers": workers, **t} for workers, t in zip(args.workers, tokenized, strict=True)]
     print(json.dumps({k: v for k, v in result.items() if k != "sizes"}))
     print(write_result(result, f"data_loader_{git_commit()[:7]}"))
 

@@ -246,6 +246,15 @@ class IndexedShardWriter:
         self._document_length += ids.size
         self.max_token_id = max(self.max_token_id, int(ids.max()))
 
+    def append_documents(self, documents: list[np.ndarray]) -> None:
+        """Whole documents at once (the open one ended first): one range check and one write for a batch."""
+        if self._document_length:
+            raise RuntimeError("end_document() the open document before appending whole ones")
+        if documents:
+            self.append(np.concatenate(documents))
+        self._document_length = 0
+        self._lengths.extend(len(document) for document in documents)
+
     def end_document(self) -> None:
         self._lengths.append(self._document_length)
         self._document_length = 0

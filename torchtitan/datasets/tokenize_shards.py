@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from torchtitan.datasets.corpus import DatasetError, iter_documents, iter_text_pieces
+from torchtitan.datasets.document_encoder import DocumentEncoder, EncoderMismatch
 from torchtitan.datasets.indexed import CHUNK_BYTES, IndexedShardWriter, file_crc32, token_dtype
 from torchtitan.datasets.tokenizer import Tokenizer
 
@@ -86,59 +87,81 @@ def tokenize_parts(
     parts: list[Part], out_dir: Path, tokenizer_path: Path, workers: int = 1, only: tuple[int, int] | None = None
 ) -> dict:
     """Tokenize the parts not yet marked done (with `only=(i, n)`, those whose index is i mod n) into `out_dir`, in
-    `workers` processes (1: this process). Returns {"parts", "text_bytes", "seconds", "peak_rss_mib"} of the work
-    done here."""
+    `workers` processes (1: this process). Returns {"parts", "text_bytes", "seconds", "peak_rss_mib",
+    "parts_by_encoder", "checked_documents"} of the work done here."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(tokenizer_path)
+    encoder = DocumentEncoder(tokenizer)
+    if encoder.backend != "tiktoken":
+        logger.info("encoding with tokenizers: %s", encoder.why_not_tiktoken)
     todo = [
         (i, part)
         for i, part in enumerate(parts)
         if (only is None or i % only[1] == only[0]) and not shard_done(out_dir, i, part, tokenizer.fingerprint)
     ]
-    started, text_bytes, peak_rss = time.perf_counter(), 0, 0
+    started = time.perf_counter()
     if workers <= 1 or len(todo) <= 1:
-        for i, part in todo:
-            done = tokenize_part(tokenizer, part, out_dir, i)
-            text_bytes, peak_rss = text_bytes + done["text_bytes"], max(peak_rss, done["peak_rss_mib"])
+        done = [tokenize_part(encoder, part, out_dir, i) for i, part in todo]
     else:
         # each worker encodes on one thread: the processes are the parallelism
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         context = multiprocessing.get_context("spawn")
         with context.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer_path),)) as pool:
-            for done in pool.imap_unordered(_tokenize_in_worker, [(part, str(out_dir), i) for i, part in todo]):
-                text_bytes, peak_rss = text_bytes + done["text_bytes"], max(peak_rss, done["peak_rss_mib"])
-    seconds = time.perf_counter() - started
-    return {"parts": len(todo), "text_bytes": text_bytes, "seconds": seconds, "peak_rss_mib": peak_rss}
+            done = list(pool.imap_unordered(_tokenize_in_worker, [(part, str(out_dir), i) for i, part in todo]))
+    return {
+        "parts": len(todo),
+        "text_bytes": sum(d["text_bytes"] for d in done),
+        "seconds": time.perf_counter() - started,
+        "peak_rss_mib": max((d["peak_rss_mib"] for d in done), default=0),
+        "parts_by_encoder": {name: sum(d["encoder"] == name for d in done) for name in {d["encoder"] for d in done}},
+        "checked_documents": sum(d["checked_documents"] for d in done),
+    }
 
 
-def tokenize_part(tokenizer: Tokenizer, part: Part, out_dir: Path, index: int) -> dict:
-    """One part -> its shard and done-marker. A leftover of an interrupted run is overwritten."""
+def tokenize_part(encoder: DocumentEncoder, part: Part, out_dir: Path, index: int) -> dict:
+    """One part -> its shard and done-marker, with the encoder's backend, or `tokenizers` alone when a checked document
+    differs (document_encoder.py). A leftover of an interrupted run is overwritten."""
+    started, tokenizer = time.perf_counter(), encoder.tokenizer
+    try:
+        entry, text_bytes = _write_shard(encoder, part, out_dir, index)
+    except EncoderMismatch as mismatch:
+        logger.warning("%s; part %d (%s) is encoded again with tokenizers alone", mismatch, index, part.describe())
+        encoder = DocumentEncoder(tokenizer, fast=False)
+        entry, text_bytes = _write_shard(encoder, part, out_dir, index)
+    record = {"tokenizer": tokenizer.fingerprint, "text_bytes": text_bytes, "shard": entry}
+    _write_json_atomic((out_dir / shard_name(index)).with_suffix(".json"), record)
+    return {
+        "text_bytes": text_bytes,
+        "seconds": time.perf_counter() - started,
+        "peak_rss_mib": _peak_rss_mib(),
+        "encoder": encoder.backend,
+        "why_not_tiktoken": encoder.why_not_tiktoken,
+        "checked_documents": encoder.checked_documents,
+    }
+
+
+def _write_shard(encoder: DocumentEncoder, part: Part, out_dir: Path, index: int) -> tuple[dict, int]:
+    """The part's shard (not yet marked done): its manifest entry and the bytes of text it held."""
+    tokenizer = encoder.tokenizer
     prefix = out_dir / shard_name(index)
-    marker = prefix.with_suffix(".json")
-    marker.unlink(missing_ok=True)
+    prefix.with_suffix(".json").unlink(missing_ok=True)
     writer = IndexedShardWriter(prefix, token_dtype(tokenizer.vocab_size))
     text_bytes, text_documents = 0, 0  # documents of more than whitespace
-    started = time.perf_counter()
     path = Path(part.path)
     if path.name.lower().endswith((".txt", ".txt.gz")):  # one document, encoded in pieces
         writer.append([tokenizer.bos_id])
         for piece in iter_text_pieces(path):
             text_bytes += len(piece.encode("utf-8"))
             text_documents = text_documents or int(not piece.isspace())
-            writer.append(tokenizer.encode(piece))
+            writer.append(encoder.encode(piece))
         writer.append([tokenizer.eos_id])
         writer.end_document()
     else:
         for batch in _document_batches(path, part):
             text_bytes += sum(len(doc.encode("utf-8")) for doc in batch)
             text_documents += sum(not doc.isspace() for doc in batch)
-            for ids in tokenizer.encode_batch(batch, add_bos=True, add_eos=True):
-                writer.append(ids)
-                writer.end_document()
-    entry = {"name": prefix.name, "part": asdict(part), "text_documents": text_documents, **writer.finish()}
-    record = {"tokenizer": tokenizer.fingerprint, "text_bytes": text_bytes, "shard": entry}
-    _write_json_atomic(marker, record)
-    return {"text_bytes": text_bytes, "seconds": time.perf_counter() - started, "peak_rss_mib": _peak_rss_mib()}
+            writer.append_documents(encoder.encode_batch(batch))
+    return {"name": prefix.name, "part": asdict(part), "text_documents": text_documents, **writer.finish()}, text_bytes
 
 
 def _document_batches(path: Path, part: Part) -> Iterator[list[str]]:
@@ -247,15 +270,15 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-_worker_tokenizer: Tokenizer | None = None
+_worker_encoder: DocumentEncoder | None = None
 
 
 def _init_worker(tokenizer_path: str) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = Tokenizer(tokenizer_path)
+    global _worker_encoder
+    _worker_encoder = DocumentEncoder(Tokenizer(tokenizer_path))
 
 
 def _tokenize_in_worker(task: tuple[Part, str, int]) -> dict:
     part, out_dir, index = task
-    assert _worker_tokenizer is not None
-    return tokenize_part(_worker_tokenizer, part, Path(out_dir), index)
+    assert _worker_encoder is not None
+    return tokenize_part(_worker_encoder, part, Path(out_dir), index)

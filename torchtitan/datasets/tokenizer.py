@@ -35,15 +35,19 @@ class Tokenizer:
         self.bos_id: int = self._special_token_id(*bos)
         self.eos_id: int = self._special_token_id(*eos)
         # Stored in the dataloader state: a resume with another vocabulary or merges fails instead of feeding other ids.
-        self.fingerprint: str = hashlib.sha256(self._tokenizer.to_str().encode("utf-8")).hexdigest()[:16]
+        self.fingerprint: str = hashlib.sha256(self.to_json().encode("utf-8")).hexdigest()[:16]
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         return self._wrap(self._tokenizer.encode(text, add_special_tokens=False).ids, add_bos, add_eos)
 
     def encode_batch(self, texts: list[str], add_bos: bool = False, add_eos: bool = False) -> list[list[int]]:
-        """`encode` for many texts at once (parallel inside `tokenizers`)."""
-        encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
+        """`encode` for many texts at once (parallel inside `tokenizers`; ids only, no offsets)."""
+        encodings = self._tokenizer.encode_batch_fast(texts, add_special_tokens=False)
         return [self._wrap(e.ids, add_bos, add_eos) for e in encodings]
+
+    def to_json(self) -> str:
+        """The tokenizer.json this tokenizer was read from, as `tokenizers` writes it."""
+        return self._tokenizer.to_str()
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

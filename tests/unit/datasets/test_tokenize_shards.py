@@ -10,6 +10,7 @@ import pytest
 
 from scripts import tokenize_corpus
 from torchtitan.datasets.corpus import DatasetError
+from torchtitan.datasets.document_encoder import DocumentEncoder
 from torchtitan.datasets.indexed import IndexedShard
 from torchtitan.datasets.shards import read_manifest
 from torchtitan.datasets.tokenize_shards import plan_parts, tokenize_part, tokenize_parts
@@ -129,7 +130,7 @@ def test_a_large_txt_document_is_encoded_in_pieces_cut_at_line_ends(tmp_path, to
     (tmp_path / "book.txt").write_text(text)
     monkeypatch.setattr("torchtitan.datasets.corpus.iter_text_pieces.__defaults__", (1000,))
     [part] = plan_parts([tmp_path / "book.txt"])
-    tokenize_part(tokenizer, part, tmp_path, 0)
+    tokenize_part(DocumentEncoder(tokenizer), part, tmp_path, 0)
     shard = IndexedShard(tmp_path / "shard-000000")
     assert shard.tokens(0, shard.num_tokens).tolist() == tokenizer.encode(text, add_bos=True, add_eos=True)
 
