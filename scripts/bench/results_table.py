@@ -128,7 +128,7 @@ GROUPED_GEMM = ("grouped_gemm_16b_ep1_t16384.json", "grouped_gemm_671b_ep4_t8192
 OPTIMIZER = "optimizer_16b8L_fsdp1_ep1_a9547a3.json"
 OUTPUT_HEAD = "output_head_16384x2048x102400_ebd51e2.json"
 DEEPEP_BANDWIDTH = "deepep_bandwidth_ep2_16b_sms64.json"
-DATA_LOADER = "data_loader_e6c102a.json"
+DATA_LOADER = "data_loader_acc830b.json"
 
 
 def load(name: str) -> dict:
@@ -393,12 +393,15 @@ def data_loader_table() -> list[str]:
             f"{warm['tokens_per_second'] / 1e6:.1f}M | {cold['tokens_per_second'] / 1e6:.1f}M | "
             f"{warm['seconds_launch_to_first_batch']:.2f} | {warm['rss_growth_mib']:.0f} |"
         )
-    if tokenizer := result.get("tokenizer"):
+    if runs := result.get("tokenizer"):
         lines += [
             "",
-            f"`scripts/tokenize_corpus.py` with {tokenizer['workers']} workers on {tokenizer['text_mb']} MB of text "
-            f"(the shipped corpus repeated, the shipped tokenizer): {tokenizer['mb_per_s_per_worker']} MB/s of text "
-            f"per worker, at most {tokenizer['peak_rss_mib_per_worker']} MiB resident per worker.",
+            f"`scripts/tokenize_corpus.py` on {runs[0]['text_mb']} MB of text (the shipped corpus repeated, the "
+            "shipped tokenizer, encoded by tiktoken and checked against `tokenizers`):",
+            "",
+            "| workers | MB/s of text per worker | peak resident memory per worker (MiB) |",
+            "| --- | --- | --- |",
+            *(f"| {r['workers']} | {r['mb_per_s_per_worker']} | {r['peak_rss_mib_per_worker']} |" for r in runs),
         ]
     return [*lines, ""]
 
