@@ -3,7 +3,8 @@
 Why: the tokenize step runs at its encoder's rate, and on one thread tiktoken encodes a byte-level BPE about four times
 faster than `tokenizers` (benchmarks/results/data_loader_*.json). The two merge differently in principle: `tokenizers`
 applies the merges list in order, tiktoken merges the adjacent pair whose bytes form the lowest-ranked token. With
-ranks = token ids and ids in merge order (what BPE training writes) they agree on every text standard training can
+ranks = token ids and ids in merge order (what BPE training writes; scripts/convert_tiktoken.py writes every
+split of a token as a merge at its id) they agree on every text standard training can
 produce, but a hand-edited merges list can make them differ. So tiktoken is used only when the file's shape is one it
 reads exactly (`tiktoken_encoding` says why not otherwise), every vocabulary entry encodes alike, and every
 `CHECK_EVERY`-th document of each batch is encoded by both: one difference raises `EncoderMismatch`, and the caller
@@ -88,7 +89,7 @@ def tiktoken_encoding(tokenizer: Tokenizer) -> tuple[object | None, str]:
     if len([token for token in ranks if len(token) == 1]) != 256:
         return None, "the vocabulary lacks some of the 256 bytes"
     merged_ids = [model["vocab"].get("".join(_merge_pair(merge))) for merge in model["merges"]]
-    if None in merged_ids or any(a >= b for a, b in zip(merged_ids[:-1], merged_ids[1:], strict=True)):
+    if None in merged_ids or any(a > b for a, b in zip(merged_ids[:-1], merged_ids[1:], strict=True)):
         return None, "the merges are not in token-id order"
     encoding = tiktoken.Encoding(
         name=f"torchtitan:{tokenizer.fingerprint}", pat_str=pattern, mergeable_ranks=ranks, special_tokens=special

@@ -1,6 +1,6 @@
 """The real-size jobs pass preflight at the world sizes they are sized for and the plan prints them (the 16B on one
-node of 8 H100s or H200s, the 671B on 16 nodes of 8 H200s, with 671.0B parameters); a job that ran out of memory on
-GPUs is planned not to fit, with a change that fits."""
+node of 8 H100s or H200s; the 671B and Kimi K2 on 16 nodes of 8 H200s, with 671.0B and 1026.4B parameters); a job
+that ran out of memory on GPUs is planned not to fit, with a change that fits."""
 
 import pytest
 
@@ -10,6 +10,7 @@ from torchtitan.preflight import check_job
 JOBS = {
     "train_configs/deepseek_v3_16b.toml": 8,  # NGPU=8
     "train_configs/deepseek_v3_671b.toml": 128,  # NNODES=16 NGPU=8
+    "train_configs/kimi_k2.toml": 128,  # NNODES=16 NGPU=8
 }
 
 
@@ -21,6 +22,8 @@ def test_each_real_size_job_passes_preflight_at_its_world_size(config, world_siz
     assert job.config.parallelism.expert_parallel_degree == 8
     if "671b" in config:
         assert (job.config.model.flavor, job.model_args.mtp_layers) == ("671B", 1)
+    if "kimi" in config:
+        assert (job.model_args.moe_args.num_experts, job.model_args.n_heads, job.model_args.mtp_layers) == (384, 64, 0)
 
 
 @pytest.mark.parametrize("gpu", ["h100", "h200"])
@@ -39,6 +42,15 @@ def test_the_plan_prints_the_671b_job_on_its_cluster(capsys):
     assert "= 128 GPUs" in out
     assert "671.0B parameters, 37.6B active per token" in out  # as published, without the MTP module
     assert "PP 16 x FSDP 8 x EP 8 (deepep)" in out and "the EP group inside one node" in out
+    assert ": fits" in out
+
+
+def test_the_plan_prints_the_kimi_k2_job_on_its_cluster(capsys):
+    argv = ["--job.config_file", "train_configs/kimi_k2.toml", "--nnodes", "16", "--gpu", "h200"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "1026.4B parameters, 32.9B active per token" in out
+    assert "PP 16 x FSDP 8 x EP 8 (deepep)" in out and "48 of 384 experts per GPU" in out
     assert ": fits" in out
 
 

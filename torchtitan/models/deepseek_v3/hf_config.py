@@ -6,7 +6,7 @@ and refuses a value this model does not compute with one line naming the field a
 where one changes what a user expects, one log line says what training does instead. Fields no DeepSeek-V2/V3 config
 defines are named in one warning line and ignored.
 
-The published configs of DeepSeek-V2-Lite, Moonlight-16B-A3B and DeepSeek-V3 ship in `HF_CONFIGS`
+The published configs of DeepSeek-V2-Lite, Moonlight-16B-A3B, DeepSeek-V3 and Kimi K2 ship in `HF_CONFIGS`
 (hf_configs/README.md says where each came from): `--model.hf_config_path <HF_CONFIGS>/deepseek_v3.json`.
 """
 
@@ -22,7 +22,7 @@ from .args import DeepSeekV3ModelArgs
 logger = logging.getLogger(__name__)
 
 HF_CONFIGS = Path(__file__).parent / "hf_configs"
-"""The shipped config.json files: deepseek_v2_lite.json, moonlight_16b_a3b.json, deepseek_v3.json."""
+"""The shipped config.json files: deepseek_v2_lite.json, moonlight_16b_a3b.json, deepseek_v3.json, kimi_k2.json."""
 
 _SHAPE_KEYS = (
     "vocab_size hidden_size intermediate_size moe_intermediate_size num_hidden_layers num_attention_heads "
@@ -43,6 +43,9 @@ _ROUTING_DEFAULTS = {
     "deepseek_v2": {"scoring_func": "softmax", "topk_method": "greedy"},
     "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
 }
+# model_types whose config is another's math: Kimi K2 ships DeepSeek-V3's architecture (`architectures`:
+# DeepseekV3ForCausalLM) under its own name
+_SAME_MATH_AS = {"kimi_k2": "deepseek_v3"}
 _MATH_FIELDS = {
     *_SHAPE_KEYS,
     *(field for field, *_ in _FIXED),
@@ -113,8 +116,11 @@ def load_hf_config(path: str, flag: str) -> tuple[dict[str, Any], DeepSeekV3Mode
 def model_args_from_hf_config(config: dict[str, Any]) -> DeepSeekV3ModelArgs:
     """Model args from a HF DeepSeek-V2/V3 config.json dict; ValueError (one line) for a value not computed here."""
     model_type = config.get("model_type", "deepseek_v3")
+    model_type = _SAME_MATH_AS.get(model_type, model_type)
     if model_type not in _ROUTING_DEFAULTS:
-        raise ValueError(f"model_type={model_type!r} is not supported (this model computes deepseek_v2 or deepseek_v3)")
+        raise ValueError(
+            f"model_type={model_type!r} is not supported (this model computes deepseek_v2, deepseek_v3 or kimi_k2)"
+        )
     _check_shape(config)
     _check_computed_values(config, model_type)
     _log_what_training_does_instead(config)

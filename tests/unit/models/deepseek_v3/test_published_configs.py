@@ -6,7 +6,9 @@ value is the published one (expert counts, top-k, groups and their scoring, rout
 layers, norms' eps, RoPE theta, YaRN factor and mscales, MTP). YaRN's original context is scaled down with
 max_position_embeddings (the factor kept) so that the 40-token sequence runs past it. Depth is the published one,
 except DeepSeek-V3's 61 layers of 256 experts (over a minute per forward pair on 2 cores): its 3 dense layers and 2
-MoE layers. transformers saves no MTP module: ours is built (the config's one) and left out of the comparison.
+MoE layers; and Kimi K2's 61 layers of 384 experts: its dense layer and 2 MoE layers. Kimi K2 (model_type
+kimi_k2) is compared with DeepseekV3ForCausalLM, the class its `architectures` names. transformers saves no MTP
+module: ours is built (the config's one) and left out of the comparison.
 
 The exact RoPE / YaRN numbers at the published sizes (beta_fast and beta_slow only matter past ~200 original
 positions) are compared separately with transformers' rotary embedding and attention scale.
@@ -34,7 +36,7 @@ from .transformers_checkpoints import (
 
 pytest.importorskip("transformers")
 
-NAMES = ["deepseek_v2_lite", "moonlight_16b_a3b", "deepseek_v3"]
+NAMES = ["deepseek_v2_lite", "moonlight_16b_a3b", "deepseek_v3", "kimi_k2"]
 WIDTH = dict(
     hidden_size=64,
     intermediate_size=96,
@@ -49,7 +51,7 @@ WIDTH = dict(
 )
 ORIGINAL_CONTEXT = 16
 SEQ_LEN = 40
-DEPTH = {"deepseek_v3": 5}
+DEPTH = {"deepseek_v3": 5, "kimi_k2": 3}
 
 
 def published(name: str) -> dict:
@@ -105,7 +107,7 @@ YARN_VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", YARN_VARIANTS)
-@pytest.mark.parametrize("name", ["deepseek_v2_lite", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["deepseek_v2_lite", "deepseek_v3", "kimi_k2"])
 def test_yarn_frequencies_and_scales_are_transformers_at_the_published_sizes(name, variant):
     config = published(name)
     config.pop("quantization_config", None)

@@ -83,7 +83,7 @@ def transformers_config(config: dict):
     import transformers
 
     fields = {key: value for key, value in config.items() if key != "model_type"}
-    return transformers.AutoConfig.for_model(config.get("model_type", "deepseek_v3"), **fields)
+    return transformers.AutoConfig.for_model(computed_as(config), **fields)
 
 
 def transformers_class(config: dict):
@@ -91,8 +91,14 @@ def transformers_class(config: dict):
     import transformers
 
     return {"deepseek_v2": transformers.DeepseekV2ForCausalLM, "deepseek_v3": transformers.DeepseekV3ForCausalLM}[
-        config.get("model_type", "deepseek_v3")
+        computed_as(config)
     ]
+
+
+def computed_as(config: dict) -> str:
+    """The transformers model_type computing a config.json dict: Kimi K2's (kimi_k2) is DeepSeek-V3's architecture."""
+    model_type = config.get("model_type", "deepseek_v3")
+    return "deepseek_v3" if model_type == "kimi_k2" else model_type
 
 
 def fp32_experts(args: DeepSeekV3ModelArgs) -> DeepSeekV3ModelArgs:
