@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.bench.common import cuda_time_ms, init_nccl_from_torchrun, write_result  # noqa: E402
 from torchtitan.config import JobConfig  # noqa: E402
 from torchtitan.distributed.deepep import ops  # noqa: E402
-from torchtitan.distributed.deepep.buffer import EPBuffer, destroy_buffers, get_or_create_buffer  # noqa: E402
+from torchtitan.distributed.deepep.buffer import EPBuffer, get_or_create_buffer  # noqa: E402
+from torchtitan.distributed.group_buffers import release_group_buffers  # noqa: E402
 from torchtitan.distributed.utils import destroy_process_groups  # noqa: E402
 
 TRAINER_NUM_SMS = JobConfig().parallelism.deepep_num_sms  # the trainer's default DeepEP SM count
@@ -123,5 +124,5 @@ def chunk_sweep(buffer: EPBuffer, x, topk_idx, topk_weights, recv_x, handle, arg
 
 if __name__ == "__main__":
     main()
-    destroy_buffers()  # collective on CUDA: before the groups go
+    release_group_buffers()  # collective on CUDA: before the groups go
     destroy_process_groups()

@@ -32,12 +32,12 @@ from scripts.bench.common import (  # noqa: E402
 )
 from torchtitan.config import JobConfig  # noqa: E402
 from torchtitan.distributed.compile import Compiler, MoERegions  # noqa: E402
-from torchtitan.distributed.deepep import destroy_buffers  # noqa: E402
 from torchtitan.distributed.expert_parallel.dispatcher import (  # noqa: E402
     EAGER_PERMUTATION,
     LocalTokenDispatcher,
     TokenPermutation,
 )
+from torchtitan.distributed.group_buffers import release_group_buffers  # noqa: E402
 from torchtitan.distributed.utils import destroy_process_groups  # noqa: E402
 from torchtitan.models.moe.args import MoEArgs  # noqa: E402
 from torchtitan.models.moe.exchange import ExchangeContext, resolve_exchange  # noqa: E402
@@ -269,5 +269,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    destroy_buffers()  # main's layer and buffers go before their groups, while the interpreter is alive
+    release_group_buffers()  # main's layer and buffers go before their groups, while the interpreter is alive
     destroy_process_groups()

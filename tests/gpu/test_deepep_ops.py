@@ -28,10 +28,11 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor.parallel import parallelize_module  # noqa: E402
 
 from tests.unit.models.moe._expert_rows import expert_of_padded_row  # noqa: E402
-from torchtitan.distributed.deepep import destroy_buffers, get_or_create_buffer, ops  # noqa: E402
+from torchtitan.distributed.deepep import get_or_create_buffer, ops  # noqa: E402
 from torchtitan.distributed.expert_parallel.deepep_dispatcher import DeepEPTokenDispatcher  # noqa: E402
 from torchtitan.distributed.expert_parallel.dispatcher import run_on_expert_rows  # noqa: E402
 from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel  # noqa: E402
+from torchtitan.distributed.group_buffers import release_group_buffers  # noqa: E402
 from torchtitan.distributed.utils import destroy_process_groups  # noqa: E402
 from torchtitan.kernels.float8 import dequantize_blockwise, quantize_blockwise  # noqa: E402
 from torchtitan.models.moe import MoE, MoEArgs  # noqa: E402
@@ -326,7 +327,7 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str | None, sha
         name = "deepep_gpu_summary_shared_gpu.json" if share_gpu else "deepep_gpu_summary.json"
         with open(os.path.join(out_dir, name), "w") as f:
             json.dump(summary, f, indent=2)
-    destroy_buffers()
+    release_group_buffers()
     destroy_process_groups()  # gloo groups freed now, not at interpreter exit (pytorch#190489)
     failed = [r for r in results if r["status"] != "passed"]
     if failed:

@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from torchtitan.distributed import symm_mem_all_to_all as ops
 from torchtitan.distributed.expert_parallel.styles import ExpertParallel, SymmMemExpertParallel
+from torchtitan.distributed.group_buffers import release_group_buffers
 from torchtitan.distributed.utils import destroy_process_groups
 from torchtitan.models.moe import MoE, MoEArgs
 
@@ -210,7 +211,7 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str | None, sha
         name = "symm_mem_gpu_summary_shared_gpu.json" if share_gpu else "symm_mem_gpu_summary.json"
         with open(os.path.join(out_dir, name), "w") as f:
             json.dump(summary, f, indent=2)
-    ops.release_buffers()
+    release_group_buffers()
     destroy_process_groups()
     failed = [r for r in results if r["status"] != "passed"]
     if failed:

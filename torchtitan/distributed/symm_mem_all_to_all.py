@@ -13,12 +13,12 @@ all-to-all-v is the reverse one (the splits swapped, x's S rows out), so autogra
 CPU runs the reference over gloo (it reads the splits on the host; padding rows are NaN, so a use of them shows).
 CUDA runs torch's NVSHMEM all-to-all-v (`torch.ops.symm_mem.all_to_all_vdev`) through symmetric buffers made once
 per EP group at parallelize time (`get_or_create_buffers`; ops cannot take a process group, so they find them by
-the group's name): x is copied into a send buffer, the peers read it (NVSHMEM get) into their receive buffers after
-the split exchange's barrier, and the rows are copied out. A rank may refill a send buffer only once every peer has
-read it, so calls alternate between two lanes of buffers: dispatch and the backward of combine use lane 0, combine
-and the backward of dispatch lane 1 (the MoE layer runs them in pairs, forward and backward, as every recompute
-does), and the counts have their own; between two calls on one lane lies a call on another, whose barrier every
-peer reaches only after finishing the earlier call.
+the group's name in the exchanges' registry, `distributed/group_buffers.py`): x is copied into a send buffer, the
+peers read it (NVSHMEM get) into their receive buffers after the split exchange's barrier, and the rows are copied
+out. A rank may refill a send buffer only once every peer has read it, so calls alternate between two lanes of
+buffers: dispatch and the backward of combine use lane 0, combine and the backward of dispatch lane 1 (the MoE layer
+runs them in pairs, forward and backward, as every recompute does), and the counts have their own; between two calls
+on one lane lies a call on another, whose barrier every peer reaches only after finishing the earlier call.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from torchtitan.distributed.group_buffers import group_buffers, keep_group_buffers, release_group_buffers
+
 __all__ = [
     "COMBINE_LANE",
     "DISPATCH_LANE",
@@ -38,7 +40,6 @@ __all__ = [
     "check_nvshmem",
     "exchange_counts",
     "get_or_create_buffers",
-    "release_buffers",
 ]
 
 DISPATCH_LANE, COMBINE_LANE = 0, 1
@@ -149,7 +150,7 @@ class SymmMemBuffers:
         return buffer[:num_bytes].view(like.dtype).view(num_rows, like.shape[1])
 
 
-_BUFFERS: dict[str, SymmMemBuffers] = {}
+_EXCHANGE = "symm_mem"  # its key in the registry of group buffers
 
 
 def get_or_create_buffers(
@@ -158,27 +159,20 @@ def get_or_create_buffers(
     """The group's buffers, created (or re-created larger) for calls of up to send_rows x row_bytes out and
     recv_rows x row_bytes in, and num_counts counts. Collective over every rank of the job (NVSHMEM allocates
     over the world): call it at parallelize time with the same sizes on every rank, never in forward."""
-    current = _BUFFERS.get(group.group_name)
+    current = group_buffers(_EXCHANGE, group.group_name)
     if current is not None and current.covers(send_rows, recv_rows, row_bytes, num_counts):
         return current
     if current is not None:
         send_rows, recv_rows = max(send_rows, current.send_rows), max(recv_rows, current.recv_rows)
         row_bytes = max(row_bytes, current.row_bytes)
-        _release(current)
+        release_group_buffers(_EXCHANGE, group.group_name)  # before the new ones take their memory
     buffers = _create_buffers(group, send_rows, recv_rows, row_bytes, num_counts)
-    _BUFFERS[group.group_name] = buffers
+    keep_group_buffers(_EXCHANGE, group.group_name, buffers, _free)
     return buffers
 
 
-def release_buffers() -> None:
-    """Free every group's buffers (end of training, tests): collective, like their creation."""
-    for buffers in list(_BUFFERS.values()):
-        _release(buffers)
-
-
-def _release(buffers: SymmMemBuffers) -> None:
-    torch.cuda.synchronize()  # no queued exchange still reads them
-    _BUFFERS.pop(buffers.group_name, None)
+def _free(buffers: SymmMemBuffers) -> None:
+    torch.cuda.synchronize()  # no queued exchange still reads them; the registry drops the last reference
 
 
 def check_nvshmem() -> None:
@@ -246,7 +240,7 @@ def _check_one_host(group: dist.ProcessGroup) -> None:
 
 
 def _buffers(group_name: str) -> SymmMemBuffers:
-    buffers = _BUFFERS.get(group_name)
+    buffers = group_buffers(_EXCHANGE, group_name)
     if buffers is None:
         raise RuntimeError(
             f"no symmetric buffers for process group {group_name!r}: apply SymmMemExpertParallel to the MoE layer "

@@ -79,7 +79,8 @@ def test_cpu_offload_still_trains():
 
 
 def _deepep_num_sms(rank: int, world_size: int) -> None:
-    from torchtitan.distributed.deepep import destroy_buffers, get_buffer
+    from torchtitan.distributed.deepep import get_buffer
+    from torchtitan.distributed.group_buffers import release_group_buffers
 
     reference = build_reference(tiny_args())
     ref_loss, ref_grads = reference_loss_and_grads(reference)
@@ -90,7 +91,7 @@ def _deepep_num_sms(rank: int, world_size: int) -> None:
     )
     model = check_parallel_matches(reference, ref_loss, ref_grads, deepep, world_size)
     assert get_buffer(model.layers["1"].moe.dispatcher.group_name).num_sms == 8
-    destroy_buffers()
+    release_group_buffers()
 
 
 def test_deepep_num_sms_reach_the_dispatchers_and_keep_results():

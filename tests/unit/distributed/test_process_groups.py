@@ -12,7 +12,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
 
 from tests.unit.distributed._spawn import run_distributed
-from torchtitan.distributed.deepep import destroy_buffers, get_or_create_buffer
+from torchtitan.distributed.deepep import get_or_create_buffer
+from torchtitan.distributed.group_buffers import release_group_buffers
 from torchtitan.distributed.utils import destroy_process_groups
 
 
@@ -25,7 +26,7 @@ def _groups_freed_with_meshes_alive(rank: int, world_size: int) -> None:
     groups = [weakref.ref(group) for group in (dist.group.WORLD, ep_group, mesh["dp"].get_group())]
     del ep_group
 
-    destroy_buffers()
+    release_group_buffers()
     destroy_process_groups()
 
     assert not dist.is_initialized()

@@ -10,6 +10,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from tests.unit.distributed._spawn import run_distributed
 from tests.unit.distributed._symm_mem_stand_in import install_stand_in
 from torchtitan.distributed import symm_mem_all_to_all as ops
+from torchtitan.distributed.group_buffers import release_group_buffers
 
 DIM = 6
 
@@ -108,7 +109,7 @@ def _cuda_kernels_match_the_reference(rank: int, world_size: int) -> None:
     assert torch.equal(ops.exchange_counts(counts, name), expected_counts)
     with pytest.raises(RuntimeError, match=r"need \d+ bytes, the buffer of group .* holds"):
         ops.all_to_all_v(torch.zeros(x.shape[0] + 1, DIM), send_splits, recv_splits, name, out_rows, 0)
-    ops.release_buffers()
+    release_group_buffers()
 
 
 def test_cuda_kernels_through_a_stand_in_match_the_reference_4_ranks():

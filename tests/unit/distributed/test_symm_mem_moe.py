@@ -17,8 +17,8 @@ from tests.unit.distributed._symm_mem_stand_in import install_stand_in
 from tests.unit.distributed._tiny_moe import DIM, TOP_K, build_moe
 from torchtitan.distributed import symm_mem_all_to_all as ops
 from torchtitan.distributed.activation_checkpoint import per_op_sac_contexts
-from torchtitan.distributed.deepep import destroy_buffers
 from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel, SymmMemExpertParallel
+from torchtitan.distributed.group_buffers import release_group_buffers
 from torchtitan.models.moe import MoE
 from torchtitan.models.moe.deepep_moe import DeepEPMoE
 from torchtitan.models.moe.exchange import SymmMemBackend
@@ -118,7 +118,7 @@ def _capacity_drops_like_deepep_and_counts_them(rank: int, world_size: int) -> N
         expert_tokens, _ = tight.dispatcher.dispatch(x.view(-1, DIM), selected, scores)
     assert expert_tokens.order.numel() == world_size * capacity
     assert int(expert_tokens.counts.sum()) <= world_size * capacity
-    destroy_buffers()
+    release_group_buffers()
 
 
 def _compiled_matches_eager(rank: int, world_size: int) -> None:
@@ -159,7 +159,7 @@ def _cuda_kernels_alternate_lanes(rank: int, world_size: int) -> None:
     sends = stand_in.send_buffers
     assert len(sends) == 3 + 3 + 2  # forward, its recompute, backward
     assert all(a != b for a, b in zip(sends, sends[1:], strict=False)), sends
-    ops.release_buffers()
+    release_group_buffers()
 
 
 def test_cuda_kernels_alternate_lanes_across_forward_recompute_and_backward_2_ranks():

@@ -1,9 +1,10 @@
 """One communication buffer per expert-parallel group, created at parallelize time.
 
-Ops cannot take a `ProcessGroup`, so they receive the EP group's `group_name` and look the buffer up here. The
-registry holds buffers only, never dispatch handles (those are tensors owned by autograd / the dispatch state). On
-CUDA an `EPBuffer` wraps a `deep_ep.Buffer` sized from DeepEP's config hints; on CPU it only carries the group.
-Buffers are created or grown only by `get_or_create_buffer` (from `DeepEPExpertParallel._apply`), never in forward.
+Ops cannot take a `ProcessGroup`, so they receive the EP group's `group_name` and look the buffer up in the
+exchanges' registry (`distributed/group_buffers.py`, under `deepep`), which holds buffers only, never dispatch handles
+(those are tensors owned by autograd / the dispatch state). On CUDA an `EPBuffer` wraps a `deep_ep.Buffer` sized from
+DeepEP's config hints; on CPU it only carries the group. Buffers are created or grown only by `get_or_create_buffer`
+(from `DeepEPExpertParallel._apply`), never in forward, and freed by `release_group_buffers`.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.distributed.deepep.handle_layout import HandleLayout, cpu_layout, internode_layout, intranode_layout
+from torchtitan.distributed.group_buffers import group_buffers, keep_group_buffers, release_group_buffers
 
-__all__ = ["EPBuffer", "destroy_buffers", "get_buffer", "get_or_create_buffer", "import_deep_ep", "kernel_buffer"]
+__all__ = ["EPBuffer", "get_buffer", "get_or_create_buffer", "import_deep_ep", "kernel_buffer"]
 
 _DEEP_EP_INSTALL_HINT = (
     "parallelism.expert_parallel_comm_backend='deepep' on CUDA needs the optional `deep_ep` package. Install it "
@@ -55,7 +57,7 @@ class EPBuffer:
     deep_ep: ModuleType | None = None
 
 
-_BUFFERS: dict[str, EPBuffer] = {}
+_EXCHANGE = "deepep"  # its key in the registry of group buffers
 
 
 def import_deep_ep() -> ModuleType:
@@ -69,7 +71,7 @@ def import_deep_ep() -> ModuleType:
 
 def get_buffer(group_name: str) -> EPBuffer:
     """The buffer registered for an EP group; raises if parallelize did not create one."""
-    buffer = _BUFFERS.get(group_name)
+    buffer = group_buffers(_EXCHANGE, group_name)
     if buffer is None:
         raise RuntimeError(
             f"no DeepEP buffer for process group {group_name!r}: apply DeepEPExpertParallel to the experts "
@@ -102,7 +104,7 @@ def get_or_create_buffer(
     the old `deep_ep.Buffer`). Collective over `group` on CUDA (DeepEP exchanges IPC handles): every rank calls it with
     the same arguments, at parallelize time only. `num_sms` is positive and even (checked by the config)."""
     group_name = group.group_name
-    current = _BUFFERS.get(group_name)
+    current = group_buffers(_EXCHANGE, group_name)
     if current is not None:
         if current.device_type != device_type:
             raise RuntimeError(
@@ -111,7 +113,7 @@ def get_or_create_buffer(
         if current.hidden_dim >= hidden_dim and current.num_sms == num_sms:
             return current
         hidden_dim = max(hidden_dim, current.hidden_dim)
-        _release(current)
+        release_group_buffers(_EXCHANGE, group_name)  # before the new one takes its memory
 
     if device_type == "cuda":
         layout, deep_ep_fields = _create_cuda_runtime(group, hidden_dim, num_sms)
@@ -129,19 +131,12 @@ def get_or_create_buffer(
         layout=layout,
         **deep_ep_fields,
     )
-    _BUFFERS[group_name] = buffer
+    keep_group_buffers(_EXCHANGE, group_name, buffer, _destroy)
     return buffer
 
 
-def destroy_buffers() -> None:
-    """Release every buffer (end of training, tests). Collective on CUDA."""
-    for buffer in list(_BUFFERS.values()):
-        _release(buffer)
-    _BUFFERS.clear()
-
-
-def _release(buffer: EPBuffer) -> None:
-    _BUFFERS.pop(buffer.group_name, None)
+def _destroy(buffer: EPBuffer) -> None:
+    """Collective on CUDA (DeepEP's destroy)."""
     if buffer.runtime is not None:
         torch.cuda.synchronize()
         buffer.runtime.destroy()

@@ -9,7 +9,6 @@ an `ExchangeBackend` subclass registered (`register_backend`) when imported. Ten
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
@@ -20,6 +19,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.distributed.expert_parallel.dispatcher import TokenPermutation
 from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel, SymmMemExpertParallel
+from torchtitan.distributed.group_buffers import release_group_buffers
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.moe.deepep_moe import DeepEPMoE
 from torchtitan.models.moe.moe import MoE
@@ -143,7 +143,9 @@ class ExchangeBackend:
         return set()
 
     def release(self) -> None:
-        """Free what the backend holds, after a finished run and before the process groups go."""
+        """Free what the backend holds, after a finished run and before the process groups go: the group buffers its
+        style made (`distributed/group_buffers.py`; collective where freeing them is)."""
+        release_group_buffers()
 
 
 BACKENDS: dict[str, type[ExchangeBackend]] = {}
@@ -249,13 +251,6 @@ class DeepEPBackend(ExchangeBackend):
 
         return {torch.ops.deepep.dispatch.default, torch.ops.deepep.combine.default}
 
-    def release(self) -> None:
-        # DeepEP's destroy() is collective on CUDA; only buffers this process created
-        if "torchtitan.distributed.deepep" in sys.modules:
-            from torchtitan.distributed.deepep import destroy_buffers
-
-            destroy_buffers()
-
 
 @register_backend
 @dataclass(frozen=True)
@@ -311,13 +306,6 @@ class SymmMemBackend(ExchangeBackend):
             torch.ops.torchtitan.symm_mem_all_to_all_v.default,
             torch.ops.torchtitan.symm_mem_exchange_counts.default,
         }
-
-    def release(self) -> None:
-        # collective on CUDA: only buffers this process created
-        if "torchtitan.distributed.symm_mem_all_to_all" in sys.modules:
-            from torchtitan.distributed.symm_mem_all_to_all import release_buffers
-
-            release_buffers()
 
 
 def _announced(capacity_factor: float | None) -> float | None:

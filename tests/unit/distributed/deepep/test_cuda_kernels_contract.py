@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_leaves
 from torchtitan.distributed.deepep import buffer as buffer_registry
 from torchtitan.distributed.deepep import cuda_kernels
 from torchtitan.distributed.deepep.handle_layout import intranode_layout
+from torchtitan.distributed.group_buffers import keep_group_buffers, release_group_buffers
 from torchtitan.kernels.float8 import FP8_DTYPE, WIRE_BLOCK, dequantize_blockwise, quantize_blockwise
 
 GROUP, NUM_SMS, WORLD_SIZE, NUM_EXPERTS, TOP_K, HIDDEN = "stand-in", 24, 2, 4, 2, 256
@@ -145,7 +146,7 @@ class _RankZeroRuntime:
 
 
 @pytest.fixture
-def order(monkeypatch):
+def order():
     order = _WriteOrder()
     runtime = _RankZeroRuntime(order)
     stand_in = buffer_registry.EPBuffer(
@@ -159,9 +160,10 @@ def order(monkeypatch):
         runtime=runtime,
         deep_ep=SimpleNamespace(Buffer=SimpleNamespace(capture=runtime.capture)),
     )
-    monkeypatch.setitem(buffer_registry._BUFFERS, GROUP, stand_in)
+    keep_group_buffers("deepep", GROUP, stand_in, free=lambda buffer: None)
     with order:
         yield order
+    release_group_buffers("deepep", GROUP)
 
 
 def _routing(num_tokens: int = 6, dtype: torch.dtype = torch.float32):

@@ -16,9 +16,10 @@ from torch.utils.checkpoint import checkpoint
 from tests.unit.distributed._spawn import run_distributed
 from tests.unit.distributed._tiny_moe import DIM, build_moe
 from torchtitan.distributed.activation_checkpoint import per_op_sac_contexts
-from torchtitan.distributed.deepep import cpu_kernels, destroy_buffers
+from torchtitan.distributed.deepep import cpu_kernels
 from torchtitan.distributed.deepep.buffer import import_deep_ep
 from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel
+from torchtitan.distributed.group_buffers import release_group_buffers
 from torchtitan.models.moe import MoE
 from torchtitan.models.moe.deepep_moe import DeepEPMoE
 from torchtitan.models.moe.exchange import DeepEPBackend
@@ -201,7 +202,7 @@ def _module_checks(rank: int, world_size: int) -> None:
     _capacity_bounds_the_sync_free_rows(rank, world_size)
     _checkpointing(rank, world_size)
     _no_handle_leaks(rank, world_size)
-    destroy_buffers()
+    release_group_buffers()
 
 
 def test_deepep_moe_2_ranks_parity_checkpointing_and_no_leaks():
@@ -226,7 +227,7 @@ def _compiled_matches_eager(rank: int, world_size: int, backend: str) -> None:
     torch.testing.assert_close(x_compiled.grad, x_eager.grad)
     for name, grad in _grads(moe).items():
         torch.testing.assert_close(grad, eager_grads[name], msg=name)
-    destroy_buffers()
+    release_group_buffers()
 
 
 def test_compiled_deepep_moe_aot_eager_fullgraph_2_ranks():

@@ -7,9 +7,10 @@ import torch.distributed as dist
 
 from tests.unit.distributed._spawn import run_distributed
 from tests.unit.models.moe._expert_rows import expert_of_padded_row
-from torchtitan.distributed.deepep import cpu_kernels, destroy_buffers, get_or_create_buffer
+from torchtitan.distributed.deepep import cpu_kernels, get_or_create_buffer
 from torchtitan.distributed.expert_parallel.deepep_dispatcher import DeepEPTokenDispatcher
 from torchtitan.distributed.expert_parallel.dispatcher import drop_past_capacity, run_on_expert_rows
+from torchtitan.distributed.group_buffers import release_group_buffers
 from torchtitan.kernels.float8 import dequantize_blockwise, quantize_blockwise
 
 DIM, NUM_EXPERTS, TOP_K = 8, 8, 3
@@ -54,13 +55,13 @@ def _opcheck(rank: int, world_size: int) -> None:
     torch.library.opcheck(torch.ops.deepep.combine.default, (recv_x.clone().requires_grad_(), handle, name, None))
     torch.library.opcheck(torch.ops.deepep.combine.default, (recv_x.clone().requires_grad_(), handle, name, recv_w))
     torch.library.opcheck(torch.ops.deepep.cached_dispatch.default, (x.detach().clone().requires_grad_(), handle, name))
-    destroy_buffers()
+    release_group_buffers()
     get_or_create_buffer(group, FP8_DIM, device_type="cpu")
     x = torch.randn(6, FP8_DIM, requires_grad=True)
     for sync_free in (False, True):
         args = (x, topk_idx, topk_weights.clone().requires_grad_(), NUM_EXPERTS, name, sync_free, True)
         torch.library.opcheck(torch.ops.deepep.dispatch.default, args)
-    destroy_buffers()
+    release_group_buffers()
 
 
 def test_opcheck_single_rank_group():
@@ -114,7 +115,7 @@ def _contract_matches_naive_reference(rank: int, world_size: int) -> None:
 
     # Cached dispatch replays the layout.
     assert torch.equal(torch.ops.deepep.cached_dispatch(x * 2, handle, group.group_name), recv_x * 2)
-    destroy_buffers()
+    release_group_buffers()
 
 
 def _sync_free_is_padded_dispatch(rank: int, world_size: int) -> None:
@@ -151,7 +152,7 @@ def _sync_free_is_padded_dispatch(rank: int, world_size: int) -> None:
             torch.ops.deepep.dispatch(ones.expand(-1, DIM), to_expert_0, ones, NUM_EXPERTS, name, True, False)
     else:
         torch.ops.deepep.dispatch(ones.expand(-1, DIM), to_expert_0, ones, NUM_EXPERTS, name, True, False)
-    destroy_buffers()
+    release_group_buffers()
 
 
 def _fp8_dispatch_sends_fp8_and_dequantizes(rank: int, world_size: int) -> None:
@@ -211,7 +212,7 @@ def _fp8_dispatch_sends_fp8_and_dequantizes(rank: int, world_size: int) -> None:
     assert torch.equal(padded[:rows], recv_fp8) and padded[rows:].isnan().all()
     with pytest.raises(ValueError, match="one scale per 128 channels.*drop --quantize.float8_dispatch"):
         torch.ops.deepep.dispatch(x[:, :64], topk_idx, topk_weights, NUM_EXPERTS, name, False, True)
-    destroy_buffers()
+    release_group_buffers()
 
 
 def _contract_sync_free_and_fp8(rank: int, world_size: int) -> None:
@@ -252,7 +253,7 @@ def _gradients_match_closed_form(rank: int, world_size: int) -> None:
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(xd.grad, xr.grad)
     torch.testing.assert_close(wd.grad, wr.grad)
-    destroy_buffers()
+    release_group_buffers()
 
 
 def _contract_and_gradients(rank: int, world_size: int) -> None:
