@@ -46,5 +46,10 @@ class MoEArgs:
     seq_aux_loss_coeff: float = 0.0
     """Optional sequence-wise auxiliary balance loss weight; 0 disables it."""
 
+    global_aux_loss_coeff: float = 0.0
+    """Global-batch auxiliary balance loss weight (Qwen3-MoE's `router_aux_loss_coef`, 0.001; load_balance.py):
+    every MoE layer's loss E * sum_i f_i P_i, the expert loads f counted over the data-parallel ranks and the step's
+    micro-batches so far; 0 disables it."""
+
     force_load_balance: bool = False
     """Round-robin token-to-expert assignment (benchmarking only; set from debug.moe_force_load_balance)."""

@@ -12,6 +12,20 @@ Complementary sequence-wise balance loss (optional, `seq_aux_loss_coeff` = alpha
 averaged over the batch's sequences. It is added to the gradient only (DeepSeek-V2's AddAuxiliaryLoss), weighted
 by the micro-batch's share of the step's tokens (`MoE.tokens_per_optimizer_step`), so accumulation and DP never
 scale alpha.
+
+Global-batch auxiliary balance loss (optional, `global_aux_loss_coeff` = alpha; Qwen3-MoE's, Qiu et al. 2025,
+"Demons in the Detail", arXiv:2501.11873), per MoE layer:
+    L_Bal = alpha * E * sum_i f_i P_i,   f_i = (tokens routed to expert i) / T,   P_i = 1/T sum_t s_{i,t},
+with transformers' normalization (`load_balancing_loss_func`: f sums to K; balanced, L_Bal = alpha K), so Qwen's
+`router_aux_loss_coef` (0.001) means what it means there. "Global": f_i counts the tokens of every data-parallel
+rank (the expert-bias group: dp x cp, and tp where each tp rank routes its own tokens) and of the step's micro-batches
+so far, as Megatron-LM's `moe_router_load_balancing_type=global_aux_loss` (`_apply_global_aux_loss`: counts
+all-reduced over tp x dp x cp, summed over the micro-batches of the step); P_i is each rank's own tokens' (its
+gradient sums over the ranks). Two differences from transformers: the loss is per layer and the layers' losses add
+up (Megatron's; transformers pools all layers' counts and scores into one loss), and it exists only as a gradient
+(like the sequence-wise loss: the logged loss is the language model's). The counts are taken in the backward
+(`_GlobalBalanceLoss`), which runs once per micro-batch under activation checkpointing, so a pipeline schedule and
+gradient accumulation over the same micro-batches compute the same f.
 """
 
 from collections.abc import Iterable
@@ -133,3 +147,47 @@ class _AddAuxLoss(torch.autograd.Function):
     def backward(ctx, grad_x):
         grad_aux = torch.ones((), dtype=torch.float32, device=grad_x.device) if ctx.aux_requires_grad else None
         return grad_x, grad_aux
+
+
+def add_global_balance_loss_to_backward(
+    top_scores: torch.Tensor,
+    scores: torch.Tensor,
+    num_tokens_per_expert: torch.Tensor,
+    step_counts: torch.Tensor,
+    coeff: float,
+    tokens: int,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """Identity on top_scores (N, k); backward also adds the gradient of the global-batch balance loss (module
+    docstring) to scores (N, E): coeff * E * f_i / tokens for every token and expert i. num_tokens_per_expert (E,):
+    this micro-batch's routed copies per expert on this rank, summed over `group` in the backward and added to
+    `step_counts` (E,) fp32 (the step's counts so far, `MoE.step_tokens_per_expert`), from which f comes. tokens:
+    the tokens P_i averages over (the step's, over all ranks and micro-batches)."""
+    top_k = top_scores.shape[-1]
+    loss = _GlobalBalanceLoss.apply(scores, num_tokens_per_expert, step_counts, coeff * top_k, tokens, group)
+    return add_aux_loss_to_backward(top_scores, loss)
+
+
+class _GlobalBalanceLoss(torch.autograd.Function):
+    """A zero in forward (f is known in the backward only); its backward gives scores the loss's gradient. scale:
+    coeff x K (f_i = K c_i / sum_j c_j)."""
+
+    @staticmethod
+    def forward(ctx, scores, num_tokens_per_expert, step_counts, scale, tokens, group):
+        ctx.save_for_backward(num_tokens_per_expert)
+        # not saved with save_for_backward: each micro-batch's backward adds to it
+        ctx.step_counts, ctx.scale, ctx.tokens, ctx.group = step_counts, scale, tokens, group
+        ctx.shape = scores.shape
+        return scores.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (counts,) = ctx.saved_tensors
+        counts = counts.to(torch.float32, copy=True)  # (E,) routed copies of this micro-batch
+        if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
+            dist.all_reduce(counts, group=ctx.group)
+        ctx.step_counts.add_(counts)
+        num_tokens, num_experts = ctx.shape
+        share = ctx.step_counts / ctx.step_counts.sum().clamp_min(1.0)  # c_i / sum_j c_j = f_i / K
+        grad = (grad_loss * ctx.scale * num_experts / ctx.tokens) * share  # dL/ds_{t,i}, the same for every token
+        return grad.expand(num_tokens, num_experts), None, None, None, None, None

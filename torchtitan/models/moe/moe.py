@@ -1,4 +1,5 @@
-"""DeepSeek-V3 MoE layer:  h_t' = u_t + sum_i FFN_i^(s)(u_t) + sum_i g_{i,t} FFN_i^(r)(u_t)   (arXiv:2412.19437).
+"""The MoE layer:  h_t' = u_t + sum_i FFN_i^(s)(u_t) + sum_i g_{i,t} FFN_i^(r)(u_t)   (DeepSeek-V3, arXiv:2412.19437;
+Qwen3-MoE has no shared experts FFN^(s)).
 
 forward: route (fp32 scores, bias only for selection) -> drop past the exchange's capacity, if it has one ->
 shared experts -> dispatch (`ExpertTokens`) -> experts -> combine -> + shared experts (the block adds the residual
@@ -18,6 +19,7 @@ from torchtitan.models.moe.experts import GroupedExperts
 from torchtitan.models.moe.feed_forward import FeedForward
 from torchtitan.models.moe.load_balance import (
     add_aux_loss_to_backward,
+    add_global_balance_loss_to_backward,
     capacity_dropped_fraction,
     count_tokens_in_backward,
     local_buffer,
@@ -34,12 +36,15 @@ class MoE(nn.Module):
             raise ValueError(f"load_balance_coeff={moe_args.load_balance_coeff}: use a positive value or None")
         if moe_args.seq_aux_loss_coeff < 0:
             raise ValueError(f"seq_aux_loss_coeff={moe_args.seq_aux_loss_coeff} must be >= 0 (0 disables it)")
+        if moe_args.global_aux_loss_coeff < 0:
+            raise ValueError(f"global_aux_loss_coeff={moe_args.global_aux_loss_coeff} must be >= 0 (0 disables it)")
         num_experts = moe_args.num_experts
         self.num_experts = num_experts
         self.top_k = moe_args.top_k
         self.score_before_experts = moe_args.score_before_experts
         self.load_balance_coeff = moe_args.load_balance_coeff
         self.seq_aux_loss_coeff = moe_args.seq_aux_loss_coeff
+        self.global_aux_loss_coeff = moe_args.global_aux_loss_coeff
 
         self.router = TokenChoiceTopKRouter(dim, moe_args)
         self.experts = GroupedExperts(dim, hidden_dim, num_experts, use_grouped_mm=moe_args.use_grouped_mm)
@@ -51,6 +56,9 @@ class MoE(nn.Module):
         self.tokens_per_optimizer_step: int | None = None
         """Tokens of one optimizer step over all ranks and micro-batches (set by the trainer): each micro-batch's
         sequence aux loss is weighted by its share (load_balance.py). None: unweighted (one micro-batch, one rank)."""
+        self.balance_group: dist.ProcessGroup | None = None
+        """The ranks whose routed tokens the global-batch balance loss counts with this rank's (set by parallelize:
+        the expert-bias group); None: this rank's alone."""
         # Aux-loss-free balancing state. expert_bias is always used for selection (it may come from a checkpoint);
         # load_balance_coeff=None only stops updating it. Both are updated outside the forward (load_balance.py).
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32), persistent=True)
@@ -58,6 +66,9 @@ class MoE(nn.Module):
         # (dropped, routed) token copies of the trained micro-batches since the last optimizer step, counted in the
         # backward like tokens_per_expert; read and reset by `capacity_dropped_fraction` (load_balance.py)
         self.register_buffer("capacity_drops", torch.zeros(2, dtype=torch.int64), persistent=False)
+        # the global-batch balance loss's routed copies per expert over the group, of the step's micro-batches so far
+        # (counted in the backward, reset by ExpertBiasHook before each optimizer step)
+        self.register_buffer("step_tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (bs, slen, dim) -> (bs, slen, dim)."""
@@ -86,6 +97,16 @@ class MoE(nn.Module):
                 if self.tokens_per_optimizer_step is not None:
                     aux_loss = aux_loss * (bs * slen / self.tokens_per_optimizer_step)
                 top_scores = add_aux_loss_to_backward(top_scores, aux_loss)
+            if self.global_aux_loss_coeff > 0:
+                top_scores = add_global_balance_loss_to_backward(
+                    top_scores,
+                    scores,
+                    num_tokens_per_expert,
+                    local_buffer(self.step_tokens_per_expert),
+                    self.global_aux_loss_coeff,
+                    self.tokens_per_optimizer_step or bs * slen,
+                    self.balance_group,
+                )
             if self.load_balance_coeff is not None:
                 top_scores = count_tokens_in_backward(
                     top_scores, num_tokens_per_expert, local_buffer(self.tokens_per_expert)
@@ -141,6 +162,7 @@ class MoE(nn.Module):
         self.expert_bias = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
         self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
         self.capacity_drops = torch.zeros(2, dtype=torch.int64, device=device)
+        self.step_tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
 
 
 def set_tokens_per_optimizer_step(model_parts: list[nn.Module], tokens: int) -> None:
@@ -156,7 +178,7 @@ class ExpertBiasHook:
     """A step pre-hook (optimizer, args, kwargs) of the optimizers container (not of each optimizer) that runs
     `update_expert_bias` and keeps the step's EP load imbalance per MoE layer (`ep_load_imbalance`; None without EP)
     and the share of token copies dropped at the exchange's capacity (`dropped_fraction`; None without a
-    capacity), both on the device."""
+    capacity), both on the device; it then resets the global-batch balance loss's counts of the step."""
 
     def __init__(self, model_parts: list[nn.Module], reduce_group: dist.ProcessGroup | None, ep_degree: int = 1):
         self.moe_modules = [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
@@ -168,3 +190,5 @@ class ExpertBiasHook:
     def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.ep_load_imbalance = update_expert_bias(self.moe_modules, self.reduce_group, self.ep_degree)
         self.dropped_fraction = capacity_dropped_fraction(self.moe_modules, self.reduce_group)
+        for moe in self.moe_modules:  # the global-batch balance loss counts the next step's tokens afresh
+            local_buffer(moe.step_tokens_per_expert).zero_()

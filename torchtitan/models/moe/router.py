@@ -1,8 +1,12 @@
-"""Token-choice top-k router of DeepSeek-V3 (arXiv:2412.19437, section 2.1.2).
+"""Token-choice top-k router of DeepSeek-V3 (arXiv:2412.19437, section 2.1.2), and of Qwen3-MoE.
 
     s_{i,t}  = Sigmoid(u_t^T e_i)            (or Softmax over i)      token-to-expert affinity, fp32
     select     TopK(s_{i,t} + b_i, K_r)        b: load-balance bias, used ONLY to choose experts
     g_{i,t}  = s_{i,t} / sum_{j in TopK} s_{j,t}   (route_norm)  *  route_scale
+
+Softmax scores with `route_norm` and no bias are Qwen3-MoE's router (transformers' `norm_topk_prob`: the top-k
+probabilities renormalized to sum to one); sigmoid with the bias and groups, DeepSeek-V3's; softmax without
+renormalization, DeepSeek-V2's.
 
 Group-limited routing (`num_expert_groups` G, `num_limited_groups` M): each token keeps only its M best of G equal
 expert groups and takes the top-k inside them; a group scores the sum of its top-2 (biased) affinities
