@@ -173,7 +173,7 @@ class Project:
             inner = annotation.slice.elts[-1] if isinstance(annotation.slice, ast.Tuple) else annotation.slice
             if outer == "type":
                 return {("class", cls) for _, cls in self.types(inner, module)}
-            return self.types(inner, module) if outer in ("Optional", "ClassVar") else set()
+            return self.types(inner, module) if outer in ("Optional", "ClassVar", "dict") else set()
         if isinstance(annotation, ast.Name):
             found = self.lookup(module, annotation.id)
             return {("instance", found)} if isinstance(found, Class) else set()

@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from torchtitan.config.manager import renamed_flag  # noqa: E402
 from torchtitan.plan.__main__ import CHECK_FILE, plan_from_argv  # noqa: E402
 from torchtitan.plan.memory import GIB  # noqa: E402
 
 RESULTS = CHECK_FILE.parent / "results"
 JOB = "train_configs/deepseek_v3_16b.toml"  # every e2e run's CONFIG_FILE (their `command`)
-SMS_24 = ("--parallelism.deepep_num_sms", "24")  # the default before e1516f0 (48) and 8f39102 (64)
+SMS_24 = ("--deepep.num_sms", "24")  # the default before e1516f0 (48) and 8f39102 (64)
 
 
 @dataclass(frozen=True)
@@ -68,15 +69,17 @@ MISSING = [
 
 
 def job_of(result: dict) -> tuple[list[str], int, str]:
-    """(the job's flags, world size, GPU kind) a result JSON recorded."""
+    """(the job's flags, world size, GPU kind) a result JSON recorded, renamed keys by their names today."""
     gpu = "h200" if "H200" in result["device_name"] else "h100"
     # the job file's defaults have changed since (bf16 moments, an auto budget): what a run's JSON records it used,
     # else the defaults of its time (fp32 moments, no budget); its own flags come after and win
     moments = ("--optimizer.moments_dtype", result.get("moments_dtype") or "float32")
     budget = ("--activation_checkpoint.memory_budget_gib", str(result.get("memory_budget_gib") or 0))
     if "runs" in result:  # cp_memory.py: one job, the CP=2 run's own flags on top
-        return [*moments, *budget, *result["job"], *result["runs"]["cp2"]["args"]], 2, gpu
-    return ["--job.config_file", JOB, *moments, *budget, *result["train_args"]], result["ngpu"], gpu
+        flags, world = [*moments, *budget, *result["job"], *result["runs"]["cp2"]["args"]], 2
+    else:
+        flags, world = ["--job.config_file", JOB, *moments, *budget, *result["train_args"]], result["ngpu"]
+    return list(map(renamed_flag, flags)), world, gpu
 
 
 def measured(result: dict) -> tuple[float, float | None]:

@@ -83,6 +83,7 @@ class Trainer:
         self._dump_folder_lock = acquire_dump_folder(job_config.job.dump_folder) if _global_rank() == 0 else None
         self.parallel_dims = job.parallel_dims
         self.model_args = job.model_args
+        self.exchange = job.exchange
         self.grad_accum_steps = check_batch_sizes(job_config, self.parallel_dims.dp_size)
 
         self.device = _select_device()
@@ -401,7 +402,9 @@ class Trainer:
             )
         else:
             logger.info(f"training from step {self.train_state.step + 1} to {steps}")
-        profiler = StepProfiler(job_config.profiling, job_config.job.dump_folder, self.rank, self.device)
+        profiler = StepProfiler(
+            job_config.profiling, job_config.job.dump_folder, self.rank, self.device, self.exchange.host_waiting_ops()
+        )
         step_log = StepLog(self.metrics, self.rank, steps, graphs_compiled())
         try:
             while self.train_state.step < steps:
@@ -503,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = Trainer(job)
         trainer.train()
-        # What the exchange holds (DeepEP's destroy() is collective) goes before the process groups; not after an
+        # What the exchange holds (its release may be collective) goes before the process groups; not after an
         # error, where a dead rank would leave the others waiting in it.
         job.exchange.release()
     except (DatasetError, CheckpointError, FloatingPointError, DumpFolderBusyError, ConfigError) as err:

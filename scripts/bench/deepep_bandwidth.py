@@ -7,7 +7,7 @@ Same workload and formula as DeepEP's own intranode test, so the numbers compare
     dispatch GB/s = recv_x bytes on this rank (num_recv_tokens * hidden * 2) / dispatch time
     combine  GB/s = the same bytes (sent back) / combine time
 reported as the minimum over ranks of the median over iterations. `--fp8` also times the FP8 dispatch
-(`--quantize.float8_dispatch`: e4m3 values plus one fp32 scale per 128 channels, quantization and dequantization
+(`--deepep.float8_dispatch`: e4m3 values plus one fp32 scale per 128 channels, quantization and dequantization
 included), reported against the same bf16 bytes so the two rates compare as speeds.
 
 `--sweep` also times every NVL send-chunk size DeepEP's own tuning tries (dispatch 4-32 tokens, combine 1-16, the
@@ -24,13 +24,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.bench.common import cuda_time_ms, init_nccl_from_torchrun, write_result  # noqa: E402
-from torchtitan.config import JobConfig  # noqa: E402
 from torchtitan.distributed.deepep import ops  # noqa: E402
 from torchtitan.distributed.deepep.buffer import EPBuffer, get_or_create_buffer  # noqa: E402
 from torchtitan.distributed.group_buffers import release_group_buffers  # noqa: E402
 from torchtitan.distributed.utils import destroy_process_groups  # noqa: E402
+from torchtitan.models.moe.exchange import DeepEPBackend  # noqa: E402
 
-TRAINER_NUM_SMS = JobConfig().parallelism.deepep_num_sms  # the trainer's default DeepEP SM count
+TRAINER_NUM_SMS = DeepEPBackend().num_sms  # the trainer's default DeepEP SM count
 
 
 def main() -> None:

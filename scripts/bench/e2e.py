@@ -16,6 +16,7 @@ off unless `--activation_checkpoint.memory_budget_gib` is among them.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -38,21 +39,22 @@ def run_settings(config_file: str, train_args: list[str], ngpu: int) -> dict:
     """The settings a run resolves to (TOML < CLI), as explicit result fields."""
     from torchtitan.config import ConfigManager
     from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.models.moe.exchange import resolve_exchange
     from torchtitan.models.spec import get_model_spec
 
     job = ConfigManager().parse_args(["--job.config_file", config_file, *train_args])
     par = job.parallelism
     dims = ParallelDims.from_config(par, ngpu)  # resolves dp_shard = -1
+    exchange = resolve_exchange(job)
     return {
         "model_flavor": job.model.hf_config_path or job.model.flavor,  # the shape's source: the config wins
         "parallel": {name: getattr(dims, name) for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "etp")},
-        "ep_backend": par.expert_parallel_comm_backend,
-        "deepep_sync_free_dispatch": par.deepep_sync_free_dispatch,
+        "ep_backend": exchange.name,
+        "exchange": dataclasses.asdict(exchange),  # the backend's own settings, as it holds them
         "expert_parallel_capacity_factor": par.expert_parallel_capacity_factor,
         "mtp_layers": get_model_spec(job.model.name).model_args(job).mtp_layers,
         "float8_experts": job.quantize.float8_experts,
         "float8_linears": job.quantize.float8_linears,
-        "float8_dispatch": job.quantize.float8_dispatch,
         "compile": job.compile.enable,
         "cuda_graphs": job.compile.cuda_graphs,
         "activation_checkpoint": job.activation_checkpoint.mode

@@ -72,7 +72,7 @@ scaling() {
   PROFILE_STEP=12 run16 1 compile_sac
   PROFILE_STEP=12 run16 "$n" deepep_compile_sac
   PROFILE_STEP=12 run16 "$n" standard_compile_sac --parallelism.expert_parallel_comm_backend standard
-  run16 "$n" deepep_compile_sac_fp8 --quantize.float8_experts --quantize.float8_dispatch
+  run16 "$n" deepep_compile_sac_fp8 --quantize.float8_experts --deepep.float8_dispatch
 }
 
 case "${1:?usage: e2e_suite.sh ep2|ep4 [backend] | balanced2|balanced4 | ep4full | parity | layers2|layers4 | scaling N | one N NAME}" in

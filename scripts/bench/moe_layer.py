@@ -40,7 +40,7 @@ from torchtitan.distributed.expert_parallel.dispatcher import (  # noqa: E402
 from torchtitan.distributed.group_buffers import release_group_buffers  # noqa: E402
 from torchtitan.distributed.utils import destroy_process_groups  # noqa: E402
 from torchtitan.models.moe.args import MoEArgs  # noqa: E402
-from torchtitan.models.moe.exchange import ExchangeContext, resolve_exchange  # noqa: E402
+from torchtitan.models.moe.exchange import DeepEPBackend, ExchangeContext, resolve_exchange  # noqa: E402
 from torchtitan.models.moe.experts import convert_to_float8_experts, run_routed_experts  # noqa: E402
 from torchtitan.models.moe.moe import MoE  # noqa: E402
 
@@ -53,7 +53,7 @@ LAYERS = {
 }
 
 
-TRAINER_NUM_SMS = JobConfig().parallelism.deepep_num_sms  # the trainer's default DeepEP SM count
+TRAINER_NUM_SMS = DeepEPBackend().num_sms  # the trainer's default DeepEP SM count
 
 
 def matmul_bound_ms(layer: dict, tokens: int) -> tuple[float, float]:
@@ -93,8 +93,9 @@ def build_layer(
     else:  # the trainer's exchange backend, from a job config holding this benchmark's DeepEP settings
         job = JobConfig()
         job.parallelism.expert_parallel_comm_backend, job.parallelism.expert_parallel_degree = backend, ep_mesh.size()
-        job.parallelism.deepep_num_sms, job.parallelism.deepep_sync_free_dispatch = num_sms, sync_free
-        job.quantize.float8_dispatch = fp8_dispatch
+        if backend == "deepep":
+            deepep = job.deepep
+            deepep.num_sms, deepep.sync_free_dispatch, deepep.float8_dispatch = num_sms, sync_free, fp8_dispatch
         exchange, context = resolve_exchange(job), ExchangeContext(permutation, device.type == "cuda")
         moe = exchange.layer(moe, context)
         parallelize_module(moe, ep_mesh, exchange.style(context))
@@ -142,7 +143,7 @@ def main() -> None:
     parser.add_argument(
         "--sync-free",
         action="store_true",
-        help="deepep: worst-case receive sizes, no host wait (the trainer's --parallelism.deepep_sync_free_dispatch)",
+        help="deepep: worst-case receive sizes, no host wait (the trainer's --deepep.sync_free_dispatch)",
     )
     parser.add_argument(
         "--float8-experts", action="store_true", help="routed experts in FP8 (the trainer's --quantize.float8_experts)"
@@ -150,7 +151,7 @@ def main() -> None:
     parser.add_argument(
         "--float8-dispatch",
         action="store_true",
-        help="deepep: tokens dispatched as FP8 (the trainer's --quantize.float8_dispatch)",
+        help="deepep: tokens dispatched as FP8 (the trainer's --deepep.float8_dispatch)",
     )
     args = parser.parse_args()
 

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT))
+from torchtitan.config.manager import renamed_flag  # noqa: E402
+
 BENCH_DIR = REPO_ROOT / "benchmarks"
 RESULTS_DIR = BENCH_DIR / "results"
 RESULTS_MD = BENCH_DIR / "RESULTS.md"
@@ -152,21 +155,13 @@ def link(name: str) -> str:
     return f"[{Path(name).stem}](results/{name})"
 
 
-# Flags renamed since a result ran: RESULTS.md shows each command as it runs today (the JSON keeps it as run).
-RENAMED_FLAGS = {"--parallelism.deepep_sync_free_capacity_factor": "--parallelism.expert_parallel_capacity_factor"}
-
-
 def shown_command(result: dict) -> str:
-    """The result's command as a user reruns it: the interpreter that ran it as `python`, renamed flags by their names
-    today (`RENAMED_FLAGS`)."""
+    """The result's command as a user reruns it (the JSON keeps it as run): the interpreter that ran it as `python`,
+    renamed flags by their names today (`config/manager.py`'s RENAMED_KEYS)."""
     words = result["command"].split(" ")
     if words[0].endswith("/python"):
         words[0] = "python"
-    renamed = []
-    for word in words:
-        flag, equals, value = word.partition("=")
-        renamed.append(RENAMED_FLAGS.get(flag, flag) + equals + value)
-    return " ".join(renamed)
+    return " ".join(map(renamed_flag, words))
 
 
 def commit(result: dict) -> str:
@@ -276,7 +271,6 @@ def acceptance_files() -> dict[str, dict[int, str]]:
 
 def acceptance_rows() -> list[tuple[str, str]]:
     """(name, what it changes) of every row `scripts/bench/gpu_acceptance.py` runs today, in its order."""
-    sys.path.insert(0, str(REPO_ROOT))
     from scripts.bench.gpu_acceptance import all_rows
 
     return [(row.name, row.why) for row in all_rows()]

@@ -7,7 +7,8 @@ and per-rank memory step by step: the check that a refactor changed no numbers.
 
 Each row runs the old and the new tree (this checkout) at the same time, each as `torchrun --nproc-per-node 2
 scripts/bench/shared_gpu.py` from its own tree (deep_ep must be importable). Speed is meaningless this way (two jobs,
-four ranks, one GPU, gloo): only losses and the allocator's per-rank numbers are compared.
+four ranks, one GPU, gloo): only losses and the allocator's per-rank numbers are compared. The rows' flags are
+today's names: an old tree from before a key's rename (`config/manager.py`'s RENAMED_KEYS) refuses them.
 """
 
 import argparse
@@ -29,7 +30,7 @@ JOB = [
 ROWS = {
     "base": [],
     "fp8_experts": ["--quantize.float8_experts"],
-    "fp8_dispatch": ["--quantize.float8_experts", "--quantize.float8_dispatch"],
+    "fp8_dispatch": ["--quantize.float8_experts", "--deepep.float8_dispatch"],
 }
 
 

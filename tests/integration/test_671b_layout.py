@@ -3,14 +3,14 @@ same per-step losses (main and MTP) as one process.
 
 Taken from the job file: every [parallelism] option (pipeline schedule, micro-batch size, token-exchange backend,
 ...) with each degree above 1 shrunk to 2 and FSDP's -1 (the rest of the world) resolving to 2, so PP x EP x FSDP runs
-as PP2 x FSDP2 with EP2 on 4 processes; its activation-checkpoint mode and selective option; its MTP depth and loss
-weight. `pipeline_parallel_layers_per_stage`, where set, becomes the one giving the small model as many stages per
-rank as the job gives the 671B. The model is debugmodel_tiny_671b: the 671B's structure and routing (3 dense layers
-before the MoE ones, sigmoid scores in 8 expert groups with 4 kept, top-8, renormalized, scaled by 2.5, one shared
-expert, q LoRA) at debugmodel_tiny's widths. Not carried: compile (inductor needs a C++ toolchain;
-test_parallel_parity.py runs aot_eager), FP8 (GPU kernels), the activation-checkpoint memory budget (it measures GPU
-memory), and the checkpoint, metrics and data settings. The reference is one process with the same model, MTP
-depth, global batch and seed, without activation checkpointing.
+as PP2 x FSDP2 with EP2 on 4 processes; every option of the exchange's own section ([deepep]); its
+activation-checkpoint mode and selective option; its MTP depth and loss weight. `pipeline_parallel_layers_per_stage`,
+where set, becomes the one giving the small model as many stages per rank as the job gives the 671B. The model is
+debugmodel_tiny_671b: the 671B's structure and routing (3 dense layers before the MoE ones, sigmoid scores in 8 expert
+groups with 4 kept, top-8, renormalized, scaled by 2.5, one shared expert, q LoRA) at debugmodel_tiny's widths. Not
+carried: compile (inductor needs a C++ toolchain; test_parallel_parity.py runs aot_eager), FP8 (GPU kernels), the
+activation-checkpoint memory budget (it measures GPU memory), and the checkpoint, metrics and data settings. The
+reference is one process with the same model, MTP depth, global batch and seed, without activation checkpointing.
 
 Tolerance: test_parallel_parity.py's (rtol 2e-5 at step 1, 5e-4 after; its docstring says why).
 """
@@ -54,7 +54,8 @@ def job() -> dict:
 
 
 def shrunk_layout(job: dict) -> tuple[int, int, list[str]]:
-    """(processes, data-parallel ranks, flags) of the job's [parallelism] and [activation_checkpoint] on CPU."""
+    """(processes, data-parallel ranks, flags) of the job's [parallelism], [deepep] and [activation_checkpoint] on
+    CPU."""
     parallelism = dict(job.get("parallelism", {}))
     degrees = {key: parallelism.get(key, 1) for key in DEGREES}
     small = {key: value if value in (1, -1) else 2 for key, value in degrees.items()}
@@ -63,6 +64,7 @@ def shrunk_layout(job: dict) -> tuple[int, int, list[str]]:
     if parallelism.get("pipeline_parallel_layers_per_stage") is not None:
         parallelism["pipeline_parallel_layers_per_stage"] = _small_layers_per_stage(parallelism, degrees)
     flags = [_flag("parallelism", key, value) for key, value in {**parallelism, **small}.items()]
+    flags += [_flag("deepep", key, value) for key, value in job.get("deepep", {}).items()]
     checkpointing = job.get("activation_checkpoint", {})
     flags += [
         _flag("activation_checkpoint", key, value)
@@ -127,20 +129,21 @@ def test_shrinking_keeps_every_option_and_the_stages_per_rank():
         "tensor_parallel_degree": 8,
         "expert_parallel_degree": 32,
         "data_parallel_shard_degree": -1,
-        "deepep_sync_free_dispatch": True,
     }
-    nproc, data_parallel, flags = shrunk_layout({"parallelism": layout, "activation_checkpoint": {"mode": "full"}})
+    deepep = {"sync_free_dispatch": True}
+    nproc, data_parallel, flags = shrunk_layout(
+        {"parallelism": layout, "deepep": deepep, "activation_checkpoint": {"mode": "full"}}
+    )
     assert (nproc, data_parallel) == (8, 2)  # PP2 x TP2 x FSDP2, EP2 borrowed
-    assert flags[:7] == [
+    assert flags[:6] == [
         "--parallelism.pipeline_parallel_degree=2",
         "--parallelism.pipeline_parallel_schedule=Interleaved1F1B",
         "--parallelism.pipeline_parallel_layers_per_stage=2",  # (6 layers + 2) / 2 -> 4 stages: 2 per rank
         "--parallelism.tensor_parallel_degree=2",
         "--parallelism.expert_parallel_degree=2",
         "--parallelism.data_parallel_shard_degree=-1",
-        "--parallelism.deepep_sync_free_dispatch=true",
     ]
-    assert flags[-1] == "--activation_checkpoint.mode=full"
+    assert flags[-2:] == ["--deepep.sync_free_dispatch=true", "--activation_checkpoint.mode=full"]
 
 
 def test_the_671b_layout_shrunk_to_cpu_matches_one_process(tmp_path):

@@ -33,7 +33,7 @@ INDUCTOR = ["--compile.enable", "--compile.backend", "inductor"]
 OP_SAC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
 EVERY_2ND = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"]
 VALIDATION = ["--validation.enable", "--validation.freq", "5", "--validation.steps", "1"]
-SYNC_FREE = ["--parallelism.deepep_sync_free_dispatch"]  # worst-case sizes: the CPU kernel pads with NaN rows
+SYNC_FREE = ["--deepep.sync_free_dispatch"]  # worst-case sizes: the CPU kernel pads with NaN rows
 SYMM_MEM = ["--parallelism.expert_parallel_comm_backend", "symm_mem"]  # worst-case sizes, NaN padding too
 AOT_EAGER = ["--compile.enable", "--compile.backend", "aot_eager"]
 

@@ -44,10 +44,10 @@ def test_fp8_experts_train_like_bf16(tmp_path, bf16_losses):
 
 
 def test_fp8_linears_and_dispatch_train_close_to_bf16(tmp_path, bf16_losses):
-    fp8_flags = ["--quantize.float8_experts", "--quantize.float8_linears", "--quantize.float8_dispatch"]
+    fp8_flags = ["--quantize.float8_experts", "--quantize.float8_linears", "--deepep.float8_dispatch"]
     proc, fp8 = _losses(tmp_path, fp8_flags)
     out = proc.stdout + proc.stderr
     assert "quantize.float8_linears: 28 linears run FP8 GEMMs" in out
-    assert "quantize.float8_dispatch: DeepEP dispatches FP8 tokens" in out
+    assert "deepep.float8_dispatch: DeepEP dispatches FP8 tokens" in out
     assert fp8 != bf16_losses
     assert fp8 == pytest.approx(bf16_losses, rel=1e-3)

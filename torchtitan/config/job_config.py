@@ -213,24 +213,36 @@ class Parallelism:
     """Tensor parallel degree inside experts: 1, or equal to tensor_parallel_degree."""
 
     expert_parallel_comm_backend: str = "standard"
-    """Token exchange backend (`models/moe/exchange.py`): `standard` all-to-all, `deepep` (deep_ep, CUDA), or
-    `symm_mem` (all-to-all-v over NVSHMEM symmetric memory, CUDA: no host wait; worst-case or capacity-bounded
-    receive buffers)."""
+    """Token exchange backend (`models/moe/exchange.py`): `standard` all-to-all, `deepep` (deep_ep, CUDA; its settings
+    are the [deepep] section), or `symm_mem` (all-to-all-v over NVSHMEM symmetric memory, CUDA: no host wait;
+    worst-case or capacity-bounded receive buffers)."""
 
     expert_parallel_capacity_factor: float | None = None
     """A rank sends each EP rank at most this factor x its balanced share of its token copies (local tokens x top_k
     / EP); the copies past it are dropped, lowest routing weight first (Megatron's expert capacity factor, per
     destination rank), and the dropped share is logged. Bounds the receive buffers of the sync-free exchanges
-    (`symm_mem`, and `deepep` with deepep_sync_free_dispatch), which otherwise hold EP x the balanced load. None: no
+    (`symm_mem`, and `deepep` with deepep.sync_free_dispatch), which otherwise hold EP x the balanced load. None: no
     drops."""
 
-    deepep_num_sms: int = 64
-    """SMs DeepEP's communication kernels may use (even number). On one host 64 beat 48, 32 and 24 at EP2, and 48
-    beat 24 at EP4 (64 not measured there); across hosts nothing is measured (benchmarks/NOTES.md)."""
 
-    deepep_sync_free_dispatch: bool = False
-    """DeepEP dispatch without a host wait: receive buffers sized for the worst case (`num_worst_tokens`), so the host
-    can queue work ahead; the routed experts' rows grow EP-fold (see the capacity factor). Needs deepep in one node."""
+@dataclass
+class DeepEP:
+    """`[deepep]`: the deepep token exchange's own settings, read and checked by its backend alone
+    (`models/moe/exchange.py`'s DeepEPBackend). A key set away from its default needs that backend
+    (parallelism.expert_parallel_comm_backend deepep) and expert_parallel_degree > 1."""
+
+    num_sms: int = 64
+    """SMs DeepEP's communication kernels may use (an even number): the default is the fastest count measured on one
+    host; across hosts none is measured (benchmarks/NOTES.md)."""
+
+    sync_free_dispatch: bool = False
+    """Dispatch without a host wait: receive buffers sized for the worst case (DeepEP's `num_worst_tokens`), so the
+    host can queue work ahead; the routed experts' rows grow EP-fold (bound them with
+    parallelism.expert_parallel_capacity_factor). EP groups within one node only."""
+
+    float8_dispatch: bool = False
+    """Dispatch the tokens as FP8 with one scale per 128 channels, dequantized on arrival; combine and backward stay
+    bf16. Needs a model dim multiple of 128."""
 
 
 @dataclass
@@ -406,10 +418,6 @@ class Quantize:
     """Attention projections, dense FFNs and shared experts in FP8 with the experts' recipe (router, output head, MTP
     projection stay bf16). Needs FP8 tensor cores, seq_len a multiple of 16, no TP. Only large (671B) linears gain."""
 
-    float8_dispatch: bool = False
-    """DeepEP's dispatch sends the tokens as FP8 with one scale per 128 channels, dequantized on arrival; combine and
-    backward stay bf16. Needs the deepep backend, expert_parallel_degree > 1 and a model dim multiple of 128."""
-
 
 @dataclass
 class JobConfig:
@@ -417,6 +425,7 @@ class JobConfig:
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    deepep: DeepEP = field(default_factory=DeepEP)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)

@@ -307,7 +307,6 @@ _RANGES = (
         lambda v: v == "auto" or (math.isfinite(v) and v >= 0),
         "auto or a number of GiB >= 0 (0: off)",
     ),
-    ("parallelism.deepep_num_sms", lambda v: v > 0 and v % 2 == 0, "a positive even number"),
     (
         "parallelism.expert_parallel_capacity_factor",
         lambda v: v is None or (math.isfinite(v) and v > 0),
@@ -380,14 +379,36 @@ def _lookup(key: str, where: str) -> _Field:
     return spec
 
 
+RENAMED_KEYS = {
+    "parallelism.deepep_sync_free_capacity_factor": "parallelism.expert_parallel_capacity_factor",
+    "parallelism.deepep_num_sms": "deepep.num_sms",
+    "parallelism.deepep_sync_free_dispatch": "deepep.sync_free_dispatch",
+    "quantize.float8_dispatch": "deepep.float8_dispatch",
+}
+"""Old key -> its name now: the old one is refused, naming the new one (`renamed_flag` spells an old command's flag
+as today's)."""
+
+
+def renamed_flag(word: str) -> str:
+    """One word of a command line, with a renamed key's flag by its name today (`--old.key=v` -> `--new.key=v`): how
+    scripts show or replay the commands of old results (scripts/bench/results_table.py, scripts/plan_check.py)."""
+    flag, equals, value = word.partition("=")
+    new = RENAMED_KEYS.get(flag.removeprefix("--")) if flag.startswith("--") else None
+    return f"--{new}{equals}{value}" if new else word
+
+
+def _renamed(new: str) -> str:
+    section, _, name = new.partition(".")
+    return f"it is now {new} ([{section}] {name} in a TOML file, --{new} on the command line); rename the key"
+
+
 _REMOVED_KEYS = {
+    **{old: _renamed(new) for old, new in RENAMED_KEYS.items()},
     **dict.fromkeys(
         ("parallelism.expert_parallel_overlap", "parallelism.deepep_overlap_num_sms"),
         "the two-micro-batch expert-parallel overlap was removed: it lost to the plain step on every machine measured "
         "(benchmarks/NOTES.md); drop the key",
     ),
-    "parallelism.deepep_sync_free_capacity_factor": "it is now parallelism.expert_parallel_capacity_factor (the same "
-    "factor, for every capacity-bounded exchange); rename the key",
 }
 
 

@@ -62,7 +62,7 @@ def quantize_blockwise(t: torch.Tensor, block: int = WIRE_BLOCK) -> tuple[torch.
     if cols % block:
         raise ValueError(
             f"FP8 dispatch sends one scale per {block} channels, but the hidden size is {cols}; drop "
-            "--quantize.float8_dispatch"
+            "--deepep.float8_dispatch"
         )
     quantized, scale = quantize_rowwise(t.reshape(rows, cols // block, block))
     return quantized.view(rows, cols), scale

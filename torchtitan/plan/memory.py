@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from torchtitan.components.master_weights import bf16_weight_groups
 from torchtitan.components.optimizer import PARAMETER_GROUPS, state_bytes_per_parameter, updates_master_weights
 from torchtitan.distributed.utils import autocast_dtype
-from torchtitan.models.moe.exchange import DeepEPBackend
 from torchtitan.models.moe.parallelize import experts_outside_fsdp
 from torchtitan.plan.layout import Block, Layout, Stage, ranks_per_token
 
@@ -28,7 +27,6 @@ __all__ = [
     "RankMemory",
     "Storage",
     "block_bytes_per_token",
-    "deepep_buffer_bytes",
     "gathered_bytes",
     "imbalance",
     "rank_memory",
@@ -161,21 +159,6 @@ def residual_bytes(layout: Layout) -> int:
     return 4 if param_dtype == "float32" or autocast_dtype(layout.dims, param_dtype) is not None else 2
 
 
-def deepep_buffer_bytes(layout: Layout) -> float:
-    """DeepEP's NVLink (and RDMA) buffer, outside PyTorch's allocator: DeepEP v1's size hint for its intranode
-    configs (256 received tokens per channel and peer, one channel per 2 SMs; per token its hidden bytes, 128 top-k
-    ids (int64), weights and scales, its source metadata)."""
-    dims, exchange = layout.dims, layout.exchange
-    if dims.ep <= 1 or not isinstance(exchange, DeepEPBackend):
-        return 0.0
-    channels = exchange.num_sms // 2
-    nvl_ranks, rdma_ranks = min(dims.ep, 8), max(dims.ep // 8, 1)
-    per_token = 2 * layout.args.dim + 128 * (8 + 4 + 4) + 8
-    nvl = channels * nvl_ranks * (256 * per_token + (2 * rdma_ranks + 3) * 4)
-    rdma = 2 * channels * rdma_ranks * 128 * per_token if rdma_ranks > 1 else 0
-    return float(nvl + rdma)
-
-
 @dataclass
 class RankMemory:
     """One rank's peak by category (bytes). `allocated` is PyTorch's allocated peak, `reserved` what its allocator
@@ -281,7 +264,8 @@ def rank_memory(layout: Layout, rank: int, levels: list[list[str]]) -> RankMemor
         extra += FSDP_POOLS
         if reshards(layout):  # the all-gather stream's third unit and one unit's fp32 gradients to reduce
             extra += 3 * max(gathered, default=0.0)
-    outside = {"DeepEP buffer": deepep_buffer_bytes(layout)}
+    exchange = layout.exchange  # its group buffers, where it keeps them outside the allocator (DeepEP's)
+    outside = {f"{exchange.name} buffers": exchange.buffer_bytes(dims.ep, layout.args.dim) if dims.ep > 1 else 0.0}
     flat = [level for _, level in blocks]
     return RankMemory(rank, categories, extra, outside, state["gradients"], inflight, flat)
 

@@ -11,7 +11,14 @@ from torchtitan.plan.layout import ranks_per_token
 from torchtitan.plan.memory import ACTIVATION_SCALE, GIB, imbalance, reshards
 from torchtitan.plan.newton_schulz import newton_schulz_rate
 from torchtitan.plan.rates import GPU_RATES, MUON_STEP, SHAPE_RATES
-from torchtitan.plan.speed import BUBBLE, NCCL_NVLINK_EFFICIENCY, deepep_rates, optimizer_bandwidth, shape_speedups
+from torchtitan.plan.speed import (
+    BUBBLE,
+    NCCL_NVLINK_EFFICIENCY,
+    deepep_rates,
+    optimizer_bandwidth,
+    shape_speedups,
+    timed_as,
+)
 
 __all__ = ["format_plan"]
 
@@ -146,10 +153,9 @@ def _assumptions(plan: Plan) -> list[str]:
         elif dims.ep >= 8:
             rate = f"{DEEPEP_INTRANODE_EP8[0]:g} / {DEEPEP_INTRANODE_EP8[1]:g} GB/s ({DEEPEP_INTRANODE_EP8[2]})"
         else:
-            dispatch, combine = deepep_rates(par.deepep_num_sms)
-            rate = (
-                f"{dispatch:.0f} / {combine:.0f} GB/s at {par.deepep_num_sms} SMs (deepep_bandwidth_ep2_16b_sms*.json)"
-            )
+            num_sms = timed_as(layout.exchange)[0].num_sms
+            dispatch, combine = deepep_rates(num_sms)
+            rate = f"{dispatch:.0f} / {combine:.0f} GB/s at {num_sms} SMs (deepep_bandwidth_ep2_16b_sms*.json)"
         exposed = rates.exchange_exposed_ms.value / (rates.exchange_exposed_ms.value + rates.exchange_hidden_ms.value)
         lines.append(
             f"  expert exchange: {ranks_per_token(args, dims.ep):.2f} ranks per token, dispatch / combine {rate}; "

@@ -17,7 +17,7 @@ from functools import cache
 from typing import Any
 
 from torchtitan.components.optimizer import muon_groups
-from torchtitan.models.moe.exchange import DeepEPBackend
+from torchtitan.models.moe.exchange import DeepEPBackend, ExchangeBackend
 from torchtitan.plan.hardware import DEEPEP_INTERNODE, DEEPEP_INTRANODE_EP8, NVLINK, RDMA
 from torchtitan.plan.layout import Layout, dense_params, layout_from_flags, ranks_per_token
 from torchtitan.plan.memory import imbalance, reshards, storage
@@ -133,18 +133,28 @@ def profiled_layout() -> Layout:
 def exchange_seconds(layout: Layout, tokens: int) -> float:
     """One dispatch and one combine of one MoE layer's micro-batch on the busiest rank (backward repeats the pair):
     the tokens it receives (each token once per rank its experts are on) over DeepEP's rates."""
-    dims, par, args = layout.dims, layout.job.parallelism, layout.args
+    dims, args = layout.dims, layout.args
     if dims.ep <= 1:
         return 0.0
+    measured, slowdown = timed_as(layout.exchange)
     received = tokens * ranks_per_token(args, dims.ep) * args.dim * 2 * imbalance(dims.ep)
     if layout.spans_nodes(dims.ep):
         dispatch, combine = DEEPEP_INTERNODE[:2]
     elif dims.ep >= 8:
         dispatch, combine = DEEPEP_INTRANODE_EP8[:2]
     else:
-        dispatch, combine = deepep_rates(par.deepep_num_sms)
+        dispatch, combine = deepep_rates(measured.num_sms)
     seconds = received / (dispatch * 1e9) + received / (combine * 1e9)
-    return seconds * (1.0 if isinstance(layout.exchange, DeepEPBackend) else STANDARD_EXCHANGE_SLOWDOWN)
+    return seconds * slowdown
+
+
+def timed_as(exchange: ExchangeBackend) -> tuple[DeepEPBackend, float]:
+    """The DeepEP exchange whose measured rates time `exchange`, and the factor on that time: DeepEP at its own
+    settings; any other backend as DeepEP at its defaults x STANDARD_EXCHANGE_SLOWDOWN (the all-to-all's measured
+    step: no other backend is measured)."""
+    if isinstance(exchange, DeepEPBackend):
+        return exchange, 1.0
+    return DeepEPBackend(), STANDARD_EXCHANGE_SLOWDOWN
 
 
 def deepep_rates(num_sms: int) -> tuple[float, float]:

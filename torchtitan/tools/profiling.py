@@ -17,6 +17,7 @@ import logging
 import pickle
 import re
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,10 +35,15 @@ _SNAPSHOT_ENTRIES = 1_000_000
 
 
 class StepProfiler:
-    """Call `step(training_step)` after every training step and `close()` at the end (or use `with`)."""
+    """Call `step(training_step)` after every training step and `close()` at the end (or use `with`).
+    host_waiting_ops: names of ops whose host time waits for the device (the exchange backend's), summed in the
+    summary's host waits."""
 
-    def __init__(self, config, dump_folder: str, rank: int, device: torch.device) -> None:
+    def __init__(
+        self, config, dump_folder: str, rank: int, device: torch.device, host_waiting_ops: Collection[str] = ()
+    ) -> None:
         self.rank = rank
+        self.host_waiting_ops = tuple(sorted(host_waiting_ops))
         self.freq = config.profile_freq
         self.trace_dir = Path(dump_folder) / config.save_traces_folder
         self.snapshot_dir = Path(dump_folder) / "memory_snapshot"
@@ -99,7 +105,11 @@ class StepProfiler:
         offset = self._training_step - self._steps_run + 1
         text = _STEP_LABEL.sub(lambda m: f'"ProfilerStep#{int(m.group(1)) + offset}"', trace.read_text())
         trace.write_text(text)
-        summary = {"step": self._training_step, "rank": self.rank, **step_summary(json.loads(text))}
+        summary = {
+            "step": self._training_step,
+            "rank": self.rank,
+            **step_summary(json.loads(text), host_waiting_ops=self.host_waiting_ops),
+        }
         (folder / f"rank{self.rank}_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         logger.info(f"profiler trace of step {self._training_step} written to {folder}")
 
@@ -158,12 +168,13 @@ HOST_BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEv
 """CUDA runtime calls that hold the host until the GPU gets there (`cudaMemcpy` without Async: pageable copies)."""
 
 
-def step_summary(trace: dict, top: int = 40) -> dict:
+def step_summary(trace: dict, top: int = 40, host_waiting_ops: Collection[str] = ()) -> dict:
     """Per recorded step: its host time, the device time of the kernels (copies, memsets) launched inside it and the
-    `top` of them, and the host's waits: the blocking CUDA calls, and the CPU time of the DeepEP dispatch op, whose
-    normal kernels wait on the host for the received counts. Device times of several streams add up."""
+    `top` of them, and the host's waits: the blocking CUDA calls, and the CPU time of each of `host_waiting_ops`
+    (ops whose host time waits for the device, e.g. DeepEP's dispatch for the received counts; the exchange backend
+    names them). Device times of several streams add up."""
     steps, outside = profiled_steps(trace)
-    dispatch_ops = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("name") == "deepep::dispatch"]
+    waiting = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("name") in host_waiting_ops]
     summaries = []
     for step in steps:
         kernels, blocking = defaultdict(lambda: [0.0, 0]), defaultdict(lambda: [0.0, 0])  # name -> [ms, count]
@@ -184,7 +195,10 @@ def step_summary(trace: dict, top: int = 40) -> dict:
                 "host_blocked": {
                     "blocking_calls": {name: {"ms": ms, "calls": n} for name, (ms, n) in blocking.items()},
                     "blocking_ms": sum(ms for ms, _ in blocking.values()),
-                    "deepep_dispatch_cpu_ms": sum(e["dur"] for e in dispatch_ops if step.holds(e)) / 1e3,
+                    "waiting_ops_cpu_ms": {
+                        name: sum(e["dur"] for e in waiting if e["name"] == name and step.holds(e)) / 1e3
+                        for name in host_waiting_ops
+                    },
                 },
             }
         )

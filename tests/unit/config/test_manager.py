@@ -6,7 +6,7 @@ import pytest
 
 from tests.timeouts import generous_timeout
 from torchtitan.config import ConfigError, ConfigManager, HelpRequested, JobConfig, format_help, help_for
-from torchtitan.config.manager import _fields, _unwrap_optional, validate
+from torchtitan.config.manager import _fields, _unwrap_optional, renamed_flag, validate
 
 
 def parse(*argv: str) -> JobConfig:
@@ -204,6 +204,25 @@ def test_removed_overlap_keys_are_unknown_keys_on_cli_and_in_toml(tmp_path, name
         parse("--job.config_file", path)
 
 
+@pytest.mark.parametrize(
+    "old, new, value",
+    [
+        ("parallelism.deepep_num_sms", "deepep.num_sms", "48"),
+        ("parallelism.deepep_sync_free_dispatch", "deepep.sync_free_dispatch", "true"),
+        ("quantize.float8_dispatch", "deepep.float8_dispatch", "true"),
+    ],
+)
+def test_deepep_keys_moved_to_their_own_section_are_refused_in_one_line_naming_the_new_key(tmp_path, old, new, value):
+    section, _, name = old.partition(".")
+    moved = rf"unknown config key '{old}' .*; it is now {new} \(\[deepep\] {new[7:]} in a TOML file, --{new} on the"
+    for argv in ([f"--{old}={value}"], ["--job.config_file", write_toml(tmp_path, f"[{section}]\n{name} = {value}\n")]):
+        with pytest.raises(ConfigError, match=moved) as info:
+            parse(*argv)
+        assert "\n" not in str(info.value)
+    assert renamed_flag(f"--{old}={value}") == f"--{new}={value}" and renamed_flag(f"--{old}") == f"--{new}"
+    assert renamed_flag("--training.steps") == "--training.steps" and renamed_flag(value) == value
+
+
 def test_the_renamed_capacity_factor_key_names_its_new_name_on_cli_and_in_toml(tmp_path):
     renamed = (
         "unknown config key 'parallelism.deepep_sync_free_capacity_factor' .*; it is now "
@@ -364,7 +383,7 @@ def test_uncaught_help_exits_process_with_zero():
     code = "from torchtitan.config import ConfigManager; ConfigManager().parse_args(['--help'])"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=generous_timeout(60))
     assert result.returncode == 0
-    assert "--parallelism.deepep_num_sms" in result.stdout
+    assert "--deepep.num_sms" in result.stdout
     assert result.stderr == ""
 
 
@@ -392,8 +411,6 @@ def test_uncaught_help_exits_process_with_zero():
         (["--debug.seed", "-1"], r"debug.seed must be none or in \[0, 2\*\*63 - 1"),
         (["--comm.init_timeout_seconds", "99999999999999999"], "init_timeout_seconds must be at most 2147483647"),
         (["--comm.train_timeout_seconds", "2147483648"], "train_timeout_seconds must be at most 2147483647"),
-        (["--parallelism.deepep_num_sms=23"], "deepep_num_sms must be a positive even"),
-        (["--parallelism.deepep_num_sms=0"], "deepep_num_sms must be a positive even"),
         (["--parallelism.expert_parallel_capacity_factor=0"], "capacity_factor must be none or a finite number > 0"),
         (["--parallelism.expert_parallel_capacity_factor=nan"], "capacity_factor must be none or a finite number"),
         (["--parallelism.expert_tensor_parallel_degree=0"], "expert_tensor_parallel_degree must be >= 1"),

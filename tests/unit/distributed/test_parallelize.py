@@ -87,7 +87,7 @@ def _deepep_num_sms(rank: int, world_size: int) -> None:
     deepep = job_config(
         parallelism__expert_parallel_degree=2,
         parallelism__expert_parallel_comm_backend="deepep",
-        parallelism__deepep_num_sms=8,
+        deepep__num_sms=8,
     )
     model = check_parallel_matches(reference, ref_loss, ref_grads, deepep, world_size)
     assert get_buffer(model.layers["1"].moe.dispatcher.group_name).num_sms == 8

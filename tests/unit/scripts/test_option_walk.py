@@ -1,5 +1,6 @@
 """scripts/option_walk.py: the walk of a config option through a small package (its steps, files, climbs back up a
-layer and readers), and on this project the exchange backend's name read in one function only."""
+layer and readers), and on this project the exchange backend's name read in one function only, and its settings by
+its object alone."""
 
 import textwrap
 
@@ -79,3 +80,11 @@ def test_the_exchange_backend_name_is_read_by_resolve_exchange_alone():
     files = {step.file for step in route.steps}
     assert {"torchtitan/preflight.py", "torchtitan/models/deepseek_v3/parallelize.py"} <= files
     assert "torchtitan/config/manager.py" not in files
+
+
+def test_the_deepep_section_is_read_by_the_deepep_backend_alone():
+    """Its own section, read by no config check, trainer or parallelize function: the backend holds the values."""
+    route = walk_option("deepep.num_sms")
+    assert route.readers and {reader.rpartition(".")[0] for reader in route.readers} == {
+        "torchtitan/models/moe/exchange.py:DeepEPBackend"
+    }

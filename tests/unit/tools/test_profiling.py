@@ -38,7 +38,7 @@ def test_records_every_profile_freq_steps(tmp_path):
 
 
 def test_summary_counts_the_kernels_launched_inside_each_step():
-    summary = step_summary(synthetic_trace(), top=3)
+    summary = step_summary(synthetic_trace(), top=3, host_waiting_ops={"deepep::dispatch"})
 
     assert summary["device_ms_launched_outside_steps"] == pytest.approx(0.15)  # queued before the window: left out
     first, second = summary["profiler_steps"]
@@ -55,7 +55,7 @@ def test_summary_counts_the_kernels_launched_inside_each_step():
     assert first["host_blocked"] == {
         "blocking_calls": {"cudaStreamSynchronize": {"ms": pytest.approx(0.15), "calls": 1}},
         "blocking_ms": pytest.approx(0.15),
-        "deepep_dispatch_cpu_ms": pytest.approx(0.04),
+        "waiting_ops_cpu_ms": {"deepep::dispatch": pytest.approx(0.04)},
     }
     assert second["device_ms"] == pytest.approx(0.4)
     assert {k["name"] for k in second["kernels"]} == {"_adamw_kernel", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"}

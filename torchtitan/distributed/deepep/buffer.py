@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torchtitan.distributed.deepep.handle_layout import HandleLayout, cpu_layout, internode_layout, intranode_layout
 from torchtitan.distributed.group_buffers import group_buffers, keep_group_buffers, release_group_buffers
 
-__all__ = ["EPBuffer", "get_buffer", "get_or_create_buffer", "import_deep_ep", "kernel_buffer"]
+__all__ = ["EPBuffer", "buffer_bytes", "get_buffer", "get_or_create_buffer", "import_deep_ep", "kernel_buffer"]
 
 _DEEP_EP_INSTALL_HINT = (
     "parallelism.expert_parallel_comm_backend='deepep' on CUDA needs the optional `deep_ep` package. Install it "
@@ -141,6 +141,18 @@ def _destroy(buffer: EPBuffer) -> None:
         torch.cuda.synchronize()
         buffer.runtime.destroy()
         buffer.runtime = None
+
+
+def buffer_bytes(world_size: int, hidden_dim: int, num_sms: int) -> int:
+    """The NVLink (and RDMA) bytes `_create_cuda_runtime` asks DeepEP v1 for, without deep_ep: its size hint for the
+    intranode configs (256 received tokens per channel and peer, one channel per 2 SMs; per token its hidden bytes,
+    128 top-k ids (int64), weights and scales, its source metadata)."""
+    channels = num_sms // 2
+    nvl_ranks, rdma_ranks = min(world_size, _NVL_PEERS), max(world_size // _NVL_PEERS, 1)
+    per_token = WIRE_DTYPE.itemsize * hidden_dim + 128 * (8 + 4 + 4) + 8
+    nvl = channels * nvl_ranks * (256 * per_token + (2 * rdma_ranks + 3) * 4)
+    rdma = 2 * channels * rdma_ranks * 128 * per_token if rdma_ranks > 1 else 0
+    return nvl + rdma
 
 
 def _create_cuda_runtime(group: dist.ProcessGroup, hidden_dim: int, num_sms: int) -> tuple[HandleLayout, dict]:

@@ -68,7 +68,7 @@ class DeepEPTokenDispatcher(TokenDispatcher):
         share are dropped before the dispatch (`apply_capacity`), and a sync-free dispatch keeps only that many rows
         (`parallelism.expert_parallel_capacity_factor`)."""
         self.fp8 = fp8
-        """Tokens sent as FP8 with one scale per 128 channels (ops.py, `quantize.float8_dispatch`)."""
+        """Tokens sent as FP8 with one scale per 128 channels (ops.py, `deepep.float8_dispatch`)."""
 
     def dispatch_preprocess(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor

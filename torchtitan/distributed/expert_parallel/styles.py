@@ -68,9 +68,8 @@ class TensorParallel(ParallelStyle):
 
 class DeepEPExpertParallel(ParallelStyle):
     """On an `MoE` (parallelize makes it a `DeepEPMoE`): experts sharded on dim 0 over the 1-D EP mesh, tokens exchanged
-    with DeepEP through the group's buffer, created here. num_sms, sync_free, capacity_factor, fp8:
-    `parallelism.deepep_num_sms`, `parallelism.deepep_sync_free_dispatch`,
-    `parallelism.expert_parallel_capacity_factor`, `quantize.float8_dispatch`."""
+    with DeepEP through the group's buffer, created here. num_sms, sync_free, capacity_factor, fp8: `deepep.num_sms`,
+    `deepep.sync_free_dispatch`, `parallelism.expert_parallel_capacity_factor`, `deepep.float8_dispatch`."""
 
     def __init__(
         self, *, num_sms: int = 64, sync_free: bool = False, capacity_factor: float | None = None, fp8: bool = False
@@ -87,8 +86,8 @@ class DeepEPExpertParallel(ParallelStyle):
         buffer = get_or_create_buffer(group, dim, device_type=device_mesh.device_type, num_sms=self.num_sms)
         if self.sync_free and buffer.layout.name == "internode":
             raise ValueError(
-                "parallelism.deepep_sync_free_dispatch: DeepEP's worst-case receive sizes are intranode only and this "
-                "EP group spans nodes; drop --parallelism.deepep_sync_free_dispatch"
+                "deepep.sync_free_dispatch: DeepEP's worst-case receive sizes are intranode only and this EP group "
+                "spans nodes; drop --deepep.sync_free_dispatch"
             )
         distribute_experts(module.experts, device_mesh, EXPERTS_ON_EP_RANKS)
         module.dispatcher = DeepEPTokenDispatcher(

@@ -1,15 +1,15 @@
 """Token-exchange backends of expert parallelism. `resolve_exchange` turns a job's
 `parallelism.expert_parallel_comm_backend` into its backend, once (preflight, which hands it to the trainer): the
-backend is a dataclass of its own settings, read and checked there. From then on preflight's layout check,
-`parallelize`, activation checkpointing and the trainer's teardown use that object, never the name. A new backend is
-an `ExchangeBackend` subclass registered (`register_backend`) when imported. Tensor parallelism inside the experts
-(ETP) keeps its own all-to-all style.
+backend is a dataclass of its own settings, which it alone reads from the job (its config section, e.g. `[deepep]`)
+and checks. From then on preflight's layout check, `parallelize`, activation checkpointing, the profiler, the plan and
+the trainer's teardown use that object, never the name. A new backend is an `ExchangeBackend` subclass registered
+(`register_backend`) when imported. Tensor parallelism inside the experts (ETP) keeps its own all-to-all style.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -17,6 +17,8 @@ import torch
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from torchtitan.config import ConfigError, JobConfig
+from torchtitan.config.job_config import DeepEP
+from torchtitan.distributed.deepep import buffer as deepep_buffer  # importing it registers torch.ops.deepep
 from torchtitan.distributed.expert_parallel.dispatcher import TokenPermutation
 from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel, SymmMemExpertParallel
 from torchtitan.distributed.group_buffers import release_group_buffers
@@ -51,16 +53,17 @@ def resolve_exchange(job_config: JobConfig) -> ExchangeBackend:
 
 
 def _check_requests(job_config: JobConfig, name: str) -> None:
-    """A backend's own setting, set to anything but its default, asks for that backend (the job's is `name`) with
-    expert parallelism."""
+    """A key of a backend's own section, set to anything but its default, asks for that backend (the job's is `name`)
+    with expert parallelism."""
     ep, defaults = job_config.parallelism.expert_parallel_degree, JobConfig()
-    for backend in BACKENDS.values():
-        for key in backend.requested_by:
-            if _setting(job_config, key) != _setting(defaults, key) and (backend.name != name or ep == 1):
+    for backend in (backend for backend in BACKENDS.values() if backend.section):
+        settings, default = getattr(job_config, backend.section), getattr(defaults, backend.section)
+        for field in fields(settings):
+            if getattr(settings, field.name) != getattr(default, field.name) and (backend.name != name or ep == 1):
                 raise ConfigError(
-                    f"{key} needs --parallelism.expert_parallel_comm_backend {backend.name} and "
-                    f"expert_parallel_degree > 1 (it is a {backend.name} setting; got {name!r}, {ep}); drop the flag "
-                    "or switch the backend"
+                    f"{backend.section}.{field.name} needs --parallelism.expert_parallel_comm_backend {backend.name} "
+                    f"and expert_parallel_degree > 1 (it is a {backend.name} setting; got {name!r}, {ep}); drop the "
+                    "flag or switch the backend"
                 )
 
 
@@ -112,8 +115,9 @@ class ExchangeBackend:
     need does."""
 
     name: ClassVar[str] = ""
-    requested_by: ClassVar[tuple[str, ...]] = ()
-    """Config keys that ask for this backend: set to anything but their default, they need it (and EP > 1)."""
+    section: ClassVar[str] = ""
+    """The `JobConfig` section of this backend's own settings (`deepep`), read by its `from_config` alone; empty
+    where it has none. A key of it set to anything but its default asks for this backend (and EP > 1)."""
     sync_free_with: ClassVar[str] = ""
     """How to ask for this backend with receive buffers sized ahead (`sync_free`), as the capacity factor's error says
     it; empty where it has none."""
@@ -142,6 +146,16 @@ class ExchangeBackend:
         """Ops whose outputs per-op SAC saves: the exchange's, so that a recompute does not communicate."""
         return set()
 
+    def host_waiting_ops(self) -> set[str]:
+        """Names of its ops (as profiler traces name them) whose host time includes waiting for the device: the
+        profiler's step summary reports their CPU time among the host's waits."""
+        return set()
+
+    def buffer_bytes(self, ep: int, dim: int) -> float:
+        """Bytes per rank its group buffers hold outside PyTorch's allocator, for an EP group of `ep` ranks exchanging
+        tokens of `dim` values (the plan adds them to the card's memory); 0 where it keeps none there."""
+        return 0.0
+
     def release(self) -> None:
         """Free what the backend holds, after a finished run and before the process groups go: the group buffers its
         style made (`distributed/group_buffers.py`; collective where freeing them is)."""
@@ -157,11 +171,6 @@ def register_backend(backend: type[ExchangeBackend]) -> type[ExchangeBackend]:
         raise ValueError(f"an exchange backend needs a new name, got {backend.name!r} (taken: {sorted(BACKENDS)})")
     BACKENDS[backend.name] = backend
     return backend
-
-
-def _setting(job_config: JobConfig, key: str) -> Any:
-    section, _, field = key.partition(".")
-    return getattr(getattr(job_config, section), field)
 
 
 @register_backend
@@ -186,32 +195,36 @@ class DeepEPBackend(ExchangeBackend):
     CUDA; layers become `DeepEPMoE`, whose shared experts run on one side stream per model."""
 
     name: ClassVar[str] = "deepep"
-    requested_by: ClassVar[tuple[str, ...]] = ("parallelism.deepep_sync_free_dispatch", "quantize.float8_dispatch")
-    sync_free_with: ClassVar[str] = "deepep with --parallelism.deepep_sync_free_dispatch"
+    section: ClassVar[str] = "deepep"
+    sync_free_with: ClassVar[str] = "deepep with --deepep.sync_free_dispatch"
 
-    num_sms: int = 64
-    """`parallelism.deepep_num_sms`"""
-    sync_free: bool = False
-    """`parallelism.deepep_sync_free_dispatch`"""
-    fp8: bool = False
-    """`quantize.float8_dispatch`"""
+    num_sms: int = DeepEP.num_sms
+    """`deepep.num_sms`"""
+    sync_free: bool = DeepEP.sync_free_dispatch
+    """`deepep.sync_free_dispatch`"""
+    fp8: bool = DeepEP.float8_dispatch
+    """`deepep.float8_dispatch`"""
     capacity_factor: float | None = None
     """`parallelism.expert_parallel_capacity_factor`"""
 
     @classmethod
     def from_config(cls, job_config: JobConfig) -> DeepEPBackend:
-        parallelism = job_config.parallelism
         return cls(
-            num_sms=parallelism.deepep_num_sms,
-            sync_free=parallelism.deepep_sync_free_dispatch,
-            fp8=job_config.quantize.float8_dispatch,
-            capacity_factor=parallelism.expert_parallel_capacity_factor,
+            num_sms=job_config.deepep.num_sms,
+            sync_free=job_config.deepep.sync_free_dispatch,
+            fp8=job_config.deepep.float8_dispatch,
+            capacity_factor=job_config.parallelism.expert_parallel_capacity_factor,
         )
 
     def check(self, parallel_dims: ParallelDims, dim: int) -> None:
+        if self.num_sms <= 0 or self.num_sms % 2:
+            raise ConfigError(
+                f"deepep.num_sms must be a positive even number (DeepEP runs one channel on each pair of SMs), got "
+                f"{self.num_sms}; pass --deepep.num_sms with such a value"
+            )
         if self.fp8 and dim % 128:
             raise ConfigError(
-                f"--quantize.float8_dispatch sends one scale per 128 channels, but the model dim is {dim}; drop the "
+                f"--deepep.float8_dispatch sends one scale per 128 channels, but the model dim is {dim}; drop the "
                 "flag or use a model whose dim is a multiple of 128"
             )
         # DeepEP dispatch expects every rank to send its own tokens; sequence-sharding the MoE input over TP ranks
@@ -229,13 +242,11 @@ class DeepEPBackend(ExchangeBackend):
                 "--parallelism.expert_parallel_comm_backend standard."
             )
         if torch.cuda.is_available() and parallel_dims.ep > 1:
-            from torchtitan.distributed.deepep.buffer import import_deep_ep
-
-            import_deep_ep()
+            deepep_buffer.import_deep_ep()
 
     def style(self, ctx: ExchangeContext) -> ParallelStyle:
         if self.fp8:
-            logger.info("quantize.float8_dispatch: DeepEP dispatches FP8 tokens (one scale per 128 channels)")
+            logger.info("deepep.float8_dispatch: DeepEP dispatches FP8 tokens (one scale per 128 channels)")
         return DeepEPExpertParallel(
             num_sms=self.num_sms,
             sync_free=self.sync_free,
@@ -247,9 +258,14 @@ class DeepEPBackend(ExchangeBackend):
         return DeepEPMoE.from_moe(moe, ctx.side_stream)
 
     def sac_save_ops(self) -> set[Any]:
-        import torchtitan.distributed.deepep  # noqa: F401  (registers torch.ops.deepep)
-
         return {torch.ops.deepep.dispatch.default, torch.ops.deepep.combine.default}
+
+    def host_waiting_ops(self) -> set[str]:
+        # the normal dispatch holds the host until the received counts arrive (sync-free dispatch does not)
+        return {torch.ops.deepep.dispatch.default.name()}
+
+    def buffer_bytes(self, ep: int, dim: int) -> float:
+        return float(deepep_buffer.buffer_bytes(ep, dim, self.num_sms))
 
 
 @register_backend

@@ -210,7 +210,7 @@ def _fp8_dispatch_sends_fp8_and_dequantizes(rank: int, world_size: int) -> None:
 
     padded = torch.ops.deepep.dispatch(x, topk_idx, topk_weights, NUM_EXPERTS, name, True, True)[0]
     assert torch.equal(padded[:rows], recv_fp8) and padded[rows:].isnan().all()
-    with pytest.raises(ValueError, match="one scale per 128 channels.*drop --quantize.float8_dispatch"):
+    with pytest.raises(ValueError, match="one scale per 128 channels.*drop --deepep.float8_dispatch"):
         torch.ops.deepep.dispatch(x[:, :64], topk_idx, topk_weights, NUM_EXPERTS, name, False, True)
     release_group_buffers()
 

@@ -140,7 +140,7 @@ def test_preflight_rejects_what_fp8_linears_cannot_run(extra, world_size, messag
 
 
 def test_the_deepep_backend_rejects_fp8_dispatch_when_the_dim_is_not_in_128_channel_blocks():
-    flags = ["--quantize.float8_dispatch", "--parallelism.expert_parallel_comm_backend", "deepep"]
+    flags = ["--deepep.float8_dispatch", "--parallelism.expert_parallel_comm_backend", "deepep"]
     job_config = ConfigManager().parse_args([*flags, "--parallelism.expert_parallel_degree", "2"])
     exchange, parallel_dims = resolve_exchange(job_config), ParallelDims.from_config(job_config.parallelism, 2)
     with pytest.raises(ConfigError, match="one scale per 128 channels, but the model dim is 64"):

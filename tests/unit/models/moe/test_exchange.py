@@ -15,8 +15,9 @@ from tests.unit.distributed._model_parity import (
     tiny_args,
 )
 from tests.unit.distributed._spawn import run_distributed
-from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.distributed.expert_parallel.styles import ExpertParallel
+from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.moe.exchange import (
     BACKENDS,
     DeepEPBackend,
@@ -105,9 +106,9 @@ def _resolve(*flags: str) -> ExchangeBackend:
 def test_each_backend_holds_its_own_settings_from_the_config():
     assert _resolve() == StandardBackend()
     deepep = ["--parallelism.expert_parallel_comm_backend=deepep", "--parallelism.expert_parallel_degree=2"]
-    assert _resolve(*deepep, "--parallelism.deepep_num_sms=8") == DeepEPBackend(num_sms=8)
-    sync_free = ["--parallelism.deepep_sync_free_dispatch", "--parallelism.expert_parallel_capacity_factor=1.25"]
-    assert _resolve(*deepep, *sync_free, "--quantize.float8_dispatch") == DeepEPBackend(
+    assert _resolve(*deepep, "--deepep.num_sms=8") == DeepEPBackend(num_sms=8)
+    sync_free = ["--deepep.sync_free_dispatch", "--parallelism.expert_parallel_capacity_factor=1.25"]
+    assert _resolve(*deepep, *sync_free, "--deepep.float8_dispatch") == DeepEPBackend(
         sync_free=True, fp8=True, capacity_factor=1.25
     )
     symm_mem = ["--parallelism.expert_parallel_comm_backend=symm_mem", "--parallelism.expert_parallel_degree=2"]
@@ -118,25 +119,26 @@ def test_each_backend_holds_its_own_settings_from_the_config():
         SymmMemBackend(max_tokens=8 * 64 // 2, itemsize=4, capacity_factor=1.25)
     )
     # a DeepEP setting left at its default is no request: it passes with any backend
-    assert _resolve(*symm_mem, "--parallelism.deepep_sync_free_dispatch=false").sync_free
+    assert _resolve(*symm_mem, "--deepep.sync_free_dispatch=false", "--deepep.num_sms=64").sync_free
 
 
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--parallelism.deepep_sync_free_dispatch"], "deepep_sync_free_dispatch needs .*deepep"),
-        (["--quantize.float8_dispatch"], "float8_dispatch needs .*deepep"),
+        (["--deepep.sync_free_dispatch"], "deepep.sync_free_dispatch needs .*deepep"),
+        (["--deepep.float8_dispatch"], "deepep.float8_dispatch needs .*deepep"),
+        (["--deepep.num_sms=48"], "deepep.num_sms needs .*deepep"),
         (
-            ["--parallelism.deepep_sync_free_dispatch", "--parallelism.expert_parallel_comm_backend=deepep"],
-            "deepep_sync_free_dispatch needs .*expert_parallel_degree > 1",
+            ["--deepep.sync_free_dispatch", "--parallelism.expert_parallel_comm_backend=deepep"],
+            "deepep.sync_free_dispatch needs .*expert_parallel_degree > 1",
         ),
         (
-            ["--parallelism.deepep_sync_free_dispatch", "--parallelism.expert_parallel_comm_backend=symm_mem"],
-            "deepep_sync_free_dispatch needs .*deepep .*got 'symm_mem'",
+            ["--deepep.sync_free_dispatch", "--parallelism.expert_parallel_comm_backend=symm_mem"],
+            "deepep.sync_free_dispatch needs .*deepep .*got 'symm_mem'",
         ),
         (
             ["--parallelism.expert_parallel_capacity_factor=1.2"],
-            "capacity_factor bounds .* needs .*deepep with --parallelism.deepep_sync_free_dispatch, or symm_mem",
+            "capacity_factor bounds .* needs .*deepep with --deepep.sync_free_dispatch, or symm_mem",
         ),
         (
             [
@@ -144,7 +146,7 @@ def test_each_backend_holds_its_own_settings_from_the_config():
                 "--parallelism.expert_parallel_comm_backend=deepep",
                 "--parallelism.expert_parallel_degree=2",
             ],
-            "capacity_factor .* deepep with --parallelism.deepep_sync_free_dispatch.*got 'deepep', 2",
+            "capacity_factor .* deepep with --deepep.sync_free_dispatch.*got 'deepep', 2",
         ),
         (
             [
@@ -162,7 +164,15 @@ def test_a_setting_the_chosen_backend_does_not_read_is_refused(flags, message):
 
 def test_a_capacity_factor_above_the_ep_degree_is_refused():
     deepep = ["--parallelism.expert_parallel_comm_backend=deepep", "--parallelism.expert_parallel_degree=2",
-              "--parallelism.deepep_sync_free_dispatch"]  # fmt: skip
+              "--deepep.sync_free_dispatch"]  # fmt: skip
     with pytest.raises(ConfigError, match=r"capacity_factor=3.0 is above expert_parallel_degree \(2\).*<= 2, or none"):
         _resolve(*deepep, "--parallelism.expert_parallel_capacity_factor=3")
     assert _resolve(*deepep, "--parallelism.expert_parallel_capacity_factor=2").capacity_factor == 2
+
+
+@pytest.mark.parametrize("num_sms", [23, 0])
+def test_deepep_checks_its_own_sm_count(num_sms):
+    deepep = ["--parallelism.expert_parallel_comm_backend=deepep", "--parallelism.expert_parallel_degree=2"]
+    exchange = _resolve(*deepep, f"--deepep.num_sms={num_sms}")
+    with pytest.raises(ConfigError, match=f"deepep.num_sms must be a positive even number.*got {num_sms}"):
+        exchange.check(ParallelDims.from_config(JobConfig().parallelism, 2), dim=128)
