@@ -5,7 +5,7 @@ chunks 0 and 3 of 4), causal and block-causal, with MLA's head dims (qk 192, v 1
 import pytest
 import torch
 
-from torchtitan.models.deepseek_v3.attention import attend, build_attention_mask
+from torchtitan.models.attention import attend, build_attention_mask
 
 
 @pytest.mark.parametrize("block_causal", [False, True], ids=["causal", "block_causal"])

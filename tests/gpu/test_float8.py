@@ -9,8 +9,8 @@ import torch
 from tests.unit.models.moe._expert_rows import run_fp8_experts_on_rows, run_on_rows
 from tests.unit.models.moe._saved_layouts import compile_recording_backward_inputs, strided_by_a_dynamic_size
 from torchtitan.kernels.float8 import float8_grouped_mm, float8_linear
-from torchtitan.models.deepseek_v3.float8_linears import Float8Linear
 from torchtitan.models.moe.experts import GroupedExperts, convert_to_float8_experts
+from torchtitan.models.moe.float8_linears import Float8Linear
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 tensor cores"

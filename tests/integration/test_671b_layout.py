@@ -23,7 +23,7 @@ import pytest
 
 from tests.integration.conftest import REPO_ROOT, read_losses, run_trainer
 from torchtitan.models.deepseek_v3 import deepseekv3_flavors
-from torchtitan.models.deepseek_v3.pipeline import stages_per_rank
+from torchtitan.models.moe.pipeline import stages_per_rank
 
 JOB = REPO_ROOT / "train_configs" / "deepseek_v3_671b.toml"
 FLAVOR = "debugmodel_tiny_671b"

@@ -1,11 +1,15 @@
-"""What the trainer and preflight need of a model, looked up by `model.name` (`get_model_spec`): its args for a job
-(a `ModelArgs`), how to build, parallelize and pipeline it (into a `ParallelizedModel`), its Hugging Face state-dict
-adapter, and the pipeline-split check preflight runs. A second model is one more `ModelSpec` in `MODELS`, the one list
-of models (`model.name` takes any of its names).
+"""What the trainer, preflight, the plan and the scripts need of a model, looked up by `model.name`
+(`get_model_spec`): its args for a job (a `ModelArgs`) and its shape presets, how to build, parallelize and pipeline
+it (into a `ParallelizedModel`), its Hugging Face config and state-dict adapter, and the pipeline split. A model is a
+folder under `models/` whose `spec.py` has `model_spec()`, plus one line in `MODELS`, the one list of models
+(`model.name` takes any of its names). What MoE transformers share (the MoE layer, the block, the order of the
+parallelisms, the pipeline split) is `models/moe/`: a model's folder keeps its attention, its tensor-parallel plan
+and its Hugging Face interop.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -66,6 +70,11 @@ class ModelSpec:
     with their schedule."""
     state_dict_adapter: Callable[[ModelArgs], StateDictAdapter]
     """args -> the adapter between the model's state dict and Hugging Face's."""
+    flavors: Callable[[], dict[str, ModelArgs]]
+    """The model's shape presets by name (`model.flavor`, the scripts' `--flavor`)."""
+    hf_config_args: Callable[[str, str], tuple[dict[str, Any], ModelArgs]]
+    """(path of a Hugging Face config.json, the flag that gave it) -> (the config, the args it gives); a file that is
+    not one of this model's configs, or a value the model does not compute, is one error naming the flag."""
     check_pipeline: Callable[[JobConfig, ParallelDims, ModelArgs], None]
     """(job_config, parallel_dims, args): raise where the pipeline split does not fit (preflight)."""
     stage_modules: Callable[[JobConfig, ParallelDims, ModelArgs], list[list[str]]]
@@ -73,41 +82,14 @@ class ModelSpec:
     split `pipeline` makes (the plan counts each stage's parameters from it)."""
 
 
-def _deepseek_v3() -> ModelSpec:
-    from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3StateDictAdapter, get_model_args
-    from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
-
-    def pipeline(*args: Any) -> ParallelizedModel:
-        from torchtitan.models.deepseek_v3.pipeline import pipeline_deepseekv3
-
-        return pipeline_deepseekv3(*args)
-
-    def stage_modules(job_config: JobConfig, parallel_dims: ParallelDims, args: ModelArgs) -> list[list[str]]:
-        from torchtitan.models.deepseek_v3.pipeline import module_names_per_stage, stages_per_rank
-
-        stages = parallel_dims.pp * stages_per_rank(job_config.parallelism, parallel_dims.pp, args.n_layers)
-        return module_names_per_stage(stages, args.n_layers, mtp_layers=args.mtp_layers)
-
-    def check_pipeline(job_config: JobConfig, parallel_dims: ParallelDims, args: ModelArgs) -> None:
-        stage_modules(job_config, parallel_dims, args)
-
-    return ModelSpec(
-        name="deepseek_v3",
-        model_args=get_model_args,
-        build=DeepSeekV3Model,
-        parallelize=parallelize_deepseekv3,
-        pipeline=pipeline,
-        state_dict_adapter=DeepSeekV3StateDictAdapter,
-        check_pipeline=check_pipeline,
-        stage_modules=stage_modules,
-    )
-
-
-MODELS: dict[str, Callable[[], ModelSpec]] = {"deepseek_v3": _deepseek_v3}
-"""Each model's spec, made when first looked up (the model's code is imported then, not before)."""
+MODELS: dict[str, str] = {
+    "deepseek_v3": "torchtitan.models.deepseek_v3.spec",
+}
+"""Each model's name and the module whose `model_spec()` makes its spec: imported when first looked up (the model's
+code is imported then, not before)."""
 
 
 def get_model_spec(name: str) -> ModelSpec:
     if name not in MODELS:
         raise ConfigError(f"model.name={name!r} is not a model here; pass one of {sorted(MODELS)}")
-    return MODELS[name]()
+    return importlib.import_module(MODELS[name]).model_spec()

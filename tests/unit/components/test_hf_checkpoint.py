@@ -98,7 +98,7 @@ def test_a_pipeline_stage_opens_only_the_shards_of_its_layers(tmp_path, monkeypa
     folder = write_fp8_release(tmp_path / "hf", args, _random_model(args).state_dict(), _layer_shard)
     expected = single_process_load(folder, args)
 
-    stage = DeepSeekV3Model(args)  # the first of two stages, as pipeline_deepseekv3 cuts it
+    stage = DeepSeekV3Model(args)  # the first of two stages, as the pipeline split cuts it
     del stage.layers["2"]
     stage.norm = stage.output = None
     opened = record_opened_shards(monkeypatch)

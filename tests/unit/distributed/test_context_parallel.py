@@ -27,8 +27,9 @@ from tests.unit.models.deepseek_v3.conftest import tiny_args
 from torchtitan.components.loss import mtp_targets
 from torchtitan.distributed.context_parallel import ContextParallel
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.attention import build_attention_mask
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, deepseekv3_flavors
-from torchtitan.models.deepseek_v3.attention import MLA, build_attention_mask
+from torchtitan.models.deepseek_v3.attention import MLA
 from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
 from torchtitan.models.deepseek_v3.rope import precompute_freqs_cis
 from torchtitan.models.moe.exchange import resolve_exchange

@@ -22,8 +22,9 @@ from tests.unit.distributed._model_parity import (
 from tests.unit.distributed._spawn import run_distributed
 from torchtitan.components.loss import IGNORE_INDEX, LossWithMTP, RescaledLoss, cross_entropy_sum, mtp_targets
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models.deepseek_v3.pipeline import module_names_per_stage, pipeline_deepseekv3
 from torchtitan.models.moe.exchange import resolve_exchange
+from torchtitan.models.moe.pipeline import module_names_per_stage
+from torchtitan.models.spec import get_model_spec
 
 
 def test_stage_split_weights_embedding_and_head_as_layers():
@@ -51,7 +52,8 @@ def _pipeline_step(model, args, schedule, world_size, loss_fn, inputs, target, *
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     dims.build_mesh("cpu")
     exchange = resolve_exchange(cfg)
-    parallel = pipeline_deepseekv3(model, dims, cfg, exchange, torch.device("cpu"), args, loss_fn)
+    spec = get_model_spec("deepseek_v3")
+    parallel = spec.pipeline(model, dims, cfg, exchange, torch.device("cpu"), args, loss_fn)
     pipeline, parts = parallel.pipeline, parallel.parts
     losses = []
     target = target if pipeline.has_last_stage else None

@@ -1,4 +1,5 @@
-"""Reusable DeepSeek-V3 MoE layer (router, grouped experts, shared experts, load balancing)."""
+"""What every MoE transformer here shares: the MoE layer (router, grouped experts, shared experts, load balancing), the
+transformer block, and how to parallelize and pipeline such a model."""
 
 from torchtitan.models.moe.args import MoEArgs
 from torchtitan.models.moe.experts import GroupedExperts

@@ -1,13 +1,27 @@
-"""Parallelisms of an MoE transformer independent of its attention and dense layers: the MoE layers' expert
-parallelism (EP / ETP / TP on the experts, the exchange backend's dispatcher, the layouts at the MoE boundary) and
-FSDP2 over the blocks. A model's own parallelize (e.g. `models/deepseek_v3/parallelize.py`) applies its tensor-parallel
-plan, then these. The model has `layers` (a dict of blocks with `moe_enabled`, and `moe` for MoE blocks), optionally
-`mtp`, `tok_embeddings`, `norm` and `output` (None where a pipeline stage does not hold them).
+"""Apply parallelisms to an MoE transformer (or one pipeline stage of it): `parallelize_moe_model`, the order every
+model here follows, and the parts of it that do not depend on the model's attention. A model's own parallelize
+(`models/<model>/parallelize.py`) is that order with its attention's tensor-parallel plan:
+
+0. CP: the model takes a part of each sequence; every attention layer gathers what it needs over the CP ranks
+1. TP / SP on the dense parts (`apply_tp`: embedding, norms, dense FFN, output head, and the model's attention plan)
+2. EP / ETP / TP on the MoE layers (`apply_moe_parallel`: ParallelStyles that shard `moe.experts` and install
+   `moe.dispatcher`; layouts at the MoE boundary)
+3. FP8 routed experts and dense linears, where asked
+4. activation checkpointing
+5. torch.compile per block
+6. FSDP2 / HSDP over dp_shard x cp (`apply_fsdp`: routed experts in their own unit on the expert-FSDP mesh)
+
+The model has `layers` (a dict of blocks with `moe_enabled`, `attention`, and `moe` for MoE blocks), optionally `mtp`,
+`tok_embeddings`, `norm` and `output` (None where a pipeline stage does not hold them), and `context_parallel`.
+Gradient reduction sums over data-parallel ranks (FSDP's division is turned off): the trainer's loss is already
+divided by the global number of valid tokens, so the sum of the ranks' gradients is the gradient of the global loss.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -18,31 +32,175 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
     PrepareModuleInputOutput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
 from torchtitan.components.optimizer import updates_master_weights
 from torchtitan.config import JobConfig
-from torchtitan.distributed.expert_parallel.dispatcher import LocalTokenDispatcher
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.compile import MoERegions, apply_compile
+from torchtitan.distributed.context_parallel import ContextParallel
+from torchtitan.distributed.expert_parallel.dispatcher import EAGER_PERMUTATION, LocalTokenDispatcher
 from torchtitan.distributed.expert_parallel.styles import ExpertTensorParallel, TensorParallel
 from torchtitan.distributed.fsdp_gradients import ComputePoolReduceScatter
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import NoParallel, ReplicateOverTokenShards
-from torchtitan.distributed.utils import transformer_blocks, unwrapped_block
+from torchtitan.distributed.utils import device_type, transformer_blocks, unwrapped_block
+from torchtitan.kernels.float8 import check_float8_supported
 from torchtitan.models.moe.exchange import ExchangeBackend, ExchangeContext
-from torchtitan.models.moe.experts import GroupedExperts
+from torchtitan.models.moe.experts import GroupedExperts, convert_to_float8_experts, run_routed_experts
+from torchtitan.models.moe.float8_linears import convert_to_float8_linears
+from torchtitan.models.moe.moe import MoE
+from torchtitan.models.parallelized import ParallelizedModel
+from torchtitan.tools.dtypes import DTYPES
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "AttentionPlan",
     "apply_fsdp",
     "apply_moe_parallel",
+    "apply_tp",
     "expert_bias_reduce_group",
     "experts_outside_fsdp",
+    "parallelize_moe_model",
     "say_experts_stay_bf16",
 ]
+
+AttentionPlan = Callable[[nn.Module], dict[str, ParallelStyle]]
+"""A block's attention module -> its tensor-parallel plan, keyed by the names inside the attention (`wo`, ...). The
+attention gets its input sequence-gathered (Replicate) and returns a Shard(1) output: its output projection is
+`RowwiseParallel(output_layouts=Shard(1))`."""
+
+
+def parallelize_moe_model(
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    job_config: JobConfig,
+    exchange: ExchangeBackend,
+    attention_plan: AttentionPlan,
+) -> ParallelizedModel:
+    """Apply CP -> TP/SP (`attention_plan` for each attention) -> EP/ETP (the MoE layers' tokens through `exchange`)
+    -> FP8 -> AC -> compile -> FSDP2 in place; returns the model with what was chosen on the way. The config was
+    validated by `preflight.check_job` (every rank runs it before building the model), which resolved `exchange`."""
+    parallelism = job_config.parallelism
+    experts_outside = experts_outside_fsdp(parallel_dims, job_config)
+    say_experts_stay_bf16(model, job_config.training.mixed_precision_param)
+    compile_config = job_config.compile
+    compiled = compile_config.enable and "model" in compile_config.components
+    # Created once for this model: the compiled regions its MoE layers share (the dispatchers are built with them)
+    # and, on CUDA, the shared experts' side stream (`ExchangeContext`).
+    regions = MoERegions.build(compile_config.backend, run_routed_experts) if compiled else None
+    permutation = regions.permutation if regions is not None else EAGER_PERMUTATION
+
+    context_parallel = ContextParallel(parallel_dims.get_mesh("cp")) if parallel_dims.cp_enabled else None
+    if context_parallel is not None:
+        model.context_parallel = context_parallel
+        for block in transformer_blocks(model):
+            block.attention.context_parallel = context_parallel
+    if parallel_dims.tp_enabled:
+        apply_tp(model, parallel_dims.get_mesh("tp"), parallel_dims.loss_parallel_enabled, attention_plan)
+    apply_moe_parallel(model, parallel_dims, exchange, ExchangeContext(permutation, device_type() == "cuda"))
+    balance_group = expert_bias_reduce_group(parallel_dims)
+    for module in model.modules():
+        if isinstance(module, MoE):  # the ranks the global-batch balance loss counts tokens over
+            module.balance_group = balance_group
+    if job_config.quantize.float8_experts:
+        check_float8_supported(torch.device(device_type()))
+        # FSDP gathers the weights anew every forward: quantized at every use there, else once per optimizer step
+        cached = not parallel_dims.fsdp_enabled or experts_outside
+        converted = convert_to_float8_experts(model, cache_weights=cached)
+        logger.info(
+            f"quantize.float8_experts: {converted} routed-expert modules run FP8 grouped GEMMs, their weights "
+            + ("quantized once per optimizer step" if cached else "quantized at every use (FSDP)")
+        )
+    if job_config.quantize.float8_linears:
+        check_float8_supported(torch.device(device_type()), "--quantize.float8_linears")
+        converted = convert_to_float8_linears(model)
+        logger.info(f"quantize.float8_linears: {converted} linears run FP8 GEMMs")
+
+    exchange_ops = exchange.sac_save_ops() if parallel_dims.ep_enabled else set()
+    compiled_regions = regions.all() if regions is not None else ()
+    budget_blocks = apply_ac(model, job_config.activation_checkpoint, compiled_regions, exchange_ops)
+    if regions is not None:
+        apply_compile(model, compile_config.backend, regions)
+
+    if parallel_dims.fsdp_enabled:
+        replicate = ["dp_replicate"] if parallel_dims.dp_replicate_enabled else []  # HSDP
+        apply_fsdp(
+            model,
+            parallel_dims.get_mesh([*replicate, "dp_shard_cp"]),
+            parallel_dims.get_mesh([*replicate, "dp_shard_mod_ep"]) if parallel_dims.ep_enabled else None,
+            param_dtype=DTYPES[job_config.training.mixed_precision_param],
+            reduce_dtype=DTYPES[job_config.training.mixed_precision_reduce],
+            reshard_after_forward_policy=parallelism.fsdp_reshard_after_forward,
+            pp_enabled=parallel_dims.pp_enabled,
+            cpu_offload=job_config.training.enable_cpu_offload,
+            ep_degree=parallel_dims.ep,
+            experts_outside=experts_outside,
+            blocks_per_unit=parallelism.fsdp_blocks_per_unit,
+        )
+    return ParallelizedModel([model], experts_outside, context_parallel, budget_blocks)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, attention_plan: AttentionPlan) -> None:
+    """Tensor + sequence parallelism on everything except the MoE layers' insides.
+
+    Between blocks the hidden states are local sequence shards (Shard(1)); attention and the dense FFN all-gather
+    them, run column-/row-wise sharded projections (heads / hidden units split over tp) and reduce-scatter back.
+    Inside the attention, `attention_plan`'s styles.
+    """
+    top_plan: dict[str, Any] = {}
+    if model.tok_embeddings is not None:
+        top_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        top_plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        top_plan["output"] = ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    if top_plan:
+        parallelize_module(model, tp_mesh, top_plan)
+
+    for block in model.layers.values():
+        plan: dict[str, Any] = {
+            "attention_norm": SequenceParallel(),
+            # forward(x, freqs_cis, attention_mask): gather the sequence, keep the other inputs as they are
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None),
+                desired_input_layouts=(Replicate(), None, None),
+                use_local_output=True,
+            ),
+            "ffn_norm": SequenceParallel(),
+        }
+        plan |= {f"attention.{name}": style for name, style in attention_plan(block.attention).items()}
+        if not block.moe_enabled:
+            plan |= {
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                ),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w3": ColwiseParallel(),
+            }
+        parallelize_module(block, tp_mesh, plan)
+        # The model slices freqs_cis to its sequence-sharded hidden states; attention needs all positions'. This
+        # hook runs after PrepareModuleInput's, so x is already gathered; a freqs_cis that fits passes unchanged.
+        block.attention.register_forward_pre_hook(partial(_full_sequence_freqs_cis, model))
+
+
+def _full_sequence_freqs_cis(model: nn.Module, module: nn.Module, args: tuple) -> tuple:
+    x, freqs_cis, *rest = args
+    if freqs_cis.shape[0] == x.shape[1]:
+        return args
+    return (x, model.freqs_cis[: x.shape[1]], *rest)
 
 
 def experts_outside_fsdp(parallel_dims: ParallelDims, job_config: JobConfig) -> bool:
@@ -51,12 +209,12 @@ def experts_outside_fsdp(parallel_dims: ParallelDims, job_config: JobConfig) -> 
     only copy their weights in each forward and their gradients in each backward. Unwrapped, they compute in the
     dtype they are stored in: fp32, or for bf16 compute bf16 weights whose fp32 masters the optimizer updates
     (`components/master_weights.py`; the trainer stores them so), which needs optimizers that update such masters
-    (`updates_master_weights`: AdamW or Muon with implementation 'triton')."""
+    (`components/optimizer.py`'s `updates_master_weights`)."""
     one_rank_experts = parallel_dims.ep_enabled and parallel_dims.dp_replicate * parallel_dims.dp_shard_mod_ep == 1
     if not one_rank_experts or job_config.training.enable_cpu_offload:
         return False
     param_dtype = job_config.training.mixed_precision_param
-    return param_dtype == "float32" or (param_dtype == "bfloat16" and updates_master_weights(job_config.optimizer))
+    return param_dtype == "float32" or (param_dtype == "bfloat16" and updates_master_weights(job_config))
 
 
 def say_experts_stay_bf16(model: nn.Module, param_dtype: str) -> None:

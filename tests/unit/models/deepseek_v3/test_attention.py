@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from torchtitan.models.deepseek_v3.attention import MLA, attend, build_attention_mask
+from torchtitan.models.attention import attend, build_attention_mask
+from torchtitan.models.deepseek_v3.attention import MLA
 from torchtitan.models.deepseek_v3.rope import apply_rotary_emb, precompute_freqs_cis, softmax_scale
 
 from .conftest import tiny_args

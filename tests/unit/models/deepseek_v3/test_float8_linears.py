@@ -13,8 +13,8 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.kernels import float8
 from torchtitan.kernels.float8 import dequantize, float8_linear, quantize_rowwise
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model
-from torchtitan.models.deepseek_v3.float8_linears import Float8Linear, convert_to_float8_linears
 from torchtitan.models.moe.exchange import resolve_exchange
+from torchtitan.models.moe.float8_linears import Float8Linear, convert_to_float8_linears
 from torchtitan.models.output_head import OutputHead
 from torchtitan.preflight import check_float8_linears
 

@@ -1,12 +1,14 @@
 """FP8 dense linears (`quantize.float8_linears`): the attention projections and every SwiGLU FFN (the dense
 layers' and the shared experts') run their GEMMs in FP8 with rowwise scales, forward and backward, with the
-routed experts' recipe (`float8_linear`). The router gate, the output head and the MTP projection stay bf16."""
+routed experts' recipe (`float8_linear`). The router gate, the output head and DeepSeek-V3's MTP projection stay bf16.
+Which linears are attention projections is the model's structure (docs/design.md): the nn.Linear children of each
+block's `attention`, whatever attention the model has."""
 
 import torch
 from torch import nn
 
+from torchtitan.distributed.utils import transformer_blocks, unwrapped_block
 from torchtitan.kernels.float8 import float8_linear
-from torchtitan.models.deepseek_v3.attention import MLA
 from torchtitan.models.moe.feed_forward import FeedForward
 
 __all__ = ["Float8Linear", "convert_to_float8_linears"]
@@ -22,11 +24,12 @@ class Float8Linear(nn.Linear):
 
 
 def convert_to_float8_linears(model: nn.Module) -> int:
-    """Swap the nn.Linear children of every MLA and FeedForward of `model` for Float8Linear; returns how many.
-    Raises naming the fix when a weight's dims are not multiples of 16 (the FP8 GEMMs' alignment)."""
+    """Swap the nn.Linear children of every block's attention and of every FeedForward of `model` for Float8Linear;
+    returns how many. Raises naming the fix when a weight's dims are not multiples of 16 (the FP8 GEMMs' alignment)."""
+    attentions = {id(unwrapped_block(block).attention) for block in transformer_blocks(model)}
     converted = 0
     for parent_name, parent in list(model.named_modules()):
-        if not isinstance(parent, MLA | FeedForward):
+        if id(parent) not in attentions and not isinstance(parent, FeedForward):
             continue
         for name, linear in list(parent.named_children()):
             if type(linear) is not nn.Linear:

@@ -1,12 +1,15 @@
-"""Pipeline parallelism: split DeepSeek-V3 into stages, parallelize each stage, build the schedule.
+"""Pipeline parallelism for any MoE transformer here: split the model into stages, parallelize each stage with the
+model's own parallelize, build the schedule.
 
 Stages get contiguous layers; the embedding and the norm+output head count as one layer each when balancing
 (torchtitan's convention). Each stage is a deep copy of the whole model with the other layers deleted and missing
 top-level modules set to None, so parameter names stay the full model's (checkpoints are stage-independent).
 
-The MTP modules run on the last stage, after the output head they share. The first stage embeds their input tokens
-and sends them down with the hidden states (forward's `mtp_embeddings`): one more (bs, seqlen, dim) activation per
-module per send, but a single copy of the embedding (no tied weights to sync, count or save once).
+The model's layers are `layers` (a ModuleDict), its top-level parts `tok_embeddings`, `norm`, `output` and, with
+multi-token prediction (DeepSeek-V3), `mtp`. The MTP modules run on the last stage, after the output head they share.
+The first stage embeds their input tokens and sends them down with the hidden states (forward's `mtp_embeddings`): one
+more (bs, seqlen, dim) activation per module per send, but a single copy of the embedding (no tied weights to sync,
+count or save once).
 
 The schedule backpropagates each micro-batch's loss separately, so gradients are the SUM over micro-batches
 (`scale_grads=False`); the trainer's loss_fn divides by the step's global count of valid tokens, so the sum equals
@@ -36,12 +39,12 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.loss import LossWithMTP
 from torchtitan.config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
-from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
 from torchtitan.models.moe.exchange import ExchangeBackend
 from torchtitan.models.parallelized import ParallelizedModel, Pipeline
 
-__all__ = ["TrainingStage", "module_names_per_stage", "pipeline_deepseekv3"]
+__all__ = ["TrainingStage", "check_pipeline", "module_names_per_stage", "pipeline_model", "stage_modules"]
+
+Parallelize = Callable[[nn.Module, ParallelDims, JobConfig, ExchangeBackend], ParallelizedModel]
 
 
 class TrainingStage(PipelineStage):
@@ -73,17 +76,20 @@ def _restored(module: nn.Module, loss_fn: Callable | None = None) -> Iterator[No
         loss_fn.main_total, loss_fn.mtp_total = totals
 
 
-def pipeline_deepseekv3(
+def pipeline_model(
     model: nn.Module,
     parallel_dims: ParallelDims,
     job_config: JobConfig,
     exchange: ExchangeBackend,
     device: torch.device,
-    model_args: DeepSeekV3ModelArgs,
+    model_args: Any,
     loss_fn: Callable,
+    *,
+    parallelize: Parallelize,
 ) -> ParallelizedModel:
-    """This rank's stages, each parallelized (`parallelize_deepseekv3`), and their schedule. `model` may be on the meta
-    device (initialize each part afterwards) or initialized (its weights are copied into the stages)."""
+    """This rank's stages, each parallelized by the model's `parallelize`, and their schedule (a model spec's
+    `pipeline`). `model` may be on the meta device (initialize each part afterwards) or initialized (its weights are
+    copied into the stages)."""
     parallelism = job_config.parallelism
     pp_mesh = parallel_dims.get_mesh("pp")
     schedule_class = get_schedule_class(parallelism.pipeline_parallel_schedule)
@@ -102,7 +108,7 @@ def pipeline_deepseekv3(
 
     stages, parallelized = [], []
     for stage_id in stage_ids:
-        part = parallelize_deepseekv3(_split(model, names_per_stage[stage_id]), parallel_dims, job_config, exchange)
+        part = parallelize(_split(model, names_per_stage[stage_id]), parallel_dims, job_config, exchange)
         parallelized.append(part)
         stages.append(TrainingStage(part.model, stage_id, num_stages, device, group=pp_mesh.get_group()))
 
@@ -114,6 +120,18 @@ def pipeline_deepseekv3(
     )
     has_first, has_last = any(stage.is_first for stage in stages), any(stage.is_last for stage in stages)
     return ParallelizedModel.of_stages(parallelized, Pipeline(schedule, has_first, has_last, n_microbatches))
+
+
+def stage_modules(job_config: JobConfig, parallel_dims: ParallelDims, model_args: Any) -> list[list[str]]:
+    """The top-level module names of each pipeline stage, in stage order: the split `pipeline_model` makes (a model
+    spec's `stage_modules`); raises naming the fix where the split does not fit."""
+    per_rank = stages_per_rank(job_config.parallelism, parallel_dims.pp, model_args.n_layers)
+    return module_names_per_stage(parallel_dims.pp * per_rank, model_args.n_layers, mtp_layers=model_args.mtp_layers)
+
+
+def check_pipeline(job_config: JobConfig, parallel_dims: ParallelDims, model_args: Any) -> None:
+    """Raise naming the fix where the pipeline split does not fit (a model spec's `check_pipeline`, preflight's)."""
+    stage_modules(job_config, parallel_dims, model_args)
 
 
 def stages_per_rank(parallelism: Any, pp_degree: int, num_layers: int) -> int:
@@ -183,6 +201,6 @@ def _split(model: nn.Module, keep: list[str]) -> nn.Module:
     for name in ("tok_embeddings", "norm", "output"):
         if name not in keep:
             setattr(part, name, None)
-    if "mtp" not in keep:
+    if "mtp" not in keep and hasattr(part, "mtp"):
         part.mtp = nn.ModuleDict()
     return part
