@@ -12,8 +12,11 @@
     # usable as --checkpoint.initial_load_path (keys "model.<name>", like the trainer's own checkpoints)
     python scripts/convert_hf.py from-hf path/to/DeepSeek-V2-Lite dcp_out
 
+    # another model of models/spec.py's MODELS (deepseek_v3 unless given), as --model.name names it in training
+    python scripts/convert_hf.py from-hf path/to/Qwen3-30B-A3B dcp_out --model qwen3_moe
+
 The model shape comes from --flavor or --hf-config (a config.json); from-hf defaults to the folder's config.json.
-Routed experts are stacked/unstacked and names mapped by DeepSeekV3StateDictAdapter. to-hf writes floating-point
+Routed experts are stacked/unstacked and names mapped by the model's state-dict adapter. to-hf writes floating-point
 tensors in --dtype (bfloat16 unless given; the router's selection bias stays float32). from-hf reads one tensor at a
 time into the output (FP8 weights dequantized with their block scales, to float32) and writes each tensor as stored
 unless --dtype is given; it holds the model once, in the output's dtypes. Nothing is written unless the output folder
@@ -27,7 +30,6 @@ the fix.
 import argparse
 import contextlib
 import copy
-import dataclasses
 import json
 import logging
 import os
@@ -59,15 +61,7 @@ from torchtitan.components.hf_safetensors import (  # noqa: E402
     save_hf_safetensors,
 )
 from torchtitan.kernels.float8_blocks import quantize_blocks  # noqa: E402
-from torchtitan.models.deepseek_v3 import (  # noqa: E402
-    DeepSeekV3Model,
-    DeepSeekV3ModelArgs,
-    DeepSeekV3StateDictAdapter,
-    all_flavors,
-)
-from torchtitan.models.deepseek_v3.hf_config import hf_config_from_model_args, load_hf_config  # noqa: E402
-from torchtitan.models.deepseek_v3.model import MTPBlock  # noqa: E402
-from torchtitan.models.deepseek_v3.state_dict_adapter import is_fp8_weight, mtp_layers_for_checkpoint  # noqa: E402
+from torchtitan.models.spec import MODELS, ModelArgs, ModelSpec, get_model_spec  # noqa: E402
 from torchtitan.tools.cli import OneLineArgumentParser  # noqa: E402
 from torchtitan.tools.dtypes import DTYPES  # noqa: E402
 
@@ -77,7 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("direction", choices=["to-hf", "from-hf"])
     parser.add_argument("src", help="DCP checkpoint folder (to-hf) or HF safetensors folder (from-hf)")
     parser.add_argument("dst", help="output folder")
-    parser.add_argument("--flavor", choices=sorted(all_flavors()), help="model shape preset")
+    parser.add_argument("--model", choices=sorted(MODELS), default="deepseek_v3", help="the model (as --model.name)")
+    parser.add_argument("--flavor", help="model shape preset (the model's flavors, as --model.flavor)")
     parser.add_argument("--hf-config", help="HF config.json giving the model shape (instead of --flavor)")
     parser.add_argument(
         "--dtype",
@@ -95,15 +90,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--drop-selection-bias",
         action="store_true",
-        help="to-hf: export the routers without their selection bias, for softmax routing, whose HF type "
-        "(transformers' DeepseekV2) has none: every reader then computes the model without it, which chooses other "
-        "experts for some tokens than the model trained",
+        help="to-hf: export the routers without their selection bias, for a format that has none (DeepSeek's softmax "
+        "routing: transformers' DeepseekV2; Qwen3-MoE): every reader then computes the model without it, which "
+        "chooses other experts for some tokens than the model trained",
     )
     parser.add_argument("--max-shard-size", default="5GB", help="to-hf: largest safetensors shard, e.g. 5GB")
     parser.add_argument(
         "--mtp-layers", type=int, help="multi-token prediction modules (as --model.mtp_layers; default: the shape's)"
     )
     opts = parser.parse_args(argv)
+    spec = get_model_spec(opts.model)
     if opts.fp8_blocks and opts.direction == "from-hf":
         raise ValueError("--fp8-blocks is for to-hf: from-hf reads the block size from the folder's config.json")
     if opts.drop_selection_bias and opts.direction == "from-hf":
@@ -130,9 +126,11 @@ def main(argv: list[str] | None = None) -> None:
         if not os.path.isfile(config_path):
             raise ValueError(f"{opts.src} has no config.json: give the model shape with --hf-config or --flavor")
     if opts.flavor is not None:
-        args = copy.deepcopy(all_flavors()[opts.flavor])
+        if opts.flavor not in (flavors := spec.flavors()):
+            raise ValueError(f"--flavor {opts.flavor} is no {opts.model} flavor: pass one of {sorted(flavors)}")
+        args = copy.deepcopy(flavors[opts.flavor])
     elif config_path is not None:
-        _, args = load_hf_config(config_path, "--hf-config" if opts.hf_config else "config.json")
+        _, args = spec.hf_config_args(config_path, "--hf-config" if opts.hf_config else "config.json")
     else:
         raise ValueError("to-hf needs --flavor or --hf-config to know the model shape")
     if opts.mtp_layers is not None and opts.mtp_layers < 0:
@@ -144,43 +142,51 @@ def main(argv: list[str] | None = None) -> None:
         keys = checkpoint_keys(opts.src)
         prefix = model_key_prefix(keys)
         ours = {key.removeprefix(prefix) for key in keys}
-        args.mtp_layers = mtp_layers_for_checkpoint(
-            args, ours, opts.src, in_hf=False, requested=False, flag="--mtp-layers"
-        )
+        adapter = spec.state_dict_adapter(args)
+        args = adapter.args_for_checkpoint(ours, opts.src, in_hf=False, requested=False, flag="--mtp-layers")
 
     dtype = DTYPES[opts.dtype] if opts.dtype else None
     if opts.direction == "to-hf":
         dcp_to_hf(
-            opts.src, opts.dst, args, dtype or torch.bfloat16, opts.max_shard_size, fp8_block, opts.drop_selection_bias
+            spec,
+            opts.src,
+            opts.dst,
+            args,
+            dtype or torch.bfloat16,
+            opts.max_shard_size,
+            fp8_block,
+            opts.drop_selection_bias,
         )
     else:
-        hf_to_dcp(opts.src, opts.dst, args, dtype, mtp_requested=opts.mtp_layers is not None)
+        hf_to_dcp(spec, opts.src, opts.dst, args, dtype, mtp_requested=opts.mtp_layers is not None)
     print(f"wrote {opts.dst}")
 
 
 def dcp_to_hf(
+    spec: ModelSpec,
     src: str,
     dst: str,
-    args: DeepSeekV3ModelArgs,
+    args: ModelArgs,
     dtype: torch.dtype,
     max_shard_size: int | str,
     fp8_block: tuple[int, int] | None = None,
     drop_selection_bias: bool = False,
 ) -> None:
-    """fp8_block: quantize the weights DeepSeek's releases hold in FP8 (`is_fp8_weight`), one scale per block of that
-    many rows and columns, from the checkpoint's full-precision values. drop_selection_bias: export the routers without
-    their selection bias (`DeepSeekV3StateDictAdapter.to_hf`)."""
-    state_dict = load_model_from_dcp(src, args)
+    """fp8_block: quantize the weights an FP8 release holds in FP8 (the adapter's `is_fp8_weight`: DeepSeek's
+    choice), one scale per block of that many rows and columns, from the checkpoint's full-precision values.
+    drop_selection_bias: export the routers without their selection bias (the adapter's `to_hf`)."""
+    state_dict = load_model_from_dcp(spec, src, args)
     _check_finite(state_dict, src)
+    adapter = spec.state_dict_adapter(args)
     hf_state_dict = {}
-    for key, value in DeepSeekV3StateDictAdapter(args).to_hf(state_dict, drop_selection_bias).items():
-        if fp8_block is not None and is_fp8_weight(key):
+    for key, value in adapter.to_hf(state_dict, drop_selection_bias).items():
+        if fp8_block is not None and adapter.is_fp8_weight(key):
             hf_state_dict[key], hf_state_dict[key + SCALE_SUFFIX] = quantize_blocks(value, fp8_block)
         elif value.is_floating_point() and not key.endswith("e_score_correction_bias"):  # fp32, as the model keeps it
             hf_state_dict[key] = value.to(dtype)
         else:
             hf_state_dict[key] = value
-    config = hf_config_from_model_args(args)
+    config = adapter.hf_config()
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     if fp8_block is not None:  # as DeepSeek-V3's config.json says it
         config["quantization_config"] = {
@@ -196,22 +202,24 @@ def dcp_to_hf(
 
 
 def hf_to_dcp(
-    src: str, dst: str, args: DeepSeekV3ModelArgs, dtype: torch.dtype | None, mtp_requested: bool = False
+    spec: ModelSpec, src: str, dst: str, args: ModelArgs, dtype: torch.dtype | None, mtp_requested: bool = False
 ) -> None:
     """mtp_requested: args.mtp_layers is the user's --mtp-layers (not the config's), so a checkpoint without MTP
-    tensors gets freshly initialized MTP modules instead of none (mtp_layers_for_checkpoint)."""
+    tensors gets freshly initialized MTP modules instead of none (the adapter's `args_for_checkpoint`)."""
     checkpoint = HFCheckpoint(src)
-    mtp_layers = mtp_layers_for_checkpoint(
-        args, checkpoint.keys(), src, in_hf=True, requested=mtp_requested, flag="--mtp-layers"
+    args = spec.state_dict_adapter(args).args_for_checkpoint(
+        checkpoint.keys(), src, in_hf=True, requested=mtp_requested, flag="--mtp-layers"
     )
-    args = dataclasses.replace(args, mtp_layers=mtp_layers)
+    adapter = spec.state_dict_adapter(args)
     fix = "give the --flavor or --hf-config of the folder's model (its config.json by default)"
     try:
-        sources = DeepSeekV3StateDictAdapter(args).hf_sources(checkpoint.keys())
+        sources = adapter.hf_sources(checkpoint.keys())
     except ValueError as err:  # names what differs from the shape given
         raise ValueError(f"{src}: {err}: {fix}") from None
-    fresh = _fresh_mtp_modules(args) if args.mtp_layers and not any(key.startswith("mtp.") for key in sources) else {}
-    expected = _model_state(args)
+    # the optional modules (DeepSeek-V3's MTP) the model builds and the folder holds none of start freshly initialized
+    missing = [prefix for prefix in adapter.optional_prefixes if not any(key.startswith(prefix) for key in sources)]
+    fresh = _fresh_modules(spec, args, missing)
+    expected = _model_state(spec, args)
     if missing := sorted(set(expected) - set(sources) - set(fresh)):
         raise ValueError(f"{src} lacks {len(missing)} tensors of this model, e.g. {missing[:3]}; check the flavor")
     for name, shape in checkpoint.shapes(expected, sources).items():
@@ -231,7 +239,7 @@ def hf_to_dcp(
         dcp.save({"model": state_dict}, checkpoint_id=dst, no_dist=True)
 
 
-def load_model_from_dcp(src: str, args: DeepSeekV3ModelArgs) -> dict[str, torch.Tensor]:
+def load_model_from_dcp(spec: ModelSpec, src: str, args: ModelArgs) -> dict[str, torch.Tensor]:
     """The model tensors of a DCP checkpoint saved as {"model": ...} (keys "model.<name>") or at top level, once its
     files match its manifest (the trainer's checkpoints and exports have one) and its tensors the shape in `args`."""
     _verify_files(src)
@@ -240,7 +248,7 @@ def load_model_from_dcp(src: str, args: DeepSeekV3ModelArgs) -> dict[str, torch.
     found = {key.removeprefix(prefix): entry for key, entry in metadata.items() if key.startswith(prefix)}
     state_dict = {}
     fix = "give the --flavor or --hf-config (and --mtp-layers) it was trained with"
-    for name, value in _model_state(args).items():
+    for name, value in _model_state(spec, args).items():
         entry = found.get(name)
         if not isinstance(entry, TensorStorageMetadata):
             raise ValueError(f"{src} has no tensor {prefix + name}: {fix}")
@@ -319,16 +327,22 @@ def _verify_files(src: str) -> None:
         raise CheckpointError(f"{src} is not a DCP checkpoint (no .metadata): give a step-N folder of a checkpoint")
 
 
-def _fresh_mtp_modules(args: DeepSeekV3ModelArgs) -> dict[str, torch.Tensor]:
-    """The state of args.mtp_layers MTP modules initialized as the trainer initializes them (seed 0: the output is
-    reproducible), for a checkpoint that holds none."""
+def _fresh_modules(spec: ModelSpec, args: ModelArgs, prefixes: list[str]) -> dict[str, torch.Tensor]:
+    """The state of the model's modules under `prefixes` (containers of blocks, e.g. DeepSeek-V3's `mtp.`),
+    initialized as the trainer initializes them (seed 0: the output is reproducible), for a checkpoint that holds
+    none of them."""
+    if not prefixes:
+        return {}
     torch.manual_seed(0)
+    with torch.device("meta"):
+        model = spec.build(args)
     state_dict = {}
-    for k in range(args.mtp_layers):
-        module = MTPBlock(args.n_layers + k, args)
-        with torch.no_grad():
-            module.init_weights(buffer_device="cpu")
-        state_dict.update({f"mtp.{k}.{name}": value for name, value in module.state_dict().items()})
+    for prefix in prefixes:
+        for name, module in model.get_submodule(prefix.removesuffix(".")).named_children():
+            module.to_empty(device="cpu")
+            with torch.no_grad():
+                module.init_weights(buffer_device="cpu")
+            state_dict.update({f"{prefix}{name}.{key}": value for key, value in module.state_dict().items()})
     return state_dict
 
 
@@ -340,9 +354,9 @@ def _block_size(text: str) -> tuple[int, int]:
     return int(rows), int(cols)
 
 
-def _model_state(args: DeepSeekV3ModelArgs) -> dict[str, torch.Tensor]:
+def _model_state(spec: ModelSpec, args: ModelArgs) -> dict[str, torch.Tensor]:
     with torch.device("meta"):
-        return DeepSeekV3Model(args).state_dict()
+        return spec.build(args).state_dict()
 
 
 def _cast(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:

@@ -9,6 +9,9 @@ dequantized tensor by tensor as they are read into the model).
     python scripts/generate.py outputs/checkpoint/step-1000 --flavor debugmodel --prompt "Once upon a time" \\
         --temperature 0.8 --top-k 50
 
+    # another model of models/spec.py's MODELS (deepseek_v3 unless given), as --model.name names it in training
+    python scripts/generate.py path/to/Qwen3-30B-A3B --model qwen3_moe --prompt "The capital of France is"
+
 Greedy decoding (--temperature 0, the default), or sampling from softmax(logits / temperature) over the --top-k most
 likely tokens. No KV cache: each new token runs the whole sequence through the trainer's own model again, so what
 is sampled is exactly what the model computes; the quadratic cost is fine for short samples. Decoding stops at the
@@ -44,14 +47,7 @@ from torchtitan.components.checkpoint_folder import (  # noqa: E402
 )
 from torchtitan.components.hf_checkpoint import HFCheckpoint  # noqa: E402
 from torchtitan.datasets.tokenizer import BOS_TOKEN, EOS_TOKEN, resolve_tokenizer_path  # noqa: E402
-from torchtitan.models.deepseek_v3 import (  # noqa: E402
-    DeepSeekV3Model,
-    DeepSeekV3ModelArgs,
-    DeepSeekV3StateDictAdapter,
-    all_flavors,
-)
-from torchtitan.models.deepseek_v3.hf_config import load_hf_config  # noqa: E402
-from torchtitan.models.deepseek_v3.rope import precompute_freqs_cis  # noqa: E402
+from torchtitan.models.spec import MODELS, ModelArgs, ModelSpec, get_model_spec  # noqa: E402
 from torchtitan.tools.cli import OneLineArgumentParser  # noqa: E402
 
 SHIPPED_TOKENIZER = "torchtitan/assets/tokenizer/tokenizer.json"
@@ -65,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, help="sample among the k most likely tokens only (default: all)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--flavor", choices=sorted(all_flavors()), help="model shape preset")
+    parser.add_argument("--model", choices=sorted(MODELS), default="deepseek_v3", help="the model (as --model.name)")
+    parser.add_argument("--flavor", help="model shape preset (the model's flavors, as --model.flavor)")
     parser.add_argument("--hf-config", help="HF config.json giving the model shape (default: the HF folder's)")
     parser.add_argument("--tokenizer", help="`tokenizers` JSON (default: the folder's tokenizer.json, else ours)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -97,7 +94,8 @@ def sample_text(opts: argparse.Namespace) -> str:
         raise ValueError(f"--device {opts.device}: {err}; pass cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: this machine has no usable GPU; pass --device cpu")
-    hf_config, args = _model_shape(opts.checkpoint, opts.hf_config, opts.flavor)
+    spec = get_model_spec(opts.model)
+    hf_config, args = _model_shape(spec, opts.checkpoint, opts.hf_config, opts.flavor)
     shape = f"--hf-config {opts.hf_config}" if opts.hf_config else f"--flavor {opts.flavor}" if opts.flavor else None
     args = inference_args(args)
     tokenizer, bos_id, eos_id = load_tokenizer(opts.tokenizer, opts.checkpoint, hf_config)
@@ -109,7 +107,7 @@ def sample_text(opts: argparse.Namespace) -> str:
     prompt = ([bos_id] if bos_id is not None else []) + tokenizer.encode(opts.prompt, add_special_tokens=False).ids
     if not prompt:
         raise ValueError("the prompt is empty (and the tokenizer has no BOS token): pass a --prompt")
-    model = load_model(opts.checkpoint, args, device, shape or os.path.join(opts.checkpoint, "config.json"))
+    model = load_model(spec, opts.checkpoint, args, device, shape or os.path.join(opts.checkpoint, "config.json"))
     # the weights stay fp32; bf16 computes under autocast, as the trainer's mixed precision does
     bf16 = (opts.dtype or ("bfloat16" if device.type == "cuda" else "float32")) == "bfloat16"
     generator = torch.Generator(device=device).manual_seed(opts.seed)
@@ -123,7 +121,7 @@ def sample_text(opts: argparse.Namespace) -> str:
 
 @torch.no_grad()
 def generate(
-    model: DeepSeekV3Model,
+    model: torch.nn.Module,
     prompt: list[int],
     max_new_tokens: int,
     *,
@@ -166,7 +164,7 @@ def sample(
     return torch.multinomial(probs, 1, generator=generator)[0]
 
 
-def inference_args(args: DeepSeekV3ModelArgs) -> DeepSeekV3ModelArgs:
+def inference_args(args: ModelArgs) -> ModelArgs:
     """The model shape, for inference: causal attention, no MTP modules (sampling uses the main head), and the routed
     experts' per-expert loop in the compute dtype (the grouped GEMMs compute in bf16 whatever the dtype)."""
     moe_args = dataclasses.replace(args.moe_args, use_grouped_mm=False)
@@ -174,14 +172,16 @@ def inference_args(args: DeepSeekV3ModelArgs) -> DeepSeekV3ModelArgs:
 
 
 def load_model(
-    path: str, args: DeepSeekV3ModelArgs, device: torch.device, shape: str = "the model shape given"
-) -> DeepSeekV3Model:
+    spec: ModelSpec, path: str, args: ModelArgs, device: torch.device, shape: str = "the model shape given"
+) -> torch.nn.Module:
     """The model of `args` (given by `shape`: --flavor F, --hf-config P) on `device` (fp32 weights) with the weights
     of the DCP or HF checkpoint at `path`, once the checkpoint's tensors are that model's."""
     with torch.device("meta"):
-        model = DeepSeekV3Model(args)
+        model = spec.build(args)
     model.to_empty(device=device)
-    model.freqs_cis = precompute_freqs_cis(args, device=device)
+    adapter = spec.state_dict_adapter(args)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)  # its buffers (RoPE's table); the weights are the checkpoint's
     state = model.state_dict()  # its tensors are the model's: loading into them loads the model
     if _is_dcp(path):
         verify_checkpoint_files(path, "sample from another checkpoint")
@@ -189,7 +189,7 @@ def load_model(
         prefix = model_key_prefix(entries)
         tensors = {key: entry for key, entry in entries.items() if isinstance(entry, TensorStorageMetadata)}
         held = {key.removeprefix(prefix): entry.size for key, entry in tensors.items() if key.startswith(prefix)}
-        _check_same_model(path, shape, state, held)
+        _check_same_model(path, shape, state, held, adapter.optional_prefixes)
         with warnings.catch_warnings():  # "torch.distributed is disabled ... a single process": yes, on purpose
             warnings.simplefilter("ignore", UserWarning)
             try:
@@ -201,10 +201,10 @@ def load_model(
     else:  # read tensor by tensor into the model (FP8 weights dequantized): the checkpoint is never held whole
         checkpoint = HFCheckpoint(path)
         try:
-            sources = DeepSeekV3StateDictAdapter(args).hf_sources(checkpoint.keys())
+            sources = adapter.hf_sources(checkpoint.keys())
         except ValueError as err:  # names what differs from the model's shape
             raise ValueError(f"{path} holds another model than {shape} builds: {err}; {_SHAPE_FIX}") from None
-        _check_same_model(path, shape, state, checkpoint.shapes(state, sources))
+        _check_same_model(path, shape, state, checkpoint.shapes(state, sources), adapter.optional_prefixes)
         checkpoint.read_into(state, sources)
     return model.eval()
 
@@ -233,8 +233,8 @@ def load_tokenizer(path: str | None, checkpoint: str, hf_config: dict | None) ->
 
 
 def _model_shape(
-    checkpoint: str, hf_config_path: str | None, flavor: str | None
-) -> tuple[dict | None, DeepSeekV3ModelArgs]:
+    spec: ModelSpec, checkpoint: str, hf_config_path: str | None, flavor: str | None
+) -> tuple[dict | None, ModelArgs]:
     """(the HF config.json giving the model shape, its args): --hf-config, else an HF folder's own; for --flavor
     (None, the flavor's args)."""
     given = hf_config_path
@@ -251,8 +251,10 @@ def _model_shape(
             raise ValueError(f"{checkpoint} holds neither a DCP checkpoint (.metadata) nor a Hugging Face config.json; "
                              "pass a checkpoint folder")  # fmt: skip
     if hf_config_path is None:
-        return None, copy.deepcopy(all_flavors()[flavor])
-    return load_hf_config(hf_config_path, "--hf-config" if hf_config_path == given else "config.json")
+        if flavor not in (flavors := spec.flavors()):
+            raise ValueError(f"--flavor {flavor} is no {spec.name} flavor: pass one of {sorted(flavors)}")
+        return None, copy.deepcopy(flavors[flavor])
+    return spec.hf_config_args(hf_config_path, "--hf-config" if hf_config_path == given else "config.json")
 
 
 def _is_dcp(path: str) -> bool:
@@ -262,13 +264,16 @@ def _is_dcp(path: str) -> bool:
 _SHAPE_FIX = "pass the --flavor or --hf-config of the model it holds"
 
 
-def _check_same_model(path: str, shape: str, state: dict[str, torch.Tensor], held: dict[str, Any]) -> None:
+def _check_same_model(
+    path: str, shape: str, state: dict[str, torch.Tensor], held: dict[str, Any], optional_prefixes: tuple[str, ...]
+) -> None:
     """The checkpoint's tensors (`held`: our name -> size) are the model's (`state`) that `shape` builds, or one error
-    naming `shape`. MTP modules are not built here (sampling uses the main head): the checkpoint's are not read."""
+    naming `shape`. Optional modules (DeepSeek-V3's MTP, `optional_prefixes`) are not built here (sampling uses the
+    main head): the checkpoint's are not read."""
     other = f"{path} holds another model than {shape} builds"
     if mismatch := model_mismatch({name: value.shape for name, value in state.items()}, held):
         raise ValueError(f"{other}: {mismatch}; {_SHAPE_FIX}")
-    if extra := sorted(name for name in held if name not in state and not name.startswith("mtp.")):
+    if extra := sorted(name for name in held if name not in state and not name.startswith(optional_prefixes)):
         raise ValueError(f"{other}: it has {len(extra)} tensors more, e.g. {extra[:3]}; {_SHAPE_FIX}")
 
 

@@ -23,7 +23,7 @@ import pickle
 import random
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -73,19 +73,29 @@ __all__ = ["CheckpointError", "CheckpointManager", "StateDictAdapter"]
 
 
 class StateDictAdapter(Protocol):
-    """A model's Hugging Face interop, provided by its package (`DeepSeekV3StateDictAdapter`)."""
+    """A model's Hugging Face interop, provided by its package (`DeepSeekV3StateDictAdapter`,
+    `Qwen3MoEStateDictAdapter`); the checkpoint manager and scripts/convert_hf.py / generate.py use it."""
 
     optional_prefixes: tuple[str, ...]
     """Modules an initial checkpoint may hold none of (DeepSeek-V3's MTP modules): where the model args build them
     anyway, they keep their fresh init."""
 
-    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+    def to_hf(self, state_dict: dict[str, torch.Tensor], drop_selection_bias: bool = False) -> dict[str, torch.Tensor]:
+        """The model's state dict under HF names; ValueError where the format cannot hold it faithfully (a trained
+        selection bias its transformers class ignores, unless `drop_selection_bias`)."""
 
     def hf_sources(self, hf_keys: Iterable[str]) -> dict[str, HFSource]:
         """Which of the HF tensors `hf_keys` make each model tensor (ValueError: another model's checkpoint)."""
 
     def hf_config(self) -> dict[str, Any] | None:
         """A config.json for exports, or None."""
+
+    def is_fp8_weight(self, hf_key: str) -> bool:
+        """Whether an FP8 export with block scales stores this HF weight in float8_e4m3fn."""
+
+    def args_for_checkpoint(self, keys: Collection[str], path: str, *, in_hf: bool, requested: bool, flag: str) -> Any:
+        """The model args to build for starting from the checkpoint at `path` (tensor names `keys`, HF's if `in_hf`):
+        the adapter's, less the optional modules it holds none of unless `requested` (by the user's `flag`)."""
 
 
 class CheckpointManager:

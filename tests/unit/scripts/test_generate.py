@@ -12,6 +12,7 @@ from tests.unit.models.deepseek_v3.test_convert_hf import convert_hf
 from tests.unit.models.deepseek_v3.transformers_checkpoints import load_transformers_model, save_transformers_checkpoint
 from torchtitan.components.checkpoint_folder import FORMAT_MODEL_ONLY, publish, write_rank_checksums
 from torchtitan.datasets.tokenizer import Tokenizer, resolve_tokenizer_path
+from torchtitan.models.spec import get_model_spec
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,8 +39,9 @@ def _transformers_greedy(hf_folder, prompt: list[int], max_new_tokens: int) -> l
 @pytest.mark.parametrize("case, way", [("default", "hf"), ("default", "dcp"), ("yarn", "hf")])
 def test_greedy_output_equals_transformers_greedy_output(case, way, tmp_path):
     hf_folder, checkpoint = _checkpoint(tmp_path, case, way)
-    config, args = generate._model_shape(str(checkpoint), str(hf_folder / "config.json"), None)
-    model = generate.load_model(str(checkpoint), generate.inference_args(args), torch.device("cpu"))
+    spec = get_model_spec("deepseek_v3")
+    config, args = generate._model_shape(spec, str(checkpoint), str(hf_folder / "config.json"), None)
+    model = generate.load_model(spec, str(checkpoint), generate.inference_args(args), torch.device("cpu"))
     ours = generate.generate(model, PROMPT, 24, eos_id=config["eos_token_id"])
     assert ours == _transformers_greedy(hf_folder, PROMPT, 24)
     assert len(set(ours)) > 3  # a real continuation, not one token repeated

@@ -10,6 +10,7 @@ DeepSeek's own releases are FP8: `is_fp8_weight` names the weights stored as flo
 `HFCheckpoint` dequantizes as it reads them (`hf_sources` says which HF tensors make each of ours).
 """
 
+import dataclasses
 import logging
 import re
 from collections.abc import Collection, Iterable
@@ -175,6 +176,19 @@ class DeepSeekV3StateDictAdapter:
             for name in _OURS_ONLY:
                 sources[f"layers.{i}.moe.{name}"] = HFSource()
         return {_layer_to_mtp_key(key, n_layers): source for key, source in sources.items()}
+
+    def is_fp8_weight(self, hf_key: str) -> bool:
+        """Whether DeepSeek's FP8 releases store this HF weight as float8_e4m3fn with block scales (`is_fp8_weight`):
+        what `scripts/convert_hf.py to-hf --fp8-blocks` quantizes."""
+        return is_fp8_weight(hf_key)
+
+    def args_for_checkpoint(
+        self, keys: Collection[str], path: str, *, in_hf: bool, requested: bool, flag: str
+    ) -> DeepSeekV3ModelArgs:
+        """The args to build for starting from the checkpoint at `path` (tensor names `keys`, HF's if `in_hf`): these,
+        with the MTP modules it holds (`mtp_layers_for_checkpoint`; `requested`: the user's `flag` asked for them)."""
+        mtp_layers = mtp_layers_for_checkpoint(self.model_args, keys, path, in_hf=in_hf, requested=requested, flag=flag)
+        return dataclasses.replace(self.model_args, mtp_layers=mtp_layers)
 
 
 def is_fp8_weight(hf_key: str) -> bool:
