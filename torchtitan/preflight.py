@@ -73,10 +73,12 @@ def check_layout(job_config: JobConfig, world_size: int, this_host: bool = False
     """The checks that need the world size or the model shape. this_host: also what depends on the machine running
     the check (the tokenizer file, a GPU, installed packages); a plan for another cluster (`torchtitan.plan`) leaves
     those out."""
+    from torchtitan.components.optimizer import check_optimizer
     from torchtitan.distributed.degrees import check_parallel_dims
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.models.spec import get_model_spec
 
+    check_optimizer(job_config)
     parallel_dims = ParallelDims.from_config(job_config.parallelism, world_size)
     spec = get_model_spec(job_config.model.name)
     model_args = spec.model_args(job_config)

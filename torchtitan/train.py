@@ -34,7 +34,7 @@ from torchtitan.components.loss import (
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.master_weights import store_weights_in_bf16
 from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.components.optimizer import build_optimizers, updates_master_weights
+from torchtitan.components.optimizer import build_optimizers, masters_updated_by, updates_master_weights
 from torchtitan.components.run_lock import DumpFolderBusyError, acquire_dump_folder, exit_with_parent
 from torchtitan.components.step_log import StepLog
 from torchtitan.components.update_rms import adam_update_rms
@@ -195,7 +195,7 @@ class Trainer:
         """What computes in bf16 is stored in bf16 where the optimizer updates fp32 masters (master_weights.py): no
         cast per use. Returns the masters' low bits for the optimizer, or None (weights stay as they are)."""
         job_config, bf16_modules = self.job_config, ()
-        if autocast_dtype == torch.bfloat16 and updates_master_weights(job_config.optimizer):
+        if autocast_dtype == torch.bfloat16 and updates_master_weights(job_config):
             bf16_modules = (nn.Linear, GroupedExperts)
         elif job_config.training.mixed_precision_param == "bfloat16" and experts_outside_fsdp:
             bf16_modules = (GroupedExperts,)  # FSDP casts the rest; these it does not wrap
@@ -203,7 +203,7 @@ class Trainer:
             if autocast_dtype is not None:
                 logger.info(
                     "weights stay fp32, cast by autocast at every use: bf16 weights need optimizers that update fp32 "
-                    "masters (AdamW or Muon with implementation 'triton')"
+                    f"masters ({masters_updated_by()})"
                 )
             return None
         # several backwards per step (accumulation, pipeline micro-batches) sum their gradients in fp32

@@ -56,7 +56,7 @@ def main() -> None:
         job_config = JobConfig()
         job_config.optimizer.name = name
         job_config.optimizer.lr = LR
-        job_config.optimizer.muon_ns_steps = args.ns_steps
+        job_config.muon.ns_steps = args.ns_steps
         optimizers = build_optimizers([model], job_config, low_bits)
         step = clipped_step(optimizers, params)
         if device.type == "cuda":

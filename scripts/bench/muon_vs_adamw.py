@@ -6,10 +6,10 @@ update scaled to AdamW's RMS): step time, memory and the loss curve.
         --metrics.enable_tensorboard=false
     python scripts/bench/muon_vs_adamw.py --name 16b8L_1gpu --ngpu 1 --steps 300 -- <the same flags>
 
-With --match-update-rms, AdamW runs first with `--metrics.log_update_rms` and Muon then with `--optimizer.
-muon_update_rms` r: AdamW's update RMS over Muon's parameter groups (weighted by their sizes), averaged over the steps
-weighted by their lr (so that both move the weights as far over the run): Moonlight's recipe with this job's AdamW
-RMS in place of the 0.2 it measured on its own runs.
+With --match-update-rms, AdamW runs first with `--metrics.log_update_rms` and Muon then with `--muon.update_rms` r:
+AdamW's update RMS over Muon's parameter groups (weighted by their sizes), averaged over the steps weighted by their
+lr (so that both move the weights as far over the run): Moonlight's recipe with this job's AdamW RMS in place of the
+0.2 it measured on its own runs.
 
 Each run is `scripts/bench/e2e.py`'s (run_train.sh with the job's config, steady-state steps after --warmup-steps),
 named `e2e_<name>_<adamw|muon>_<steps>steps[_r<i>]`; with --repeats the runs alternate AdamW, Muon, AdamW, ... The
@@ -67,7 +67,7 @@ def muon_group_sizes(config: str, train_args: list[str]) -> dict[str, int]:
     spec = get_model_spec(job.model.name)
     with torch.device("meta"):
         model = spec.build(spec.model_args(job))
-    sizes = dict.fromkeys(job.optimizer.muon_groups, 0)
+    sizes = dict.fromkeys(job.muon.groups, 0)
     for param, group in group_parameters(model).items():
         if group in sizes:
             sizes[group] += param.numel()
@@ -116,7 +116,7 @@ def main() -> int:
                     sizes = muon_group_sizes(args.config, train_args)
                     matched = {"muon_update_rms": adamw_update_rms(adamw, sizes), "group_sizes": sizes}
                     print(json.dumps(matched))
-                optimizer_args += ["--optimizer.muon_update_rms", f"{matched['muon_update_rms']:.4f}"]
+                optimizer_args += ["--muon.update_rms", f"{matched['muon_update_rms']:.4f}"]
             result = train_and_measure(
                 run_name, args.ngpu, args.config, [*train_args, *optimizer_args], args.warmup_steps
             )

@@ -45,6 +45,12 @@ class MultiTensorAdamW(torch.optim.Optimizer):
 
     folds_grad_scale = True  # OptimizersContainer.step(grad_scale=...) passes the clip coefficient here
     updates_master_weights = True  # bf16 weights may be stored with fp32 masters (master_weights.py)
+    bf16_moments = True  # moments_dtype=torch.bfloat16 keeps both moments in bf16
+
+    @staticmethod
+    def state_bytes(moments_dtype: torch.dtype) -> int:
+        """Optimizer state per parameter: the two moments (the step count is one scalar per tensor)."""
+        return 2 * moments_dtype.itemsize
 
     def __init__(
         self,

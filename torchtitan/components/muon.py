@@ -68,6 +68,18 @@ class Muon(torch.optim.Optimizer):
     folds_grad_scale = True  # OptimizersContainer.step(grad_scale=...) passes the clip coefficient here
     updates_master_weights = True  # bf16 weights may be stored with fp32 masters (master_weights.py)
 
+    @staticmethod
+    def state_bytes(moments_dtype: torch.dtype) -> int:
+        """Optimizer state per parameter: one momentum buffer, fp32 (the masters' dtype, or the fp32 weights');
+        Adam's `moments_dtype` does not apply."""
+        return 4
+
+    @staticmethod
+    def step_flops(shape: tuple[int, ...], ns_steps: int = 5, **settings: Any) -> int:
+        """FLOPs of one step on a parameter of `shape` under the constructor's settings: its Newton-Schulz
+        iteration's GEMMs (`newton_schulz_flops`); the elementwise updates around them are memory-bound."""
+        return newton_schulz_flops(shape, ns_steps)
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],

@@ -3,13 +3,13 @@
 Each parameter falls in one group by rule (`parameter_group`): `matrices` (attention and MLP weights), `experts` (the
 routed experts' stacked (E, out, in) weights), `embeddings`, `head`, `router_gate`, `norms_and_biases`. Per part:
 `--optimizer.name AdamW` (or `Adam`) steps every parameter, weight decay on all (norms, embeddings too, as
-torchtitan); `Muon` steps the groups of `optimizer.muon_groups` (`muon.py`) and AdamW the others, both with the job's
-lr and weight decay (Moonlight's recipe). AdamW is `MultiTensorAdamW` (adamw.py) for implementation `triton`, else
+torchtitan); `Muon` steps the groups of `muon.groups` (`muon.py`) and AdamW the others, both with the job's lr and
+weight decay (Moonlight's recipe). AdamW is `MultiTensorAdamW` (adamw.py) for implementation `triton`, else
 torch.optim's.
 
-What an optimizer needs of the model it declares as class attributes, which the trainer and parallelize read through
-this module instead of testing names: `updates_master_weights` (bf16 weights stored with fp32 masters it updates,
-`master_weights.py`) and `folds_grad_scale` (`step(grad_scale=c)`: gradient clipping folded into the update).
+`OPTIMIZERS` is one row per name: the classes it builds and the config section of its own settings. What a class can
+do (update fp32 masters, fold clipping, keep bf16 moments) and costs (state bytes, step FLOPs) it declares itself
+(`OptimizerRow`); config checks, the trainer, parallelize and the plan ask through this module, never test names.
 
 The container's state dict is the *flattened* optimizer state dict of `torch.distributed.checkpoint.state_dict`:
 keys are parameter FQNs (`state.layers.0.wq.weight.exp_avg`, `...momentum_buffer` under Muon), values DTensors where
@@ -18,9 +18,11 @@ layout. torch.optim.AdamW and MultiTensorAdamW save the same keys; an AdamW chec
 the reverse (`resume_mismatch`).
 """
 
+import dataclasses
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,18 +32,25 @@ from torch.utils.hooks import RemovableHandle
 
 from torchtitan.components.adamw import MultiTensorAdamW
 from torchtitan.components.muon import Muon
+from torchtitan.config import ConfigError
 from torchtitan.config.job_config import PARAMETER_GROUPS, JobConfig
 from torchtitan.tools.dtypes import DTYPES
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "OPTIMIZERS",
     "PARAMETER_GROUPS",
+    "OptimizerRow",
     "OptimizersContainer",
     "build_optimizers",
+    "check_optimizer",
     "group_parameters",
-    "muon_groups",
+    "grouped_step_flops",
+    "keeps_bf16_moments",
+    "masters_updated_by",
     "parameter_group",
+    "section_groups",
     "state_bytes_per_parameter",
     "updates_master_weights",
 ]
@@ -171,22 +180,109 @@ def group_parameters(model_part: nn.Module) -> dict[nn.Parameter, str]:
     return groups
 
 
-def updates_master_weights(config: Any) -> bool:
-    """Whether every optimizer that `config` (JobConfig.optimizer) builds updates fp32 masters of bf16 weights."""
-    return all(getattr(cls, "updates_master_weights", False) for cls in _optimizer_classes(config))
+@dataclass(frozen=True)
+class OptimizerRow:
+    """What one `--optimizer.name` builds (a row of `OPTIMIZERS`). What each class can do it declares itself, and the
+    functions below ask it: the class attributes `updates_master_weights` (bf16 weights stored with fp32 masters it
+    updates, `master_weights.py`), `folds_grad_scale` (`step(grad_scale=c)`: gradient clipping folded into the
+    update) and `bf16_moments` (`moments_dtype=torch.bfloat16`), `state_bytes(moments_dtype)` (optimizer state per
+    parameter) and, for `grouped`, `step_flops(shape, **settings)`. torch.optim's classes declare none of them: no
+    masters, clipping apart, two moments in the parameters' dtype."""
+
+    base: Mapping[str, type[torch.optim.Optimizer]]
+    """Per `optimizer.implementation` the row runs: the class that steps every parameter `grouped` does not take (all
+    of them without `grouped`) with the job's lr, betas, eps and weight decay. An implementation missing here runs
+    `fused`."""
+
+    grouped: type[torch.optim.Optimizer] | None = None
+    """The class that steps the parameter groups its section names (`<section>.groups`), with the job's lr and weight
+    decay and the section's other settings as keyword arguments."""
+
+    section: str | None = None
+    """`grouped`'s section of JobConfig: settings that apply under this row only (`check_optimizer`)."""
+
+    def base_class(self, implementation: str) -> type[torch.optim.Optimizer]:
+        return self.base.get(implementation, self.base["fused"])
+
+    def classes(self, implementation: str) -> list[type[torch.optim.Optimizer]]:
+        """The classes the row builds with `implementation` (`fused` may still fall back to `foreach` within torch's
+        class where the device has no fused kernel)."""
+        base = self.base_class(implementation)
+        return [self.grouped, base] if self.grouped is not None else [base]
 
 
-def muon_groups(config: Any) -> tuple[str, ...]:
-    """The parameter groups Muon steps under `config` (JobConfig.optimizer): none unless the optimizer is Muon."""
-    return tuple(config.muon_groups) if config.name == "Muon" else ()
+_ADAMW = {"triton": MultiTensorAdamW} | dict.fromkeys(("fused", "foreach", "for-loop"), torch.optim.AdamW)
+
+OPTIMIZERS: dict[str, OptimizerRow] = {
+    "AdamW": OptimizerRow(_ADAMW),
+    "Adam": OptimizerRow(dict.fromkeys(("fused", "foreach", "for-loop"), torch.optim.Adam)),
+    "Muon": OptimizerRow(_ADAMW, grouped=Muon, section="muon"),
+}
+"""Every `--optimizer.name` and what it builds. A new optimizer is its class, a row here, and in job_config.py its name
+among `Optimizer.name`'s choices and the section of its own settings, if any (a test holds the names equal)."""
 
 
-def state_bytes_per_parameter(config: Any) -> dict[str, int]:
-    """{parameter group: bytes of optimizer state per parameter} of the optimizers `config` (JobConfig.optimizer)
-    builds: Adam's two moments, in `moments_dtype` where `MultiTensorAdamW` keeps them so, else fp32 (the weights' or
-    their masters' dtype); Muon's momentum buffer for its groups, fp32 for the same reason."""
-    moment = DTYPES[config.moments_dtype].itemsize if _adam_class(config) is MultiTensorAdamW else 4
-    return {group: 4 if group in muon_groups(config) else 2 * moment for group in PARAMETER_GROUPS}
+def check_optimizer(job_config: JobConfig) -> None:
+    """What the table allows of the job's optimizer settings (preflight, before any process group): a
+    `moments_dtype` other than fp32 only where the base class keeps moments so, and a row's section set under that
+    row only (it would silently not apply). Raises ConfigError naming the fix."""
+    config, defaults = job_config.optimizer, JobConfig()
+    row = OPTIMIZERS[config.name]
+    if config.moments_dtype != "float32" and not _bf16_moments(row, config.implementation):
+        raise ConfigError(
+            f"optimizer.moments_dtype={config.moments_dtype} needs an update that keeps its moments so "
+            f"({_which(_bf16_moments)}), got {config.name} with {config.implementation!r}; switch to it or "
+            "drop --optimizer.moments_dtype"
+        )
+    for name, other in OPTIMIZERS.items():
+        if other.section is None or other.section == row.section:
+            continue
+        settings, default = getattr(job_config, other.section), getattr(defaults, other.section)
+        for field in dataclasses.fields(settings):
+            if getattr(settings, field.name) != getattr(default, field.name):
+                raise ConfigError(
+                    f"{other.section}.{field.name} applies to --optimizer.name {name}, got {config.name}; pass "
+                    f"--optimizer.name {name} or drop it"
+                )
+
+
+def updates_master_weights(job_config: JobConfig) -> bool:
+    """Whether every optimizer the job builds updates fp32 masters of bf16 weights."""
+    return _updates_masters(OPTIMIZERS[job_config.optimizer.name], job_config.optimizer.implementation)
+
+
+def keeps_bf16_moments(job_config: JobConfig) -> bool:
+    """Whether `--optimizer.moments_dtype bfloat16` applies to the job's optimizer (its Adam moments)."""
+    return _bf16_moments(OPTIMIZERS[job_config.optimizer.name], job_config.optimizer.implementation)
+
+
+def masters_updated_by() -> str:
+    """The optimizer settings whose classes all update fp32 masters, for messages."""
+    return _which(_updates_masters)
+
+
+def section_groups(job_config: JobConfig) -> tuple[str, ...]:
+    """The parameter groups the job's optimizer gives its `grouped` class (Muon's `muon.groups`); () without one."""
+    row = OPTIMIZERS[job_config.optimizer.name]
+    return tuple(getattr(job_config, row.section).groups) if row.grouped is not None else ()
+
+
+def state_bytes_per_parameter(job_config: JobConfig) -> dict[str, int]:
+    """{parameter group: bytes of optimizer state per parameter} of the optimizers the job builds, as their classes
+    state them (torch.optim's Adam(W): two fp32 moments, the dtype of the weights or FSDP's shards they run on)."""
+    config = job_config.optimizer
+    row, moments_dtype = OPTIMIZERS[config.name], DTYPES[config.moments_dtype]
+    base = _state_bytes(row.base_class(config.implementation), moments_dtype)
+    grouped = _state_bytes(row.grouped, moments_dtype) if row.grouped is not None else base
+    own = section_groups(job_config)
+    return {group: grouped if group in own else base for group in PARAMETER_GROUPS}
+
+
+def grouped_step_flops(job_config: JobConfig, shape: tuple[int, ...]) -> float:
+    """FLOPs of one step of the job's `grouped` class (Muon's Newton-Schulz iteration) on a parameter of `shape`;
+    0 without one."""
+    row = OPTIMIZERS[job_config.optimizer.name]
+    return row.grouped.step_flops(shape, **_settings(job_config)) if row.grouped is not None else 0.0
 
 
 def build_optimizers(
@@ -197,68 +293,79 @@ def build_optimizers(
     """The optimizers of every model part (module docstring). master_low_bits: {bf16 parameter: the low bits of its
     fp32 master} (`store_weights_in_bf16`), which the optimizers update; needs `updates_master_weights`."""
     config = job_config.optimizer
-    if master_low_bits and not updates_master_weights(config):
+    if master_low_bits and not updates_master_weights(job_config):
         raise ValueError(
-            f"fp32 master weights need optimizers that update them (AdamW or Muon with implementation 'triton'), "
-            f"got {config.name} with {config.implementation!r}"
+            f"fp32 master weights need optimizers that update them ({masters_updated_by()}), got {config.name} "
+            f"with {config.implementation!r}"
         )
-    adam_class, adam_kwargs = _adam(config, model_parts, master_low_bits)
+    row, own = OPTIMIZERS[config.name], section_groups(job_config)
+    base_class, base_kwargs = _base(job_config, model_parts, master_low_bits)
     optimizers_per_part = []
     for part in model_parts:
         groups = group_parameters(part)
-        muon_params = [param for param, group in groups.items() if group in muon_groups(config)]
-        adam_params = [param for param, group in groups.items() if group not in muon_groups(config)]
+        grouped_params = [param for param, group in groups.items() if group in own]
+        base_params = [param for param, group in groups.items() if group not in own]
         optimizers: list[torch.optim.Optimizer] = []
-        if muon_params:
+        if grouped_params:
             optimizers.append(
-                Muon(
-                    muon_params,
+                row.grouped(
+                    grouped_params,
                     lr=config.lr,
                     weight_decay=config.weight_decay,
-                    momentum=config.muon_momentum,
-                    nesterov=config.muon_nesterov,
-                    ns_steps=config.muon_ns_steps,
-                    update_scale=config.muon_update_scale,
-                    update_rms=config.muon_update_rms,
                     master_low_bits=master_low_bits,
+                    **_settings(job_config),
                 )
             )
-        if adam_params:
-            optimizers.append(adam_class(adam_params, **adam_kwargs))
+        if base_params:
+            optimizers.append(base_class(base_params, **base_kwargs))
         optimizers_per_part.append(optimizers)
     return OptimizersContainer(model_parts, optimizers_per_part)
 
 
-def _optimizer_classes(config: Any) -> list[type[torch.optim.Optimizer]]:
-    """The classes `build_optimizers` builds from `config` (the implementation `fused` may still fall back to
-    `foreach` within torch's class)."""
-    adam = _adam_class(config)
-    return [Muon, adam] if config.name == "Muon" else [adam]
+def _updates_masters(row: OptimizerRow, implementation: str) -> bool:
+    return all(getattr(cls, "updates_master_weights", False) for cls in row.classes(implementation))
 
 
-def _adam_class(config: Any) -> type[torch.optim.Optimizer]:
-    """AdamW for `AdamW` and beside Muon, `MultiTensorAdamW` with implementation `triton`; torch's Adam for `Adam`."""
-    if config.name == "Adam":
-        return torch.optim.Adam
-    return MultiTensorAdamW if config.implementation == "triton" else torch.optim.AdamW
+def _bf16_moments(row: OptimizerRow, implementation: str) -> bool:
+    return getattr(row.base_class(implementation), "bf16_moments", False)
 
 
-def _adam(
-    config: Any, model_parts: list[nn.Module], master_low_bits: dict[torch.Tensor, torch.Tensor] | None
+def _state_bytes(cls: type[torch.optim.Optimizer], moments_dtype: torch.dtype) -> int:
+    return cls.state_bytes(moments_dtype) if hasattr(cls, "state_bytes") else 2 * 4  # torch.optim's: 2 fp32 moments
+
+
+def _which(holds: Callable[[OptimizerRow, str], bool]) -> str:
+    """The names and implementations for which `holds`, for messages: `--optimizer.name AdamW or Muon with
+    --optimizer.implementation triton`."""
+    pairs = [(name, impl) for name, row in OPTIMIZERS.items() for impl in row.base if holds(row, impl)]
+    names = " or ".join(dict.fromkeys(name for name, _ in pairs))
+    implementations = " or ".join(dict.fromkeys(impl for _, impl in pairs))
+    return f"--optimizer.name {names} with --optimizer.implementation {implementations}"
+
+
+def _settings(job_config: JobConfig) -> dict[str, Any]:
+    """The keyword arguments of the row's `grouped` class from its section: every setting but its `groups`."""
+    section = getattr(job_config, OPTIMIZERS[job_config.optimizer.name].section)
+    return {field.name: getattr(section, field.name) for field in dataclasses.fields(section) if field.name != "groups"}
+
+
+def _base(
+    job_config: JobConfig, model_parts: list[nn.Module], master_low_bits: dict[torch.Tensor, torch.Tensor] | None
 ) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
-    """The Adam(W) class and its keyword arguments, the implementation resolved once for every part."""
-    cls = _adam_class(config)
+    """The row's base class and its keyword arguments, the implementation resolved once for every part."""
+    config = job_config.optimizer
+    row, implementation = OPTIMIZERS[config.name], config.implementation
     kwargs: dict[str, Any] = dict(
         lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, weight_decay=config.weight_decay
     )
-    if cls is MultiTensorAdamW:
-        kwargs["master_low_bits"] = master_low_bits
-        kwargs["moments_dtype"] = DTYPES[config.moments_dtype] if config.moments_dtype != "float32" else None
-        return cls, kwargs
-    implementation = config.implementation
-    if implementation == "triton":
-        logger.info("optimizer.implementation='triton' implements AdamW only; Adam uses torch's 'fused'")
+    if implementation not in row.base:
+        logger.info(f"optimizer.implementation={implementation!r} has no {config.name} update; it uses torch's 'fused'")
         implementation = "fused"
+    cls = row.base_class(implementation)
+    if implementation == "triton":  # ours (MultiTensorAdamW): the masters and the moments' dtype, one kernel
+        moments_dtype = DTYPES[config.moments_dtype] if config.moments_dtype != "float32" else None
+        return cls, kwargs | {"master_low_bits": master_low_bits, "moments_dtype": moments_dtype}
+    # torch.optim's kernels, chosen by its flags
     if implementation == "fused":
         unsupported = _devices_without_fused_kernel(p for part in model_parts for p in part.parameters())
         if unsupported:

@@ -47,15 +47,16 @@ class Model:
 
 
 PARAMETER_GROUPS = ("matrices", "experts", "embeddings", "head", "router_gate", "norms_and_biases")
-"""The optimizer's parameter groups (components/optimizer.py assigns them; Muon takes those `muon_groups` names)."""
+"""The optimizer's parameter groups (components/optimizer.py assigns them; Muon takes those `muon.groups` names)."""
 
 
 @dataclass
 class Optimizer:
     name: Literal["AdamW", "Adam", "Muon"] = "AdamW"
     """`AdamW` / `Adam`: one update for every parameter (weight decay on all). `Muon`: Muon (Newton-Schulz
-    orthogonalized momentum) for the parameter groups of `muon_groups`, AdamW for the rest, both with this lr and
-    weight decay: Moonlight's update rule (components/optimizer.py, components/muon.py; docs/optimizers.md)."""
+    orthogonalized momentum) for the parameter groups of `muon.groups`, AdamW for the rest, both with this lr and
+    weight decay: Moonlight's update rule (components/optimizer.py's OPTIMIZERS, components/muon.py;
+    docs/optimizers.md)."""
 
     lr: float = 8e-4
     """Peak learning rate."""
@@ -82,28 +83,33 @@ class Optimizer:
     """Dtype of Adam's two moments. `bfloat16` (AdamW, alone or beside Muon, with implementation `triton`) saves 4
     bytes per parameter; the update still runs in fp32 on fp32 master weights."""
 
-    muon_groups: list[str] = field(default_factory=lambda: ["matrices", "experts"])
-    """Muon: the parameter groups it updates (AdamW the others): `matrices` (attention projections, dense and shared
+
+@dataclass
+class Muon:
+    """Muon's own settings (components/muon.py, docs/optimizers.md): each applies under `--optimizer.name Muon` only."""
+
+    groups: list[str] = field(default_factory=lambda: ["matrices", "experts"])
+    """The parameter groups Muon updates (AdamW the others): `matrices` (attention projections, dense and shared
     experts' MLPs), `experts` (routed experts, each expert's matrix on its own), `embeddings`, `head`, `router_gate`.
     Norms and biases always take AdamW. The default keeps the router gate on AdamW (this project's choice); Moonlight
     and Megatron-LM give Muon every matrix but the embeddings and the head: `matrices,experts,router_gate`."""
 
-    muon_momentum: float = 0.95
-    """Muon: momentum mu of B = mu B + (1 - mu) grad."""
+    momentum: float = 0.95
+    """Momentum mu of B = mu B + (1 - mu) grad."""
 
-    muon_nesterov: bool = True
-    """Muon: orthogonalize (1 - mu) grad + mu B (Nesterov momentum) instead of B."""
+    nesterov: bool = True
+    """Orthogonalize (1 - mu) grad + mu B (Nesterov momentum) instead of B."""
 
-    muon_ns_steps: int = 5
-    """Muon: Newton-Schulz iterations per update (Keller Jordan's quintic, coefficients 3.4445, -4.7750, 2.0315)."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations per update (Keller Jordan's quintic, coefficients 3.4445, -4.7750, 2.0315)."""
 
-    muon_update_scale: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
-    """Muon: per A x B matrix, the orthogonalized update times muon_update_rms x sqrt(max(A, B))
-    (`match_rms_adamw`: the update RMS AdamW has, so AdamW's lr and weight decay carry over, Moonlight's recipe), or
-    sqrt(max(1, A / B)) (`original`, Keller Jordan's, for an lr tuned for Muon)."""
+    update_scale: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """Per A x B matrix, the orthogonalized update times update_rms x sqrt(max(A, B)) (`match_rms_adamw`: the update
+    RMS AdamW has, so AdamW's lr and weight decay carry over, Moonlight's recipe), or sqrt(max(1, A / B))
+    (`original`, Keller Jordan's, for an lr tuned for Muon)."""
 
-    muon_update_rms: float = 0.2
-    """Muon with `match_rms_adamw`: the update RMS to match. 0.2 is what Moonlight measured of AdamW on its runs;
+    update_rms: float = 0.2
+    """With `match_rms_adamw`: the update RMS to match. 0.2 is what Moonlight measured of AdamW on its runs;
     `--metrics.log_update_rms` logs what AdamW does on yours (docs/optimizers.md)."""
 
 
@@ -345,7 +351,7 @@ class Metrics:
 
     log_update_rms: bool = False
     """At each logged step, the RMS of Adam's update per parameter group (`update_rms/<group>`: matrices, experts,
-    ...), read from its moments: what `--optimizer.muon_update_rms` matches. Costs a pass over the moments and one
+    ...), read from its moments: what `--muon.update_rms` matches. Costs a pass over the moments and one
     all-reduce per logged step."""
 
 
@@ -427,6 +433,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     deepep: DeepEP = field(default_factory=DeepEP)
     optimizer: Optimizer = field(default_factory=Optimizer)
+    muon: Muon = field(default_factory=Muon)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)

@@ -121,7 +121,7 @@ def validate(job_config: JobConfig) -> None:
     or the model live in preflight, which runs after this."""
     _check_numbers(job_config)
     _check_batch_and_layout(job_config)
-    _check_optimizer(job_config.optimizer)
+    _check_muon(job_config.muon)
     _check_features(job_config)
 
 
@@ -183,16 +183,6 @@ def _check_batch_and_layout(job_config: JobConfig) -> None:
     # the token exchange's settings (the backends' own, the capacity factor): `models/moe/exchange.py` (preflight)
 
 
-def _check_optimizer(opt: Any) -> None:
-    _require(
-        opt.moments_dtype == "float32" or (opt.name in ("AdamW", "Muon") and opt.implementation == "triton"),
-        f"optimizer.moments_dtype={opt.moments_dtype} needs the update that keeps fp32 masters (--optimizer.name "
-        f"AdamW or Muon with --optimizer.implementation triton), got {opt.name} with {opt.implementation!r}; switch "
-        "to it or drop --optimizer.moments_dtype",
-    )
-    _check_muon(opt)
-
-
 def _check_features(job_config: JobConfig) -> None:
     """Checkpointing, compile and activation checkpointing: options that would silently do nothing or the wrong
     thing."""
@@ -238,27 +228,20 @@ def _check_features(job_config: JobConfig) -> None:
 _MUON_GROUPS = tuple(group for group in PARAMETER_GROUPS if group != "norms_and_biases")  # norms take AdamW
 
 
-def _check_muon(opt: Any) -> None:
-    """Muon's knobs: its groups, and none of them set for another optimizer (it would silently not apply)."""
-    unknown = [group for group in opt.muon_groups if group not in _MUON_GROUPS]
+def _check_muon(muon: Any) -> None:
+    """Muon's section on its own: its groups, and update_rms only where it applies. Which optimizer may take the
+    section, and which may keep bf16 moments, the optimizers' table says (components/optimizer.py's
+    `check_optimizer`, run by preflight)."""
+    unknown = [group for group in muon.groups if group not in _MUON_GROUPS]
     _require(
-        bool(opt.muon_groups) and not unknown and len(set(opt.muon_groups)) == len(opt.muon_groups),
-        f"optimizer.muon_groups must name each of {', '.join(_MUON_GROUPS)} at most once and at least one of them, "
-        f"got {opt.muon_groups}; pass e.g. --optimizer.muon_groups matrices,experts",
+        bool(muon.groups) and not unknown and len(set(muon.groups)) == len(muon.groups),
+        f"muon.groups must name each of {', '.join(_MUON_GROUPS)} at most once and at least one of them, "
+        f"got {muon.groups}; pass e.g. --muon.groups matrices,experts",
     )
     _require(
-        opt.muon_update_scale == "match_rms_adamw" or opt.muon_update_rms == type(opt)().muon_update_rms,
-        "optimizer.muon_update_rms applies to --optimizer.muon_update_scale match_rms_adamw, got "
-        f"{opt.muon_update_scale}; drop one of them",
+        muon.update_scale == "match_rms_adamw" or muon.update_rms == type(muon)().update_rms,
+        f"muon.update_rms applies to --muon.update_scale match_rms_adamw, got {muon.update_scale}; drop one of them",
     )
-    if opt.name == "Muon":
-        return
-    defaults = type(opt)()
-    for name in (f.name for f in dataclasses.fields(opt) if f.name.startswith("muon_")):
-        _require(
-            getattr(opt, name) == getattr(defaults, name),
-            f"optimizer.{name} applies to --optimizer.name Muon, got {opt.name}; pass --optimizer.name Muon or drop it",
-        )
 
 
 def memory_budget_applies(job_config: JobConfig) -> bool:
@@ -272,7 +255,7 @@ def memory_budget_applies(job_config: JobConfig) -> bool:
 _POSITIVE_KEYS = (
     "training.seq_len training.steps training.local_batch_size training.gc_freq metrics.log_freq checkpoint.interval "
     "profiling.profile_freq comm.init_timeout_seconds comm.train_timeout_seconds validation.freq validation.steps "
-    "parallelism.fsdp_blocks_per_unit optimizer.muon_ns_steps"
+    "parallelism.fsdp_blocks_per_unit muon.ns_steps"
 ).split()
 _DEGREE_KEYS = (
     "parallelism.data_parallel_replicate_degree parallelism.tensor_parallel_degree parallelism.context_parallel_degree "
@@ -297,8 +280,8 @@ _RANGES = (
     ("optimizer.beta2", lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
     ("optimizer.eps", lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
     ("optimizer.weight_decay", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
-    ("optimizer.muon_momentum", lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
-    ("optimizer.muon_update_rms", lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
+    ("muon.momentum", lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+    ("muon.update_rms", lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
     ("checkpoint.keep_latest_k", lambda v: v >= 0, ">= 0 (0 keeps all)"),
     ("checkpoint.load_step", lambda v: v == -1 or v >= 1, "-1 (the latest checkpoint) or a step >= 1"),
     ("activation_checkpoint.num_blocks", lambda v: v >= -1, "-1 (every block) or a number of blocks >= 0"),
@@ -384,6 +367,10 @@ RENAMED_KEYS = {
     "parallelism.deepep_num_sms": "deepep.num_sms",
     "parallelism.deepep_sync_free_dispatch": "deepep.sync_free_dispatch",
     "quantize.float8_dispatch": "deepep.float8_dispatch",
+    **{
+        f"optimizer.muon_{name}": f"muon.{name}"
+        for name in ("groups", "momentum", "nesterov", "ns_steps", "update_scale", "update_rms")
+    },
 }
 """Old key -> its name now: the old one is refused, naming the new one (`renamed_flag` spells an old command's flag
 as today's)."""
@@ -413,14 +400,17 @@ _REMOVED_KEYS = {
 
 
 def _suggestion(key: str) -> str:
-    """Why a removed key is gone, else the closest full key; falls back to matching only the field name (`--steps`
-    -> `training.steps`)."""
-    if key in _REMOVED_KEYS:
-        return _REMOVED_KEYS[key]
+    """Why a removed key is gone (asked for as itself or as a switch's `no-` form), else the closest full key; falls
+    back to matching only the field name (`--steps` -> `training.steps`)."""
+    section, _, name = key.rpartition(".")
+    switch = f"{section}.{name[3:]}" if name.startswith(("no-", "no_")) else key.removeprefix("no-")
+    for removed in (key, switch):
+        if removed in _REMOVED_KEYS:
+            return _REMOVED_KEYS[removed]
     match = _closest(key, _fields())
     if match is None:
         by_name = {spec.name: spec.key for spec in reversed(_fields().values())}  # the first section's wins
-        name_match = _closest(key.rpartition(".")[2], by_name)
+        name_match = _closest(name, by_name)
         match = by_name[name_match] if name_match else None
     return f"did you mean {match!r}?" if match else "run with --help to list valid keys"
 

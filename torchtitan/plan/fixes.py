@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from torchtitan.components.optimizer import keeps_bf16_moments
 from torchtitan.plan.estimate import Plan
 from torchtitan.plan.memory import GIB
 
@@ -34,7 +35,7 @@ def candidate_changes(plan: Plan) -> list[Change]:
     job, dims, args = plan.job, plan.layout.dims, plan.layout.args
     ac, training, par, optimizer = job.activation_checkpoint, job.training, job.parallelism, job.optimizer
     changes = []
-    if optimizer.moments_dtype == "float32" and (optimizer.name, optimizer.implementation) == ("AdamW", "triton"):
+    if optimizer.moments_dtype == "float32" and keeps_bf16_moments(job):
         changes.append(Change("bf16 Adam moments", ("--optimizer.moments_dtype", "bfloat16")))
     room = int((plan.usable - max(sum(m.outside_allocator.values()) for m in plan.memory)) * BUDGET_SAFETY / GIB)
     if ac.mode == "selective" and str(ac.selective_ac_option) == "op" and dims.pp == 1:

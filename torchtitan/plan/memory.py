@@ -79,14 +79,14 @@ def storage(layout: Layout) -> dict[str, Storage]:
     param_dtype = job.training.mixed_precision_param
     bf16 = bf16_weight_groups(
         autocast_dtype(dims, param_dtype),
-        updates_master_weights(job.optimizer),
+        updates_master_weights(job),
         param_dtype,
         experts_outside_fsdp(dims, job),
     )
     # every group is counted with AdamW's moments (a norm's state: Muon never takes norms), Muon's too: its one fp32
     # momentum is the same 4 bytes as two bf16 moments, which its measured runs kept (plan_check.json), and half of
     # two fp32 moments, which no run has measured
-    moments = state_bytes_per_parameter(job.optimizer)["norms_and_biases"]
+    moments = state_bytes_per_parameter(job)["norms_and_biases"]
     # bf16 weights' gradients: fp32 sums where a step adds several backwards (accumulation, pipeline micro-batches)
     grad = 4 if layout.accumulation_steps * layout.microbatches > 1 else 2
     compute = 2 if param_dtype == "bfloat16" else 4

@@ -3,7 +3,7 @@ tokens/s/GPU and MFU, the assumptions with their sources, and the cheapest chang
 
 from __future__ import annotations
 
-from torchtitan.components.optimizer import muon_groups
+from torchtitan.components.optimizer import section_groups
 from torchtitan.plan.estimate import Plan
 from torchtitan.plan.fixes import Change
 from torchtitan.plan.hardware import DEEPEP_INTERNODE, DEEPEP_INTRANODE_EP8, GPUS, NON_ALLOCATOR_GIB, NVLINK, RDMA
@@ -138,7 +138,7 @@ def _assumptions(plan: Plan) -> list[str]:
         f"  memory-bound kernels per token and layer, scaled by the shape's widths; AdamW at "
         f"{optimizer_bandwidth(plan.gpu) / 1e12:.2f} TB/s ({source})"
     )
-    if muon_groups(plan.job.optimizer):
+    if section_groups(plan.job):
         lines.append(
             f"  Muon's Newton-Schulz at {newton_schulz_rate(plan.gpu) / 1e12:.0f} TFLOP/s, each rank its share of the "
             f"stacks (Muon's step over AdamW's: {MUON_STEP[0].source}, {MUON_STEP[1].source})"

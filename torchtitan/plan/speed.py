@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from torchtitan.components.optimizer import muon_groups
+from torchtitan.components.optimizer import section_groups
 from torchtitan.models.moe.exchange import DeepEPBackend, ExchangeBackend
 from torchtitan.plan.hardware import DEEPEP_INTERNODE, DEEPEP_INTRANODE_EP8, NVLINK, RDMA
 from torchtitan.plan.layout import Layout, dense_params, layout_from_flags, ranks_per_token
@@ -100,7 +100,7 @@ def rank_time(layout: Layout, rank: int, levels: list[list[str]], gpu: str) -> R
         seconds["pipeline bubble"] = sum(t.values()) * slots * layout.accumulation_steps
         seconds["pipeline sends (fill and drain)"] = _pipeline_send_seconds(layout, rank) * layout.accumulation_steps
     seconds["optimizer"] = optimizer_bytes(layout, rank) / optimizer_bandwidth(gpu)
-    if muon_groups(job.optimizer):
+    if section_groups(job):
         seconds["Muon's Newton-Schulz"] = newton_schulz_seconds(layout, rank, gpu)
     seconds["FSDP collectives (exposed)"] = _fsdp_exposed_seconds(layout, rank, sum(seconds.values()))
     return RankTime(seconds)

@@ -855,7 +855,7 @@ def test_resuming_into_a_model_without_some_of_the_checkpoint_s_tensors_is_refus
 
 def _muon(config):
     config.optimizer.name = "Muon"
-    config.optimizer.muon_groups = ["head"]  # the tiny model's one matrix outside embeddings
+    config.muon.groups = ["head"]  # the tiny model's one matrix outside embeddings
     return config
 
 

@@ -1,4 +1,5 @@
 import logging
+from typing import get_args, get_type_hints
 
 import pytest
 import torch
@@ -7,12 +8,18 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torchtitan.components.adamw import MultiTensorAdamW
 from torchtitan.components.muon import Muon
 from torchtitan.components.optimizer import (
+    OPTIMIZERS,
     PARAMETER_GROUPS,
     build_optimizers,
+    check_optimizer,
     group_parameters,
+    keeps_bf16_moments,
+    section_groups,
+    state_bytes_per_parameter,
     updates_master_weights,
 )
-from torchtitan.config.job_config import JobConfig
+from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.config.job_config import JobConfig, Optimizer
 from torchtitan.distributed.utils import clip_grad_norm_, grad_norm_and_clip_coef
 
 
@@ -229,7 +236,7 @@ def test_parameter_groups_follow_the_model_structure_checkpoint_wrapped_too():
 def test_muon_takes_its_groups_and_adamw_the_rest_with_the_same_lr_and_decay(muon_groups):
     model = tiny_deepseek(mtp_layers=0)
     job_config = config("triton", name="Muon")
-    job_config.optimizer.muon_groups = muon_groups
+    job_config.muon.groups = muon_groups
     optimizers = build_optimizers([model], job_config)
     muon, adamw = optimizers.optimizers_per_part[0]
     assert isinstance(muon, Muon) and isinstance(adamw, MultiTensorAdamW) and optimizers.folds_grad_scale
@@ -264,12 +271,67 @@ def test_adamw_steps_every_parameter_in_module_order_as_before():
      ("Muon", "fused", False)],
 )  # fmt: skip
 def test_updates_master_weights_is_what_the_optimizer_classes_declare(name, implementation, expected):
-    assert updates_master_weights(config(implementation, name=name).optimizer) is expected
+    assert updates_master_weights(config(implementation, name=name)) is expected
+    assert keeps_bf16_moments(config(implementation, name=name)) is expected  # the same classes keep bf16 moments
+
+
+def test_the_table_has_a_row_for_every_name_the_config_accepts_and_each_section_is_a_config_section():
+    assert tuple(OPTIMIZERS) == get_args(get_type_hints(Optimizer)["name"])
+    for row in OPTIMIZERS.values():
+        assert "fused" in row.base  # what an implementation the row lacks runs
+        assert (row.grouped is None) == (row.section is None)
+        if row.section is not None:
+            assert hasattr(getattr(JobConfig(), row.section), "groups")
+
+
+def test_muon_settings_reach_muon_as_its_constructor_arguments():
+    job_config = config("triton", name="Muon")
+    job_config.muon.momentum, job_config.muon.nesterov, job_config.muon.update_scale = 0.5, False, "original"
+    muon = build_optimizers([tiny_deepseek(mtp_layers=0)], job_config).optimizers[0]
+    assert isinstance(muon, Muon) and section_groups(job_config) == ("matrices", "experts")
+    group = muon.param_groups[0]
+    assert (group["momentum"], group["nesterov"], group["update_scale"]) == (0.5, False, "original")
+
+
+def test_state_bytes_are_what_each_class_declares():
+    adamw, muon = config("triton"), config("triton", name="Muon")
+    assert set(state_bytes_per_parameter(adamw).values()) == {8}
+    assert state_bytes_per_parameter(config("foreach", name="Adam"))["matrices"] == 8  # torch's: two fp32 moments
+    muon.optimizer.moments_dtype = "bfloat16"
+    assert state_bytes_per_parameter(muon) == {g: 4 for g in PARAMETER_GROUPS}  # one fp32 momentum; 2 bf16 moments
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--optimizer.name=Muon", "--optimizer.moments_dtype=bfloat16", "--optimizer.implementation=fused"],
+         "moments_dtype=bfloat16 needs .*--optimizer.name AdamW or Muon with --optimizer.implementation triton.*got "
+         "Muon with 'fused'"),
+        (["--optimizer.moments_dtype=bfloat16", "--optimizer.implementation=foreach"], "got AdamW with 'foreach'"),
+        (["--optimizer.name=Adam", "--optimizer.moments_dtype=bfloat16"], "got Adam with 'triton'"),
+        (["--muon.momentum=0.9"], "muon.momentum applies to --optimizer.name Muon, got AdamW; pass --optimizer.name"),
+        (["--muon.update_rms=0.5"], "muon.update_rms applies to --optimizer.name Muon, got AdamW"),
+        (["--optimizer.name=Adam", "--muon.groups=matrices"], "muon.groups applies to --optimizer.name Muon, got Adam"),
+    ],
+)  # fmt: skip
+def test_check_optimizer_refuses_what_the_table_does_not_allow(flags, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        check_optimizer(ConfigManager().parse_args(flags))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--optimizer.name=Muon", "--optimizer.moments_dtype=bfloat16"],
+     ["--optimizer.name=Muon", "--muon.ns_steps=3"], ["--optimizer.name=Adam", "--optimizer.implementation=for-loop"]],
+)  # fmt: skip
+def test_check_optimizer_accepts_what_the_table_allows(flags):
+    check_optimizer(ConfigManager().parse_args(flags))
 
 
 def test_fp32_masters_are_refused_for_optimizers_that_cannot_update_them():
     part = torch.nn.Linear(4, 4)
-    with pytest.raises(ValueError, match="AdamW or Muon with implementation 'triton'"):
+    with pytest.raises(ValueError, match="--optimizer.name AdamW or Muon with --optimizer.implementation triton"):
         build_optimizers([part], config("foreach", name="Muon"), {part.weight: torch.zeros(4, 4, dtype=torch.int16)})
 
 

@@ -96,10 +96,6 @@ def test_negative_number_is_a_value():
             ["--activation_checkpoint.memory_budget_gib", "60", "--activation_checkpoint.num_blocks", "2"],
             "and no num_blocks",
         ),
-        (
-            ["--optimizer.moments_dtype", "bfloat16", "--optimizer.implementation", "foreach"],
-            "optimizer.moments_dtype=bfloat16 needs the update that keeps fp32 masters",
-        ),
         (["--optimizer.moments_dtype", "float16"], "optimizer.moments_dtype"),
     ],
 )
@@ -202,6 +198,25 @@ def test_removed_overlap_keys_are_unknown_keys_on_cli_and_in_toml(tmp_path, name
     path = write_toml(tmp_path, f"[parallelism]\n{name} = {value}\n")
     with pytest.raises(ConfigError, match=unknown):
         parse("--job.config_file", path)
+
+
+@pytest.mark.parametrize(
+    "flags, new_key",
+    [(["--optimizer.muon_momentum=0.9"], "muon.momentum"), (["--optimizer.muon_groups", "matrices"], "muon.groups"),
+     (["--optimizer.no-muon_nesterov"], "muon.nesterov"), (["--optimizer.muon_update_rms", "0.3"], "muon.update_rms")],
+)  # fmt: skip
+def test_muon_keys_of_the_optimizer_section_name_their_new_section_on_cli(flags, new_key):
+    with pytest.raises(ConfigError, match=rf"unknown config key .*; it is now {new_key} \(\[muon\] ") as info:
+        parse("--optimizer.name=Muon", *flags)
+    assert "\n" not in str(info.value)
+
+
+def test_muon_keys_of_the_optimizer_section_name_their_new_section_in_toml(tmp_path):
+    path = write_toml(tmp_path, "[optimizer]\nname = \"Muon\"\nmuon_ns_steps = 6\n")
+    with pytest.raises(ConfigError, match=r"'optimizer.muon_ns_steps' \(in .*\); it is now muon.ns_steps \(.*\[muon\]"):
+        parse("--job.config_file", path)
+    path = write_toml(tmp_path, "[optimizer]\nname = \"Muon\"\n\n[muon]\nns_steps = 6\n")
+    assert parse("--job.config_file", path).muon.ns_steps == 6
 
 
 @pytest.mark.parametrize(
@@ -353,15 +368,8 @@ def test_help_lists_every_field_with_type_default_and_doc():
             assert line.partition(")  ")[2].strip(), f"{flag} has no docstring"
     assert "--training.steps  (int, default: 10000)  Optimizer steps to train." in text
     assert "--optimizer.name  ({AdamW,Adam,Muon}, default: AdamW)" in text
-    for knob in (
-        "muon_groups",
-        "muon_momentum",
-        "muon_nesterov",
-        "muon_ns_steps",
-        "muon_update_scale",
-        "muon_update_rms",
-    ):
-        assert f"--optimizer.{knob}  (" in text
+    for knob in ("groups", "momentum", "nesterov", "ns_steps", "update_scale", "update_rms"):
+        assert f"--muon.{knob}  (" in text
     assert "--debug.seed  (int | None, default: 0)" in text
     assert "--compile.components  (list[str], default: model,loss)" in text
 
@@ -435,25 +443,18 @@ def test_uncaught_help_exits_process_with_zero():
         (["--training.max_norm", "nan"], r"training.max_norm must be > 0 \(inf: no clipping\), got nan"),
         (["--model.mtp_loss_weight", "-0.1"], r"model.mtp_loss_weight must be a finite number >= 0"),
         (["--lr_scheduler.min_lr_factor", "nan"], r"min_lr_factor must be in \[0, 1\], got nan"),
-        (["--optimizer.name=Muon", "--optimizer.muon_momentum=1"], r"optimizer.muon_momentum must be in \[0, 1\)"),
-        (["--optimizer.name=Muon", "--optimizer.muon_ns_steps=0"], "optimizer.muon_ns_steps must be a positive"),
-        (["--optimizer.name=Muon", "--optimizer.muon_update_scale=rms"], "muon_update_scale must be one of"),
-        (["--optimizer.name=Muon", "--optimizer.muon_groups=matrices,norms"], r"muon_groups must name .*\['matrices'"),
-        (["--optimizer.name=Muon", "--optimizer.muon_groups=experts,experts"], "muon_groups must name each of"),
-        (["--optimizer.name=Muon", "--optimizer.muon_groups", ","], "and at least one of them"),
-        (["--optimizer.muon_momentum=0.9"], "optimizer.muon_momentum applies to --optimizer.name Muon, got AdamW"),
-        (["--optimizer.name=Muon", "--optimizer.muon_update_rms=0"], "muon_update_rms must be a finite number > 0"),
+        (["--optimizer.name=Muon", "--muon.momentum=1"], r"muon.momentum must be in \[0, 1\)"),
+        (["--optimizer.name=Muon", "--muon.ns_steps=0"], "muon.ns_steps must be a positive"),
+        (["--optimizer.name=Muon", "--muon.update_scale=rms"], "muon.update_scale must be one of"),
+        (["--optimizer.name=Muon", "--muon.groups=matrices,norms"], r"muon.groups must name .*\['matrices'"),
+        (["--optimizer.name=Muon", "--muon.groups=experts,experts"], "muon.groups must name each of"),
+        (["--optimizer.name=Muon", "--muon.groups", ","], "and at least one of them"),
+        (["--optimizer.name=Muon", "--muon.update_rms=0"], "muon.update_rms must be a finite number > 0"),
         (
-            ["--optimizer.name=Muon", "--optimizer.muon_update_scale=original", "--optimizer.muon_update_rms=0.5"],
-            "muon_update_rms applies to --optimizer.muon_update_scale match_rms_adamw, got original",
+            ["--optimizer.name=Muon", "--muon.update_scale=original", "--muon.update_rms=0.5"],
+            "muon.update_rms applies to --muon.update_scale match_rms_adamw, got original",
         ),
-        (["--optimizer.muon_update_rms=0.5"], "optimizer.muon_update_rms applies to --optimizer.name Muon, got AdamW"),
-        (["--optimizer.name=Adam", "--optimizer.muon_groups=matrices"], "muon_groups applies to --optimizer.name Muon"),
-        (
-            ["--optimizer.name=Muon", "--optimizer.moments_dtype=bfloat16", "--optimizer.implementation=fused"],
-            "moments_dtype=bfloat16 needs .*AdamW or Muon with --optimizer.implementation triton",
-        ),
-    ],
+    ],  # which optimizer takes [muon] or bf16 moments: components/optimizer.py's table (tests/unit/components)
 )
 def test_validation_rejects_bad_values(flags, message):
     with pytest.raises(ConfigError, match=message):
@@ -474,9 +475,9 @@ def test_validation_rejects_bad_values(flags, message):
         ["--training.seq_len", "127"],  # only context parallelism needs an even length
         ["--parallelism.context_parallel_degree=2", "--training.seq_len=36"],
         ["--optimizer.name=Muon", "--optimizer.moments_dtype=bfloat16"],  # AdamW's part keeps bf16 moments
-        ["--optimizer.name=Muon", "--optimizer.muon_update_rms=0.6", "--metrics.log_update_rms"],
-        ["--optimizer.name=Muon", "--optimizer.muon_groups=experts,head", "--optimizer.muon_update_scale=original",
-         "--optimizer.muon_momentum=0", "--optimizer.no-muon_nesterov", "--optimizer.muon_ns_steps=10"],
+        ["--optimizer.name=Muon", "--muon.update_rms=0.6", "--metrics.log_update_rms"],
+        ["--optimizer.name=Muon", "--muon.groups=experts,head", "--muon.update_scale=original", "--muon.momentum=0",
+         "--muon.no-nesterov", "--muon.ns_steps=10"],
     ],
 )  # fmt: skip
 def test_validation_accepts_good_values(flags):

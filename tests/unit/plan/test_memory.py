@@ -97,7 +97,7 @@ def test_the_stages_hold_each_parameter_of_the_model_once(flavor, pp, world):
         ["--optimizer.implementation", "foreach"],
         ["--optimizer.implementation", "triton", "--optimizer.moments_dtype", "bfloat16"],
         ["--optimizer.name", "Muon", "--optimizer.implementation", "triton", "--optimizer.moments_dtype", "bfloat16"],
-        ["--optimizer.name", "Muon", "--optimizer.muon_groups", "matrices,experts,embeddings,head,router_gate"],
+        ["--optimizer.name", "Muon", "--muon.groups", "matrices,experts,embeddings,head,router_gate"],
     ],
 )
 def test_the_state_per_parameter_is_what_the_optimizers_allocate(flags):
@@ -110,7 +110,7 @@ def test_the_state_per_parameter_is_what_the_optimizers_allocate(flags):
     for param in model.parameters():
         param.grad = torch.zeros_like(param)
     optimizers.step()
-    expected = state_bytes_per_parameter(job.optimizer)
+    expected = state_bytes_per_parameter(job)
     states = {param: state for optimizer in optimizers for param, state in optimizer.state.items()}
     for param, group in group_parameters(model).items():
         tensors = [t for name, t in states[param].items() if name != "step" and t.shape == param.shape]

@@ -67,7 +67,7 @@ def test_ranks_split_the_stacks_as_muon_does():
     assert newton_schulz_flops(one, 0) / 8 < newton_schulz_flops(eight, 0) < newton_schulz_flops(one, 0) / 4
     # the router gate joins Muon's groups when named: one more stack of (64 x 2048) per MoE layer
     with_gate = layout(
-        "--parallelism.expert_parallel_degree", "1", "--optimizer.muon_groups", "matrices,experts,router_gate"
+        "--parallelism.expert_parallel_degree", "1", "--muon.groups", "matrices,experts,router_gate"
     )
     assert newton_schulz_flops(with_gate, 0) - newton_schulz_flops(one, 0) == pytest.approx(
         7 * model_flops((args.moe_args.num_experts, args.dim), 5)

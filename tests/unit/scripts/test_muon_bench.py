@@ -49,6 +49,6 @@ def test_the_matched_update_rms_weights_groups_by_size_and_steps_by_lr():
 
 
 def test_muon_group_sizes_are_the_muon_groups_parameter_counts():
-    args = ["--model.flavor", "debugmodel_tiny", "--optimizer.muon_groups", "experts,head"]
+    args = ["--model.flavor", "debugmodel_tiny", "--muon.groups", "experts,head"]
     sizes = muon_group_sizes("./train_configs/deepseek_v3_debugmodel.toml", args)
     assert set(sizes) == {"experts", "head"} and all(size > 0 for size in sizes.values())
