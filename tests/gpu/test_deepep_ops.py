@@ -29,9 +29,9 @@ from torch.distributed.tensor.parallel import parallelize_module  # noqa: E402
 
 from tests.unit.models.moe._expert_rows import expert_of_padded_row  # noqa: E402
 from torchtitan.distributed.deepep import get_or_create_buffer, ops  # noqa: E402
-from torchtitan.distributed.expert_parallel.deepep_dispatcher import DeepEPTokenDispatcher  # noqa: E402
+from torchtitan.distributed.expert_parallel.deepep_dispatcher import DeepEPExpertParallel, DeepEPTokenDispatcher  # noqa: E402,E501
 from torchtitan.distributed.expert_parallel.dispatcher import run_on_expert_rows  # noqa: E402
-from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel  # noqa: E402
+from torchtitan.distributed.expert_parallel.styles import ExpertParallel  # noqa: E402
 from torchtitan.distributed.group_buffers import release_group_buffers  # noqa: E402
 from torchtitan.distributed.utils import destroy_process_groups  # noqa: E402
 from torchtitan.kernels.float8 import dequantize_blockwise, quantize_blockwise  # noqa: E402

@@ -29,7 +29,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from torchtitan.distributed import symm_mem_all_to_all as ops
-from torchtitan.distributed.expert_parallel.styles import ExpertParallel, SymmMemExpertParallel
+from torchtitan.distributed.expert_parallel.styles import ExpertParallel
+from torchtitan.distributed.expert_parallel.symm_mem_dispatcher import SymmMemExpertParallel
 from torchtitan.distributed.group_buffers import release_group_buffers
 from torchtitan.distributed.utils import destroy_process_groups
 from torchtitan.models.moe import MoE, MoEArgs

@@ -17,7 +17,9 @@ from tests.unit.distributed._symm_mem_stand_in import install_stand_in
 from tests.unit.distributed._tiny_moe import DIM, TOP_K, build_moe
 from torchtitan.distributed import symm_mem_all_to_all as ops
 from torchtitan.distributed.activation_checkpoint import per_op_sac_contexts
-from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel, SymmMemExpertParallel
+from torchtitan.distributed.expert_parallel.deepep_dispatcher import DeepEPExpertParallel
+from torchtitan.distributed.expert_parallel.styles import ExpertParallel
+from torchtitan.distributed.expert_parallel.symm_mem_dispatcher import SymmMemExpertParallel
 from torchtitan.distributed.group_buffers import release_group_buffers
 from torchtitan.models.moe import MoE
 from torchtitan.models.moe.deepep_moe import DeepEPMoE

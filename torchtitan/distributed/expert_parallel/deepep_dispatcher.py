@@ -1,4 +1,5 @@
-"""`DeepEPTokenDispatcher`: the `TokenDispatcher` stages over `torch.ops.deepep.*`.
+"""`DeepEPTokenDispatcher`: the `TokenDispatcher` stages over `torch.ops.deepep.*`, and `DeepEPExpertParallel`, the
+ParallelStyle that creates the EP group's buffer and installs it.
 
     dispatch_preprocess   dtypes/contiguity DeepEP needs (int64 ids, fp32 weights)
     token_dispatch        deepep::dispatch: each token once to every rank holding one of its experts
@@ -18,17 +19,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from torchtitan.distributed.deepep import ops
-from torchtitan.distributed.deepep.buffer import get_buffer
+from torchtitan.distributed.deepep.buffer import get_buffer, get_or_create_buffer
 from torchtitan.distributed.expert_parallel.dispatcher import (
     DispatchState,
     ExpertTokens,
     TokenDispatcher,
     capacity_per_rank,
 )
+from torchtitan.distributed.expert_parallel.styles import EXPERTS_ON_EP_RANKS, distribute_experts
 
-__all__ = ["DeepEPDispatchState", "DeepEPDispatched", "DeepEPTokenDispatcher"]
+__all__ = ["DeepEPDispatchState", "DeepEPDispatched", "DeepEPExpertParallel", "DeepEPTokenDispatcher"]
 
 
 @dataclass
@@ -119,3 +124,38 @@ class DeepEPTokenDispatcher(TokenDispatcher):
 
     def combine_postprocess(self, combined: torch.Tensor, state: DeepEPDispatchState) -> torch.Tensor:
         return combined
+
+
+class DeepEPExpertParallel(ParallelStyle):
+    """On an `MoE` (parallelize makes it a `DeepEPMoE`): experts sharded on dim 0 over the 1-D EP mesh, tokens exchanged
+    with DeepEP through the group's buffer, created here. num_sms, sync_free, capacity_factor, fp8: `deepep.num_sms`,
+    `deepep.sync_free_dispatch`, `parallelism.expert_parallel_capacity_factor`, `deepep.float8_dispatch`."""
+
+    def __init__(
+        self, *, num_sms: int = 64, sync_free: bool = False, capacity_factor: float | None = None, fp8: bool = False
+    ):
+        super().__init__()
+        self.num_sms = num_sms
+        self.sync_free = sync_free
+        self.capacity_factor = capacity_factor
+        self.fp8 = fp8
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+        dim = module.experts.w1.shape[2]  # (E, hidden, dim)
+        buffer = get_or_create_buffer(group, dim, device_type=device_mesh.device_type, num_sms=self.num_sms)
+        if self.sync_free and buffer.layout.name == "internode":
+            raise ValueError(
+                "deepep.sync_free_dispatch: DeepEP's worst-case receive sizes are intranode only and this EP group "
+                "spans nodes; drop --deepep.sync_free_dispatch"
+            )
+        distribute_experts(module.experts, device_mesh, EXPERTS_ON_EP_RANKS)
+        module.dispatcher = DeepEPTokenDispatcher(
+            group.group_name,
+            module.num_experts,
+            module.score_before_experts,
+            sync_free=self.sync_free,
+            capacity_factor=self.capacity_factor,
+            fp8=self.fp8,
+        )
+        return module

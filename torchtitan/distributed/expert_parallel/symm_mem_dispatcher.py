@@ -11,6 +11,7 @@
     combine_postprocess   back to the tokens, weight, sum over top-k (as without EP)
 
 No host syncs (`distributed/symm_mem_all_to_all.py`): every size is static, so no MoE layer waits on its host.
+`SymmMemExpertParallel` is the ParallelStyle that creates the EP group's symmetric buffers and installs it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from torchtitan.distributed import symm_mem_all_to_all as ops
 from torchtitan.distributed.expert_parallel.dispatcher import (
@@ -29,9 +32,10 @@ from torchtitan.distributed.expert_parallel.dispatcher import (
     TokenPermutation,
     capacity_per_rank,
 )
+from torchtitan.distributed.expert_parallel.styles import EXPERTS_ON_EP_RANKS, distribute_experts
 from torchtitan.kernels.permute import PermutePlan, expert_major_order
 
-__all__ = ["SymmMemDispatchState", "SymmMemTokenDispatcher", "receive_rows"]
+__all__ = ["SymmMemDispatchState", "SymmMemExpertParallel", "SymmMemTokenDispatcher", "receive_rows"]
 
 
 @dataclass
@@ -116,3 +120,48 @@ def receive_rows(num_tokens: int, top_k: int, num_ranks: int, capacity_factor: f
     if capacity_factor is None:
         return num_ranks * num_copies
     return num_ranks * min(num_copies, capacity_per_rank(capacity_factor, num_tokens, top_k, num_ranks))
+
+
+class SymmMemExpertParallel(ParallelStyle):
+    """On an `MoE`: experts sharded on dim 0 over the 1-D EP mesh; tokens exchanged with all-to-all-v over symmetric
+    memory, split sizes on the device. On CUDA the group's symmetric buffers are created here, for micro-batches of up
+    to `max_tokens` tokens per rank whose rows are at most `itemsize` bytes an element. capacity_factor:
+    `parallelism.expert_parallel_capacity_factor`."""
+
+    def __init__(
+        self,
+        max_tokens: int,
+        capacity_factor: float | None = None,
+        itemsize: int = 2,
+        permutation: TokenPermutation = EAGER_PERMUTATION,
+    ):
+        super().__init__()
+        self.permutation = permutation
+        self.max_tokens = max_tokens
+        self.capacity_factor = capacity_factor
+        self.itemsize = itemsize
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if device_mesh.device_type == "cuda":
+            dim = module.experts.w1.shape[2]  # (E, hidden, dim)
+            if dim % 16:
+                raise ValueError(
+                    f"expert_parallel_comm_backend='symm_mem': the model dim {dim} must be a multiple of 16 (NVSHMEM's "
+                    "all-to-all-v splits each peer's rows into up to 32 equal parts of bytes); use another "
+                    "--parallelism.expert_parallel_comm_backend for this shape"
+                )
+            ep, top_k = device_mesh.size(), module.top_k
+            send_rows = self.max_tokens * top_k
+            recv_rows = receive_rows(self.max_tokens, top_k, ep, self.capacity_factor)
+            ops.get_or_create_buffers(
+                device_mesh.get_group(), send_rows, recv_rows, dim * self.itemsize, module.num_experts
+            )
+        distribute_experts(module.experts, device_mesh, EXPERTS_ON_EP_RANKS)
+        module.dispatcher = SymmMemTokenDispatcher(
+            module.num_experts,
+            module.score_before_experts,
+            device_mesh,
+            capacity_factor=self.capacity_factor,
+            permutation=self.permutation,
+        )
+        return module

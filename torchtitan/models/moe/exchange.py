@@ -19,8 +19,10 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.config.job_config import DeepEP
 from torchtitan.distributed.deepep import buffer as deepep_buffer  # importing it registers torch.ops.deepep
+from torchtitan.distributed.expert_parallel.deepep_dispatcher import DeepEPExpertParallel
 from torchtitan.distributed.expert_parallel.dispatcher import TokenPermutation
-from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel, SymmMemExpertParallel
+from torchtitan.distributed.expert_parallel.styles import ExpertParallel
+from torchtitan.distributed.expert_parallel.symm_mem_dispatcher import SymmMemExpertParallel
 from torchtitan.distributed.group_buffers import release_group_buffers
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.moe.deepep_moe import DeepEPMoE

@@ -18,7 +18,8 @@ from tests.unit.distributed._tiny_moe import DIM, build_moe
 from torchtitan.distributed.activation_checkpoint import per_op_sac_contexts
 from torchtitan.distributed.deepep import cpu_kernels
 from torchtitan.distributed.deepep.buffer import import_deep_ep
-from torchtitan.distributed.expert_parallel.styles import DeepEPExpertParallel, ExpertParallel
+from torchtitan.distributed.expert_parallel.deepep_dispatcher import DeepEPExpertParallel
+from torchtitan.distributed.expert_parallel.styles import ExpertParallel
 from torchtitan.distributed.group_buffers import release_group_buffers
 from torchtitan.models.moe import MoE
 from torchtitan.models.moe.deepep_moe import DeepEPMoE

@@ -1,6 +1,10 @@
 """Token-exchange backends (models/moe/exchange.py): a backend is its own class plus one registration, and the
-model trains with it; the registry refuses what it cannot look up; `resolve_exchange` holds each backend's settings and
-refuses one backend's settings on another, and a capacity factor where nothing bounds the receive."""
+model trains with it; no generic module imports a backend's code; the registry refuses what it cannot look up;
+`resolve_exchange` holds each backend's settings and refuses one backend's settings on another, and a capacity factor
+where nothing bounds the receive."""
+
+import ast
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,6 +93,56 @@ def _toy_backend_trains_like_the_standard_one(rank: int, world_size: int) -> Non
 
 def test_a_registered_toy_backend_trains_like_the_standard_all_to_all():
     run_distributed(_toy_backend_trains_like_the_standard_one, 2)
+
+
+BACKEND_MODULES = {
+    "deepep": (
+        "torchtitan.distributed.deepep",
+        "torchtitan.distributed.expert_parallel.deepep_dispatcher",
+        "torchtitan.models.moe.deepep_moe",
+    ),
+    "symm_mem": (
+        "torchtitan.distributed.symm_mem_all_to_all",
+        "torchtitan.distributed.expert_parallel.symm_mem_dispatcher",
+    ),
+}
+"""Each registered backend's own code: its op layer, its dispatcher with its ParallelStyle, and DeepEP's layer."""
+
+
+def test_no_generic_module_imports_a_backends_code():
+    """Preflight, parallelize, activation checkpointing, the trainer, the profiler and the plan import no backend's
+    modules (they ask the object `resolve_exchange` returns); the registry alone does. So a new backend is its op
+    layer, its dispatcher module and its class here under `@register_backend` (plus its config section where it has
+    settings), as symm_mem, the last one added, is: no generic module is edited."""
+    assert set(BACKEND_MODULES) == set(BACKENDS) - {"standard"}  # a new backend names its modules above
+    imports = _package_imports()
+    for own in BACKEND_MODULES.values():
+        assert all(any(_within(module, (package,)) for module in imports) for package in own)
+        importers = {module for module, imported in imports.items() if any(_within(i, own) for i in imported)}
+        assert {module for module in importers if not _within(module, own)} == {"torchtitan.models.moe.exchange"}
+    _op_layer, *own_files = BACKEND_MODULES["symm_mem"]  # + its class in exchange.py (+ a config section)
+    assert len(own_files) + 1 + bool(SymmMemBackend.section) <= 3
+
+
+def _within(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == package or module.startswith(package + ".") for package in packages)
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """Every torchtitan module -> the modules (and `from` names, which may be modules) its code imports."""
+    root = Path(__file__).resolve().parents[4]
+    found = {}
+    for path in (root / "torchtitan").rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        found[module] = imported
+    return found
 
 
 def test_the_registry_names_its_backends_and_refuses_a_taken_or_unknown_name():
