@@ -84,6 +84,7 @@ class ModelSpec:
 
 MODELS: dict[str, str] = {
     "deepseek_v3": "torchtitan.models.deepseek_v3.spec",
+    "qwen3_moe": "torchtitan.models.qwen3_moe.spec",
 }
 """Each model's name and the module whose `model_spec()` makes its spec: imported when first looked up (the model's
 code is imported then, not before)."""

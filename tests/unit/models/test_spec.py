@@ -23,8 +23,8 @@ def test_deepseek_v3_spec_builds_the_model_of_the_jobs_args_and_its_adapter():
 
 
 def test_an_unknown_model_name_lists_the_known_ones():
-    assert sorted(MODELS) == ["deepseek_v3"]
-    with pytest.raises(ConfigError, match=r"model.name='llama'.*\['deepseek_v3'\]"):
+    assert sorted(MODELS) == ["deepseek_v3", "qwen3_moe"]
+    with pytest.raises(ConfigError, match=r"model.name='llama'.*\['deepseek_v3', 'qwen3_moe'\]"):
         get_model_spec("llama")
 
 
