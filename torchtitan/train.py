@@ -32,9 +32,14 @@ from torchtitan.components.loss import (
     mtp_targets,
 )
 from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.master_weights import store_weights_in_bf16
+from torchtitan.components.master_weights import bf16_weight_groups, store_weights_in_bf16
 from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.components.optimizer import build_optimizers, masters_updated_by, updates_master_weights
+from torchtitan.components.optimizer import (
+    build_optimizers,
+    group_parameters,
+    masters_updated_by,
+    updates_master_weights,
+)
 from torchtitan.components.run_lock import DumpFolderBusyError, acquire_dump_folder, exit_with_parent
 from torchtitan.components.step_log import StepLog
 from torchtitan.components.update_rms import adam_update_rms
@@ -47,7 +52,7 @@ from torchtitan.distributed.activation_budget import ActivationBudget
 from torchtitan.distributed.compile import graphs_compiled
 from torchtitan.distributed.weight_init import copy_from_unsharded_init
 from torchtitan.launch import report_error
-from torchtitan.models.moe import ExpertBiasHook, GroupedExperts, set_tokens_per_optimizer_step
+from torchtitan.models.moe import ExpertBiasHook, set_tokens_per_optimizer_step
 from torchtitan.models.moe.parallelize import expert_bias_reduce_group
 from torchtitan.models.output_head import chunk_loss_and_grad
 from torchtitan.preflight import CheckedJob, check_batch_sizes, check_job
@@ -194,21 +199,24 @@ class Trainer:
     def _store_weights(self, autocast_dtype: torch.dtype | None, experts_outside_fsdp: bool) -> dict | None:
         """What computes in bf16 is stored in bf16 where the optimizer updates fp32 masters (master_weights.py): no
         cast per use. Returns the masters' low bits for the optimizer, or None (weights stay as they are)."""
-        job_config, bf16_modules = self.job_config, ()
-        if autocast_dtype == torch.bfloat16 and updates_master_weights(job_config):
-            bf16_modules = (nn.Linear, GroupedExperts)
-        elif job_config.training.mixed_precision_param == "bfloat16" and experts_outside_fsdp:
-            bf16_modules = (GroupedExperts,)  # FSDP casts the rest; these it does not wrap
-        if not bf16_modules:
+        job_config = self.job_config
+        groups = bf16_weight_groups(
+            autocast_dtype,
+            updates_master_weights(job_config),
+            job_config.training.mixed_precision_param,
+            experts_outside_fsdp,
+        )
+        if not groups:
             if autocast_dtype is not None:
                 logger.info(
                     "weights stay fp32, cast by autocast at every use: bf16 weights need optimizers that update fp32 "
                     f"masters ({masters_updated_by()})"
                 )
             return None
+        params = {p for part in self.model_parts for p, group in group_parameters(part).items() if group in groups}
         # several backwards per step (accumulation, pipeline micro-batches) sum their gradients in fp32
         microbatches = self.grad_accum_steps * (self.pipeline.microbatches if self.pipeline else 1)
-        master_low_bits = store_weights_in_bf16(self.model_parts, bf16_modules, microbatches > 1)
+        master_low_bits = store_weights_in_bf16(self.model_parts, params, microbatches > 1)
         logger.info(
             f"{len(master_low_bits)} weights stored in bf16, their fp32 masters (the weight and 16 low bits) updated "
             "by the optimizer"

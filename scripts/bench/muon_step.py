@@ -17,17 +17,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.bench.common import RESULTS_DIR, time_ms, write_result  # noqa: E402
-from torchtitan.components.master_weights import store_weights_in_bf16  # noqa: E402
+from torchtitan.components.master_weights import bf16_weight_groups, store_weights_in_bf16  # noqa: E402
 from torchtitan.components.muon import Muon, newton_schulz_flops  # noqa: E402
-from torchtitan.components.optimizer import OptimizersContainer, build_optimizers  # noqa: E402
+from torchtitan.components.optimizer import OptimizersContainer, build_optimizers, group_parameters  # noqa: E402
 from torchtitan.config.job_config import JobConfig  # noqa: E402
 from torchtitan.distributed.utils import grad_norm_and_clip_coef  # noqa: E402
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, all_flavors  # noqa: E402
-from torchtitan.models.moe.experts import GroupedExperts  # noqa: E402
 
 LR = 1e-6  # small: the weights stay put over the timed steps
 
@@ -46,7 +44,9 @@ def main() -> None:
     with torch.device(device):
         model = DeepSeekV3Model(all_flavors()[args.flavor])
     model.init_weights(buffer_device=device)
-    low_bits = store_weights_in_bf16([model], (nn.Linear, GroupedExperts), fp32_grads=False)
+    bf16 = bf16_weight_groups(torch.bfloat16, True, "bfloat16", False)  # the trainer's rule on one GPU
+    stored = {param for param, group in group_parameters(model).items() if group in bf16}
+    low_bits = store_weights_in_bf16([model], stored, fp32_grads=False)
     for param in model.parameters():
         param.grad = torch.randn_like(param)
     params = list(model.parameters())

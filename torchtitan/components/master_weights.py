@@ -16,7 +16,7 @@ gradient laid out like it, and torch's state-dict load without its cast of state
 """
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from functools import partial
 from typing import Any
 
@@ -54,18 +54,19 @@ def join_fp32(weight: torch.Tensor, low_bits: torch.Tensor) -> torch.Tensor:
 
 
 def store_weights_in_bf16(
-    model_parts: list[nn.Module], module_types: tuple[type[nn.Module], ...], fp32_grads: bool
+    model_parts: list[nn.Module], params: Set[nn.Parameter], fp32_grads: bool
 ) -> dict[nn.Parameter, torch.Tensor]:
-    """Store the parameters of the modules of `module_types` in bf16 (after their fp32 init); returns {parameter:
-    the int16 low bits of its fp32 master}."""
+    """Store `params` (parameters of `model_parts`; the trainer's are those of `bf16_weight_groups`) in bf16 after
+    their fp32 init; returns {parameter: the int16 low bits of its fp32 master}."""
     low_bits: dict[nn.Parameter, torch.Tensor] = {}
     replaced: dict[nn.Parameter, nn.Parameter] = {}  # DTensor fp32 parameter -> its bf16 one
     for part in model_parts:
         for module in part.modules():
-            if not isinstance(module, module_types):
+            chosen = [(n, p) for n, p in module.named_parameters(recurse=False) if p in params or p in replaced]
+            if not chosen:
                 continue
             own = {}
-            for name, param in list(module.named_parameters(recurse=False)):
+            for name, param in chosen:
                 if param in replaced:  # shared with a module seen before
                     param = replaced[param]
                     module.register_parameter(name, param)
@@ -93,7 +94,7 @@ def bf16_weight_groups(
     (`store_weights_in_bf16`): what computes in bf16 with no FSDP to cast it. Under bf16 autocast (one device), where
     the optimizers update masters (`masters_updated`), every nn.Linear's weight (matrices, head, router_gate) and the
     routed experts; under FSDP's bf16 (`param_dtype`) the routed experts FSDP leaves alone (`experts_outside_fsdp`,
-    which needs such optimizers); else none. The trainer's `_store_weights` applies the same rule by module type."""
+    which needs such optimizers); else none. The trainer stores the parameters of these groups, the plan counts them."""
     if autocast_dtype == torch.bfloat16 and masters_updated:
         return frozenset({"matrices", "head", "router_gate", "experts"})
     if param_dtype == "bfloat16" and experts_outside_fsdp:

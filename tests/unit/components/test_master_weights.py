@@ -18,14 +18,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchtitan.components.adamw import MultiTensorAdamW
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.master_weights import join_fp32, split_fp32, store_weights_in_bf16
-from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.master_weights import bf16_weight_groups, join_fp32, split_fp32, store_weights_in_bf16
+from torchtitan.components.optimizer import build_optimizers, group_parameters
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.utils import clip_grad_norm_, grad_norm_and_clip_coef
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, deepseekv3_flavors
-from torchtitan.models.moe import GroupedExperts
 
-BF16_MODULES = (nn.Linear, GroupedExperts)
+BF16_GROUPS = bf16_weight_groups(torch.bfloat16, True, "bfloat16", False)  # the trainer's rule on one device
+
+
+def bf16_weights(model: nn.Module) -> list[nn.Parameter]:
+    return [param for param, group in group_parameters(model).items() if group in BF16_GROUPS]
 
 
 def build_model(bf16: bool, fp32_grads: bool = False, seed: int = 0, no_halfway: bool = False) -> tuple:
@@ -39,7 +42,7 @@ def build_model(bf16: bool, fp32_grads: bool = False, seed: int = 0, no_halfway:
         for param in model.parameters():
             bits = param.data.view(torch.int32)
             bits[(bits & 0xFFFF) == 0x8000] += 1
-    return model, store_weights_in_bf16([model], BF16_MODULES, fp32_grads) if bf16 else {}
+    return model, store_weights_in_bf16([model], set(bf16_weights(model)), fp32_grads) if bf16 else {}
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +151,7 @@ class CastsOfWeights(TorchDispatchMode):
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32-weights", "bf16-weights"])
 def test_no_weight_is_cast_in_forward_or_backward(bf16):
     model, _ = build_model(bf16=bf16)
-    weights = [p for module in model.modules() if isinstance(module, BF16_MODULES) for p in module.parameters()]
+    weights = bf16_weights(model)
     with CastsOfWeights(weights) as casts:
         forward_backward(model, 0, fused_head=True)
     assert casts.count == (0 if bf16 else len(weights)), casts.count  # today: every weight cast once per forward

@@ -13,10 +13,10 @@ from tests.unit.distributed._model_parity import (
     tiny_args,
 )
 from tests.unit.distributed._spawn import run_distributed
-from torchtitan.components.master_weights import store_weights_in_bf16
+from torchtitan.components.master_weights import bf16_weight_groups, store_weights_in_bf16
+from torchtitan.components.optimizer import group_parameters
 from torchtitan.config.job_config import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.models.moe.experts import GroupedExperts
 
 
 class CountAllToAll(TorchDispatchMode):
@@ -114,7 +114,8 @@ def _standard_ep_compiled_bf16(rank: int, world_size: int) -> None:
         compile__backend="aot_eager",
     )
     model, _ = parallelized(build_reference(tiny_args()), cfg, world_size)
-    store_weights_in_bf16([model], (GroupedExperts,), fp32_grads=False)  # as the trainer does: FSDP leaves them alone
+    bf16 = bf16_weight_groups(None, True, "bfloat16", experts_outside_fsdp=True)  # the trainer's: FSDP leaves them
+    store_weights_in_bf16([model], {p for p, group in group_parameters(model).items() if group in bf16}, False)
     for _ in range(2):
         loss = loss_of(model(inputs), labels, labels.numel())
         loss.backward()
