@@ -10,11 +10,10 @@ n_heads x (qk_head_dim + v_head_dim) values of K and V (5,120 for the 16B shape)
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from torchtitan.distributed.utils import reduce_scatter_tensor
+from torchtitan.distributed.utils import all_gather_tensor, reduce_scatter_tensor
 
 __all__ = ["ContextParallel"]
 
@@ -53,7 +52,7 @@ class ContextParallel:
 def all_gather(x: torch.Tensor, group_name: str, degree: int) -> torch.Tensor:
     """All-gather along dim 0 over the group named group_name; the backward reduce-scatters (sum)."""
     out = x.new_empty((degree * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=_resolve_process_group(group_name))
+    all_gather_tensor(out, x.contiguous(), group=_resolve_process_group(group_name))
     return out
 
 

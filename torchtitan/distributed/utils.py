@@ -21,8 +21,12 @@ logger = logging.getLogger(__name__)
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 """torch.distributed's reduce-scatter of one tensor: `reduce_scatter_single` from torch 2.13 on, which deprecates the
 old name (a FutureWarning on every call); the GPU image's torch 2.11 has only `reduce_scatter_tensor`."""
+all_gather_tensor = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+"""torch.distributed's all-gather into one tensor: `all_gather_single` from torch 2.13 on, which deprecates
+`all_gather_into_tensor` (a FutureWarning on every call), the only name in the GPU image's torch 2.11."""
 
 __all__ = [
+    "all_gather_tensor",
     "autocast_dtype",
     "clip_grad_norm_",
     "grad_norm_and_clip_coef",
