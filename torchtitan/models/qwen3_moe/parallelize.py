@@ -37,7 +37,7 @@ def attention_tp_plan(attention: nn.Module) -> dict[str, Any]:
         "wq": ColwiseParallel(),
         "wk": ColwiseParallel(),
         "wv": ColwiseParallel(),
-        "q_norm": SequenceParallel(sequence_dim=2),
-        "k_norm": SequenceParallel(sequence_dim=2),
+        "q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        "k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "wo": RowwiseParallel(output_layouts=Shard(1)),
     }
