@@ -3,7 +3,7 @@ optimizer's moments after its step (weight decay and the lr left out).
 
 Moonlight's recipe scales Muon's orthogonalized update to "AdamW's typical update RMS" (0.2, measured on its runs) so
 that AdamW's lr and weight decay carry over. `--metrics.log_update_rms` logs this number for a run
-(`update_rms/<group>`), so that `--optimizer.muon_update_rms` can be set to what AdamW does on the job at hand.
+(`update_rms/<group>`), so that `--muon.update_rms` can be set to what AdamW does on the job at hand.
 """
 
 import torch
