@@ -53,6 +53,19 @@ class ModelArgs(Protocol):
         """(parameters of `model`, training FLOPs per token)."""
         ...
 
+    # What the plan (`torchtitan/plan`) asks of the model's attention, beside the widths above
+    qk_head_dim: int
+    """Width of a query and key head: the attention's score matmul."""
+    v_head_dim: int
+    """Width of a value head: the attention's mix matmul."""
+    inter_dim: int
+    """Hidden width of the dense FFN of the model's dense layers."""
+
+    def attention_activation_bytes(self, heads: int, cp: int) -> tuple[int, int]:
+        """Bytes per token the attention keeps for its backward beyond its input and normed input, with `heads` query
+        heads on this rank and its keys over `cp` ranks' tokens: (without recompute, under per-op SAC)."""
+        ...
+
 
 @dataclass(frozen=True)
 class ModelSpec:

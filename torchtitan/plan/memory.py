@@ -119,23 +119,17 @@ def block_bytes_per_token(layout: Layout, block: Block, level: str) -> float:
     residual = residual_bytes(layout)
     if level == "full":
         return residual * dim
-    q_lora = args.q_lora_rank
-    latent = args.kv_lora_rank + args.qk_rope_head_dim
-    # attention: its input and normed input, q, [c_kv | k_pe], the output and its log-sum-exp per query; k and v
-    # per key, and each context-parallel rank's queries attend over the whole sequence (cp x its tokens)
-    per_query = residual * dim + 2 * dim + 4 * q_lora + 2 * heads * args.qk_head_dim + 2 * latent
-    per_query += 2 * heads * args.v_head_dim + 4 * heads
-    per_key = 2 * latent + 2 * heads * (args.qk_head_dim + args.v_head_dim)
-    attention = per_query + dims.cp * per_key
+    # attention: its input and normed input, and what the model's attention keeps (each context-parallel rank's
+    # queries attend over the whole sequence: cp x its tokens of keys)
+    attention_kept, attention_sac_kept = args.attention_activation_bytes(heads, dims.cp)
+    attention = residual * dim + 2 * dim + attention_kept
     ffn_input = residual * dim + 2 * dim  # the norm's input and output
     if not block.moe:
         inter = args.inter_dim // dims.tp
         if level == "none":
             return attention + ffn_input + 6 * inter
-        # per-op SAC checkpoints a dense block whole and keeps its input and its matmuls' outputs
-        kept = residual * dim + 2 * q_lora + 2 * heads * args.qk_head_dim + 2 * latent + 2 * heads * args.v_head_dim
-        kept += dims.cp * 2 * heads * (args.qk_nope_head_dim + args.v_head_dim) + 4 * heads + 2 * dim
-        return kept + 2 * (2 * inter + dim)
+        # per-op SAC checkpoints a dense block whole and keeps its input and its matmuls' outputs (wo's: 2 x dim)
+        return residual * dim + attention_sac_kept + 2 * dim + 2 * (2 * inter + dim)
     m = args.moe_args
     shared = 6 * args.moe_inter_dim * m.num_shared_experts  # gate, up, their product
     router = 4 * m.num_experts + 12 * m.top_k  # fp32 scores, the top-k ids and weights

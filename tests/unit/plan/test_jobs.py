@@ -1,6 +1,6 @@
-"""The real-size jobs pass preflight at the world sizes they are sized for and the plan prints them (the 16B on one
-node of 8 H100s or H200s; the 671B and Kimi K2 on 16 nodes of 8 H200s, with 671.0B and 1026.4B parameters); a job
-that ran out of memory on GPUs is planned not to fit, with a change that fits."""
+"""The real-size jobs pass preflight at the world sizes they are sized for and the plan prints them (the 16B and
+Qwen3-30B-A3B on one node of 8 H100s or H200s; the 671B and Kimi K2 on 16 nodes of 8 H200s, with 671.0B and 1026.4B
+parameters); a job that ran out of memory on GPUs is planned not to fit, with a change that fits."""
 
 import pytest
 
@@ -52,6 +52,19 @@ def test_the_plan_prints_the_kimi_k2_job_on_its_cluster(capsys):
     assert "1026.4B parameters, 32.9B active per token" in out
     assert "PP 16 x FSDP 8 x EP 8 (deepep)" in out and "48 of 384 experts per GPU" in out
     assert ": fits" in out
+
+
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_the_plan_prints_the_qwen3_30b_a3b_job_on_one_node(gpu, capsys, tmp_path):
+    """The second model's job: the plan asks the model's args for its attention's activations (GQA, not MLA)."""
+    config = ["--job.config_file", "train_configs/qwen3_30b_a3b.toml"]
+    job = check_job([*config, "--job.dump_folder", str(tmp_path)], 8)
+    assert (job.config.parallelism.expert_parallel_degree, job.model_args.n_kv_heads) == (4, 4)
+    assert main([*config, "--gpu", gpu]) == 0
+    out = capsys.readouterr().out
+    assert "on 1 node(s) x 8" in out and "30.5B parameters, 3.4B active per token" in out
+    assert "PP 1 x FSDP 8 x EP 4 (deepep)" in out and "32 of 128 experts per GPU" in out
+    assert ": fits" in out and "tokens/s/GPU" in out
 
 
 def test_a_job_that_ran_out_of_memory_is_planned_not_to_fit_with_a_change_that_fits(capsys):

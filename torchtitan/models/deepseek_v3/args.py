@@ -92,6 +92,18 @@ class DeepSeekV3ModelArgs:
         mtp = self.mtp_layers * (2 * dim + 2 * dim * dim + mtp_block + dim)
         return layers + embed_and_head + mtp
 
+    def attention_activation_bytes(self, heads: int, cp: int) -> tuple[int, int]:
+        """Bytes per token MLA keeps for its backward beyond its input and normed input (bf16, the log-sum-exp fp32),
+        with `heads` heads on this rank and its keys gathered over `cp` ranks' tokens (the plan's activation memory):
+        (without recompute: q's LoRA and its norm, q, [c_kv | k_pe], the output and its log-sum-exp per query; the
+        latent, k and v of every key; under per-op SAC: the matmuls' outputs, the latent, the output and log-sum-exp,
+        and wkv_b's output for every key)."""
+        q_lora, latent = self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim
+        queries = 2 * heads * self.qk_head_dim + 2 * latent + 2 * heads * self.v_head_dim + 4 * heads
+        keys = 2 * latent + 2 * heads * (self.qk_head_dim + self.v_head_dim)
+        sac_keys = 2 * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return 4 * q_lora + queries + cp * keys, 2 * q_lora + queries + cp * sac_keys
+
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """(parameters of `model`, training FLOPs per token). Works on DTensor-sharded models (global numel).
 

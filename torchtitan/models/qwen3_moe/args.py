@@ -59,6 +59,30 @@ class Qwen3MoEModelArgs:
     mtp_layers: int = 0
     """Qwen3-MoE has no multi-token prediction modules: always 0 (what the trainer reads of every model)."""
 
+    @property
+    def qk_head_dim(self) -> int:
+        """Query and key head width (the plan's attention FLOPs)."""
+        return self.head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        """Value head width."""
+        return self.head_dim
+
+    def attention_activation_bytes(self, heads: int, cp: int) -> tuple[int, int]:
+        """Bytes per token the attention keeps for its backward beyond its input and normed input (bf16, the
+        log-sum-exp fp32), with `heads` query heads on this rank (and their share of the key / value heads) and its keys
+        gathered over `cp` ranks' tokens (the plan's activation memory): (without recompute: wq's and wk's outputs (the
+        norms' inputs), q after RoPE, the output and its log-sum-exp per query; k after RoPE and v of every key; under
+        per-op SAC: the projections' and the attention's outputs and the log-sum-exp, and the gathered k and v of
+        every key under context parallelism). Not yet held to a measured run."""
+        kv_heads, width = heads * self.n_kv_heads // self.n_heads, self.head_dim
+        queries = 2 * heads * width + 2 * heads * width + 4 * heads  # q (projected; after RoPE: below), output, lse
+        keys = 2 * 2 * kv_heads * width  # k after RoPE, v
+        without = queries + 2 * heads * width + 2 * kv_heads * width + cp * keys
+        sac = queries + 2 * 2 * kv_heads * width + (cp * keys if cp > 1 else 0)
+        return without, sac
+
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """(parameters of `model`, training FLOPs per token). Works on DTensor-sharded models (global numel).
 
