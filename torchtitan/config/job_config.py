@@ -18,10 +18,12 @@ class Job:
 @dataclass
 class Model:
     name: str = "deepseek_v3"
-    """Model family: a name in `torchtitan/models/spec.py`'s `MODELS` (`deepseek_v3`)."""
+    """Model family: a name in `torchtitan/models/spec.py`'s `MODELS` (`deepseek_v3`, `qwen3_moe`)."""
 
     flavor: str = "debugmodel"
-    """Model size preset: debugmodel, 16B, 236B, 671B, and variants (torchtitan/models/deepseek_v3/args.py)."""
+    """Model size preset of `name`: DeepSeek-V3's debugmodel, 16B, 236B, 671B and variants
+    (torchtitan/models/deepseek_v3/args.py); Qwen3-MoE's debugmodel, 30B-A3B, 235B-A22B and variants
+    (torchtitan/models/qwen3_moe/args.py)."""
 
     tokenizer_path: str = "torchtitan/assets/tokenizer/tokenizer.json"
     """Path to a `tokenizers` JSON file; the shipped one matches debugmodel's vocab of 2048."""
