@@ -1,6 +1,7 @@
 """Qwen3-MoE against transformers' Qwen3MoeForCausalLM: the logits of a checkpoint it saved, in fp32, for the published
 configs shrunk in width; the Hugging Face round trip (our export -> transformers -> its save -> our import) exact; the
-same through scripts/convert_hf.py; and what the format cannot hold (a trained selection bias) refused."""
+same through scripts/convert_hf.py, and scripts/generate.py's greedy continuation; and what the format cannot hold
+(a trained selection bias) refused."""
 
 import dataclasses
 import json
@@ -9,10 +10,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from scripts import generate
 from tests.unit.components._hf_safetensors import load_hf_safetensors
 from tests.unit.models.deepseek_v3.test_convert_hf import convert_hf
 from torchtitan.components.hf_checkpoint import HFCheckpoint
 from torchtitan.components.hf_safetensors import save_hf_safetensors
+from torchtitan.datasets.tokenizer import Tokenizer, resolve_tokenizer_path
 from torchtitan.models.qwen3_moe import Qwen3MoEModel, Qwen3MoEModelArgs, Qwen3MoEStateDictAdapter
 from torchtitan.models.qwen3_moe.hf_config import model_args_from_hf_config
 
@@ -101,6 +104,21 @@ def test_convert_hf_round_trip_with_the_model_named(tmp_path):
     dcp.load({"model": back}, checkpoint_id=str(tmp_path / "back"), no_dist=True)
     for name, value in model.state_dict().items():
         assert torch.equal(back[name], value), name
+
+
+def test_generate_with_the_model_named_continues_as_transformers_greedy(tmp_path, capsys):
+    """scripts/generate.py --model qwen3_moe on a folder transformers saved: the prompt and transformers' greedy
+    continuation of it (the folder has no tokenizer.json: the shipped one, whose vocabulary the shrunk config has)."""
+    folder = save_transformers_model(tmp_path / "hf", CASES["30B-A3B"])
+    argv = [str(folder), "--model", "qwen3_moe", "--prompt", "Once upon a time", "--max-new-tokens", "12"]
+    assert generate.main(argv) == 0
+    tokenizer = Tokenizer(resolve_tokenizer_path(generate.SHIPPED_TOKENIZER))
+    prompt = torch.tensor([tokenizer.encode("Once upon a time", add_bos=True)])
+    greedy = load_transformers_model(folder).generate(
+        prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=12
+    )
+    expected = tokenizer.decode(greedy[0, prompt.shape[1] :].tolist(), skip_special_tokens=True)
+    assert capsys.readouterr().out == f"Once upon a time{expected}\n"
 
 
 def test_a_trained_selection_bias_has_no_place_in_the_format_unless_dropped():
