@@ -4,7 +4,10 @@ The trainer prints a user error as one `error:` line and a bug as its traceback;
 traceback and failure table and adds a line naming the rank and exit code only where that error line is not on the
 terminal (a bug, a signal, a rank whose output `--local-ranks-filter` hides: `report_error` hands the line over
 through torchrun's error file), and turns Ctrl-C into one line and exit code 130. Where several ranks failed, it
-names the cause: a rank killed by a signal before one whose error says it lost that rank. A multi-node rendezvous
+names the cause: a rank killed by a signal before one whose error says it lost that rank. With
+fault_tolerance.preemption, torchrun also passes SIGUSR1 (Slurm's warning signal) on to the workers and waits for them
+to save (`_with_graceful_stop`), and a run stopped by SIGTERM or SIGUSR1 ends in one line and exit code 143 (the
+trainer's `PREEMPTED_EXIT_CODE`). A multi-node rendezvous
 endpoint is checked (a port that is a number, a host that resolves) before torchrun starts, and more processes than
 CPU cores on a machine without a GPU is a warning line. torchrun's own log lines are off unless `LOGLEVEL` is set.
 run_train.sh uses it in place of `python -m torch.distributed.run`.
@@ -18,7 +21,6 @@ import os
 import socket
 import sys
 import threading
-import time
 
 import torch
 from torch.distributed import run
@@ -26,6 +28,9 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from torchtitan.components.fault_tolerance import PREEMPTED_EXIT_CODE
+from torchtitan.components.fault_tolerance.preemption import STOP_SIGNALS
+from torchtitan.tools.error_file import leave_error_line
 from torchtitan.tools.lost_peer import lost_peer
 
 INTERRUPTED_EXIT_CODE = 130
@@ -44,9 +49,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if warning := _more_processes_than_cores(argv):
         print(f"warning: {warning}", file=sys.stderr)
+    argv = _with_graceful_stop(argv)
     try:
         run.main(argv)
     except ChildFailedError as err:
+        codes = {failure.exitcode for failure in err.failures.values()}
+        if PREEMPTED_EXIT_CODE in codes and codes <= {PREEMPTED_EXIT_CODE, -SIGTERM}:
+            # the ranks agreed to stop on a signal (one rank got it) and saved; torchrun's own SIGTERM may reach a rank
+            # that was already on its way out
+            print(f"stopped by a signal: training stopped{_where_it_stopped(argv)}", file=sys.stderr)
+            return PREEMPTED_EXIT_CODE
         rank, failure = _root_failure(err)
         code = failure.exitcode
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
@@ -64,11 +76,40 @@ def main(argv: list[str] | None = None) -> int:
             print(f"training failed: rank {rank} {how}: {failure.message}", file=sys.stderr)
         # else its one error line is on the terminal already: nothing to add
         return code if code > 0 else 1
-    except (KeyboardInterrupt, SignalException):
+    except (KeyboardInterrupt, SignalException) as err:
         where = _where_it_stopped(argv)
+        if isinstance(err, SignalException) and err.sigval in STOP_SIGNALS:  # torchrun passed it on: they saved
+            print(f"stopped by {err.sigval.name}: training stopped{where}", file=sys.stderr)
+            return PREEMPTED_EXIT_CODE
         print(f"interrupted: training stopped{where}", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
     return 0
+
+
+def _with_graceful_stop(argv: list[str]) -> list[str]:
+    """With fault_tolerance.preemption: torchrun flags, unless the command or the environment sets them, that make it
+    pass SIGUSR1 on to the workers as it does SIGTERM (`--signals-to-handle`), and then wait for them while they
+    finish two steps and save (`--shutdown-timeout`, from the watchdog's limits; torchrun's own is 30 s, after which
+    it kills them)."""
+    job = _job_config(argv)
+    if job is None or not job.fault_tolerance.preemption:
+        return argv
+    torchrun_flags = argv[: argv.index("torchtitan.train")] if "torchtitan.train" in argv else argv
+    known = {option for action in run.get_args_parser()._actions for option in action.option_strings}
+    ft, added = job.fault_tolerance, []
+    if "--signals-to-handle" in known and not _given(torchrun_flags, "signals_to_handle"):
+        added += ["--signals-to-handle", ",".join(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1"])]
+    shutdown_set = _given(torchrun_flags, "shutdown_timeout", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    if "--shutdown-timeout" in known and not shutdown_set:
+        added += ["--shutdown-timeout", str(2 * ft.first_step_timeout_seconds + ft.save_timeout_seconds)]
+    return added + argv
+
+
+def _given(torchrun_flags: list[str], name: str, *variables: str) -> bool:
+    """Whether torchrun's option `name` is set: as a flag (either spelling), or in its PET_ variable or `variables`."""
+    flags = {f"--{name}", f"--{name.replace('_', '-')}"}
+    in_flags = any(arg.split("=", 1)[0] in flags for arg in torchrun_flags)
+    return in_flags or any(v in os.environ for v in (f"PET_{name.upper()}", *variables))
 
 
 def _root_failure(err: ChildFailedError) -> tuple[int, ProcessFailure]:
@@ -180,10 +221,7 @@ def report_error(line: str) -> None:
     """In a worker: print its one error line, and leave it where torchrun looks for a failed worker's error
     ($TORCHELASTIC_ERROR_FILE), for the launcher to show when this rank's output is filtered out."""
     print(line, file=sys.stderr, flush=True)
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        with open(path, "w") as f:
-            json.dump({"message": line, "timestamp": int(time.time())}, f)
+    leave_error_line(line)
 
 
 def _output_shown(local_rank: int, argv: list[str]) -> bool:
@@ -196,9 +234,8 @@ def _where_it_stopped(argv: list[str]) -> str:
     """' after step N; ...' from the run's metrics.jsonl and checkpoint folder (empty if they cannot be read)."""
     try:
         from torchtitan.components.checkpoint_folder import complete_checkpoints
-        from torchtitan.config import ConfigManager
 
-        job = ConfigManager().parse_args(argv[argv.index("torchtitan.train") + 1 :])
+        job = _job_config(argv)
         with open(os.path.join(job.job.dump_folder, "metrics.jsonl")) as f:
             last_step = json.loads(f.readlines()[-1])["step"]
         folder = os.path.join(job.job.dump_folder, job.checkpoint.folder)
@@ -216,6 +253,16 @@ def _where_it_stopped(argv: list[str]) -> str:
         f" after step {last_step}; the latest complete checkpoint is {checkpoints[max(checkpoints)]}: run the same "
         "command again to resume from it"
     )
+
+
+def _job_config(argv: list[str]):
+    """The trainer's JobConfig from the command after `-m torchtitan.train`, or None (preflight said why already)."""
+    from torchtitan.config import ConfigManager
+
+    try:
+        return ConfigManager().parse_args(argv[argv.index("torchtitan.train") + 1 :])
+    except Exception:
+        return None
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ def check_layout(job_config: JobConfig, world_size: int, this_host: bool = False
     """The checks that need the world size or the model shape. this_host: also what depends on the machine running
     the check (the tokenizer file, a GPU, installed packages); a plan for another cluster (`torchtitan.plan`) leaves
     those out."""
+    from torchtitan.components.fault_tolerance import check_fault_ranks
     from torchtitan.components.optimizer import check_optimizer
     from torchtitan.distributed.degrees import check_parallel_dims
     from torchtitan.distributed.parallel_dims import ParallelDims
@@ -89,6 +90,7 @@ def check_layout(job_config: JobConfig, world_size: int, this_host: bool = False
     check_mtp(job_config, model_args, parallel_dims)
     check_activation_checkpoint(job_config, model_args)
     check_float8_linears(job_config, parallel_dims)
+    check_fault_ranks(job_config.debug, world_size)
     check_final_hf_export(job_config, parallel_dims)
     check_profiling(job_config, this_host)
     if this_host:
@@ -215,6 +217,14 @@ def warn_inert_flags(job_config: JobConfig, flags: set[str], model_args, paralle
         "--activation_checkpoint.mode selective": (job.activation_checkpoint.mode != "selective",
                                                    "activation_checkpoint.selective_ac_option"),
         "--model.mtp_layers > 0": (model_args.mtp_layers == 0, "model.mtp_loss_weight"),
+        "--fault_tolerance.hang_timeout_seconds > 0": (job.fault_tolerance.hang_timeout_seconds == 0,
+                                                       "fault_tolerance.first_step_timeout_seconds "
+                                                       "fault_tolerance.save_timeout_seconds"),
+        "--metrics.straggler_interval > 0": (job.metrics.straggler_interval == 0,
+                                             "metrics.straggler_threshold metrics.straggler_warn_after"),
+        "--debug.sleep_seconds > 0": (job.debug.sleep_seconds == 0, "debug.sleep_rank debug.sleep_at_step "
+                                      "debug.sleep_phase debug.sleep_every_step"),
+        "--debug.sigterm_at_step > 0": (job.debug.sigterm_at_step == 0, "debug.sigterm_rank debug.sigterm_phase"),
         "--parallelism.pipeline_parallel_degree > 1": (not parallel_dims.pp_enabled,
                                                        "parallelism.pipeline_parallel_schedule "
                                                        "parallelism.pipeline_parallel_microbatch_size "

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager
+from torchtitan.components.fault_tolerance import PREEMPTED_EXIT_CODE, FaultTolerance, enable_flight_recorder
 from torchtitan.components.loss import (
     LossWithMTP,
     RescaledLoss,
@@ -92,6 +93,8 @@ class Trainer:
         self.grad_accum_steps = check_batch_sizes(job_config, self.parallel_dims.dp_size)
 
         self.device = _select_device()
+        if job_config.fault_tolerance.hang_timeout_seconds:
+            enable_flight_recorder()  # before the process groups: what a hang's dump reads
         dist_utils.init_distributed(job_config.comm, self.device.type)
         self.parallel_dims.build_mesh(self.device.type)
         self.rank = dist.get_rank()
@@ -395,11 +398,16 @@ class Trainer:
             dist.all_reduce(loss, group=self.parallel_dims.get_mesh("pp").get_group())
         return loss
 
-    def train(self) -> None:
+    def train(self) -> bool:
+        """Resume (or start) and train to training.steps; False when a stop signal ended it earlier, after the ranks
+        saved the step they stopped at (components/fault_tolerance)."""
         job_config = self.job_config
+        # preemption, the hang watchdog, the straggler check: told each phase, asked whether to stop
+        guard = FaultTolerance(job_config, self.rank, dist.get_world_size(), self.metrics, report_error)
+        guard.enter("checkpoint")
         self.checkpointer.load(step=job_config.checkpoint.load_step)
         self.metrics.drop_records_after(self.train_state.step)  # this run logs the steps after it anew
-        data_iterator = iter(self.dataloader)
+        data_iterator = guard.timed(iter(self.dataloader))  # its waits are the data phase
         gc.disable()
         gc.collect(1)
         steps = job_config.training.steps
@@ -414,10 +422,12 @@ class Trainer:
             job_config.profiling, job_config.job.dump_folder, self.rank, self.device, self.exchange.host_waiting_ops()
         )
         step_log = StepLog(self.metrics, self.rank, steps, graphs_compiled())
+        stopped = False
         try:
             while self.train_state.step < steps:
                 self.train_state.step += 1
                 step = self.train_state.step
+                guard.begin_step(step)
                 if step % job_config.training.gc_freq == 0:
                     gc.collect(1)
                 started = DeviceMark(self.device)
@@ -450,14 +460,25 @@ class Trainer:
                 if step == 1:
                     dist_utils.set_pg_timeouts(job_config.comm.train_timeout_seconds, self.parallel_dims.world_mesh)
                 if validates:
+                    guard.enter("validation")
                     start = time.perf_counter()
                     self.metrics.log_validation(step, self.validate().item(), time.perf_counter() - start)
+                guard.enter("checkpoint")
                 self.checkpointer.save(step, last_step=step == steps)
+                if (stop_signal := guard.end_step(step)) and step < steps:
+                    step_log.flush()  # checked before its checkpoint, as above
+                    check_finite_weights(self.model_parts, step)
+                    guard.save_and_stop(stop_signal, step, self.checkpointer)
+                    stopped = True
+                    break
+            guard.finish()
         finally:
             profiler.close()
             gc.enable()
             self.metrics.close()
             self.checkpointer.close()
+            guard.close()
+        return not stopped
 
 
 def _global_rank() -> int:
@@ -510,10 +531,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    trainer = None
+    trainer, code = None, 0
     try:
         trainer = Trainer(job)
-        trainer.train()
+        if not trainer.train():
+            code = PREEMPTED_EXIT_CODE  # stopped by a signal after saving: a requeue resumes
         # What the exchange holds (its release may be collective) goes before the process groups; not after an
         # error, where a dead rank would leave the others waiting in it.
         job.exchange.release()
@@ -539,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         del trainer
         dist_utils.destroy_process_groups()
-    return 0
+    return code
 
 
 if __name__ == "__main__":

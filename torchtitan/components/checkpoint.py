@@ -171,9 +171,10 @@ class CheckpointManager:
         return self.enable and (last_step or curr_step % self.config.interval == 0)
 
     @torch.no_grad()
-    def save(self, curr_step: int, last_step: bool = False) -> None:
-        """Save at every `interval`-th step and at the last step (model-only/HF there if so configured)."""
-        if not self.saves_at(curr_step, last_step):
+    def save(self, curr_step: int, last_step: bool = False, preempted: bool = False) -> None:
+        """Save at every `interval`-th step and at the last step (model-only/HF there if so configured). preempted:
+        a full checkpoint of this step whatever the interval, written synchronously (the process exits after it)."""
+        if not (self.saves_at(curr_step, last_step) or (preempted and self.enable)):
             return
         begin = time.monotonic()
         self._finish_pending_save()
@@ -188,7 +189,7 @@ class CheckpointManager:
         elif last_step and self.config.last_save_model_only:
             self._dcp_save({"model": self._in_export_dtype(self.model.state_dict())}, curr_step, tmp_path)
             fmt = FORMAT_MODEL_ONLY
-        elif self.config.async_mode == "async" and not last_step:
+        elif self.config.async_mode == "async" and not last_step and not preempted:
             # DCP stages (copies) the state to CPU memory before returning; the write and checksums run in background.
             future = dcp.async_save(self._states(), checkpoint_id=tmp_path, process_group=self.pg)
             future.add_done_callback(lambda done: done.exception() or write_rank_checksums(tmp_path, self.rank))

@@ -262,6 +262,14 @@ class MetricsProcessor:
             self._write_scalars(scalars, step)
             self._write_jsonl({"step": step, **scalars, "validation/seconds": seconds})
 
+    def log_stragglers(self, report: Any) -> None:
+        """A straggler check's result (`fault_tolerance.stragglers.StragglerReport`): TensorBoard, W&B and a
+        metrics.jsonl record of its step; the warning, when there is one, is the check's."""
+        if self.is_logging_rank:
+            scalars = report.record()
+            self._write_scalars(scalars, report.step)
+            self._write_jsonl({"step": report.step, **scalars})
+
     def _write_jsonl(self, record: dict[str, Any]) -> None:
         if self.jsonl_file is not None:
             self.jsonl_file.write(json.dumps(record) + "\n")

@@ -356,6 +356,17 @@ class Metrics:
     ...), read from its moments: what `--muon.update_rms` matches. Costs a pass over the moments and one
     all-reduce per logged step."""
 
+    straggler_interval: int = 50
+    """Every N steps, one all-gather of each rank's step time and data wait over those steps (several ranks only): the
+    record carries `straggler/slowest_rank` and `straggler/ratio`, its own step time over the median rank's
+    (docs/launching.md says what own time is). 0: off."""
+
+    straggler_threshold: float = 1.2
+    """A rank whose ratio exceeds this at `straggler_warn_after` checks in a row is named in a warning line."""
+
+    straggler_warn_after: int = 3
+    """Consecutive straggler checks over the threshold before the warning."""
+
 
 @dataclass
 class Validation:
@@ -382,11 +393,36 @@ class Validation:
 
 @dataclass
 class Comm:
-    init_timeout_seconds: int = 300
-    """Process-group timeout for initialization and the first step."""
+    init_timeout_seconds: int = 600
+    """Process-group timeout for initialization and the first step: a collective waiting longer raises (gloo) or
+    aborts the job (NCCL), without naming the rank it waited for. Longer than
+    fault_tolerance.first_step_timeout_seconds, so that the watchdog, which names it, comes first."""
 
-    train_timeout_seconds: int = 100
-    """Process-group timeout after the first step."""
+    train_timeout_seconds: int = 300
+    """Process-group timeout after the first step; longer than fault_tolerance.hang_timeout_seconds (as above)."""
+
+
+@dataclass
+class FaultTolerance:
+    """Running on a cluster (docs/launching.md): preemption and the hang watchdog. Not torchft."""
+
+    preemption: bool = True
+    """SIGTERM or SIGUSR1 (Slurm's `--signal`) stops every rank after the same step (the one after the signal's),
+    saves a checkpoint of that step synchronously (with checkpoint.enable), logs one line and exits with code 143 for
+    a requeue; later signals during the save are recorded and ignored. False: the signals end the process at once."""
+
+    hang_timeout_seconds: int = 180
+    """The hang watchdog: a rank whose step makes no progress for this long dumps where it is (Python stacks, step
+    and phase, the collectives' flight recorder) as does every other rank, one line names the rank(s) the others wait
+    for, and every rank exits with code 124 (torchrun's --max-restarts then resume from the last checkpoint). 0:
+    off. Shorter than comm.train_timeout_seconds."""
+
+    first_step_timeout_seconds: int = 480
+    """The watchdog's limit for the first step of a run (compile, autotuning) and for validation passes. Shorter than
+    comm.init_timeout_seconds."""
+
+    save_timeout_seconds: int = 900
+    """The watchdog's limit for a checkpoint load or save (a preemption's too)."""
 
 
 @dataclass
@@ -399,6 +435,34 @@ class Debug:
 
     moe_force_load_balance: bool = False
     """Assign tokens to experts round-robin instead of by the router (benchmarking only)."""
+
+    sleep_seconds: float = 0.0
+    """Fault injection (tests of the watchdog and the straggler check): rank `sleep_rank` sleeps this long when it
+    enters phase `sleep_phase` of step `sleep_at_step` (of every step from there with `sleep_every_step`). 0: off."""
+
+    sleep_rank: int = 0
+    """The global rank that sleeps (`sleep_seconds`)."""
+
+    sleep_at_step: int = 1
+    """The step at which `sleep_rank` sleeps (the first one with `sleep_every_step`)."""
+
+    sleep_phase: Literal["data", "compute", "validation", "checkpoint", "step_end"] = "data"
+    """Where in the step it sleeps: loading a batch (`data`: counted as data wait), forward/backward/optimizer
+    (`compute`, before its first collective), before a validation pass, before the checkpoint save (every step passes
+    there), or at the step's end."""
+
+    sleep_every_step: bool = False
+    """Sleep at every step from `sleep_at_step` on (a straggler) instead of once (a hang)."""
+
+    sigterm_at_step: int = 0
+    """Fault injection: rank(s) `sigterm_rank` send themselves SIGTERM when they enter phase `sigterm_phase` of this
+    step (as a scheduler's preemption would). 0: off."""
+
+    sigterm_rank: int = -1
+    """The global rank that signals itself; -1: every rank."""
+
+    sigterm_phase: Literal["data", "compute", "validation", "checkpoint", "step_end"] = "data"
+    """Where in the step the signal is sent (as `sleep_phase`)."""
 
 
 @dataclass
@@ -443,6 +507,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
     comm: Comm = field(default_factory=Comm)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     debug: Debug = field(default_factory=Debug)
     profiling: Profiling = field(default_factory=Profiling)
     quantize: Quantize = field(default_factory=Quantize)

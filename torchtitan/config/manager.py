@@ -123,6 +123,7 @@ def validate(job_config: JobConfig) -> None:
     _check_batch_and_layout(job_config)
     _check_muon(job_config.muon)
     _check_features(job_config)
+    _check_watchdog_timeouts(job_config)
 
 
 def _check_numbers(job_config: JobConfig) -> None:
@@ -252,10 +253,31 @@ def memory_budget_applies(job_config: JobConfig) -> bool:
     return per_op_sac and job_config.parallelism.pipeline_parallel_degree == 1
 
 
+def _check_watchdog_timeouts(job_config: JobConfig) -> None:
+    """The hang watchdog must fire before the process groups' own timeout, which stops a hung collective without
+    naming the rank it waits for."""
+    ft, comm = job_config.fault_tolerance, job_config.comm
+    if ft.hang_timeout_seconds == 0:
+        return
+    for watchdog, group in (
+        ("hang_timeout_seconds", "train_timeout_seconds"),
+        ("first_step_timeout_seconds", "init_timeout_seconds"),
+    ):
+        watchdog_value, group_value = getattr(ft, watchdog), getattr(comm, group)
+        _require(
+            watchdog_value < group_value,
+            f"fault_tolerance.{watchdog} ({watchdog_value}) must be shorter than comm.{group} ({group_value}): the "
+            "process groups' own timeout would stop a hung collective first, without naming the rank it waits for; "
+            f"lower --fault_tolerance.{watchdog} or raise --comm.{group} (--fault_tolerance.hang_timeout_seconds 0 "
+            "turns the watchdog off)",
+        )
+
+
 _POSITIVE_KEYS = (
     "training.seq_len training.steps training.local_batch_size training.gc_freq metrics.log_freq checkpoint.interval "
     "profiling.profile_freq comm.init_timeout_seconds comm.train_timeout_seconds validation.freq validation.steps "
-    "parallelism.fsdp_blocks_per_unit muon.ns_steps"
+    "parallelism.fsdp_blocks_per_unit muon.ns_steps fault_tolerance.first_step_timeout_seconds "
+    "fault_tolerance.save_timeout_seconds metrics.straggler_warn_after debug.sleep_at_step"
 ).split()
 _DEGREE_KEYS = (
     "parallelism.data_parallel_replicate_degree parallelism.tensor_parallel_degree parallelism.context_parallel_degree "
@@ -298,6 +320,13 @@ _RANGES = (
     ("debug.seed", lambda v: v is None or 0 <= v <= _MAX_SEED, f"none or in [0, 2**63 - 1 = {_MAX_SEED}]"),
     ("comm.init_timeout_seconds", lambda v: v <= _MAX_TIMEOUT, f"at most {_MAX_TIMEOUT} seconds (about 68 years)"),
     ("comm.train_timeout_seconds", lambda v: v <= _MAX_TIMEOUT, f"at most {_MAX_TIMEOUT} seconds (about 68 years)"),
+    ("fault_tolerance.hang_timeout_seconds", lambda v: v >= 0, ">= 0 (0: the watchdog off)"),
+    ("metrics.straggler_interval", lambda v: v >= 0, ">= 0 (0: no straggler check)"),
+    ("metrics.straggler_threshold", lambda v: math.isfinite(v) and v > 1, "a finite number > 1"),
+    ("debug.sleep_seconds", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0 (0: off)"),
+    ("debug.sleep_rank", lambda v: v >= 0, "a global rank >= 0"),
+    ("debug.sigterm_at_step", lambda v: v >= 0, ">= 0 (0: off)"),
+    ("debug.sigterm_rank", lambda v: v >= -1, "-1 (every rank) or a global rank >= 0"),
 )
 
 
