@@ -162,6 +162,8 @@ def test_every_command_runs_or_passes_its_checks(sandbox, monkeypatch, capsys):
             assert argv[argv.index("--prompt") + 1] in capsys.readouterr().out, where
         elif program == "tensorboard":
             assert importlib.util.find_spec("tensorboard") is not None, where
+        elif program == "sbatch":
+            check_slurm_job(command, argv, sandbox, monkeypatch, claimed)
         elif program in ("python", "torchrun"):
             check_paths(argv, sandbox, where)
         else:
@@ -254,6 +256,19 @@ def check_training(
             pytest.fail(f"{command.page}: `{command.text}` fails its checks: {err}")
     claim_dump_folder(command, job.config, sandbox, claimed)
     return job
+
+
+def check_slurm_job(command: Command, argv: list[str], sandbox: Path, monkeypatch, claimed: dict[Path, str]) -> None:
+    """`sbatch [flags] scripts/slurm/train.sbatch [trainer flags]`: the script exists, and its trainer flags pass the
+    checks of run_train.sh on `--nodes` nodes (NNODES, as the script sets it)."""
+    where = f"{command.page}: `{command.text}`"
+    script = next(i for i, word in enumerate(argv) if word.endswith(".sbatch"))
+    check_paths(argv[: script + 1], sandbox, where)
+    nodes = argv[argv.index("--nodes") + 1] if "--nodes" in argv[:script] else "1"
+    train_args = argv[script + 1 :]
+    env = {**command.env, "NNODES": nodes}
+    job = Command(command.page, command.text, env, ["./run_train.sh", *train_args], command.gpu_only, False)
+    check_training(job, train_args, sandbox, monkeypatch, claimed)
 
 
 def claim_dump_folder(command: Command, job_config, sandbox: Path, claimed: dict[Path, str]) -> None:
