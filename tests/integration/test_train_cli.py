@@ -162,6 +162,7 @@ def test_final_hf_export_loads_in_transformers_with_the_logits_of_the_model_trai
     import transformers  # dev dependency
 
     from scripts import generate
+    from torchtitan.models.spec import get_model_spec
 
     flavor = ["--model.flavor", "debugmodel_tiny_671b"]
     args = [*FAST_ARGS, *flavor, "--training.steps", "2", "--checkpoint.enable", "--checkpoint.last_save_in_hf"]
@@ -169,8 +170,9 @@ def test_final_hf_export_loads_in_transformers_with_the_logits_of_the_model_trai
     export = dump_folder / "checkpoint" / "exports" / "step-2"
     assert (export / "config.json").is_file() and (export / "complete.json").is_file()
     model = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32, attn_implementation="eager")
-    _, model_args = generate._model_shape(str(export), None, None)
-    ours = generate.load_model(str(export), generate.inference_args(model_args), torch.device("cpu"))
+    spec = get_model_spec("deepseek_v3")
+    _, model_args = generate._model_shape(spec, str(export), None, None)
+    ours = generate.load_model(spec, str(export), generate.inference_args(model_args), torch.device("cpu"))
     assert any(ours.layers[str(i)].moe.expert_bias.any() for i in range(3, 6))  # trained, and exported
     tokens = torch.randint(0, 2048, (1, 16))
     with torch.no_grad():

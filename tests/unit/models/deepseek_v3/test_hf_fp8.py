@@ -17,6 +17,7 @@ from torchtitan.components.checkpoint import CheckpointError
 from torchtitan.components.hf_checkpoint import check_block_scales
 from torchtitan.models.deepseek_v3 import get_model_args
 from torchtitan.models.deepseek_v3.hf_config import hf_config_from_model_args
+from torchtitan.models.spec import get_model_spec
 
 from .conftest import tiny_args
 from .test_convert_hf import _SCRIPT, convert_hf
@@ -56,8 +57,9 @@ def test_generate_samples_from_an_fp8_release_with_the_logits_of_its_dequantized
     if way == "dcp":
         convert_hf.main(["from-hf", str(fp8), str(tmp_path / "dcp")])
         checkpoint = tmp_path / "dcp"
-    _, args = generate._model_shape(str(checkpoint), str(fp8 / "config.json"), None)
-    model = generate.load_model(str(checkpoint), generate.inference_args(args), torch.device("cpu"))
+    spec = get_model_spec("deepseek_v3")
+    _, args = generate._model_shape(spec, str(checkpoint), str(fp8 / "config.json"), None)
+    model = generate.load_model(spec, str(checkpoint), generate.inference_args(args), torch.device("cpu"))
     assert_logits_match_transformers(model, reference)
 
 
