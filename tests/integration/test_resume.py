@@ -5,13 +5,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import DEBUG_CONFIG, FAST_ARGS, REPO_ROOT, read_losses, run_trainer
+from tests.forkserver import CONTEXT
+from tests.integration.conftest import DEBUG_CONFIG, FAST_ARGS, _trainer_rank, read_losses, run_trainer
 from tests.timeouts import generous_timeout
 from torchtitan.datasets.corpus import TINYCORPUS_PATH
 
@@ -80,32 +80,22 @@ def test_killed_run_restarts_from_latest_complete_checkpoint(tmp_path):
     run_trainer(tmp_path / "straight", args)
 
     dump = tmp_path / "killed"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torchtitan.train",
-        "--job.config_file",
-        str(DEBUG_CONFIG),
-        "--job.dump_folder",
-        str(dump),
-        *args,
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO_ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "2"},
-    )
+    # `python -m torchtitan.train` in a process group of its own, forked from the suite's server (a fresh
+    # interpreter's import of torch adds seconds and nothing to what a SIGKILL mid-training tests)
+    argv = ["--job.config_file", str(DEBUG_CONFIG), "--job.dump_folder", str(dump), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    output = (tmp_path / "killed.out", tmp_path / "killed.err")
+    proc = CONTEXT.Process(target=_trainer_in_own_session, args=(argv, os.getcwd(), env, *output))
+    proc.start()
     limit = generous_timeout(300)
     deadline = time.monotonic() + limit
     while not (dump / "checkpoint" / "step-6").exists():
-        assert proc.poll() is None, "trainer exited before its second checkpoint"
+        assert proc.exitcode is None, f"trainer exited before its second checkpoint: {output[1].read_text()[-3000:]}"
         assert time.monotonic() < deadline, f"no checkpoint within {limit:.0f} s"
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    proc.join()
+    assert proc.exitcode == -signal.SIGKILL
 
     run_trainer(dump, args)
     expected, got = read_losses(tmp_path / "straight"), read_losses(dump)
@@ -113,6 +103,12 @@ def test_killed_run_restarts_from_latest_complete_checkpoint(tmp_path):
         assert got[step] == expected[step], step
     # the rerun replaced what the killed run logged after step 6: every step once, in order
     assert [json.loads(line)["step"] for line in (dump / "metrics.jsonl").read_text().splitlines()] == [*range(1, 16)]
+
+
+def _trainer_in_own_session(argv: list[str], cwd: str, env: dict[str, str], stdout: Path, stderr: Path) -> None:
+    """The trainer as a session leader: a SIGKILL of its process group ends it and whatever it started."""
+    os.setsid()
+    _trainer_rank(argv, cwd, env, stdout, stderr)
 
 
 RESHARD_ARGS = [*FAST_ARGS, *CKPT_ARGS, "--training.global_batch_size", "8", "--training.steps", "8"]
