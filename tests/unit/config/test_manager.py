@@ -97,6 +97,11 @@ def test_negative_number_is_a_value():
             "and no num_blocks",
         ),
         (["--optimizer.moments_dtype", "float16"], "optimizer.moments_dtype"),
+        # a flavor beside a config.json would be ignored (the config.json gives the shape)
+        (
+            ["--model.hf_config_path", "config.json", "--model.flavor", "16B"],
+            r"pass --model.hf_config_path '' to train the flavor, or drop --model.flavor",
+        ),
     ],
 )
 def test_cross_field_and_range_errors_name_the_fix(argv, message):
