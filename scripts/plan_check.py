@@ -25,7 +25,7 @@ from torchtitan.plan.__main__ import CHECK_FILE, plan_from_argv  # noqa: E402
 from torchtitan.plan.memory import GIB  # noqa: E402
 
 RESULTS = CHECK_FILE.parent / "results"
-JOB = "train_configs/deepseek_v3_16b.toml"  # every e2e run's CONFIG_FILE (their `command`)
+JOB = "train_configs/deepseek_v3_16b.toml"  # the CONFIG_FILE of e2e runs that do not record theirs (`config_file`)
 SMS_24 = ("--deepep.num_sms", "24")  # the default before e1516f0 (48) and 8f39102 (64)
 
 
@@ -78,7 +78,8 @@ def job_of(result: dict) -> tuple[list[str], int, str]:
     if "runs" in result:  # cp_memory.py: one job, the CP=2 run's own flags on top
         flags, world = [*moments, *budget, *result["job"], *result["runs"]["cp2"]["args"]], 2
     else:
-        flags, world = ["--job.config_file", JOB, *moments, *budget, *result["train_args"]], result["ngpu"]
+        job = result.get("config_file", JOB)
+        flags, world = ["--job.config_file", job, *moments, *budget, *result["train_args"]], result["ngpu"]
     return list(map(renamed_flag, flags)), world, gpu
 
 

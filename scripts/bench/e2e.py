@@ -103,6 +103,7 @@ def train_and_measure(
         "name": name,
         "ngpu": ngpu,
         **run_settings(config, train_args, ngpu),
+        "config_file": config,
         "train_args": train_args,
         "command": f"CONFIG_FILE={config} NGPU={ngpu} ./run_train.sh " + shlex.join(train_args),
         "returncode": proc.returncode,
