@@ -53,6 +53,7 @@ RUNS = [
         "e2e_16b_ep4_budget72_bf16moments_b4a7045.json",
         SMS_24,
     ),  # fmt: skip
+    Run("Qwen3-30B-A3B, 8 layers, 1 x H100, bf16 moments", "e2e_qwen3_30b8L_ep1_compile_sac_7089c0f.json"),
     Run(
         "16B_accept, CP=2 at 65,536 tokens, 2 ranks on one H200 (memory only)",
         "cp_memory_83badba.json",

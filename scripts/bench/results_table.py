@@ -98,6 +98,13 @@ WHOLE_16B = (
     Run("27 layers, FSDP4 x EP4, memory budget 64 GiB", "e2e_16b_ep4_budget64_2251419.json"),
 )  # fmt: skip
 
+# Other models through the same MoE, exchange and parallelize (the second family's proxy: 8 of Qwen3-30B-A3B's 48
+# layers, every width, from scratch), compile + per-op SAC, the router's own routing, 4 x 4096 tokens per GPU.
+OTHER_MODELS = (
+    Run("Qwen3-30B-A3B, 8 layers (5.6B parameters), 1 GPU, bf16 moments",
+        "e2e_qwen3_30b8L_ep1_compile_sac_7089c0f.json"),
+)  # fmt: skip
+
 # AdamW's 300 steps at 4 x 4096 tokens, its update RMS logged (end loss 3.6921 against 3.6924 in a run without)
 MUON_REFERENCE = "e2e_16b8L_1gpu_matched_rms_adamw_300steps_435dded.json"
 LOSSES = (
@@ -140,7 +147,9 @@ def load(name: str) -> dict:
 
 def cited_files() -> list[str]:
     """Every JSON a table row names (the acceptance matrix's files come from `acceptance_files`)."""
-    names = [name for run in (*BENCH4, *WHOLE_16B) for name in (run.file, run.against, run.upstream) if name]
+    names = [
+        name for run in (*BENCH4, *WHOLE_16B, *OTHER_MODELS) for name in (run.file, run.against, run.upstream) if name
+    ]
     names += [name for check in LOSSES for name in (*check.reference, *check.runs)]
     names += [CP_MEMORY, MEMORY_BREAKDOWN, *GROUPED_GEMM, OPTIMIZER, OUTPUT_HEAD, DEEPEP_BANDWIDTH, DATA_LOADER]
     return sorted(set(names))
@@ -427,6 +436,12 @@ def render() -> str:
         "The 16B job's settings (`train_configs/deepseek_v3_16b.toml`), 4 x 4096 tokens per GPU.",
         "",
         *runs_table(WHOLE_16B),
+        "## Other models",
+        "",
+        "Qwen3-MoE's proxy (`train_configs/qwen3_30b_a3b.toml --model.flavor 30B-A3B_bench8`): 30B-A3B's layers",
+        "(GQA with q/k norms, 128 experts, top-8, no shared expert), 4 x 4096 tokens per GPU.",
+        "",
+        *runs_table(OTHER_MODELS),
         "## Loss curves",
         "",
         "Mean curve of the runs against the mean curve of the reference runs; the last column but two is how far",
