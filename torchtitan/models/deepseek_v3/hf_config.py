@@ -10,11 +10,12 @@ The published configs of DeepSeek-V2-Lite, Moonlight-16B-A3B, DeepSeek-V3 and Ki
 (hf_configs/README.md says where each came from): `--model.hf_config_path <HF_CONFIGS>/deepseek_v3.json`.
 """
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
+from torchtitan.models import hf_config_file
+from torchtitan.models.hf_config_file import check_fixed, check_grouped_gemm_widths, check_positive_ints, rope_fields
 from torchtitan.models.moe.args import MoEArgs
 
 from .args import DeepSeekV3ModelArgs
@@ -28,14 +29,10 @@ _SHAPE_KEYS = (
     "vocab_size hidden_size intermediate_size moe_intermediate_size num_hidden_layers num_attention_heads "
     "n_routed_experts num_experts_per_tok kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim"
 ).split()
-# Fields with one value this model computes: (field, the value when absent, the values computed, what that is)
-_FIXED = (
-    ("hidden_act", "silu", ("silu",), "silu"),
-    ("attention_bias", False, (False,), "no bias in attention projections"),
+_FIXED: tuple[hf_config_file.Fixed, ...] = (
+    *hf_config_file.FIXED_IN_EVERY_MODEL,
     ("mlp_bias", False, (False,), "no bias in FFN projections"),
-    ("tie_word_embeddings", False, (False,), "separate embedding and output head"),
     ("moe_layer_freq", 1, (1,), "an MoE in every layer after first_k_dense_replace"),
-    ("attention_dropout", 0.0, (0, 0.0, None), "no dropout"),
 )
 _ROUTING = {"scoring_func": ("sigmoid", "softmax"), "topk_method": ("noaux_tc", "greedy", "group_limited_greedy")}
 # DeepSeek's own defaults where a config leaves a routing field out (transformers' classes fix them by model_type)
@@ -46,46 +43,28 @@ _ROUTING_DEFAULTS = {
 # model_types whose config is another's math: Kimi K2 ships DeepSeek-V3's architecture (`architectures`:
 # DeepseekV3ForCausalLM) under its own name
 _SAME_MATH_AS = {"kimi_k2": "deepseek_v3"}
+# DeepSeek's own fields (beside those of every family's config: `hf_config_file`)
 _MATH_FIELDS = {
     *_SHAPE_KEYS,
     *(field for field, *_ in _FIXED),
     *_ROUTING,
-    "model_type",
     "num_key_value_heads",
     "n_shared_experts",
     "first_k_dense_replace",
     "n_group",
     "topk_group",
-    "norm_topk_prob",
     "routed_scaling_factor",
     "q_lora_rank",
-    "rms_norm_eps",
-    "rope_theta",
-    "rope_scaling",
-    "rope_parameters",
     "rope_interleave",
-    "max_position_embeddings",
     "num_nextn_predict_layers",
-    "eos_token_id",
 }
 # Fields of a training recipe or of inference (each read below where it changes what a user expects), and metadata
 _OTHER_FIELDS = {
     "aux_loss_alpha",
     "seq_aux",
-    "initializer_range",
     "ep_size",
-    "quantization_config",
-    "architectures",
     "auto_map",
-    "_name_or_path",
-    "transformers_version",
-    "torch_dtype",
-    "dtype",
-    "use_cache",
-    "bos_token_id",
-    "pad_token_id",
     "pretraining_tp",
-    "output_router_logits",
     "head_dim",  # transformers derives head_dim (= qk_rope_head_dim) and qk_head_dim, and ignores the file's
     "qk_head_dim",
 }
@@ -94,23 +73,7 @@ _OTHER_FIELDS = {
 def load_hf_config(path: str, flag: str) -> tuple[dict[str, Any], DeepSeekV3ModelArgs]:
     """The config.json at `path` (given by `flag`) and the model args it gives; a missing or malformed file, or one
     that is not a DeepSeek-V2/V3 config this model computes, is one error naming both."""
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{flag} {path}: not valid JSON ({err}); fix the file") from None
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{flag} {path} does not exist; give a config.json") from None
-    except IsADirectoryError:
-        raise ValueError(f"{flag} {path} is a folder; give its config.json") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{flag} {path}: not a JSON object; give a Hugging Face config.json")
-    try:
-        return config, model_args_from_hf_config(config)
-    except KeyError as err:
-        raise ValueError(f"{flag} {path} has no {err.args[0]!r}: not a DeepSeek-V2/V3 config.json") from None
-    except ValueError as err:
-        raise ValueError(f"{flag} {path}: {err}; fix the file") from None
+    return hf_config_file.load_hf_config(path, flag, model_args_from_hf_config, "DeepSeek-V2/V3")
 
 
 def model_args_from_hf_config(config: dict[str, Any]) -> DeepSeekV3ModelArgs:
@@ -124,10 +87,9 @@ def model_args_from_hf_config(config: dict[str, Any]) -> DeepSeekV3ModelArgs:
     _check_shape(config)
     _check_computed_values(config, model_type)
     _log_what_training_does_instead(config)
-    if unknown := sorted(set(config) - _MATH_FIELDS - _OTHER_FIELDS):
+    if unknown := hf_config_file.unknown_fields(config, _MATH_FIELDS | _OTHER_FIELDS):
         logger.warning(f"config.json fields that no DeepSeek-V2/V3 config defines, ignored: {unknown}")
 
-    eos = config.get("eos_token_id", 0)
     return DeepSeekV3ModelArgs(
         vocab_size=config["vocab_size"],
         dim=config["hidden_size"],
@@ -144,7 +106,7 @@ def model_args_from_hf_config(config: dict[str, Any]) -> DeepSeekV3ModelArgs:
         qk_rope_head_dim=config["qk_rope_head_dim"],
         v_head_dim=config["v_head_dim"],
         max_seq_len=config.get("max_position_embeddings", 4096),
-        eos_id=eos[0] if isinstance(eos, list) else (eos or 0),
+        eos_id=hf_config_file.eos_id(config),
         mtp_layers=config.get("num_nextn_predict_layers") or 0,
         **_rope_args(config),
     )
@@ -173,9 +135,7 @@ def _moe_args(config: dict[str, Any], model_type: str) -> MoEArgs:
 def _rope_args(config: dict[str, Any]) -> dict[str, Any]:
     """rope_theta and the YaRN fields (rope_scaling, or transformers 5's rope_parameters) as model args. Without YaRN
     the whole context is the original one (YaRN stays off)."""
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    rope, rope_type, theta = rope_fields(config)
     max_seq_len = config.get("max_position_embeddings", 4096)
     if rope_type == "default":
         return dict(rope_theta=theta, original_seq_len=max_seq_len)
@@ -207,10 +167,7 @@ def _rope_args(config: dict[str, Any]) -> dict[str, Any]:
 
 def _check_shape(config: dict[str, Any]) -> None:
     """The sizes a model is built from: positive whole numbers, and top-k among the routed experts."""
-    for key in _SHAPE_KEYS:
-        value = config[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{key}={value!r} must be a positive whole number")
+    check_positive_ints(config, _SHAPE_KEYS)
     for key in ("n_shared_experts", "first_k_dense_replace", "q_lora_rank", "num_nextn_predict_layers"):
         value = config.get(key) or 0
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -228,16 +185,12 @@ def _check_shape(config: dict[str, Any]) -> None:
         raise ValueError(
             f"n_group={groups} must divide n_routed_experts={experts}, and topk_group={top_groups} be at most n_group"
         )
-    for key in ("hidden_size", "moe_intermediate_size"):
-        if config[key] % 8:
-            raise ValueError(f"{key}={config[key]} must be a multiple of 8 (16-byte rows for the grouped GEMMs)")
+    check_grouped_gemm_widths(config)
 
 
 def _check_computed_values(config: dict[str, Any], model_type: str) -> None:
     """Each field with values this model does not compute: one ValueError naming the field, the value and ours."""
-    for key, absent, computed, what in _FIXED:
-        if config.get(key, absent) not in computed:
-            raise ValueError(f"{key}={config[key]!r} is not supported (this model computes {what})")
+    check_fixed(config, _FIXED)
     for key, supported in _ROUTING.items():
         if key in config and config[key] not in supported:
             raise ValueError(f"{key}={config[key]!r} is not supported (this model computes {' or '.join(supported)})")

@@ -10,11 +10,13 @@ The published configs of Qwen3-30B-A3B and Qwen3-235B-A22B ship in `HF_CONFIGS` 
 came from): `--model.name qwen3_moe --model.hf_config_path <HF_CONFIGS>/qwen3_30b_a3b.json`.
 """
 
-import json
 import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from torchtitan.models import hf_config_file
+from torchtitan.models.hf_config_file import check_fixed, check_grouped_gemm_widths, check_positive_ints, rope_fields
 
 from .args import Qwen3MoEModelArgs, qwen3_moe_args
 
@@ -27,47 +29,23 @@ _SHAPE_KEYS = (
     "vocab_size hidden_size intermediate_size moe_intermediate_size num_hidden_layers num_attention_heads "
     "num_key_value_heads num_experts num_experts_per_tok"
 ).split()
-# Fields with one value this model computes: (field, the value when absent, the values computed, what that is)
-_FIXED = (
-    ("hidden_act", "silu", ("silu",), "silu"),
-    ("attention_bias", False, (False,), "no bias in attention projections"),
-    ("tie_word_embeddings", False, (False,), "separate embedding and output head"),
-    ("attention_dropout", 0.0, (0, 0.0, None), "no dropout"),
+_FIXED: tuple[hf_config_file.Fixed, ...] = (
+    *hf_config_file.FIXED_IN_EVERY_MODEL,
     ("use_sliding_window", False, (False,), "full causal attention in every layer"),
 )
+# Qwen3-MoE's own fields (beside those of every family's config: `hf_config_file`)
 _MATH_FIELDS = {
     *_SHAPE_KEYS,
     *(field for field, *_ in _FIXED),
-    "model_type",
     "num_local_experts",
     "head_dim",
-    "norm_topk_prob",
     "decoder_sparse_step",
     "mlp_only_layers",
-    "rms_norm_eps",
-    "rope_theta",
-    "rope_scaling",
-    "rope_parameters",
-    "max_position_embeddings",
-    "eos_token_id",
     "sliding_window",  # read by transformers only with use_sliding_window
     "max_window_layers",  # likewise
 }
-# Fields of a training recipe or of inference (each read below where it changes what a user expects), and metadata
-_OTHER_FIELDS = {
-    "router_aux_loss_coef",
-    "initializer_range",
-    "output_router_logits",
-    "quantization_config",
-    "architectures",
-    "_name_or_path",
-    "transformers_version",
-    "torch_dtype",
-    "dtype",
-    "use_cache",
-    "bos_token_id",
-    "pad_token_id",
-}
+# A training recipe's field (logged below: what training does with it)
+_OTHER_FIELDS = {"router_aux_loss_coef"}
 _ROUTER_AUX_LOSS_COEF = 0.001
 """transformers' Qwen3MoeConfig default, where a config leaves router_aux_loss_coef out."""
 
@@ -75,23 +53,7 @@ _ROUTER_AUX_LOSS_COEF = 0.001
 def load_hf_config(path: str, flag: str) -> tuple[dict[str, Any], Qwen3MoEModelArgs]:
     """The config.json at `path` (given by `flag`) and the model args it gives; a missing or malformed file, or one
     that is not a Qwen3-MoE config this model computes, is one error naming both."""
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{flag} {path}: not valid JSON ({err}); fix the file") from None
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{flag} {path} does not exist; give a config.json") from None
-    except IsADirectoryError:
-        raise ValueError(f"{flag} {path} is a folder; give its config.json") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{flag} {path}: not a JSON object; give a Hugging Face config.json")
-    try:
-        return config, model_args_from_hf_config(config)
-    except KeyError as err:
-        raise ValueError(f"{flag} {path} has no {err.args[0]!r}: not a Qwen3-MoE config.json") from None
-    except ValueError as err:
-        raise ValueError(f"{flag} {path}: {err}; fix the file") from None
+    return hf_config_file.load_hf_config(path, flag, model_args_from_hf_config, "Qwen3-MoE")
 
 
 def model_args_from_hf_config(config: dict[str, Any]) -> Qwen3MoEModelArgs:
@@ -108,9 +70,9 @@ def model_args_from_hf_config(config: dict[str, Any]) -> Qwen3MoEModelArgs:
         if experts != config["num_local_experts"]:
             raise ValueError(f"num_experts={experts!r} and num_local_experts={config['num_local_experts']!r} differ")
     _check_shape(config)
-    _check_computed_values(config)
+    check_fixed(config, _FIXED)
     _log_what_training_does_instead(config)
-    if unknown := sorted(set(config) - _MATH_FIELDS - _OTHER_FIELDS):
+    if unknown := hf_config_file.unknown_fields(config, _MATH_FIELDS | _OTHER_FIELDS):
         logger.warning(f"config.json fields that no Qwen3-MoE config defines, ignored: {unknown}")
 
     moe_args = replace(
@@ -118,7 +80,6 @@ def model_args_from_hf_config(config: dict[str, Any]) -> Qwen3MoEModelArgs:
         route_norm=bool(config.get("norm_topk_prob", False)),  # transformers' default: False
         global_aux_loss_coeff=float(config.get("router_aux_loss_coef", _ROUTER_AUX_LOSS_COEF)),
     )
-    eos = config.get("eos_token_id", 0)
     return Qwen3MoEModelArgs(
         vocab_size=config["vocab_size"],
         dim=config["hidden_size"],
@@ -133,7 +94,7 @@ def model_args_from_hf_config(config: dict[str, Any]) -> Qwen3MoEModelArgs:
         moe_args=moe_args,
         max_seq_len=config.get("max_position_embeddings", 32768),
         rope_theta=_rope_theta(config),
-        eos_id=eos[0] if isinstance(eos, list) else (eos or 0),
+        eos_id=hf_config_file.eos_id(config),
     )
 
 
@@ -146,19 +107,15 @@ def _dense_layers(config: dict[str, Any]) -> tuple[int, ...]:
 
 def _rope_theta(config: dict[str, Any]) -> float:
     """rope_theta of plain RoPE (rope_scaling null, or transformers 5's rope_parameters of type default)."""
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    _, rope_type, theta = rope_fields(config)
     if rope_type != "default":
         raise ValueError(f"rope_scaling type={rope_type!r} is not supported (this model computes plain RoPE)")
-    return float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    return theta
 
 
 def _check_shape(config: dict[str, Any]) -> None:
     """The sizes a model is built from: positive whole numbers, heads in whole groups, top-k among the experts."""
-    for key in (*_SHAPE_KEYS, *(["head_dim"] if config.get("head_dim") is not None else [])):
-        value = config[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{key}={value!r} must be a positive whole number")
+    check_positive_ints(config, (*_SHAPE_KEYS, *(["head_dim"] if config.get("head_dim") is not None else [])))
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     if heads % kv_heads:
         raise ValueError(f"num_key_value_heads={kv_heads} must divide num_attention_heads={heads}")
@@ -174,16 +131,7 @@ def _check_shape(config: dict[str, Any]) -> None:
     layers, mlp_only = config["num_hidden_layers"], config.get("mlp_only_layers") or []
     if not all(isinstance(i, int) and 0 <= i < layers for i in mlp_only):
         raise ValueError(f"mlp_only_layers={mlp_only!r} must list layers 0..{layers - 1}")
-    for key in ("hidden_size", "moe_intermediate_size"):
-        if config[key] % 8:
-            raise ValueError(f"{key}={config[key]} must be a multiple of 8 (16-byte rows for the grouped GEMMs)")
-
-
-def _check_computed_values(config: dict[str, Any]) -> None:
-    """Each field with values this model does not compute: one ValueError naming the field, the value and ours."""
-    for key, absent, computed, what in _FIXED:
-        if config.get(key, absent) not in computed:
-            raise ValueError(f"{key}={config[key]!r} is not supported (this model computes {what})")
+    check_grouped_gemm_widths(config)
 
 
 def _log_what_training_does_instead(config: dict[str, Any]) -> None:
