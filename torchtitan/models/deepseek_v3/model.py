@@ -4,39 +4,28 @@ Module names follow docs/design.md (the parallelize and pipeline plans depend on
 The model knows nothing about parallelism: `parallelize` installs what the parallel layouts need.
 """
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
-from torchtitan.models.attention import AttentionMask, build_attention_mask
+from torchtitan.models.attention import AttentionMask
 from torchtitan.models.moe.block import TransformerBlock as MoETransformerBlock
+from torchtitan.models.moe.decoder import Decoder
 from torchtitan.models.moe.feed_forward import FeedForward
 from torchtitan.models.moe.moe import MoE
-from torchtitan.models.output_head import OutputHead
 
 from .args import DeepSeekV3ModelArgs
 from .attention import MLA
 from .rope import precompute_freqs_cis
 
-if TYPE_CHECKING:
-    from torchtitan.distributed.context_parallel import ContextParallel
 
+class DeepSeekV3Model(Decoder):
+    """The shared trunk (`models/moe/decoder.py`) of MLA blocks, with DeepSeek-V3's multi-token prediction modules
+    after the last layer."""
 
-class DeepSeekV3Model(nn.Module):
     def __init__(self, args: DeepSeekV3ModelArgs):
-        super().__init__()
-        self.args = args
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        # ModuleDict keyed "0".."n-1" so pipeline splitting can delete layers and keep the others' names.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output: OutputHead | None = OutputHead(args.dim, args.vocab_size)
+        super().__init__(args, TransformerBlock, precompute_freqs_cis)
         # Multi-token prediction modules "0".."D-1" (HF: model.layers.{n_layers + k}), sharing embedding and head.
         self.mtp = nn.ModuleDict({str(k): MTPBlock(args.n_layers + k, args) for k in range(args.mtp_layers)})
-        self.register_buffer("freqs_cis", precompute_freqs_cis(args), persistent=False)
-        # context parallelism (set by parallelize, like every MLA's): forward gets a part of each sequence
-        self.context_parallel: ContextParallel | None = None
 
     def forward(
         self,
@@ -65,38 +54,20 @@ class DeepSeekV3Model(nn.Module):
         flat tuple of tensors: pipeline stages send and return nothing else);
         (hidden states, mtp_embeddings) on a pipeline stage before the MTP modules.
         """
-        if self.args.attn_mask_type == "block_causal" and document_ids is None:
-            raise ValueError("attn_mask_type='block_causal' needs document_ids; pass model(tokens, document_ids=...)")
-        if labels is not None and (self.output is None or self.norm is None):
-            raise ValueError("labels= (the fused output loss) needs the whole model, not a pipeline stage")
+        self._check_inputs(document_ids, labels)
         if mtp_embeddings is not None and (self.tok_embeddings is not None or not self.args.mtp_layers):
             raise ValueError(
                 "mtp_embeddings only pass between pipeline stages of a model with MTP modules; pass document_ids "
                 "and next_tokens by keyword"
             )
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
-        seqlen = h.shape[1]
-        kv_len = seqlen * (self.context_parallel.degree if self.context_parallel is not None else 1)
-        if kv_len > self.freqs_cis.shape[0]:
-            raise ValueError(f"seqlen {kv_len} > max_seq_len {self.freqs_cis.shape[0]}; raise model max_seq_len")
-        if (positions is None) != (self.context_parallel is None):
-            raise ValueError(
-                "positions= is this rank's part of each sequence: pass it exactly under context parallelism"
-            )
-        if self.freqs_cis.dtype != torch.float32:
-            raise RuntimeError(
-                f"freqs_cis is {self.freqs_cis.dtype}, not float32 (model.to(dtype) casts buffers too, and bf16 angles "
-                "rotate far positions wrongly); cast with FSDP mixed precision instead, or recompute: "
-                "model.freqs_cis = precompute_freqs_cis(model.args, device)"
-            )
-        freqs_cis = self.freqs_cis[:seqlen] if positions is None else self.freqs_cis[positions]
+        h = self._embed(tokens)  # (bs, seqlen, dim)
+        freqs_cis, attention_mask = self._rope_and_mask(h, positions, document_ids)
         training_mtp = self.args.mtp_layers > 0 and (next_tokens is not None or mtp_embeddings is not None)
         mtp_here = training_mtp and len(self.mtp) > 0
         # a pipeline stage before the MTP modules: pass their inputs on (computed on the embedding's stage)
         mtp_later = training_mtp and len(self.mtp) == 0
         if mtp_later and mtp_embeddings is None:
             mtp_embeddings = torch.stack([self._mtp_embedding(next_tokens, k) for k in range(self.args.mtp_layers)])
-        attention_mask = build_attention_mask(document_ids, positions, kv_len)
         for layer in self.layers.values():
             h = layer(h, freqs_cis, attention_mask)
         if mtp_later:
@@ -144,25 +115,6 @@ class DeepSeekV3Model(nn.Module):
         if positions is None:
             positions = torch.arange(seqlen, device=next_tokens.device)
         return self.tok_embeddings(next_tokens[:, (positions + module).clamp(max=seqlen - 1)])
-
-    @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
-        """Initialize all parameters in place (DTensors too) and recompute freqs_cis on `buffer_device` (default:
-        where the buffer is, or CPU when that is the meta device)."""
-        if buffer_device is None:
-            buffer_device = self.freqs_cis.device if self.freqs_cis.device.type != "meta" else "cpu"
-        self.freqs_cis = precompute_freqs_cis(self.args, device=buffer_device)
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight)
-        for layer in self.layers.values():
-            layer.init_weights(buffer_device)
-        for block in self.mtp.values():
-            block.init_weights(buffer_device)
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None:
-            std = self.args.dim**-0.5
-            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
 class TransformerBlock(MoETransformerBlock):
