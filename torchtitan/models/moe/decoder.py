@@ -24,7 +24,8 @@ __all__ = ["Decoder"]
 class Decoder(nn.Module):
     """tok_embeddings -> layers "0".."n_layers-1" -> norm -> output. A pipeline stage sets the parts it does not hold
     to None (and deletes layers: the ModuleDict keeps the others' names). `parallelize` sets `context_parallel`, under
-    which forward gets a part of each sequence.
+    which forward gets a part of each sequence. A model with more than the trunk (DeepSeek-V3's MTP modules) overrides
+    forward, building on `_check_inputs`, `_embed` and `_rope_and_mask`.
 
     block: (layer_id, args) -> the model's transformer block. precompute_freqs_cis: (args, device) -> the model's
     RoPE table, fp32 (max_seq_len, ...), indexed by position.
@@ -47,6 +48,37 @@ class Decoder(nn.Module):
         self.register_buffer("freqs_cis", precompute_freqs_cis(args), persistent=False)
         # context parallelism (set by parallelize, like every attention's): forward gets a part of each sequence
         self.context_parallel: ContextParallel | None = None
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens: (bs, seqlen) int, or hidden states (bs, seqlen, dim) on a pipeline stage without tok_embeddings.
+        document_ids: (bs, seqlen), equal ids = same packed document; switches to block-causal attention.
+        labels: (bs, seqlen) targets (IGNORE_INDEX: none); returns the fp32 cross-entropy token SUM instead of the
+        logits (`OutputHead`, in row chunks). Not on pipeline stages.
+        positions: (seqlen,) under context parallelism: the global positions of tokens (and labels) in sequences of
+        context_parallel.degree x seqlen tokens (`ContextParallel.positions`), for RoPE and the causal mask;
+        document_ids then covers the whole sequences: (bs, degree x seqlen).
+        Returns logits (bs, seqlen, vocab), or hidden states (bs, seqlen, dim) on a stage without `output`.
+        """
+        self._check_inputs(document_ids, labels)
+        h = self._embed(tokens)  # (bs, seqlen, dim)
+        freqs_cis, attention_mask = self._rope_and_mask(h, positions, document_ids)
+        for layer in self.layers.values():
+            h = layer(h, freqs_cis, attention_mask)
+        h = self.norm(h) if self.norm is not None else h
+        if self.output is None:
+            return h
+        if labels is None:
+            return self.output(h)
+        if labels.dim() != 2:
+            raise ValueError(f"labels= is (bs, seqlen), got shape {tuple(labels.shape)}")
+        return self.output(h, labels=labels)
 
     def _check_inputs(self, document_ids: torch.Tensor | None, labels: torch.Tensor | None) -> None:
         """What forward's keyword arguments need: document ids for block-causal attention, the whole model for
