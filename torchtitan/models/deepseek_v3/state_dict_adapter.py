@@ -14,12 +14,16 @@ import dataclasses
 import logging
 import re
 from collections.abc import Collection, Iterable
-from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from torchtitan.components.hf_checkpoint import HFSource
+from torchtitan.models.moe.hf_state_dict import (
+    TRUNK_KEY_MAP,
+    HFLayout,
+    HFSources,
+    HFStateDictAdapter,
+)
 
 from .args import DeepSeekV3ModelArgs
 from .hf_config import SELECTION_BIAS_IGNORED, hf_config_from_model_args, selection_bias_ignored_by_transformers
@@ -27,13 +31,9 @@ from .model import MTPBlock
 
 logger = logging.getLogger(__name__)
 
-# our key -> HF key, with "{}" standing for the layer index
+# our key -> HF key, with "{}" standing for the layer index: the trunk's, then this model's own
 _KEY_MAP = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "layers.{}.attention_norm.weight": "model.layers.{}.input_layernorm.weight",
-    "layers.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
+    **TRUNK_KEY_MAP,
     "layers.{}.attention.wq.weight": "model.layers.{}.self_attn.q_proj.weight",
     "layers.{}.attention.wq_a.weight": "model.layers.{}.self_attn.q_a_proj.weight",
     "layers.{}.attention.q_norm.weight": "model.layers.{}.self_attn.q_a_layernorm.weight",
@@ -42,10 +42,6 @@ _KEY_MAP = {
     "layers.{}.attention.kv_norm.weight": "model.layers.{}.self_attn.kv_a_layernorm.weight",
     "layers.{}.attention.wkv_b.weight": "model.layers.{}.self_attn.kv_b_proj.weight",
     "layers.{}.attention.wo.weight": "model.layers.{}.self_attn.o_proj.weight",
-    "layers.{}.feed_forward.w1.weight": "model.layers.{}.mlp.gate_proj.weight",
-    "layers.{}.feed_forward.w2.weight": "model.layers.{}.mlp.down_proj.weight",
-    "layers.{}.feed_forward.w3.weight": "model.layers.{}.mlp.up_proj.weight",
-    "layers.{}.moe.router.gate.weight": "model.layers.{}.mlp.gate.weight",
     "layers.{}.moe.expert_bias": "model.layers.{}.mlp.gate.e_score_correction_bias",
     "layers.{}.moe.shared_experts.w1.weight": "model.layers.{}.mlp.shared_experts.gate_proj.weight",
     "layers.{}.moe.shared_experts.w2.weight": "model.layers.{}.mlp.shared_experts.down_proj.weight",
@@ -58,9 +54,6 @@ _KEY_MAP = {
 }
 # In DeepSeek-V3's checkpoint each MTP layer also carries copies of the shared embedding and output head.
 _MTP_SHARED_COPIES = {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
-_EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
-_HF_EXPERT_KEY = "model.layers.{}.mlp.experts.{}.{}.weight"
-_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
 # The weights DeepSeek's FP8 releases (V3, R1) store as float8_e4m3fn with block scales: every linear layer of
 # attention, the dense MLPs and the shared and routed experts, the MTP layer's included. Embeddings, the output head
 # (and an MTP layer's copies of both), norms, the router gate and its bias and an MTP layer's eh_proj stay bf16/fp32.
@@ -74,36 +67,18 @@ _MTP_ONLY_KEY = re.compile(r"model\.layers\.\d+\.(enorm|hnorm|eh_proj|embed_toke
 _OURS_ONLY = ("tokens_per_expert",)
 
 
-class DeepSeekV3StateDictAdapter:
+class DeepSeekV3StateDictAdapter(HFStateDictAdapter):
+    """DeepSeek-V2/V3's layout (`_KEY_MAP`), with the MTP modules as the layers after the model's."""
+
     optional_prefixes = ("mtp.",)  # a checkpoint without MTP modules: get_model_args decides whether to build them
+    layout = HFLayout("DeepSeek-V2/V3", _KEY_MAP, _OURS_ONLY, _FP8_WEIGHT)
+    config_from_args = staticmethod(hf_config_from_model_args)
+    biased_model_alternative = "sample it as it is with scripts/generate.py"
+    model_args: DeepSeekV3ModelArgs
 
-    def __init__(self, model_args: DeepSeekV3ModelArgs):
-        self.model_args = model_args
-        self.to_hf_map = {_pattern(ours): hf for ours, hf in _KEY_MAP.items()}
-        self.from_hf_map = {_pattern(hf): ours for ours, hf in _KEY_MAP.items()}
-
-    def hf_config(self) -> dict[str, Any]:
-        """The transformers config.json of these model args."""
-        return hf_config_from_model_args(self.model_args)
-
-    def to_hf(self, state_dict: dict[str, torch.Tensor], drop_selection_bias: bool = False) -> dict[str, torch.Tensor]:
-        """Our (full or DTensor, gathered here) state dict -> HF keys with per-expert tensors (`hf_layout`), for a
-        folder transformers computes this model from: ValueError for a softmax-routed model whose selection bias is
-        not zero, which transformers would ignore. drop_selection_bias: export without the bias (every reader then
-        computes the model without it, which chooses other experts for some tokens)."""
-        # gathered first, in the same order on every rank (a collective each), so the MTP copies are full too
-        state_dict = {key: v.full_tensor() if isinstance(v, DTensor) else v for key, v in state_dict.items()}
-        if drop_selection_bias:
-            state_dict = {key: value for key, value in state_dict.items() if not key.endswith("expert_bias")}
-        elif selection_bias_ignored_by_transformers(self.model_args):
-            if biased := next((key for key, v in state_dict.items() if key.endswith("expert_bias") and v.any()), None):
-                raise ValueError(
-                    f"{biased} is not zero (training balanced the experts with it), but {SELECTION_BIAS_IGNORED}: "
-                    "transformers would compute other logits than this model. Export it without the bias, knowing "
-                    "that some tokens then choose other experts (scripts/convert_hf.py to-hf --drop-selection-bias), "
-                    "or sample it as it is with scripts/generate.py"
-                )
-        return self.hf_layout(state_dict)
+    def selection_bias_ignored(self) -> str | None:
+        """A softmax-routed model exports as deepseek_v2, whose transformers class has no selection bias."""
+        return SELECTION_BIAS_IGNORED if selection_bias_ignored_by_transformers(self.model_args) else None
 
     def hf_layout(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Our full (or meta) state dict under HF keys, routed experts unstacked: MTP module k becomes
@@ -115,16 +90,7 @@ class DeepSeekV3StateDictAdapter:
                 if ours in state_dict:
                     hf_state_dict[f"model.layers.{n_layers + k}.{hf_name}"] = state_dict[ours]
         state_dict = {_mtp_to_layer_key(key, n_layers): value for key, value in state_dict.items()}
-        for key, value in state_dict.items():
-            if expert := re.fullmatch(r"layers\.(\d+)\.moe\.experts\.(w[123])", key):
-                layer, name = expert.groups()
-                for j in range(value.shape[0]):  # (E, out, in) -> E x (out, in)
-                    hf_state_dict[_HF_EXPERT_KEY.format(layer, j, _EXPERT_NAMES[name])] = value[j]
-            elif key.rsplit(".", 1)[-1] not in _OURS_ONLY:
-                if (hf_key := _translate(key, self.to_hf_map)) is None:
-                    raise ValueError(f"{key} has no Hugging Face counterpart in the DeepSeek-V2/V3 layout")
-                hf_state_dict[hf_key] = value
-        return hf_state_dict
+        return hf_state_dict | self.layout.state_dict_to_hf(state_dict)
 
     def hf_sources(self, hf_keys: Iterable[str]) -> dict[str, HFSource]:
         """Where each of our tensors comes from among the HF tensor names `hf_keys` (FP8 scales left out: the
@@ -135,12 +101,9 @@ class DeepSeekV3StateDictAdapter:
         without e_score_correction_bias (DeepSeek-V2) gets a zero expert_bias, and token counts start at zero."""
         n_layers, num_experts = self.model_args.n_layers, self.model_args.moe_args.num_experts
         n_blocks = n_layers + self.model_args.mtp_layers
-        sources: dict[str, HFSource] = {}
-        experts: dict[tuple[str, str], dict[int, str]] = {}  # (layer, w1|w2|w3) -> {expert: HF key}
-        hf_to_ours = {hf: ours for ours, hf in _EXPERT_NAMES.items()}
+        sources = HFSources(self.layout)
         held_layers = set()
         beyond: dict[int, list[str]] = {}  # layer past the model's blocks -> its tensor names
-        unknown = []
         for key in hf_keys:
             if layer := re.match(r"model\.layers\.(\d+)\.(.*)", key):
                 i, rest = int(layer.group(1)), layer.group(2)
@@ -150,37 +113,18 @@ class DeepSeekV3StateDictAdapter:
                     continue
                 if i >= n_layers and rest in _MTP_SHARED_COPIES:
                     continue
-            if (expert := _HF_EXPERT.fullmatch(key)) and expert.group(3) in hf_to_ours:
-                layer_id, j, name = expert.groups()
-                experts.setdefault((layer_id, hf_to_ours[name]), {})[int(j)] = key
-            elif (ours := _translate(key, self.from_hf_map)) is not None:
-                sources[ours] = HFSource((key,))
-            else:
-                unknown.append(key)
+            sources.add(key)
 
         _leave_out_layers_beyond(beyond, n_layers, self.model_args.mtp_layers)
-        if unknown:
-            raise ValueError(
-                f"{len(unknown)} of its tensors have no place in a DeepSeek-V2/V3 model, e.g. {sorted(unknown)[:3]}"
-            )
-        for (layer_id, name), per_expert in experts.items():
-            if (found := sorted(per_expert)) != list(range(num_experts)):
-                raise ValueError(f"layer {layer_id} {name}: expected experts 0..{num_experts - 1}, found {found}")
-            keys = tuple(per_expert[j] for j in range(num_experts))  # stacked: (E, out, in)
-            sources[f"layers.{layer_id}.moe.experts.{name}"] = HFSource(keys, stacked=True)
+        resolved = sources.resolve(num_experts)
 
         for i in range(self.model_args.n_dense_layers, n_blocks):
             if i >= n_layers and i not in held_layers:
                 continue
-            sources.setdefault(f"layers.{i}.moe.expert_bias", HFSource())
+            resolved.setdefault(f"layers.{i}.moe.expert_bias", HFSource())
             for name in _OURS_ONLY:
-                sources[f"layers.{i}.moe.{name}"] = HFSource()
-        return {_layer_to_mtp_key(key, n_layers): source for key, source in sources.items()}
-
-    def is_fp8_weight(self, hf_key: str) -> bool:
-        """Whether DeepSeek's FP8 releases store this HF weight as float8_e4m3fn with block scales (`is_fp8_weight`):
-        what `scripts/convert_hf.py to-hf --fp8-blocks` quantizes."""
-        return is_fp8_weight(hf_key)
+                resolved[f"layers.{i}.moe.{name}"] = HFSource()
+        return {_layer_to_mtp_key(key, n_layers): source for key, source in resolved.items()}
 
     def args_for_checkpoint(
         self, keys: Collection[str], path: str, *, in_hf: bool, requested: bool, flag: str
@@ -284,15 +228,3 @@ def _layer_to_mtp_key(key: str, n_layers: int) -> str:
     if (match := re.fullmatch(r"layers\.(\d+)\.(.*)", key)) and int(match.group(1)) >= n_layers:
         return f"mtp.{int(match.group(1)) - n_layers}.{match.group(2)}"
     return key
-
-
-def _pattern(template: str) -> re.Pattern:
-    return re.compile(re.escape(template).replace(r"\{\}", r"(\d+)"))
-
-
-def _translate(key: str, mapping: dict[re.Pattern, str]) -> str | None:
-    """`key` renamed by the first pattern of `mapping` it matches; None when none does."""
-    for pattern, target in mapping.items():
-        if match := pattern.fullmatch(key):
-            return target.format(*match.groups())
-    return None
