@@ -1,8 +1,9 @@
 """DeepSeek-V3 model: args and flavors, the model, and Hugging Face interop."""
 
-import copy
 import logging
 import os
+
+from torchtitan.models.args_from_job import args_from_job
 
 from .args import DeepSeekV3ModelArgs, benchmark_flavors, deepseekv3_flavors
 from .hf_config import SELECTION_BIAS_IGNORED, load_hf_config, selection_bias_ignored_by_transformers
@@ -27,16 +28,7 @@ def get_model_args(job_config) -> DeepSeekV3ModelArgs:
     job's overrides. With an initial checkpoint that holds no MTP tensors, MTP is off unless model.mtp_layers asks for
     it (mtp_layers_for_checkpoint). ValueError for --checkpoint.last_save_in_hf of a softmax-routed model whose
     selection bias training moves (transformers would ignore it), before training rather than at its end."""
-    if job_config.model.hf_config_path:
-        _, args = load_hf_config(job_config.model.hf_config_path, "--model.hf_config_path")
-    else:
-        flavor = job_config.model.flavor
-        if flavor not in all_flavors():
-            raise ValueError(
-                f"unknown model.flavor {flavor!r}; choose one of {sorted(deepseekv3_flavors)} (benchmark shapes: "
-                f"{sorted(benchmark_flavors)})"
-            )
-        args = copy.deepcopy(all_flavors()[flavor])
+    args = args_from_job(job_config, deepseekv3_flavors, benchmark_flavors, load_hf_config)
     seq_len = job_config.training.seq_len
     if seq_len > args.max_seq_len:
         if args.max_seq_len <= args.original_seq_len < seq_len:
@@ -46,9 +38,6 @@ def get_model_args(job_config) -> DeepSeekV3ModelArgs:
                 f"{args.rope_factor}); use a shorter --training.seq_len to train without it"
             )
         args.max_seq_len = seq_len
-    args.moe_args.force_load_balance = job_config.debug.moe_force_load_balance
-    if job_config.model.attn_mask_type != "flavor":
-        args.attn_mask_type = job_config.model.attn_mask_type
     if job_config.model.mtp_layers is not None:
         if job_config.model.mtp_layers < 0:
             raise ValueError(f"model.mtp_layers={job_config.model.mtp_layers}: use 0 (no MTP) or a positive depth")

@@ -1,7 +1,8 @@
 """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): args and flavors, the model, and Hugging Face interop."""
 
-import copy
 import logging
+
+from torchtitan.models.args_from_job import args_from_job
 
 from .args import Qwen3MoEModelArgs, benchmark_flavors, qwen3_moe_flavors
 from .hf_config import load_hf_config
@@ -25,16 +26,7 @@ def get_model_args(job_config) -> Qwen3MoEModelArgs:
     """Model args for a JobConfig: `model.hf_config_path` (a HF config.json) if set, else `model.flavor`, with the
     job's overrides. ValueError naming the fix for what this model cannot do with the job: multi-token prediction,
     or key / value heads that tensor parallelism cannot split whole."""
-    if job_config.model.hf_config_path:
-        _, args = load_hf_config(job_config.model.hf_config_path, "--model.hf_config_path")
-    else:
-        flavor = job_config.model.flavor
-        if flavor not in all_flavors():
-            raise ValueError(
-                f"unknown model.flavor {flavor!r} for --model.name qwen3_moe; choose one of "
-                f"{sorted(qwen3_moe_flavors)} (benchmark shapes: {sorted(benchmark_flavors)})"
-            )
-        args = copy.deepcopy(all_flavors()[flavor])
+    args = args_from_job(job_config, qwen3_moe_flavors, benchmark_flavors, load_hf_config, "--model.name qwen3_moe")
     if job_config.model.mtp_layers:
         raise ValueError(
             f"--model.mtp_layers {job_config.model.mtp_layers}: Qwen3-MoE has no multi-token prediction modules; "
@@ -47,9 +39,6 @@ def get_model_args(job_config) -> Qwen3MoEModelArgs:
             f"{job_config.model.shape_source()}): RoPE runs on past the positions the model was built for"
         )
         args.max_seq_len = seq_len
-    args.moe_args.force_load_balance = job_config.debug.moe_force_load_balance
-    if job_config.model.attn_mask_type != "flavor":
-        args.attn_mask_type = job_config.model.attn_mask_type
     tp = job_config.parallelism.tensor_parallel_degree
     if tp > 1 and args.n_kv_heads % tp:
         raise ValueError(
