@@ -5,27 +5,17 @@ tensor-parallel plan, the one part specific to DeepSeek-V3. Under context parall
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from torchtitan.config import JobConfig
-from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import NoParallel, SyncGradColumns
-from torchtitan.models.moe.exchange import ExchangeBackend
 from torchtitan.models.moe.parallelize import parallelize_moe_model
-from torchtitan.models.parallelized import ParallelizedModel
 
 __all__ = ["mla_tp_plan", "parallelize_deepseekv3"]
-
-
-def parallelize_deepseekv3(
-    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig, exchange: ExchangeBackend
-) -> ParallelizedModel:
-    """`parallelize_moe_model` with MLA's tensor-parallel plan."""
-    return parallelize_moe_model(model, parallel_dims, job_config, exchange, mla_tp_plan)
 
 
 def mla_tp_plan(attention: nn.Module) -> dict[str, Any]:
@@ -44,3 +34,7 @@ def mla_tp_plan(attention: nn.Module) -> dict[str, Any]:
     else:
         plan |= {"wq_a": NoParallel(), "q_norm": NoParallel(), "wq_b": ColwiseParallel()}
     return plan
+
+
+parallelize_deepseekv3 = partial(parallelize_moe_model, attention_plan=mla_tp_plan)
+"""`parallelize_moe_model` with MLA's tensor-parallel plan."""

@@ -6,26 +6,16 @@ its keys and values (attention.py).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from torchtitan.config import JobConfig
-from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models.moe.exchange import ExchangeBackend
 from torchtitan.models.moe.parallelize import parallelize_moe_model
-from torchtitan.models.parallelized import ParallelizedModel
 
 __all__ = ["attention_tp_plan", "parallelize_qwen3_moe"]
-
-
-def parallelize_qwen3_moe(
-    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig, exchange: ExchangeBackend
-) -> ParallelizedModel:
-    """`parallelize_moe_model` with the tensor-parallel plan of Qwen3's attention."""
-    return parallelize_moe_model(model, parallel_dims, job_config, exchange, attention_tp_plan)
 
 
 def attention_tp_plan(attention: nn.Module) -> dict[str, Any]:
@@ -41,3 +31,7 @@ def attention_tp_plan(attention: nn.Module) -> dict[str, Any]:
         "k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "wo": RowwiseParallel(output_layouts=Shard(1)),
     }
+
+
+parallelize_qwen3_moe = partial(parallelize_moe_model, attention_plan=attention_tp_plan)
+"""`parallelize_moe_model` with the tensor-parallel plan of Qwen3's attention."""
