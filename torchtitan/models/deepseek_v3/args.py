@@ -9,7 +9,7 @@ from typing import Literal
 
 from torch import nn
 
-from torchtitan.models.moe.args import MoEArgs
+from torchtitan.models.moe.args import MoEArgs, count_active_params
 
 
 @dataclass
@@ -112,16 +112,7 @@ class DeepSeekV3ModelArgs:
         Attention: the score (QK^T) and mix (AV) matmuls, per layer (MTP modules too) and head 2 * (qk_head_dim +
         v_head_dim) * seq_len forward and twice that backward; no causal discount (the PaLM / torchtitan convention).
         """
-        nparams = routed_expert_params = embedding_params = 0
-        for name, param in model.named_parameters():
-            nparams += param.numel()
-            if ".moe.experts." in f".{name}":  # layers.N.moe.experts and mtp.K.moe.experts
-                routed_expert_params += param.numel()
-            elif name.startswith("tok_embeddings."):
-                embedding_params += param.numel()
-        m = self.moe_args
-        inactive = routed_expert_params * (m.num_experts - m.top_k) // m.num_experts
-        active = nparams - inactive - embedding_params
+        nparams, active = count_active_params(model, self.moe_args)
         mtp_head = self.mtp_layers * self.dim * self.vocab_size
         attention = (self.n_layers + self.mtp_layers) * self.n_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
         return nparams, 6 * (active + mtp_head + attention)

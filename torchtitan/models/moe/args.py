@@ -1,7 +1,12 @@
 """Arguments of one MoE layer, shared by the base `MoE`, `DeepEPMoE` and the model args."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 @dataclass
@@ -53,3 +58,18 @@ class MoEArgs:
 
     force_load_balance: bool = False
     """Round-robin token-to-expert assignment (benchmarking only; set from debug.moe_force_load_balance)."""
+
+
+def count_active_params(model: nn.Module, moe_args: MoEArgs) -> tuple[int, int]:
+    """(parameters of `model`, those one token computes with but the token embedding: of the routed experts (every
+    `.moe.experts.` tensor, MTP modules' too) top_k / num_experts): what a model's FLOPs per token count. Works on
+    DTensor-sharded models (global numel)."""
+    nparams = routed_expert_params = embedding_params = 0
+    for name, param in model.named_parameters():
+        nparams += param.numel()
+        if ".moe.experts." in f".{name}":  # layers.N.moe.experts and mtp.K.moe.experts
+            routed_expert_params += param.numel()
+        elif name.startswith("tok_embeddings."):
+            embedding_params += param.numel()
+    inactive = routed_expert_params * (moe_args.num_experts - moe_args.top_k) // moe_args.num_experts
+    return nparams, nparams - inactive - embedding_params

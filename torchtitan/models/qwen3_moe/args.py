@@ -9,7 +9,7 @@ from typing import Literal
 
 from torch import nn
 
-from torchtitan.models.moe.args import MoEArgs
+from torchtitan.models.moe.args import MoEArgs, count_active_params
 
 
 def qwen3_moe_args(num_experts: int = 8, top_k: int = 2) -> MoEArgs:
@@ -91,16 +91,7 @@ class Qwen3MoEModelArgs:
         2 * 2 * head_dim * seq_len forward and twice that backward; no causal discount (the PaLM / torchtitan
         convention).
         """
-        nparams = routed_expert_params = embedding_params = 0
-        for name, param in model.named_parameters():
-            nparams += param.numel()
-            if ".moe.experts." in f".{name}":
-                routed_expert_params += param.numel()
-            elif name.startswith("tok_embeddings."):
-                embedding_params += param.numel()
-        m = self.moe_args
-        inactive = routed_expert_params * (m.num_experts - m.top_k) // m.num_experts
-        active = nparams - inactive - embedding_params
+        nparams, active = count_active_params(model, self.moe_args)
         attention = self.n_layers * self.n_heads * 2 * self.head_dim * seq_len
         return nparams, 6 * (active + attention)
 
@@ -122,21 +113,12 @@ qwen3_moe_flavors: dict[str, Qwen3MoEModelArgs] = {
         max_seq_len=40960,
         eos_id=151645,
     ),
-    # Qwen/Qwen3-235B-A22B (235B total, 22B active): hf_configs/qwen3_235b_a22b.json.
-    "235B-A22B": Qwen3MoEModelArgs(
-        vocab_size=151936,
-        dim=4096,
-        n_layers=94,
-        n_heads=64,
-        n_kv_heads=4,
-        head_dim=128,
-        moe_inter_dim=1536,
-        inter_dim=12288,
-        moe_args=qwen3_moe_args(num_experts=128, top_k=8),
-        max_seq_len=40960,
-        eos_id=151645,
-    ),
 }
+# Qwen/Qwen3-235B-A22B (235B total, 22B active): 30B-A3B's vocabulary, heads' widths, experts and context, wider and
+# deeper; hf_configs/qwen3_235b_a22b.json.
+qwen3_moe_flavors["235B-A22B"] = replace(
+    qwen3_moe_flavors["30B-A3B"], dim=4096, n_layers=94, n_heads=64, moe_inter_dim=1536, inter_dim=12288
+)
 
 # debugmodel shrunk for the CPU test suite (~1.5M parameters, a third of them the embedding and head), still
 # splitting into 4 PP stages, EP=4 and TP=2.
