@@ -17,7 +17,7 @@ import types
 from collections.abc import Iterable
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from torchtitan.config.job_config import PARAMETER_GROUPS, JobConfig, Model
+from torchtitan.config.job_config import PARAMETER_GROUPS, JobConfig
 from torchtitan.config.numeric_limits import as_used, limit_problem
 
 _HELP_FLAGS = ("-h", "--help")
@@ -64,6 +64,13 @@ def _resolve(overrides: dict[str, Any]) -> JobConfig:
     config_file = overrides.get("job.config_file")
     if config_file is not None:
         _apply(config, _load_toml(config_file))
+        # the file's config.json gives the shape and would silently win over a flavor the command line asks for
+        _require(
+            not config.model.hf_config_path or "model.flavor" not in overrides or "model.hf_config_path" in overrides,
+            f"--model.flavor {overrides.get('model.flavor')} would be ignored: {config_file} sets "
+            f"model.hf_config_path={config.model.hf_config_path!r}, which gives the model's shape; add "
+            "--model.hf_config_path '' to train the flavor",
+        )
     _apply(config, overrides)
     return config
 
@@ -185,14 +192,8 @@ def _check_batch_and_layout(job_config: JobConfig) -> None:
 
 
 def _check_features(job_config: JobConfig) -> None:
-    """The model's shape, checkpointing, compile and activation checkpointing: options that would silently do nothing
-    or the wrong thing."""
-    model = job_config.model
-    _require(
-        not model.hf_config_path or model.flavor == Model.flavor,
-        f"model.flavor={model.flavor!r} and model.hf_config_path={model.hf_config_path!r} both give the model's "
-        "shape (the config.json would win); pass --model.hf_config_path '' to train the flavor, or drop --model.flavor",
-    )
+    """Checkpointing, compile and activation checkpointing: options that would silently do nothing or the wrong
+    thing."""
     checkpoint = job_config.checkpoint
     _require(
         checkpoint.load_step == -1 or checkpoint.enable,

@@ -56,6 +56,16 @@ def test_config_file_position_does_not_matter(tmp_path):
     assert parse("--training.steps=3", "--job.config_file", path).training.steps == 3
 
 
+def test_a_flavor_on_the_command_line_is_not_lost_under_the_files_config_json(tmp_path):
+    """A job file whose config.json gives the shape would win over --model.flavor: refused, naming the fix."""
+    path = write_toml(tmp_path, '[model]\nhf_config_path = "config.json"\n')
+    with pytest.raises(ConfigError, match=r"--model.flavor 16B would be ignored: .* add --model.hf_config_path ''"):
+        parse("--job.config_file", path, "--model.flavor", "16B")
+    assert parse("--job.config_file", path, "--model.flavor", "16B", "--model.hf_config_path", "").model.flavor == "16B"
+    # the config.json on the command line wins over a flavor, as documented
+    assert parse("--model.flavor", "16B", "--model.hf_config_path", "c.json").model.hf_config_path == "c.json"
+
+
 def test_parse_does_not_mutate_defaults_across_calls():
     parse("--compile.components=model")
     assert parse().compile.components == ["model", "loss"]
@@ -97,11 +107,6 @@ def test_negative_number_is_a_value():
             "and no num_blocks",
         ),
         (["--optimizer.moments_dtype", "float16"], "optimizer.moments_dtype"),
-        # a flavor beside a config.json would be ignored (the config.json gives the shape)
-        (
-            ["--model.hf_config_path", "config.json", "--model.flavor", "16B"],
-            r"pass --model.hf_config_path '' to train the flavor, or drop --model.flavor",
-        ),
     ],
 )
 def test_cross_field_and_range_errors_name_the_fix(argv, message):
@@ -217,10 +222,10 @@ def test_muon_keys_of_the_optimizer_section_name_their_new_section_on_cli(flags,
 
 
 def test_muon_keys_of_the_optimizer_section_name_their_new_section_in_toml(tmp_path):
-    path = write_toml(tmp_path, "[optimizer]\nname = \"Muon\"\nmuon_ns_steps = 6\n")
+    path = write_toml(tmp_path, '[optimizer]\nname = "Muon"\nmuon_ns_steps = 6\n')
     with pytest.raises(ConfigError, match=r"'optimizer.muon_ns_steps' \(in .*\); it is now muon.ns_steps \(.*\[muon\]"):
         parse("--job.config_file", path)
-    path = write_toml(tmp_path, "[optimizer]\nname = \"Muon\"\n\n[muon]\nns_steps = 6\n")
+    path = write_toml(tmp_path, '[optimizer]\nname = "Muon"\n\n[muon]\nns_steps = 6\n')
     assert parse("--job.config_file", path).muon.ns_steps == 6
 
 
