@@ -27,6 +27,7 @@ from torchtitan.components.checkpoint_folder import (
 from torchtitan.components.run_lock import DumpFolderBusyError, check_dump_folder_free
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.manager import command_line_keys, memory_budget_applies
+from torchtitan.datasets.chat_format import check_chat_data
 from torchtitan.datasets.corpus import CACHE_DIR_ENV, disk_cache_dir
 from torchtitan.datasets.shards import check_sources
 from torchtitan.tools.cli import run_cli
@@ -63,7 +64,10 @@ def check_job(argv: list[str], world_size: int) -> CheckedJob:
     check_checkpoint_folder(job_config)
     check_cache_folder()
     check_output_paths(job_config)
-    check_sources(job_config)
+    if job_config.training.dataset_format == "chat":
+        check_chat_data(job_config)
+    else:
+        check_sources(job_config)
     job = check_layout(job_config, world_size, this_host=True)
     warn_inert_flags(job_config, command_line_keys(argv), job.model_args, job.parallel_dims)
     return job

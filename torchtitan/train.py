@@ -45,6 +45,7 @@ from torchtitan.components.run_lock import DumpFolderBusyError, acquire_dump_fol
 from torchtitan.components.step_log import StepLog
 from torchtitan.components.update_rms import adam_update_rms
 from torchtitan.config import ConfigError, JobConfig, help_for
+from torchtitan.datasets.chat import PackedChatDataset
 from torchtitan.datasets.corpus import DatasetError
 from torchtitan.datasets.dataloader import build_dataloader
 from torchtitan.datasets.tokenizer import build_tokenizer
@@ -170,8 +171,10 @@ class Trainer:
         self.metrics = MetricsProcessor(
             job_config, num_flops_per_token=self.flops_per_token, device=self.device, is_logging_rank=self.rank == 0
         )
-        if len(self.dataloader.dataset.mixture.streams) > 1:  # a blend: the tokens trained from each source
-            dataset = self.dataloader.dataset
+        dataset = self.dataloader.dataset
+        if isinstance(dataset, PackedChatDataset):  # only the replies' tokens train: tps counts them
+            self.metrics.trained_tokens = lambda step: dataset.trained_tokens(step * sequences_per_step)
+        elif len(dataset.mixture.streams) > 1:  # a blend: the tokens trained from each source
             self.metrics.source_tokens = lambda step: dataset.tokens_per_source(step * sequences_per_step)
 
     def _build_data(self, job_config: JobConfig) -> int:

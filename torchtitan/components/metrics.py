@@ -5,7 +5,9 @@ Every `metrics.log_freq` steps the logging rank logs (the leading fields are a f
     step: 10  loss: 7.1234  grad_norm: 1.2345  memory: 1.23GiB(4.56%)  tps: 1,234  tflops: 1.23  mfu: 1.23%
 
 and a progress part `  [step 10/100  lr 8.0e-04  eta 0:01:23]`. tps: tokens per second per device since the last
-log; tflops = flops_per_token x tps / 1e12; mfu = tflops / the device's dense bf16 peak (memory and mfu n/a on CPU).
+log (with chat data, only the tokens trained: labels not IGNORE_INDEX, each step's count in `trained_tokens`);
+tflops = flops_per_token x the tokens computed per second / 1e12; mfu = tflops / the device's dense bf16 peak (memory
+and mfu n/a on CPU).
 With a capacity-bounded exchange, `dropped: 0.12%` is the share of routed token copies dropped at capacity over the
 window (`dropped_fraction`); past `DROPPED_FRACTION_WARNING` the run says once which factor to raise.
 """
@@ -107,6 +109,9 @@ class MetricsProcessor:
         self._warned_about_drops = False
         # A blend's tokens trained from each source after a step (the trainer sets it: `tokens_per_source`)
         self.source_tokens: Callable[[int], dict[str, int]] | None = None
+        # Chat data: the labels trained (not IGNORE_INDEX) over all ranks after a step (`trained_tokens`); tps then
+        # counts those alone, as a device's share of them
+        self.trained_tokens: Callable[[int], int] | None = None
 
         self._logged_before = False
         # Seconds and steps of every window but the first (which holds init, compile and checkpoint load).
@@ -191,7 +196,10 @@ class MetricsProcessor:
         """
         seconds = max(seconds, 1e-9)
         tps = self.tokens_per_step * steps / seconds
-        tflops = self.num_flops_per_token * tps / 1e12
+        tflops = self.num_flops_per_token * tps / 1e12  # of every token computed, trained or not
+        if self.trained_tokens is not None:
+            world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+            tps = (self.trained_tokens(step) - self.trained_tokens(step - steps)) / world_size / seconds
         mfu = 100.0 * tflops * 1e12 / self.peak_flops if self.peak_flops else None
         memory = self.memory_monitor.get_peak_stats()
 
@@ -224,6 +232,8 @@ class MetricsProcessor:
             record["dropped_fraction"] = dropped_fraction
         for group, value in (update_rms or {}).items():
             record[f"update_rms/{group}"] = value
+        if self.trained_tokens is not None:
+            record["trained_tokens"] = self.trained_tokens(step) - self.trained_tokens(step - 1)
         for source, tokens in (self.source_tokens(step) if self.source_tokens else {}).items():
             record[f"data_tokens/{source}"] = tokens
         if self.is_logging_rank:
@@ -300,7 +310,7 @@ class MetricsProcessor:
 # The record's values that go to TensorBoard and W&B (besides the per-layer imbalance and memory_pct).
 _SCALARS = (
     "loss grad_norm tps tflops mfu lr graphs_compiled mtp_loss ep_load_imbalance_max dropped_fraction memory_gib "
-    "memory_allocated_gib"
+    "memory_allocated_gib trained_tokens"
 ).split()
 
 

@@ -144,6 +144,17 @@ class Training:
     """Several training sources mixed by weight, each `WEIGHT:PATH` (a path as `dataset_path` takes), e.g.
     `0.7:/data/web,0.3:/data/code_text_document`; weights are normalized. Replaces `dataset_path`."""
 
+    dataset_format: Literal["text", "chat"] = "text"
+    """`text`: documents, packed back to back, every token trained. `chat`: fine-tuning conversations, records with a
+    `messages` list of {"role": "system" | "user" | "assistant", "content": str} in `dataset_path` (jsonl[.gz],
+    parquet, arrow, a folder of them or a saved HF dataset), rendered with the `chat_template` of the
+    tokenizer_config.json beside model.tokenizer_path; only the assistant's replies are trained, whole conversations
+    are packed into each sequence (use model.attn_mask_type block_causal to keep them apart). docs/data.md."""
+
+    chat_truncate: bool = False
+    """With dataset_format chat: cut a conversation longer than seq_len + 1 tokens to its first seq_len + 1 instead of
+    refusing the run (its tail is not trained)."""
+
     local_batch_size: int = 8
     """Sequences per data-parallel rank per micro-step."""
 
@@ -375,8 +386,8 @@ class Validation:
     untouched); logs validation/loss and validation/perplexity."""
 
     dataset_path: str | None = None
-    """A validation corpus (as training.dataset_path); None: the last 1/20 of every training shard's documents, which
-    training then skips."""
+    """A validation corpus (as training.dataset_path, in training.dataset_format); None: the last 1/20 of every
+    training shard's documents (with chat data: of the conversations), which training then skips."""
 
     local_batch_size: int | None = None
     """Sequences per data-parallel rank per validation batch; None = training.local_batch_size."""

@@ -11,6 +11,7 @@ Document sources (`resolve_corpus_files`, `read_documents`): `training.dataset =
 Empty documents are skipped; a corpus whose documents are all empty or whitespace is an error.
 """
 
+import contextlib
 import gzip
 import itertools
 import json
@@ -102,7 +103,7 @@ def iter_documents(path: Path, part: tuple[int, int] | None = None, peek: bool =
     `iter_text_pieces` streams it). part: a .jsonl file's byte range [start, end) (the lines that begin in it), or a
     Parquet file's row groups [start, end); None for all. peek: a .txt document cut at PEEK_TEXT_CHARS."""
     name = path.name.lower()
-    try:
+    with _read_errors(path):
         if name.endswith((".jsonl", ".jsonl.gz")):
             yield from _jsonl_documents(path, part)
         elif name.endswith((".txt", ".txt.gz")):
@@ -127,6 +128,39 @@ def iter_documents(path: Path, part: tuple[int, int] | None = None, peek: bool =
                 yield from _text_column(_pa_table(batch, batch.schema), path)
         else:
             raise DatasetError(f"unsupported corpus file {path}; expected one of {', '.join(DOCUMENT_SUFFIXES)}")
+
+
+RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet", ".arrow")
+"""The files whose records are JSON-like objects (chat data): every document format but plain text."""
+
+
+def iter_records(path: Path) -> Iterator[dict]:
+    """The records of one .jsonl[.gz], .parquet or .arrow file, as dicts, streamed (a record batch or line at a time);
+    read errors as `iter_documents`'. A .jsonl line that is not a JSON object is an error naming its line."""
+    name = path.name.lower()
+    with _read_errors(path):
+        if name.endswith((".jsonl", ".jsonl.gz")):
+            with _open_text(path) as f:
+                for line_number, line in enumerate(f, start=1):
+                    if line.strip():
+                        yield _json_object(line, f"{path}:{line_number}")
+        elif name.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+                yield from batch.to_pylist()
+        elif name.endswith(".arrow"):
+            for batch in _arrow_batches(path):
+                yield from batch.to_pylist()
+        else:
+            raise DatasetError(f"{path}: not a record file; expected one of {', '.join(RECORD_SUFFIXES)}")
+
+
+@contextlib.contextmanager
+def _read_errors(path: Path) -> Iterator[None]:
+    """A file's read errors as one-line DatasetErrors naming it (a missing file stays FileNotFoundError)."""
+    try:
+        yield
     except DatasetError:
         raise
     except UnicodeDecodeError as err:
@@ -134,7 +168,7 @@ def iter_documents(path: Path, part: tuple[int, int] | None = None, peek: bool =
             f"{path}: not UTF-8 text (invalid byte 0x{err.object[err.start]:02x}); convert the file to UTF-8"
         ) from None
     except ValueError as err:  # pyarrow's ArrowInvalid (after UnicodeDecodeError, a ValueError too)
-        kind = Path(name).suffix[1:]
+        kind = Path(path.name.lower()).suffix[1:]
         raise DatasetError(f"{path}: not a readable {kind} file ({err}); check or remove the file") from None
     except (OSError, EOFError) as err:
         if isinstance(err, FileNotFoundError):
@@ -189,6 +223,18 @@ def _jsonl_documents(path: Path, part: tuple[int, int] | None) -> Iterator[str]:
                 break
             if line.strip():
                 yield _jsonl_text(line.decode("utf-8"), f"{path} (the line at byte {offset})")
+
+
+def _json_object(line: str, where: str) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DatasetError(
+            f"{where}: not a JSON object ({err.msg} at column {err.colno}); fix or remove the line"
+        ) from None
+    if not isinstance(record, dict):
+        raise DatasetError(f"{where}: a JSON {type(record).__name__}, not an object; fix or remove the line")
+    return record
 
 
 def _jsonl_text(line: str, where: str) -> str:

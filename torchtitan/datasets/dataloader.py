@@ -8,6 +8,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ResumeMismatchError
+from torchtitan.datasets.chat import build_chat_dataset
 from torchtitan.datasets.text_datasets import PackedTextDataset, build_text_dataset
 from torchtitan.datasets.tokenizer import Tokenizer
 
@@ -18,7 +19,8 @@ LAYOUT_IDENTITY_KEYS = ("dp_world_size", "local_batch_size")
 # The settings that change each identity entry, named in the error of a resume that does not match.
 _TOKENS = (
     "the training tokens (--validation.enable without --validation.dataset_path holds the last 1/20 of every shard's "
-    "documents out of training; --training.dataset, --training.dataset_path, --training.dataset_blend)"
+    "documents out of training; --training.dataset, --training.dataset_path, --training.dataset_blend; chat data: its "
+    "template and --training.chat_truncate too)"
 )
 CHANGED_SETTING = {
     "data_sha256": _TOKENS,
@@ -125,6 +127,8 @@ def build_dataloader(
 ) -> ParallelAwareDataloader:
     """Loader yielding `({"input": (L, seq_len) int64, "document_ids": (L, seq_len + 1) int32}, labels (L, seq_len)
     int64)` forever, with the training's or the validation split's L and seq_len. Every dp degree sees the same global
-    batches (see text_datasets). vocab_size: the model's (no token id may reach it)."""
-    dataset, identity = build_text_dataset(job_config, tokenizer, vocab_size, dp_rank, dp_world_size, split)
+    batches (see text_datasets). vocab_size: the model's (no token id may reach it). training.dataset_format chat:
+    packed conversations whose labels are IGNORE_INDEX but on the assistant's replies (chat.py)."""
+    build = build_chat_dataset if job_config.training.dataset_format == "chat" else build_text_dataset
+    dataset, identity = build(job_config, tokenizer, vocab_size, dp_rank, dp_world_size, split)
     return ParallelAwareDataloader(dataset, identity, num_workers)

@@ -45,6 +45,11 @@ class Tokenizer:
         encodings = self._tokenizer.encode_batch_fast(texts, add_special_tokens=False)
         return [self._wrap(e.ids, add_bos, add_eos) for e in encodings]
 
+    def encode_batch_with_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """(ids, each token's [start, end) characters) of each text, nothing added: which characters a token covers
+        (chat data trains the tokens of the assistant's characters)."""
+        return [(e.ids, e.offsets) for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+
     def to_json(self) -> str:
         """The tokenizer.json this tokenizer was read from, as `tokenizers` writes it."""
         return self._tokenizer.to_str()
