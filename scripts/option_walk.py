@@ -39,6 +39,7 @@ class Module:
     defs: dict[str, ast.AST] = field(default_factory=dict)
     imports: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # name -> (module, attribute or None)
     annotations: dict[str, ast.expr] = field(default_factory=dict)
+    partials: dict[str, str] = field(default_factory=dict)  # `name = partial(function, ...)`: name -> function
 
 
 @dataclass(eq=False)
@@ -112,6 +113,16 @@ class Project:
                 module.defs[node.name] = self._class(module, node)
             elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 module.annotations[node.target.id] = node.annotation
+            elif (
+                isinstance(node, ast.Assign)
+                and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+                and isinstance(node.value, ast.Call)
+                and ast.unparse(node.value.func).split(".")[-1] == "partial"
+                and node.value.args
+                and isinstance(node.value.args[0], ast.Name)
+            ):
+                module.partials[node.targets[0].id] = node.value.args[0].id
         return module
 
     def _class(self, module: Module, node: ast.ClassDef) -> Class:
@@ -132,6 +143,8 @@ class Project:
         """What `name` is in `module`: a Func, a Class, a Module of the package, or None (outside the package)."""
         if name in module.defs:
             return module.defs[name]
+        if name in module.partials:  # the function it binds arguments of (they carry no option)
+            return self.lookup(module, module.partials[name])
         if name not in module.imports:
             return None
         source, attribute = module.imports[name]

@@ -90,7 +90,11 @@ def _run_launcher(args: list[str], env_extra: dict[str, str] | None = None) -> s
         ([], {"CONFIG_FILE": "./train_configs/missing.toml"}, "missing.toml"),
         (["--training.stepz", "3"], {}, "training.steps"),
         (["--training.steps", "three"], {}, "training.steps"),
-        (["--model.name", "llama3"], {}, "model.name='llama3' is not a model here; pass one of ['deepseek_v3', 'qwen3_moe']"),
+        (
+            ["--model.name", "llama3"],
+            {},
+            "model.name='llama3' is not a model here; pass one of ['deepseek_v3', 'qwen3_moe']",
+        ),
         (["--parallelism.data_parallel_shard_degree", "3"], {"NGPU": "2"}, "world size"),
         (
             ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "33"],
