@@ -27,7 +27,7 @@ import torch
 from torchtitan.config.job_config import JobConfig
 from torchtitan.datasets.chat_format import ChatTemplate, chat_files, conversation
 from torchtitan.datasets.corpus import DatasetError, iter_records
-from torchtitan.datasets.text_datasets import PackedTextDataset
+from torchtitan.datasets.text_datasets import PackedTextDataset, split_shape
 from torchtitan.datasets.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
@@ -172,9 +172,7 @@ def build_chat_dataset(
     """The packed chat dataset of `split` for this rank and its identity (as `build_text_dataset`'s). Validation
     without a dataset_path of its own holds the last 1/20 of the conversations out of training."""
     training, validation = job_config.training, job_config.validation
-    seq_len, batch_size = training.seq_len, training.local_batch_size
-    if split == "validation":
-        seq_len, batch_size = validation.seq_len or seq_len, validation.local_batch_size or batch_size
+    seq_len, batch_size = split_shape(job_config, split)
     own_validation = split == "validation" and validation.dataset_path is not None
     path = validation.dataset_path if own_validation else training.dataset_path
     files = chat_files(path, "validation" if own_validation else "training")

@@ -18,7 +18,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -180,27 +180,18 @@ def iter_text_pieces(path: Path, piece_chars: int = 1 << 20) -> Iterator[str]:
     """A .txt[.gz] file's one document in pieces of about `piece_chars` characters, each ending at a line end where
     the text has one: a large file is tokenized without holding it whole (a piece boundary only ever falls after a
     newline, where a byte-level BPE tokenizer splits anyway)."""
-    try:
-        with _open_text(path) as f:
-            pending = ""
-            while chunk := f.read(piece_chars):
-                text = pending + chunk
-                cut = text.rfind("\n") + 1
-                if cut == 0:
-                    pending = text
-                    continue
-                pending = text[cut:]
-                yield text[:cut]
-            if pending:
-                yield pending
-    except UnicodeDecodeError as err:
-        raise DatasetError(
-            f"{path}: not UTF-8 text (invalid byte 0x{err.object[err.start]:02x}); convert the file to UTF-8"
-        ) from None
-    except (OSError, EOFError) as err:
-        if isinstance(err, FileNotFoundError):
-            raise
-        raise DatasetError(f"{path}: cannot be read ({err}); check the file (a truncated download?)") from None
+    with _read_errors(path), _open_text(path) as f:
+        pending = ""
+        while chunk := f.read(piece_chars):
+            text = pending + chunk
+            cut = text.rfind("\n") + 1
+            if cut == 0:
+                pending = text
+                continue
+            pending = text[cut:]
+            yield text[:cut]
+        if pending:
+            yield pending
 
 
 def _jsonl_documents(path: Path, part: tuple[int, int] | None) -> Iterator[str]:
@@ -225,25 +216,25 @@ def _jsonl_documents(path: Path, part: tuple[int, int] | None) -> Iterator[str]:
                 yield _jsonl_text(line.decode("utf-8"), f"{path} (the line at byte {offset})")
 
 
-def _json_object(line: str, where: str) -> dict:
+def _parse_json_line(line: str, where: str) -> Any:
+    """A .jsonl line's JSON value; one line naming `where` when it is not JSON."""
     try:
-        record = json.loads(line)
+        return json.loads(line)
     except json.JSONDecodeError as err:
         raise DatasetError(
             f"{where}: not a JSON object ({err.msg} at column {err.colno}); fix or remove the line"
         ) from None
+
+
+def _json_object(line: str, where: str) -> dict:
+    record = _parse_json_line(line, where)
     if not isinstance(record, dict):
         raise DatasetError(f"{where}: a JSON {type(record).__name__}, not an object; fix or remove the line")
     return record
 
 
 def _jsonl_text(line: str, where: str) -> str:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise DatasetError(
-            f"{where}: not a JSON object ({err.msg} at column {err.colno}); fix or remove the line"
-        ) from None
+    record = _parse_json_line(line, where)
     if not isinstance(record, dict) or TEXT_FIELD not in record:
         fields = f" (its fields: {', '.join(sorted(record)[:8])})" if isinstance(record, dict) else ""
         raise DatasetError(

@@ -100,9 +100,7 @@ def build_text_dataset(
             for weight, path in training_sources(job_config)
         ]
         stream_split = ("validation" if split == "validation" else "train") if held_out else "all"
-    seq_len, batch_size = training.seq_len, training.local_batch_size
-    if split == "validation":
-        seq_len, batch_size = validation.seq_len or seq_len, validation.local_batch_size or batch_size
+    seq_len, batch_size = split_shape(job_config, split)
     streams = [source.stream(stream_split, vocab_size) for _, source in weighted]
     mixture = Mixture(streams, [weight for weight, _ in weighted], seq_len + 1)
     if len(streams) > 1:
@@ -124,6 +122,14 @@ def build_text_dataset(
         "dp_world_size": dp_world_size,
     }
     return dataset, identity
+
+
+def split_shape(job_config: JobConfig, split: str) -> tuple[int, int]:
+    """(seq_len, local batch size) of `split`: validation's own where it sets them, else training's."""
+    training, validation = job_config.training, job_config.validation
+    if split == "validation":
+        return validation.seq_len or training.seq_len, validation.local_batch_size or training.local_batch_size
+    return training.seq_len, training.local_batch_size
 
 
 def _check_size(mixture: Mixture, split: str, job_config: JobConfig, batch_size: int, dp_world_size: int) -> None:
