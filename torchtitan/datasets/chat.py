@@ -27,7 +27,7 @@ import torch
 from torchtitan.config.job_config import JobConfig
 from torchtitan.datasets.chat_format import ChatTemplate, chat_files, conversation
 from torchtitan.datasets.corpus import DatasetError, iter_records
-from torchtitan.datasets.text_datasets import PackedTextDataset, split_shape
+from torchtitan.datasets.text_datasets import PackedTextDataset, SplitLayout
 from torchtitan.datasets.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
@@ -162,17 +162,12 @@ class PackedChatDataset(PackedTextDataset):
 
 
 def build_chat_dataset(
-    job_config: JobConfig,
-    tokenizer: Tokenizer,
-    vocab_size: int,
-    dp_rank: int,
-    dp_world_size: int,
-    split: str = "train",
+    job_config: JobConfig, tokenizer: Tokenizer, vocab_size: int, layout: SplitLayout
 ) -> tuple[PackedChatDataset, dict[str, Any]]:
-    """The packed chat dataset of `split` for this rank and its identity (as `build_text_dataset`'s). Validation
-    without a dataset_path of its own holds the last 1/20 of the conversations out of training."""
+    """The packed chat dataset of `layout`'s split for its rank and its identity (as `build_text_dataset`'s).
+    Validation without a dataset_path of its own holds the last 1/20 of the conversations out of training."""
     training, validation = job_config.training, job_config.validation
-    seq_len, batch_size = split_shape(job_config, split)
+    split, seq_len = layout.split, layout.seq_len
     own_validation = split == "validation" and validation.dataset_path is not None
     path = validation.dataset_path if own_validation else training.dataset_path
     files = chat_files(path, "validation" if own_validation else "training")
@@ -200,20 +195,17 @@ def build_chat_dataset(
         f"{len(packs):,} sequences of {seq_len + 1} tokens, {trained:,} tokens trained "
         f"({trained / (len(packs) * seq_len):.1%} of the labels)"
     )
-    if split == "validation" and (needed := validation.steps * batch_size * dp_world_size) > len(packs):
+    if split == "validation" and (needed := validation.steps * layout.samples_per_step) > len(packs):
         raise DatasetError(
             f"validation.steps={validation.steps} needs {needed:,} sequences of chat data, more than the validation "
             f"conversations fill ({len(packs):,}): lower --validation.steps, or give a larger --validation.dataset_path"
         )
-    dataset = PackedChatDataset(packs, seq_len, batch_size, dp_rank, dp_world_size)
     identity = {
         "dataset": [str(path)],
         "data_sha256": packs.fingerprint(),
         "num_documents": len(conversations),
         "num_tokens": int(sum(len(chat.tokens) for chat in conversations)),
         "tokenizer": tokenizer.fingerprint,
-        "seq_len": seq_len,
-        "local_batch_size": batch_size,
-        "dp_world_size": dp_world_size,
+        **layout.identity(),
     }
-    return dataset, identity
+    return PackedChatDataset(packs, layout), identity

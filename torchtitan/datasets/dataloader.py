@@ -9,7 +9,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ResumeMismatchError
 from torchtitan.datasets.chat import build_chat_dataset
-from torchtitan.datasets.text_datasets import PackedTextDataset, build_text_dataset
+from torchtitan.datasets.text_datasets import PackedTextDataset, SplitLayout, build_text_dataset
 from torchtitan.datasets.tokenizer import Tokenizer
 
 # Identity entries recorded in the state but not compared on load: the corpus may move to another folder.
@@ -130,5 +130,6 @@ def build_dataloader(
     batches (see text_datasets). vocab_size: the model's (no token id may reach it). training.dataset_format chat:
     packed conversations whose labels are IGNORE_INDEX but on the assistant's replies (chat.py)."""
     build = build_chat_dataset if job_config.training.dataset_format == "chat" else build_text_dataset
-    dataset, identity = build(job_config, tokenizer, vocab_size, dp_rank, dp_world_size, split)
+    layout = SplitLayout.of(job_config, dp_rank, dp_world_size, split)
+    dataset, identity = build(job_config, tokenizer, vocab_size, layout)
     return ParallelAwareDataloader(dataset, identity, num_workers)

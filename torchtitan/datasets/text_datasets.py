@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +30,41 @@ from torchtitan.datasets.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class SplitLayout:
+    """How one data-parallel rank reads a split ("train" or "validation"), whatever the data's format: the split's
+    sequence length and local batch size (validation's own where it sets them, else training's) and the rank's place
+    among `dp_world_size`."""
+
+    split: str
+    seq_len: int
+    local_batch_size: int
+    dp_rank: int
+    dp_world_size: int
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1 or self.local_batch_size < 1:
+            raise ValueError(f"seq_len ({self.seq_len}) and local_batch_size ({self.local_batch_size}) must be >= 1")
+        if not 0 <= self.dp_rank < self.dp_world_size:
+            raise ValueError(f"dp_rank {self.dp_rank} is outside [0, dp_world_size={self.dp_world_size})")
+
+    @classmethod
+    def of(cls, job_config: JobConfig, dp_rank: int, dp_world_size: int, split: str = "train") -> "SplitLayout":
+        training = job_config.training
+        own = job_config.validation if split == "validation" else training
+        seq_len, local_batch_size = own.seq_len or training.seq_len, own.local_batch_size or training.local_batch_size
+        return cls(split, seq_len, local_batch_size, dp_rank, dp_world_size)
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples one step reads over all ranks."""
+        return self.local_batch_size * self.dp_world_size
+
+    def identity(self) -> dict[str, int]:
+        """The layout's entries of a dataset's identity (`build_text_dataset`)."""
+        return {"seq_len": self.seq_len, "local_batch_size": self.local_batch_size, "dp_world_size": self.dp_world_size}
+
+
 class PackedTextDataset(IterableDataset):
     """Endless stream of packed ({"input", "document_ids"}, labels) samples for one data-parallel rank.
 
@@ -37,18 +73,14 @@ class PackedTextDataset(IterableDataset):
     yielded; everything else follows from the global sample index.
     """
 
-    def __init__(self, mixture: Mixture, seq_len: int, local_batch_size: int, dp_rank: int, dp_world_size: int):
-        if seq_len < 1 or local_batch_size < 1:
-            raise ValueError(f"seq_len ({seq_len}) and local_batch_size ({local_batch_size}) must be >= 1")
-        if not 0 <= dp_rank < dp_world_size:
-            raise ValueError(f"dp_rank {dp_rank} is outside [0, dp_world_size={dp_world_size})")
-        if mixture.sample_tokens != seq_len + 1:
+    def __init__(self, mixture: Mixture, layout: SplitLayout):
+        if mixture.sample_tokens != layout.seq_len + 1:
             raise ValueError(f"the mixture's samples are {mixture.sample_tokens} tokens, not seq_len + 1")
         self.mixture = mixture
-        self.seq_len = seq_len
-        self.local_batch_size = local_batch_size
-        self.dp_rank = dp_rank
-        self.dp_world_size = dp_world_size
+        self.seq_len = layout.seq_len
+        self.local_batch_size = layout.local_batch_size
+        self.dp_rank = layout.dp_rank
+        self.dp_world_size = layout.dp_world_size
         self._samples_yielded = 0
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
@@ -79,17 +111,13 @@ class PackedTextDataset(IterableDataset):
 
 
 def build_text_dataset(
-    job_config: JobConfig,
-    tokenizer: Tokenizer,
-    vocab_size: int,
-    dp_rank: int,
-    dp_world_size: int,
-    split: str = "train",
+    job_config: JobConfig, tokenizer: Tokenizer, vocab_size: int, layout: SplitLayout
 ) -> tuple[PackedTextDataset, dict[str, Any]]:
-    """The packed dataset of `split` ("train" or "validation") for this rank and its identity (what a resumed run
-    must match, but `dataset`). Validation without a corpus of its own holds the last 1/20 of every shard's documents
-    out of training (`Source.stream`). vocab_size: the model's; no token id may reach it."""
+    """The packed dataset of `layout`'s split for its rank and its identity (what a resumed run must match, but
+    `dataset`). Validation without a corpus of its own holds the last 1/20 of every shard's documents out of training
+    (`Source.stream`). vocab_size: the model's; no token id may reach it."""
     training, validation = job_config.training, job_config.validation
+    split = layout.split
     held_out = validation.enable and validation.dataset_path is None
     if split == "validation" and not held_out:
         weighted = [(1.0, open_source(validation.dataset_path, "", tokenizer, vocab_size, "validation"))]
@@ -100,43 +128,32 @@ def build_text_dataset(
             for weight, path in training_sources(job_config)
         ]
         stream_split = ("validation" if split == "validation" else "train") if held_out else "all"
-    seq_len, batch_size = split_shape(job_config, split)
     streams = [source.stream(stream_split, vocab_size) for _, source in weighted]
-    mixture = Mixture(streams, [weight for weight, _ in weighted], seq_len + 1)
+    mixture = Mixture(streams, [weight for weight, _ in weighted], layout.seq_len + 1)
     if len(streams) > 1:
         shares = ", ".join(
             f"{name}: {share:.4f} (weight {weight:.4f})"
             for name, share, weight in zip(mixture.names, mixture.realized_shares(), mixture.weights, strict=True)
         )
         logger.info(f"{split} blend of {len(streams)} sources, samples per source: {shares}")
-    _check_size(mixture, split, job_config, batch_size, dp_world_size)
-    dataset = PackedTextDataset(mixture, seq_len, batch_size, dp_rank, dp_world_size)
+    _check_size(mixture, layout, job_config)
     identity = {
         "dataset": [source.name for _, source in weighted],
         "data_sha256": _data_fingerprint(weighted, stream_split),
         "num_documents": sum(source.num_documents for _, source in weighted),
         "num_tokens": sum(stream.num_tokens for stream in streams),
         "tokenizer": tokenizer.fingerprint,
-        "seq_len": seq_len,
-        "local_batch_size": batch_size,
-        "dp_world_size": dp_world_size,
+        **layout.identity(),
     }
-    return dataset, identity
+    return PackedTextDataset(mixture, layout), identity
 
 
-def split_shape(job_config: JobConfig, split: str) -> tuple[int, int]:
-    """(seq_len, local batch size) of `split`: validation's own where it sets them, else training's."""
-    training, validation = job_config.training, job_config.validation
-    if split == "validation":
-        return validation.seq_len or training.seq_len, validation.local_batch_size or training.local_batch_size
-    return training.seq_len, training.local_batch_size
-
-
-def _check_size(mixture: Mixture, split: str, job_config: JobConfig, batch_size: int, dp_world_size: int) -> None:
+def _check_size(mixture: Mixture, layout: SplitLayout, job_config: JobConfig) -> None:
     """Training: warn when one step reads more than a source holds. Validation: `steps` batches must fit without
     repeating a token of the held-out set."""
+    split = layout.split
     steps = job_config.validation.steps if split == "validation" else 1
-    per_source = mixture.samples_per_source(steps * batch_size * dp_world_size) * mixture.sample_tokens
+    per_source = mixture.samples_per_source(steps * layout.samples_per_step) * mixture.sample_tokens
     short = [(s, int(n)) for s, n in zip(mixture.streams, per_source, strict=True) if n > s.num_tokens]
     if not short:
         return
@@ -149,8 +166,8 @@ def _check_size(mixture: Mixture, split: str, job_config: JobConfig, batch_size:
         return
     raise DatasetError(
         f"validation.steps={steps} needs {needed:,} tokens of {stream.name}, more than its validation set holds "
-        f"({stream.num_tokens:,}; batches of {dp_world_size} x {batch_size} sequences): lower --validation.steps, or "
-        "give a larger --validation.dataset_path"
+        f"({stream.num_tokens:,}; batches of {layout.dp_world_size} x {layout.local_batch_size} sequences): lower "
+        "--validation.steps, or give a larger --validation.dataset_path"
     )
 
 

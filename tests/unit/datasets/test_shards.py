@@ -16,7 +16,7 @@ from torchtitan.datasets.corpus import DatasetError
 from torchtitan.datasets.dataloader import build_dataloader
 from torchtitan.datasets.indexed import IndexedShardWriter
 from torchtitan.datasets.shards import check_sources, open_source
-from torchtitan.datasets.text_datasets import build_text_dataset
+from torchtitan.datasets.text_datasets import SplitLayout, build_text_dataset
 
 VOCAB = 2048
 TOKENIZER = Path(__file__).resolve().parents[3] / "torchtitan/assets/tokenizer/tokenizer.json"
@@ -171,7 +171,7 @@ def test_a_blend_realizes_its_weights_within_1_percent_and_counts_tokens_per_sou
     prefix = megatron_files(tmp_path / "mega", [list(range(5, 5 + n)) for n in (40, 70, 30)])
     # the same folder twice is two sources
     job_config = blend_config(make_job_config, [f"0.7:{shards}", f"0.2:{prefix}", f"0.1:{shards}"], seq_len=8)
-    dataset, identity = build_text_dataset(job_config, tokenizer, VOCAB, 0, 1)
+    dataset, identity = build_text_dataset(job_config, tokenizer, VOCAB, SplitLayout.of(job_config, 0, 1))
     sources = [dataset.mixture.locate(i)[0] for i in range(10_000)]
     shares = np.bincount(sources, minlength=3) / len(sources)
     assert np.abs(shares - [0.7, 0.2, 0.1]).max() < 0.01

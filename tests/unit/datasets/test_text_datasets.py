@@ -16,7 +16,7 @@ from torchtitan.datasets.corpus import (
     resolve_corpus_files,
 )
 from torchtitan.datasets.shards import open_source
-from torchtitan.datasets.text_datasets import PackedTextDataset, build_text_dataset
+from torchtitan.datasets.text_datasets import PackedTextDataset, SplitLayout, build_text_dataset
 
 VOCAB = 2048  # the shipped tokenizer's, the debug model's
 
@@ -36,6 +36,11 @@ def tokenize_corpus(files, tokenizer) -> tuple[torch.Tensor, int]:
     source = open_source(str(files[0]), "", tokenizer, VOCAB, "training")
     stream = source.stream()
     return torch.from_numpy(stream.window(0, stream.num_tokens)[0]), source.num_documents
+
+
+def text_dataset(job_config, tokenizer, dp_rank: int, dp_world_size: int, split: str = "train"):
+    """`build_text_dataset` for rank `dp_rank` of `dp_world_size` (as the data loader calls it)."""
+    return build_text_dataset(job_config, tokenizer, VOCAB, SplitLayout.of(job_config, dp_rank, dp_world_size, split))
 
 
 def take(dataset: PackedTextDataset, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -79,7 +84,7 @@ def test_tokenized_corpus_is_cached_on_disk_for_later_processes(tokenizer, jsonl
 
 def test_samples_are_shifted_windows_of_the_stream_spanning_documents(tokenizer, jsonl_corpus, make_job_config):
     seq_len = 16
-    dataset, _ = build_text_dataset(make_job_config(jsonl_corpus, seq_len=seq_len), tokenizer, VOCAB, 0, 1)
+    dataset, _ = text_dataset(make_job_config(jsonl_corpus, seq_len=seq_len), tokenizer, 0, 1)
     stream = stream_of(dataset)
     assert len(stream) > 3 * (seq_len + 1)
     samples = take(dataset, 3)
@@ -99,17 +104,17 @@ def test_samples_are_shifted_windows_of_the_stream_spanning_documents(tokenizer,
 def test_a_corpus_smaller_than_one_step_is_a_warning_naming_the_flag(tmp_path, tokenizer, make_job_config, caplog):
     (tmp_path / "tiny.txt").write_text("hi")
     with caplog.at_level("WARNING"):
-        build_text_dataset(make_job_config(tmp_path / "tiny.txt", seq_len=16), tokenizer, VOCAB, 0, 1)
+        text_dataset(make_job_config(tmp_path / "tiny.txt", seq_len=16), tokenizer, 0, 1)
     assert "fewer than one step reads from it (34)" in caplog.text and "--training.dataset_path" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING"):
-        build_text_dataset(make_job_config(seq_len=16), tokenizer, VOCAB, 0, 1)  # the shipped corpus: no warning
+        text_dataset(make_job_config(seq_len=16), tokenizer, 0, 1)  # the shipped corpus: no warning
     assert "fewer than one step" not in caplog.text
 
 
 def test_stream_repeats_over_epochs(tokenizer, jsonl_corpus, make_job_config):
     seq_len = 7
-    dataset, _ = build_text_dataset(make_job_config(jsonl_corpus, seq_len=seq_len), tokenizer, VOCAB, 0, 1)
+    dataset, _ = text_dataset(make_job_config(jsonl_corpus, seq_len=seq_len), tokenizer, 0, 1)
     stream = stream_of(dataset)
     samples_per_epoch = len(stream) // (seq_len + 1) + 2
     samples = take(dataset, 2 * samples_per_epoch)
@@ -120,9 +125,9 @@ def test_stream_repeats_over_epochs(tokenizer, jsonl_corpus, make_job_config):
 
 def test_dataset_state_round_trip_resumes_exactly(tokenizer, jsonl_corpus, make_job_config):
     job_config = make_job_config(jsonl_corpus)
-    first, _ = build_text_dataset(job_config, tokenizer, VOCAB, 1, 3)
+    first, _ = text_dataset(job_config, tokenizer, 1, 3)
     take(first, 5)
-    second, _ = build_text_dataset(job_config, tokenizer, VOCAB, 1, 3)
+    second, _ = text_dataset(job_config, tokenizer, 1, 3)
     second.load_state_dict(first.state_dict())
     for (a, b), (c, d) in zip(take(first, 4), take(second, 4), strict=True):
         assert torch.equal(a, c) and torch.equal(b, d)
@@ -251,10 +256,10 @@ def test_validation_holds_out_the_last_20th_of_each_shard_and_training_skips_it(
         return [t for i in indices for t in tokenizer.encode(f"document {i}", add_bos=True, add_eos=True)]
 
     job_config = make_job_config(path)
-    assert stream_of(build_text_dataset(job_config, tokenizer, VOCAB, 0, 1)[0]) == tokens(range(45))
+    assert stream_of(text_dataset(job_config, tokenizer, 0, 1)[0]) == tokens(range(45))
     job_config.validation.enable, job_config.validation.seq_len, job_config.validation.steps = True, 2, 1
-    train, train_identity = build_text_dataset(job_config, tokenizer, VOCAB, 0, 1)
-    held_out, identity = build_text_dataset(job_config, tokenizer, VOCAB, 0, 1, "validation")
+    train, train_identity = text_dataset(job_config, tokenizer, 0, 1)
+    held_out, identity = text_dataset(job_config, tokenizer, 0, 1, "validation")
     assert stream_of(held_out) == tokens([43, 44])  # 45 // 20 documents, the shard's last
     assert stream_of(train) == tokens(range(43))
     assert train_identity["data_sha256"] != identity["data_sha256"]
@@ -262,8 +267,8 @@ def test_validation_holds_out_the_last_20th_of_each_shard_and_training_skips_it(
     assert (held_out.seq_len, held_out.local_batch_size) == (2, 2)  # its own seq_len, the training's batch size
     # a validation corpus of its own is read whole, and training reads every document again
     job_config.validation.dataset_path = str(path)
-    assert stream_of(build_text_dataset(job_config, tokenizer, VOCAB, 0, 1, "validation")[0]) == tokens(range(45))
-    assert stream_of(build_text_dataset(job_config, tokenizer, VOCAB, 0, 1)[0]) == tokens(range(45))
+    assert stream_of(text_dataset(job_config, tokenizer, 0, 1, "validation")[0]) == tokens(range(45))
+    assert stream_of(text_dataset(job_config, tokenizer, 0, 1)[0]) == tokens(range(45))
 
 
 def test_more_validation_steps_than_the_set_holds_is_one_error(tmp_path, tokenizer, make_job_config):
@@ -272,12 +277,12 @@ def test_more_validation_steps_than_the_set_holds_is_one_error(tmp_path, tokeniz
     path.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(45)))
     job_config = make_job_config(path)
     job_config.validation.enable, job_config.validation.seq_len, job_config.validation.steps = True, 2, 1
-    held = len(stream_of(build_text_dataset(job_config, tokenizer, VOCAB, 0, 1, "validation")[0])) // (3 * 2)
+    held = len(stream_of(text_dataset(job_config, tokenizer, 0, 1, "validation")[0])) // (3 * 2)
     job_config.validation.steps = held
-    build_text_dataset(job_config, tokenizer, VOCAB, 0, 1, "validation")
+    text_dataset(job_config, tokenizer, 0, 1, "validation")
     job_config.validation.steps = held + 1
     with pytest.raises(DatasetError, match=f"validation.steps={held + 1} needs .* more than its validation set holds"):
-        build_text_dataset(job_config, tokenizer, VOCAB, 0, 1, "validation")
+        text_dataset(job_config, tokenizer, 0, 1, "validation")
 
 
 def test_a_corpus_too_small_to_hold_out_from_is_one_error(tokenizer, jsonl_corpus, make_job_config):
@@ -286,7 +291,7 @@ def test_a_corpus_too_small_to_hold_out_from_is_one_error(tokenizer, jsonl_corpu
     with pytest.raises(
         DatasetError, match="4 documents, too few to hold the last 1/20 of each shard out .*--validation.dataset_path"
     ):
-        build_text_dataset(job_config, tokenizer, VOCAB, 0, 1, "validation")
+        text_dataset(job_config, tokenizer, 0, 1, "validation")
 
 
 # ---- errors ----
