@@ -24,8 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.bench.common import cuda_time_ms, init_nccl_from_torchrun, write_result  # noqa: E402
-from torchtitan.distributed.deepep import ops  # noqa: E402
-from torchtitan.distributed.deepep.buffer import EPBuffer, get_or_create_buffer  # noqa: E402
+from torchtitan.distributed.deepep.buffer import EPBuffer, get_or_create_buffer  # noqa: E402  (defines torch.ops.deepep)
 from torchtitan.distributed.group_buffers import release_group_buffers  # noqa: E402
 from torchtitan.distributed.utils import destroy_process_groups  # noqa: E402
 from torchtitan.models.moe.exchange import DeepEPBackend  # noqa: E402
@@ -56,15 +55,22 @@ def main() -> None:
     scores = torch.rand(args.num_tokens, args.num_experts, device=device)
     topk_weights, topk_idx = scores.topk(args.top_k, dim=-1)
     with torch.no_grad():
-        recv_x, _, _, _, _, handle = ops.dispatch(x, topk_idx, topk_weights, args.num_experts, group_name)
-        dispatch_ms = cuda_time_ms(
-            lambda: ops.dispatch(x, topk_idx, topk_weights, args.num_experts, group_name), 5, args.iters, barrier=True
+        recv_x, _, _, _, _, handle = torch.ops.deepep.dispatch(
+            x, topk_idx, topk_weights, args.num_experts, group_name, False, False
         )
-        combine_ms = cuda_time_ms(lambda: ops.combine(recv_x, handle, group_name, None), 5, args.iters, barrier=True)
+        dispatch_ms = cuda_time_ms(
+            lambda: torch.ops.deepep.dispatch(x, topk_idx, topk_weights, args.num_experts, group_name, False, False),
+            5,
+            args.iters,
+            barrier=True,
+        )
+        combine_ms = cuda_time_ms(
+            lambda: torch.ops.deepep.combine(recv_x, handle, group_name, None), 5, args.iters, barrier=True
+        )
         fp8_ms = float("nan")
         if args.fp8:
             fp8_ms = cuda_time_ms(
-                lambda: ops.dispatch(x, topk_idx, topk_weights, args.num_experts, group_name, False, True),
+                lambda: torch.ops.deepep.dispatch(x, topk_idx, topk_weights, args.num_experts, group_name, False, True),
                 5,
                 args.iters,
                 barrier=True,
@@ -108,11 +114,13 @@ def chunk_sweep(buffer: EPBuffer, x, topk_idx, topk_weights, recv_x, handle, arg
     dispatch, combine = {}, {}
     for chunk in range(4, 33, 2):
         buffer.dispatch_config = deep_ep.Config(args.num_sms, chunk, 256)
-        dispatch[chunk] = slowest_rank_ms(lambda: ops.dispatch(x, topk_idx, topk_weights, args.num_experts, group_name))
+        dispatch[chunk] = slowest_rank_ms(
+            lambda: torch.ops.deepep.dispatch(x, topk_idx, topk_weights, args.num_experts, group_name, False, False)
+        )
     buffer.dispatch_config = default_dispatch
     for chunk in range(1, 17):
         buffer.combine_config = deep_ep.Config(args.num_sms, chunk, 256)
-        combine[chunk] = slowest_rank_ms(lambda: ops.combine(recv_x, handle, group_name, None))
+        combine[chunk] = slowest_rank_ms(lambda: torch.ops.deepep.combine(recv_x, handle, group_name, None))
     buffer.combine_config = default_combine
     return dict(
         sweep_dispatch_ms=dispatch,

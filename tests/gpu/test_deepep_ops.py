@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor.parallel import parallelize_module  # noqa: E402
 
 from tests.unit.models.moe._expert_rows import expert_of_padded_row  # noqa: E402
-from torchtitan.distributed.deepep import get_or_create_buffer, ops  # noqa: E402
+from torchtitan.distributed.deepep import get_or_create_buffer  # noqa: E402
 from torchtitan.distributed.expert_parallel.deepep_dispatcher import DeepEPExpertParallel, DeepEPTokenDispatcher  # noqa: E402,E501
 from torchtitan.distributed.expert_parallel.dispatcher import run_on_expert_rows  # noqa: E402
 from torchtitan.distributed.expert_parallel.styles import ExpertParallel  # noqa: E402
@@ -56,8 +56,10 @@ def _routing(rank: int, num_tokens: int, hidden: int = HIDDEN, num_experts: int 
 def _check_ops_match_cpu_reference(rank, world_size, cuda_group, cpu_group):
     x, topk_idx, topk_weights = _routing(rank, 96 + 37 * rank)  # uneven token counts
     x = x.bfloat16()
-    cuda = ops.dispatch(x.cuda(), topk_idx.cuda(), topk_weights.cuda(), NUM_EXPERTS, cuda_group.group_name)
-    ref = ops.dispatch(x, topk_idx, topk_weights, NUM_EXPERTS, cpu_group.group_name)
+    cuda = torch.ops.deepep.dispatch(
+        x.cuda(), topk_idx.cuda(), topk_weights.cuda(), NUM_EXPERTS, cuda_group.group_name, False, False
+    )
+    ref = torch.ops.deepep.dispatch(x, topk_idx, topk_weights, NUM_EXPERTS, cpu_group.group_name, False, False)
     names = ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert", "permuted_slots")
     for name, got, want in zip(names, cuda[:5], ref[:5], strict=True):
         assert got.is_cuda and torch.equal(got.cpu(), want), f"dispatch {name} differs from the CPU reference"
@@ -78,8 +80,10 @@ def _check_sync_free_dispatch_matches_cpu_reference(rank, world_size, cuda_group
     padding rows' expert ids -1, and a combine that ignores the padding."""
     x, topk_idx, topk_weights = _routing(rank, 96)  # sync-free: the same token count on every rank
     x = x.bfloat16()
-    cuda = ops.dispatch(x.cuda(), topk_idx.cuda(), topk_weights.cuda(), NUM_EXPERTS, cuda_group.group_name, True)
-    ref = ops.dispatch(x, topk_idx, topk_weights, NUM_EXPERTS, cpu_group.group_name, True)
+    cuda = torch.ops.deepep.dispatch(
+        x.cuda(), topk_idx.cuda(), topk_weights.cuda(), NUM_EXPERTS, cuda_group.group_name, True, False
+    )
+    ref = torch.ops.deepep.dispatch(x, topk_idx, topk_weights, NUM_EXPERTS, cpu_group.group_name, True, False)
     num_recv = int((ref[1] >= 0).any(1).sum())
     assert cuda[0].shape[0] == ref[0].shape[0] == 96 * world_size
     assert torch.equal(cuda[0][:num_recv].cpu(), ref[0][:num_recv]), "recv_x"
@@ -101,12 +105,16 @@ def _check_fp8_dispatch_matches_cpu_reference(rank, world_size, cuda_group, cpu_
     step (measured on H200, 2 ranks on one GPU)."""
     x, topk_idx, topk_weights = _routing(rank, 96 + 37 * rank)
     x = x.bfloat16()
-    cuda = ops.dispatch(x.cuda(), topk_idx.cuda(), topk_weights.cuda(), NUM_EXPERTS, cuda_group.group_name, False, True)
-    ref = ops.dispatch(x, topk_idx, topk_weights, NUM_EXPERTS, cpu_group.group_name, False, True)
+    cuda = torch.ops.deepep.dispatch(
+        x.cuda(), topk_idx.cuda(), topk_weights.cuda(), NUM_EXPERTS, cuda_group.group_name, False, True
+    )
+    ref = torch.ops.deepep.dispatch(x, topk_idx, topk_weights, NUM_EXPERTS, cpu_group.group_name, False, True)
     for name, got, want in zip(("idx", "weights", "counts", "slots"), cuda[1:5], ref[1:5], strict=True):
         assert torch.equal(got.cpu(), want), f"fp8 dispatch {name} differs from the CPU reference"
     assert cuda[0].dtype == torch.bfloat16
-    bf16 = ops.dispatch(x.cuda(), topk_idx.cuda(), topk_weights.cuda(), NUM_EXPERTS, cuda_group.group_name)
+    bf16 = torch.ops.deepep.dispatch(
+        x.cuda(), topk_idx.cuda(), topk_weights.cuda(), NUM_EXPERTS, cuda_group.group_name, False, False
+    )
     round_trip = dequantize_blockwise(*quantize_blockwise(bf16[0])).to(torch.bfloat16)
     assert torch.equal(cuda[0], round_trip), "fp8 recv_x is not the FP8 round trip of the received tokens"
     assert not torch.equal(cuda[0], bf16[0])  # it did go through FP8
@@ -251,7 +259,9 @@ def _measure_dispatch_combine(rank, world_size, cuda_group, cpu_group):
             dist.barrier(group=cpu_group)
             start = time.perf_counter()
             sync_free, fp8 = phase == "dispatch_sync_free", phase == "dispatch_fp8"
-            out = ops.dispatch(x, topk_idx, topk_weights, num_experts, cuda_group.group_name, sync_free, fp8)
+            out = torch.ops.deepep.dispatch(
+                x, topk_idx, topk_weights, num_experts, cuda_group.group_name, sync_free, fp8
+            )
             if phase == "combine":
                 torch.cuda.synchronize()
                 start = time.perf_counter()

@@ -31,7 +31,7 @@ import torch
 from torchtitan.distributed.deepep import cpu_kernels, cuda_kernels
 from torchtitan.distributed.deepep.buffer import get_buffer
 
-__all__ = ["combine", "dispatch"]
+__all__: list[str] = []  # importing it defines torch.ops.deepep.*, what callers use
 
 _LIB = torch.library.Library("deepep", "DEF")
 _LIB.define(
@@ -42,24 +42,6 @@ _LIB.define(
 # than the backward (written for every argument) returns.
 _LIB.define("combine(Tensor x, Tensor[] handle, str group_name, Tensor? topk_weights) -> (Tensor, Tensor)")
 _LIB.define("cached_dispatch(Tensor x, Tensor[] handle, str group_name) -> Tensor")
-
-
-def dispatch(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_weights: torch.Tensor,
-    num_experts: int,
-    group_name: str,
-    sync_free: bool = False,
-    fp8: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    return torch.ops.deepep.dispatch(x, topk_idx, topk_weights, num_experts, group_name, sync_free, fp8)
-
-
-def combine(
-    x: torch.Tensor, handle: list[torch.Tensor], group_name: str, topk_weights: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.ops.deepep.combine(x, handle, group_name, topk_weights)
 
 
 def _kernel(kernels, name: str):

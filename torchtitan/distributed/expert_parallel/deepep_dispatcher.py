@@ -23,7 +23,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from torchtitan.distributed.deepep import ops
 from torchtitan.distributed.deepep.buffer import get_buffer, get_or_create_buffer
 from torchtitan.distributed.expert_parallel.dispatcher import (
     DispatchState,
@@ -88,7 +87,9 @@ class DeepEPTokenDispatcher(TokenDispatcher):
     def token_dispatch(self, prepared: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> DeepEPDispatched:
         x, topk_idx, topk_weights = prepared
         return DeepEPDispatched(
-            *ops.dispatch(x, topk_idx, topk_weights, self.num_experts, self.group_name, self.sync_free, self.fp8)
+            *torch.ops.deepep.dispatch(
+                x, topk_idx, topk_weights, self.num_experts, self.group_name, self.sync_free, self.fp8
+            )
         )
 
     def dispatch_postprocess(self, dispatched: DeepEPDispatched) -> tuple[ExpertTokens, DeepEPDispatchState]:
@@ -119,7 +120,7 @@ class DeepEPTokenDispatcher(TokenDispatcher):
         return expert_output
 
     def token_combine(self, prepared: torch.Tensor, state: DeepEPDispatchState) -> torch.Tensor:
-        combined, _ = ops.combine(prepared, state.handle, self.group_name)
+        combined, _ = torch.ops.deepep.combine(prepared, state.handle, self.group_name, None)
         return combined
 
     def combine_postprocess(self, combined: torch.Tensor, state: DeepEPDispatchState) -> torch.Tensor:
