@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["group_buffers", "keep_group_buffers", "release_group_buffers"]
+__all__ = ["group_buffers", "keep_group_buffers", "release_group_buffers", "required_group_buffers"]
 
 
 @dataclass
@@ -27,6 +27,17 @@ def group_buffers(exchange: str, group_name: str) -> Any | None:
     """The buffers `exchange` (its ops' namespace: `deepep`, `symm_mem`) keeps for the group, or None."""
     kept = _KEPT.get((exchange, group_name))
     return None if kept is None else kept.buffers
+
+
+def required_group_buffers(exchange: str, group_name: str, how_to_make: str) -> Any:
+    """The buffers `exchange` keeps for the group; where it keeps none (its ops ran before its ParallelStyle was
+    applied), an error that says `how_to_make` them."""
+    buffers = group_buffers(exchange, group_name)
+    if buffers is None:
+        raise RuntimeError(
+            f"no {exchange} buffers for process group {group_name!r}: {how_to_make} before running the {exchange} ops"
+        )
+    return buffers
 
 
 def keep_group_buffers(exchange: str, group_name: str, buffers: Any, free: Callable[[Any], None]) -> None:

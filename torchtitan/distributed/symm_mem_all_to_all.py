@@ -30,7 +30,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from torchtitan.distributed.group_buffers import group_buffers, keep_group_buffers, release_group_buffers
+from torchtitan.distributed.group_buffers import (
+    group_buffers,
+    keep_group_buffers,
+    release_group_buffers,
+    required_group_buffers,
+)
 
 __all__ = [
     "COMBINE_LANE",
@@ -240,13 +245,9 @@ def _check_one_host(group: dist.ProcessGroup) -> None:
 
 
 def _buffers(group_name: str) -> SymmMemBuffers:
-    buffers = group_buffers(_EXCHANGE, group_name)
-    if buffers is None:
-        raise RuntimeError(
-            f"no symmetric buffers for process group {group_name!r}: apply SymmMemExpertParallel to the MoE layer "
-            "(or call get_or_create_buffers) before running the symm_mem ops on CUDA"
-        )
-    return buffers
+    return required_group_buffers(
+        _EXCHANGE, group_name, "apply SymmMemExpertParallel to the MoE layer (or call get_or_create_buffers)"
+    )
 
 
 @exchange_counts.register_kernel("cuda")

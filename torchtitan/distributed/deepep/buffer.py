@@ -19,7 +19,12 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.distributed.deepep.handle_layout import HandleLayout, cpu_layout, internode_layout, intranode_layout
-from torchtitan.distributed.group_buffers import group_buffers, keep_group_buffers, release_group_buffers
+from torchtitan.distributed.group_buffers import (
+    group_buffers,
+    keep_group_buffers,
+    release_group_buffers,
+    required_group_buffers,
+)
 
 __all__ = ["EPBuffer", "buffer_bytes", "get_buffer", "get_or_create_buffer", "import_deep_ep", "kernel_buffer"]
 
@@ -71,14 +76,12 @@ def import_deep_ep() -> ModuleType:
 
 def get_buffer(group_name: str) -> EPBuffer:
     """The buffer registered for an EP group; raises if parallelize did not create one."""
-    buffer = group_buffers(_EXCHANGE, group_name)
-    if buffer is None:
-        raise RuntimeError(
-            f"no DeepEP buffer for process group {group_name!r}: apply DeepEPExpertParallel to the experts "
-            "module (or call torchtitan.distributed.deepep.get_or_create_buffer(group, hidden_dim)) before "
-            "running the deepep ops."
-        )
-    return buffer
+    return required_group_buffers(
+        _EXCHANGE,
+        group_name,
+        "apply DeepEPExpertParallel to the experts module (or call "
+        "torchtitan.distributed.deepep.get_or_create_buffer(group, hidden_dim))",
+    )
 
 
 def kernel_buffer(group_name: str, device_type: str, hidden_dim: int) -> EPBuffer:
