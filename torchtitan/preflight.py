@@ -94,6 +94,7 @@ def check_layout(job_config: JobConfig, world_size: int, this_host: bool = False
     check_mtp(job_config, model_args, parallel_dims)
     check_activation_checkpoint(job_config, model_args)
     check_float8_linears(job_config, parallel_dims)
+    check_lora(job_config, parallel_dims)
     check_fault_ranks(job_config.debug, world_size)
     check_final_hf_export(job_config, parallel_dims)
     check_profiling(job_config, this_host)
@@ -258,6 +259,28 @@ def check_float8_linears(job_config: JobConfig, parallel_dims) -> None:
             f"--quantize.float8_linears needs training.seq_len a multiple of 16 x context_parallel_degree (FP8 GEMM "
             f"alignment), got {job_config.training.seq_len}; change --training.seq_len or drop the flag"
         )
+
+
+def check_lora(job_config: JobConfig, parallel_dims) -> None:
+    """LoRA (models/moe/lora.py) runs under FSDP, EP (every exchange backend), CP, compile and AC, with AdamW or Adam;
+    what it does not run with yet is refused here, naming the flag to drop."""
+    if not job_config.lora.enable:
+        return
+    unsupported = [
+        (parallel_dims.tp_enabled, "tensor parallelism", "pass --parallelism.tensor_parallel_degree 1"),
+        (parallel_dims.etp_enabled, "expert tensor parallelism", "pass --parallelism.expert_tensor_parallel_degree 1"),
+        (parallel_dims.pp_enabled, "pipeline parallelism", "pass --parallelism.pipeline_parallel_degree 1"),
+        (job_config.quantize.float8_linears, "FP8 linears", "drop --quantize.float8_linears (FP8 routed experts run)"),
+        (job_config.optimizer.name == "Muon", "Muon", "pass --optimizer.name AdamW"),
+        (
+            job_config.checkpoint.last_save_in_hf,
+            "a final HF export",
+            "drop --checkpoint.last_save_in_hf and export with scripts/convert_hf.py",
+        ),
+    ]
+    for on, what, fix in unsupported:
+        if on:
+            raise ConfigError(f"--lora.enable does not run with {what} yet: {fix}")
 
 
 def check_final_hf_export(job_config: JobConfig, parallel_dims) -> None:

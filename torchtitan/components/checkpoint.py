@@ -64,6 +64,7 @@ from torchtitan.components.loss import nonfinite_weight
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ResumeMismatchError
+from torchtitan.distributed.weight_init import canonical_fqn
 from torchtitan.tools.dtypes import DTYPES
 from torchtitan.tools.lost_peer import lost_peer
 
@@ -309,13 +310,16 @@ class CheckpointManager:
         if found is not None:
             path, fix = found  # fix: what to do should the checkpoint turn out damaged
             begin = time.monotonic()
-            if self.config.initial_load_path:
+            if self.model.trained and self.config.initial_load_path:  # the frozen base, then what trains
+                self._load_base(self.config.initial_load_path)
+            elif self.config.initial_load_path:
                 logger.info(
                     f"resuming from {path}: checkpoint.initial_load_path {self.config.initial_load_path} is not "
                     "used (it only starts a run whose checkpoint folder holds no checkpoint yet)"
                 )
             self._verify_checksums(path, fix)
             keys = checkpoint_keys(path, fix)
+            self._check_trains_the_same(f"cannot resume from {path}", keys)
             self._check_same_model(path, keys)
             self._check_same_optimizer(f"cannot resume from {path}", keys)
             self._dcp_load(self._states_present_in(path, keys), path)
@@ -326,7 +330,35 @@ class CheckpointManager:
             resumed = self._load_initial(self.config.initial_load_path)
             self._check_finite_weights(self.config.initial_load_path)
             return resumed
+        if self.model.trained:
+            logger.warning(
+                "the frozen base is this run's random init (no --checkpoint.initial_load_path): its adapters adapt "
+                "nothing a user has; pass the release to fine-tune as --checkpoint.initial_load_path"
+            )
         return False
+
+    def _load_base(self, path: str) -> None:
+        """The frozen base of a resumed run, from `path` (its initial checkpoint, DCP or HF), as its start read it."""
+        begin = time.monotonic()
+        if self.config.initial_load_in_hf:
+            self._load_hf(path)
+        else:
+            self._load_weights(path, checkpoint_keys(path, "pass an intact one as --checkpoint.initial_load_path"))
+        logger.info(f"read the frozen base from {path} in {time.monotonic() - begin:.2f}s")
+
+    def _check_trains_the_same(self, what: str, keys: set[str]) -> None:
+        """A frozen base's run (LoRA) takes optimizer state for what it trains only: a checkpoint with state for a
+        frozen weight is a full training's (whose adapters, moments and schedule do not carry over)."""
+        if not self.model.trained:
+            return
+        state = [key.removeprefix("optimizer.state.") for key in keys if key.startswith("optimizer.state.")]
+        frozen = sorted({key.rpartition(".")[0] for key in state} - self.model.trained)
+        if frozen:
+            raise CheckpointError(
+                f"{what}: it holds the optimizer state of a full training (e.g. for {frozen[0]}), and --lora.enable "
+                "trains adapters on a frozen base; start from its weights in another --job.dump_folder with "
+                "--checkpoint.initial_load_path <it> --checkpoint.initial_load_model_only"
+            )
 
     def _check_same_model(self, path: str, keys: set[str]) -> None:
         """A resume into a model that lacks some of the checkpoint's tensors (fewer MTP modules, say) would load
@@ -366,7 +398,7 @@ class CheckpointManager:
     def _tensors_not_built(self, keys: set[str], prefix: str) -> list[str]:
         """The checkpoint's model tensor names (keys under `prefix`) that no rank's model has (gathered over ranks:
         a pipeline stage holds only its own)."""
-        ours = set().union(*self._all_gather(set(self.model.state_dict())))
+        ours = set().union(*self._all_gather(set(self.model.state_dict()) | set(self.model.base_state_dict())))
         return sorted(name for key in keys if key.startswith(prefix) and (name := key[len(prefix) :]) not in ours)
 
     def _check_finite_weights(self, path: str) -> None:
@@ -468,12 +500,7 @@ class CheckpointManager:
             self._verify_checksums(path, _INITIAL_DAMAGE_FIX)  # one of ours: every file, as before a resume
         keys = checkpoint_keys(path, "pass an intact one as --checkpoint.initial_load_path")
         if self.config.initial_load_model_only:
-            prefix = model_key_prefix(keys)
-            self._check_initial_model(path, keys, prefix)
-            fresh = self._absent_optional_modules(key.removeprefix(prefix) for key in keys if key.startswith(prefix))
-            state = {name: value for name, value in self.model.state_dict().items() if not name.startswith(fresh)}
-            self._dcp_load({"model": state} if prefix else state, path, initial=True)
-            self.model.load_state_dict(state)
+            self._load_weights(path, keys)
             logger.info(f"initialized model from {path} in {time.monotonic() - begin:.2f}s")
             return False
         if not any(key.startswith("optimizer.") for key in keys):
@@ -481,11 +508,23 @@ class CheckpointManager:
                 f"checkpoint.initial_load_path {path} holds model weights only (no optimizer or training state); "
                 "drop --checkpoint.initial_load_model_only=false to start from its weights"
             )
+        what = f"cannot load the training state of checkpoint.initial_load_path {path}"
+        self._check_trains_the_same(what, keys)
         self._check_initial_model(path, keys, "model.")
-        self._check_same_optimizer(f"cannot load the training state of checkpoint.initial_load_path {path}", keys)
+        self._check_same_optimizer(what, keys)
         self._dcp_load(self._states_present_in(path, keys), path, initial=True)
         logger.info(f"loaded the full training state from {path} in {time.monotonic() - begin:.2f}s")
         return True
+
+    def _load_weights(self, path: str, keys: set[str]) -> None:
+        """The model's weights (of a frozen base, the base's) from the DCP checkpoint at `path` with DCP `keys`:
+        a checkpoint of ours (under `model.`) or a bare model state dict."""
+        prefix = model_key_prefix(keys)
+        self._check_initial_model(path, keys, prefix)
+        fresh = self._absent_optional_modules(key.removeprefix(prefix) for key in keys if key.startswith(prefix))
+        state = {name: value for name, value in self.model.base_state_dict().items() if not name.startswith(fresh)}
+        self._dcp_load({"model": state} if prefix else state, path, initial=True)
+        self.model.load_state_dict(state)
 
     def _absent_optional_modules(self, checkpoint_names: Iterable[str]) -> tuple[str, ...]:
         """The optional module prefixes the checkpoint's model tensor names hold nothing under: those modules keep
@@ -514,7 +553,8 @@ class CheckpointManager:
         except ValueError as err:  # names what differs from the model's shape
             raise CheckpointError(f"{other_model}: {err}; {fix}") from None
         fresh = self._absent_optional_modules(sources)
-        states = [get_model_state_dict(part) for part in self.model_parts]  # this rank's shares (DTensors: shards)
+        # this rank's shares (DTensors: shards), without a frozen base's trained tensors (adapters start fresh)
+        states = [self.model.part_state(part, base=True) for part in self.model_parts]
         problem = None
         try:
             for state in states:
@@ -633,13 +673,32 @@ class _PendingSave:
 
 
 class ModelWrapper:
-    """The model parts as one stateful object: their (sharded) state dicts merged by FQN."""
+    """The model parts as one stateful object: their (sharded) state dicts merged by FQN. A model with frozen
+    parameters (LoRA, models/moe/lora.py) saves only what trains; the rest is its base, which every start (a resume
+    too) reads from `checkpoint.initial_load_path`."""
 
     def __init__(self, model_parts: list[nn.Module]) -> None:
         self.model_parts = model_parts
+        params = [(canonical_fqn(name), p) for part in model_parts for name, p in part.named_parameters()]
+        self.trained = {name for name, param in params if param.requires_grad}
+        """The trained parameters' names, when some are frozen; empty when every parameter trains."""
+        if len(self.trained) == len(params):
+            self.trained = set()
 
     def state_dict(self) -> dict[str, Any]:
-        return {name: value for part in self.model_parts for name, value in get_model_state_dict(part).items()}
+        """What a checkpoint holds: every tensor, or with a frozen base only the trained ones."""
+        return {name: value for part in self.model_parts for name, value in self.part_state(part).items()}
+
+    def part_state(self, part: nn.Module, base: bool = False) -> dict[str, Any]:
+        """`part`'s share of `state_dict`, or with `base` of what an initial checkpoint gives: every tensor but the
+        trained ones of a frozen base (they start fresh)."""
+        state = get_model_state_dict(part)
+        if not self.trained:
+            return state
+        return {name: value for name, value in state.items() if (name in self.trained) != base}
+
+    def base_state_dict(self) -> dict[str, Any]:
+        return {name: value for part in self.model_parts for name, value in self.part_state(part, base=True).items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # strict=False: each part takes its own FQNs; DCP already failed on any key missing from the checkpoint.

@@ -503,6 +503,28 @@ class Quantize:
 
 
 @dataclass
+class LoRA:
+    """`[lora]`: low-rank adapters for fine-tuning (models/moe/lora.py). The published weights stay frozen (in bf16
+    under bf16 training, without gradients or optimizer state); only the adapters train and only they are saved in
+    checkpoints. out = W x + alpha / rank x B A x, as `peft` computes it (B starts at zero)."""
+
+    enable: bool = False
+    """Train adapters on a frozen base instead of every weight; start from the release with
+    --checkpoint.initial_load_path (a resume loads the base from there again, then the adapters)."""
+
+    rank: int = 16
+    """r: the adapters' inner width. The routed experts' grouped GEMMs need a multiple of 8."""
+
+    alpha: float = 32.0
+    """The adapters' output is scaled by alpha / rank."""
+
+    targets: list[str] = field(default_factory=lambda: ["attention", "mlp", "experts"])
+    """What gets adapters: `attention` (every projection of each block's attention: MLA's q/kv down and up and its
+    output), `mlp` (the dense layers' FFNs and the shared experts), `experts` (the routed experts: per-expert
+    adapters on gate+up and on down, in the grouped-GEMM layout)."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -522,3 +544,4 @@ class JobConfig:
     debug: Debug = field(default_factory=Debug)
     profiling: Profiling = field(default_factory=Profiling)
     quantize: Quantize = field(default_factory=Quantize)
+    lora: LoRA = field(default_factory=LoRA)

@@ -284,7 +284,7 @@ _POSITIVE_KEYS = (
     "training.seq_len training.steps training.local_batch_size training.gc_freq metrics.log_freq checkpoint.interval "
     "profiling.profile_freq comm.init_timeout_seconds comm.train_timeout_seconds validation.freq validation.steps "
     "parallelism.fsdp_blocks_per_unit muon.ns_steps fault_tolerance.first_step_timeout_seconds "
-    "fault_tolerance.save_timeout_seconds metrics.straggler_warn_after debug.sleep_at_step"
+    "fault_tolerance.save_timeout_seconds metrics.straggler_warn_after debug.sleep_at_step lora.rank"
 ).split()
 _DEGREE_KEYS = (
     "parallelism.data_parallel_replicate_degree parallelism.tensor_parallel_degree parallelism.context_parallel_degree "
@@ -311,6 +311,7 @@ _RANGES = (
     ("optimizer.weight_decay", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
     ("muon.momentum", lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
     ("muon.update_rms", lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
+    ("lora.alpha", lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
     ("checkpoint.keep_latest_k", lambda v: v >= 0, ">= 0 (0 keeps all)"),
     ("checkpoint.load_step", lambda v: v == -1 or v >= 1, "-1 (the latest checkpoint) or a step >= 1"),
     ("activation_checkpoint.num_blocks", lambda v: v >= -1, "-1 (every block) or a number of blocks >= 0"),

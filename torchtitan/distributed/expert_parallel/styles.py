@@ -64,6 +64,15 @@ class TensorParallel(ParallelStyle):
 
 
 def distribute_experts(experts: nn.Module, mesh: DeviceMesh, placements: dict[str, list]) -> None:
-    """Replace the routed experts' w1/w2/w3 by DTensors with `placements` over `mesh` (every EP style uses it)."""
+    """Replace the routed experts' w1/w2/w3 by DTensors with `placements` over `mesh` (every EP style uses it). Other
+    (E, ...) parameters (LoRA's adapters) go with their experts: sharded on dim 0, where the weights are only so."""
+    whole_experts = all(placement == [Shard(0)] for placement in placements.values())
     for name, param in experts.named_parameters(recurse=False):
-        experts.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, placements[name])))
+        placement = placements.get(name)
+        if placement is None and not whole_experts:
+            raise ValueError(
+                f"routed experts' {name}: only expert parallelism without tensor parallelism shards it (with its "
+                "experts); drop expert_tensor_parallel_degree / tensor_parallel_degree"
+            )
+        distributed = distribute_tensor(param, mesh, placement or [Shard(0)])
+        experts.register_parameter(name, nn.Parameter(distributed, requires_grad=param.requires_grad))

@@ -9,6 +9,7 @@ SwiGLU and sums the outputs back per token: one graph when compiled, per-op SAC 
 
 from collections.abc import Callable
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,36 @@ from torchtitan.kernels.cpu_grouped_mm import cpu_grouped_mm
 from torchtitan.kernels.float8 import Float8WeightCache, Float8Weights, float8_grouped_mm
 
 
+class ExpertAdapters(NamedTuple):
+    """The routed experts' LoRA adapters (`models/moe/lora.py`), per expert e: gate+up += s B_gu[e] A_gu[e] x (w1 and
+    w3 stacked, transformers' fused `gate_up_proj`) and down += s B_d[e] A_d[e] h: peft's per-expert layout."""
+
+    gate_up_a: torch.Tensor
+    """(E, r, dim)"""
+    gate_up_b: torch.Tensor
+    """(E, 2 x hidden, r): the gate's rows, then the up projection's."""
+    down_a: torch.Tensor
+    """(E, r, hidden)"""
+    down_b: torch.Tensor
+    """(E, dim, r)"""
+    scale: float
+    """s = alpha / r."""
+
+    def gate_up(self, x: torch.Tensor, group_ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(P, dim) rows -> the (P, hidden) updates of gate and up."""
+        return _low_rank(x, self.gate_up_a, self.gate_up_b, self.scale, group_ends).chunk(2, dim=-1)
+
+    def down(self, h: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+        return _low_rank(h, self.down_a, self.down_b, self.scale, group_ends)
+
+
+def _low_rank(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, group_ends: torch.Tensor
+) -> torch.Tensor:
+    """(P, in) bf16 rows -> s B[e] A[e] x per group e: two bf16 grouped GEMMs through the (P, r) middle."""
+    return _bf16_grouped_mm(_bf16_grouped_mm(x, a.bfloat16(), group_ends), (b * scale).bfloat16(), group_ends)
+
+
 def run_experts_grouped_mm(
     x: torch.Tensor,
     group_ends: torch.Tensor,
@@ -30,21 +61,27 @@ def run_experts_grouped_mm(
     w3: torch.Tensor,
     float8: bool = False,
     float8_weights: tuple[Float8Weights, Float8Weights] | None = None,
+    adapters: ExpertAdapters | None = None,
 ) -> torch.Tensor:
     """x (P, dim) bf16 padded expert-major rows, group_ends (E,) int32 -> (P, dim) bf16; rows past the last group
     end are undefined (no caller reads them). float8: the three GEMMs in FP8 with rowwise scales, forward and
     backward (float8.py); needs groups aligned to 16 rows. float8_weights: (w1 and w3 stacked, w2) quantized
-    already (`GroupedExperts.float8_weight_caches`), else the weights are quantized here."""
+    already (`GroupedExperts.float8_weight_caches`), else the weights are quantized here. adapters: LoRA's, added in
+    bf16 grouped GEMMs (the base's GEMMs stay as they are, FP8 included)."""
     # a no-op, unless FSDP cast the rows to its parameter dtype (fp32 with mixed_precision_param=float32)
     x = x.bfloat16()
     if float8:  # gate and up in one GEMM: x quantized once each way; the weights in their own dtype (no bf16 copy)
         w13_float8, w2_float8 = float8_weights or (None, None)
         gate, up = float8_grouped_mm(x, (w1, w3), group_ends, w13_float8).chunk(2, dim=-1)
-        return float8_grouped_mm(F.silu(gate) * up, w2, group_ends, w2_float8)
-    w1, w2, w3 = w1.bfloat16(), w2.bfloat16(), w3.bfloat16()
-    gate, up = _bf16_grouped_mm(x, w1, group_ends), _bf16_grouped_mm(x, w3, group_ends)
-    h = F.silu(gate) * up  # (P, hidden)
-    return _bf16_grouped_mm(h, w2, group_ends)  # (P, dim)
+        down = partial(float8_grouped_mm, w=w2, offsets=group_ends, w_float8=w2_float8)
+    else:
+        gate, up = _bf16_grouped_mm(x, w1.bfloat16(), group_ends), _bf16_grouped_mm(x, w3.bfloat16(), group_ends)
+        down = partial(_bf16_grouped_mm, w=w2.bfloat16(), offsets=group_ends)
+    if adapters is None:
+        return down(F.silu(gate) * up)
+    gate_update, up_update = adapters.gate_up(x, group_ends)
+    h = F.silu(gate + gate_update) * (up + up_update)  # (P, hidden)
+    return down(h) + adapters.down(h, group_ends)  # (P, dim)
 
 
 def _bf16_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -63,9 +100,12 @@ def run_routed_experts(
     float8: bool = False,
     float8_weights: tuple[Float8Weights, Float8Weights] | None = None,
     recompute: bool = False,
+    adapters: ExpertAdapters | None = None,
 ) -> torch.Tensor:
     """tokens -> (T, dim), as the module docstring says; recompute: as `GroupedExperts.recompute`."""
-    rows_fn = partial(run_experts_grouped_mm, w1=w1, w2=w2, w3=w3, float8=float8, float8_weights=float8_weights)
+    rows_fn = partial(
+        run_experts_grouped_mm, w1=w1, w2=w2, w3=w3, float8=float8, float8_weights=float8_weights, adapters=adapters
+    )
     return _run(partial(run_on_expert_rows, tokens, rows_fn, alignment, torch.bfloat16), recompute)
 
 
@@ -96,6 +136,9 @@ class GroupedExperts(nn.Module):
     """Per-op SAC (`activation_checkpoint.py`, or a memory budget's `sac` level): keep the grouped GEMMs' outputs,
     recompute the gathers into the rows and the SwiGLU in backward."""
 
+    lora_scale: float | None = None
+    """alpha / r with LoRA adapters (`add_adapters`); None without."""
+
     run_routed = staticmethod(run_routed_experts)
     """The gathers, grouped GEMMs and sum back; `MoE.compile_parts` sets the compiled region the layers share."""
 
@@ -113,16 +156,29 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
     def forward(self, tokens: ExpertTokens) -> torch.Tensor:
-        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
         alignment = self.token_group_alignment
+        adapters = None
+        if self.lora_scale is not None:
+            adapters = ExpertAdapters(*(_local(getattr(self, name)) for name in ADAPTER_NAMES), self.lora_scale)
         if not self.use_grouped_mm:
-            rows_fn = partial(_run_experts_for_loop, w1=w1, w2=w2, w3=w3)
+            rows_fn = partial(_run_experts_for_loop, w1=w1, w2=w2, w3=w3, adapters=adapters)
             return _run(partial(run_on_expert_rows, tokens, rows_fn, alignment, tokens.x.dtype), self.recompute)
         float8_weights = None
         if self.float8 and self.float8_weight_caches is not None:
             w13_cache, w2_cache = self.float8_weight_caches
             float8_weights = (w13_cache.get((w1, w3)), w2_cache.get((w2,)))
-        return self.run_routed(tokens, w1, w2, w3, alignment, self.float8, float8_weights, self.recompute)
+        return self.run_routed(tokens, w1, w2, w3, alignment, self.float8, float8_weights, self.recompute, adapters)
+
+    def add_adapters(self, rank: int, scale: float) -> None:
+        """LoRA: the adapters of `ExpertAdapters` as fp32 parameters named by `ADAPTER_NAMES` (init: lora.py), on
+        the weights' device; call before expert parallelism shards them."""
+        num_experts, hidden_dim, dim = self.w1.shape
+        shapes = [(rank, dim), (2 * hidden_dim, rank), (rank, hidden_dim), (dim, rank)]
+        for name, shape in zip(ADAPTER_NAMES, shapes, strict=True):
+            empty = torch.empty(num_experts, *shape, device=self.w1.device, dtype=torch.float32)
+            self.register_parameter(name, nn.Parameter(empty))
+        self.lora_scale = scale
 
     def init_weights(self, init_std: float) -> None:
         nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
@@ -151,14 +207,48 @@ def convert_to_float8_experts(model: nn.Module, cache_weights: bool) -> int:
     return converted
 
 
+ADAPTER_NAMES = ("lora_gate_up_a", "lora_gate_up_b", "lora_down_a", "lora_down_b")
+"""`GroupedExperts`' LoRA parameters, in `ExpertAdapters`' order."""
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
 def _run_experts_for_loop(
-    x: torch.Tensor, group_ends: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+    x: torch.Tensor,
+    group_ends: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    adapters: ExpertAdapters | None = None,
 ) -> torch.Tensor:
-    ends = group_ends.tolist()  # host sync: reference path only
+    def low_rank(rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (rows @ a.to(rows.dtype).T) @ (b * adapters.scale).to(rows.dtype).T
+
+    def expert_ffn(rows: torch.Tensor, e: int) -> torch.Tensor:
+        gate, up = rows @ w1[e].T, rows @ w3[e].T
+        if adapters is not None:
+            gate_update, up_update = low_rank(rows, adapters.gate_up_a[e], adapters.gate_up_b[e]).chunk(2, dim=-1)
+            gate, up = gate + gate_update, up + up_update
+        h = F.silu(gate) * up
+        out = h @ w2[e].T
+        if adapters is not None:
+            out = out + low_rank(h, adapters.down_a[e], adapters.down_b[e])
+        return out
+
+    return _per_group(x, group_ends, expert_ffn)
+
+
+def _per_group(
+    x: torch.Tensor, group_ends: torch.Tensor, fn: Callable[[torch.Tensor, int], torch.Tensor]
+) -> torch.Tensor:
+    """fn(rows of group e, e) for every group of the expert-major rows x; zeros past the last group's end."""
+    ends = group_ends.tolist()  # host sync: reference paths only
     outputs, start = [], 0
     for expert, end in enumerate(ends):
-        x_expert = x[start:end]
-        outputs.append((F.silu(x_expert @ w1[expert].T) * (x_expert @ w3[expert].T)) @ w2[expert].T)
+        outputs.append(fn(x[start:end], expert))
         start = end
-    outputs.append(x.new_zeros(x.shape[0] - start, x.shape[1]))
+    out_dim = outputs[0].shape[1] if outputs else x.shape[1]
+    outputs.append(x.new_zeros(x.shape[0] - start, out_dim))
     return torch.cat(outputs)
