@@ -55,14 +55,13 @@ from torchtitan.distributed.compile import graphs_compiled
 from torchtitan.distributed.weight_init import copy_from_unsharded_init
 from torchtitan.launch import report_error
 from torchtitan.models.moe import ExpertBiasHook, set_tokens_per_optimizer_step
-from torchtitan.models.moe.lora import add_adapters, init_adapters
+from torchtitan.models.moe.lora import init_adapters
 from torchtitan.models.moe.parallelize import expert_bias_reduce_group
 from torchtitan.models.output_head import chunk_loss_and_grad
 from torchtitan.preflight import CheckedJob, check_batch_sizes, check_job
 from torchtitan.tools.async_readback import DeviceMark
 from torchtitan.tools.cli import run_cli
 from torchtitan.tools.cuda_graph import CudaGraphed
-from torchtitan.tools.dtypes import DTYPES
 from torchtitan.tools.lost_peer import lost_peer, lost_peer_line
 from torchtitan.tools.out_of_memory import is_out_of_memory, out_of_memory_line
 from torchtitan.tools.profiling import StepProfiler
@@ -109,11 +108,13 @@ class Trainer:
 
         # Model: built on meta, parallelized, then materialized, so no rank ever holds the full model.
         spec = job.spec
-        model = _build_on_meta(spec, self.model_args, job_config)
+        model = spec.build_on_meta(self.model_args, job_config)
         nparams, self.flops_per_token = self.model_args.get_nparams_and_flops(model, job_config.training.seq_len)
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         logger.info(
-            f"model from {job_config.model.shape_source()}: {nparams:,} parameters, "
-            f"{self.flops_per_token:,.0f} FLOPs/token"
+            f"model from {job_config.model.shape_source()}: {nparams:,} parameters"
+            + (f" ({trained:,} trained: lora's adapters)" if trained < nparams else "")
+            + f", {self.flops_per_token:,.0f} FLOPs/token"
         )
 
         # CPU: DTensor has no RNG tracker there, so sharded init would repeat values across ranks (weight_init.py).
@@ -485,17 +486,6 @@ class Trainer:
             self.checkpointer.close()
             guard.close()
         return not stopped
-
-
-def _build_on_meta(spec, model_args, job_config: JobConfig) -> nn.Module:
-    """The model on the meta device (no rank ever holds it whole); with `lora.enable` frozen, its weights in the
-    compute dtype (never updated: no fp32 masters), and adapters added."""
-    with torch.device("meta"):
-        model = spec.build(model_args)
-    if job_config.lora.enable:
-        trained = add_adapters(model, job_config.lora, DTYPES[job_config.training.mixed_precision_param])
-        logger.info(f"lora: {trained:,} adapter parameters train, every weight of the model is frozen")
-    return model
 
 
 def _global_rank() -> int:

@@ -208,15 +208,34 @@ def _checkpoint_contexts(
     return recompile_guard_contexts(guard_name, compiled_regions)
 
 
+LOW_RANK_INNER_DIM = 128
+"""A GEMM contracting over at most this many and widening it at least LOW_RANK_WIDENING-fold (LoRA's up projection B,
+(out, r)) is recomputed, not saved: its output is as wide as the layer's but costs only 2 r FLOPs per element."""
+LOW_RANK_WIDENING = 8
+
+
 def _sac_contexts(save_ops: set[Any]):
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        if func in save_ops:
+        if func in save_ops and not _low_rank_gemm(func, args):
             return CheckpointPolicy.MUST_SAVE
         if func is torch.ops.aten._to_copy.default and _is_device_to_host(args, kwargs):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
+
+
+def _low_rank_gemm(func: Any, args: tuple) -> bool:
+    """Whether `func(*args)` is a matmul (mm, bmm, grouped; addmm's operands follow the bias) from a low rank up
+    (LOW_RANK_INNER_DIM)."""
+    name = getattr(func, "__name__", "")
+    if "mm" not in name or "scaled" in name:
+        return False
+    operands = args[1:3] if name.startswith("addmm") else args[:2]
+    if not all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in operands):
+        return False
+    inner, out = operands[0].shape[-1], operands[1].shape[-1]
+    return inner <= LOW_RANK_INNER_DIM and out >= LOW_RANK_WIDENING * inner
 
 
 def _is_device_to_host(args: tuple, kwargs: dict) -> bool:

@@ -94,6 +94,20 @@ class ModelSpec:
     """(job_config, parallel_dims, args) -> the top-level module names of each pipeline stage, in stage order: the
     split `pipeline` makes (the plan counts each stage's parameters from it)."""
 
+    def build_on_meta(self, args: ModelArgs, job_config: JobConfig) -> nn.Module:
+        """The model as the job trains it, on the meta device (the trainer materializes it after parallelizing; the
+        plan counts it): with `lora.enable` its weights frozen in the compute dtype and adapters added."""
+        import torch  # deferred like the model code: preflight imports this module before torch
+
+        with torch.device("meta"):
+            model = self.build(args)
+        if job_config.lora.enable:
+            from torchtitan.models.moe.lora import add_adapters
+            from torchtitan.tools.dtypes import DTYPES
+
+            add_adapters(model, job_config.lora, DTYPES[job_config.training.mixed_precision_param])
+        return model
+
 
 MODELS: dict[str, str] = {
     "deepseek_v3": "torchtitan.models.deepseek_v3.spec",

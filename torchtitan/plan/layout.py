@@ -2,7 +2,9 @@
 
 The parameters are the model's own: the one its spec builds on the meta device, each counted in its parameter group
 (`components/optimizer.py`'s `group_parameters`: matrices, experts, embeddings, head, router_gate, norms_and_biases),
-which also says how the trainer stores it (`components/master_weights.py`'s `bf16_weight_groups`). Each transformer
+which also says how the trainer stores it (`components/master_weights.py`'s `bf16_weight_groups`); a frozen parameter
+(LoRA's base) in its group's `frozen` twin (`frozen(group)`), stored in the compute dtype without gradient or
+optimizer state. Each transformer
 block (`transformer_blocks`: the layers, then the MTP modules) is a part; so are the embedding and the head (every
 other top-level module of a stage: the final norm and the output).
 """
@@ -14,10 +16,9 @@ from dataclasses import dataclass, field
 from math import comb
 from typing import Any
 
-import torch
 from torch import nn
 
-from torchtitan.components.optimizer import group_parameters
+from torchtitan.components.optimizer import group_parameters, parameter_group
 from torchtitan.distributed.utils import transformer_blocks
 from torchtitan.models.moe.exchange import ExchangeBackend
 from torchtitan.models.spec import ModelSpec
@@ -28,10 +29,31 @@ __all__ = [
     "Part",
     "Stage",
     "dense_params",
+    "frozen",
+    "frozen_dense_params",
     "layout_from_flags",
     "parameter_counts",
     "ranks_per_token",
 ]
+
+
+FROZEN = "frozen "
+
+
+def frozen(group: str) -> str:
+    """The group of the frozen parameters of `group` (LoRA's base)."""
+    return FROZEN + group
+
+
+def model_groups(model: nn.Module) -> dict[nn.Parameter, str]:
+    """{parameter: its group} of every parameter of `model`: `group_parameters`' for those that train, `frozen` twins
+    for the others."""
+    groups = group_parameters(model)
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(prefix=module_name, recurse=False):
+            if param not in groups:
+                groups[param] = frozen(parameter_group(name, param, module))
+    return groups
 
 
 @dataclass(frozen=True)
@@ -97,9 +119,8 @@ class Layout:
     """Per pipeline rank, its stages in the order it runs them."""
 
     def __post_init__(self) -> None:
-        with torch.device("meta"):
-            self.model = self.spec.build(self.args)
-        groups = group_parameters(self.model)
+        self.model = self.spec.build_on_meta(self.args, self.job)
+        groups = model_groups(self.model)
         pp = self.dims.pp
         if pp == 1:
             self.stages = [[_stage(self.model, groups, [name for name, _ in self.model.named_children()])]]
@@ -158,7 +179,8 @@ def _stage(model: nn.Module, groups: dict[nn.Parameter, str], names: list[str]) 
 
 def _block(groups: dict[nn.Parameter, str], block: nn.Module, position: int) -> Block:
     part = _part(groups, [block])
-    return Block(part.params, part.matrices, moe=part.params["experts"] > 0, position=position)
+    moe = part.params["experts"] + part.params[frozen("experts")] > 0
+    return Block(part.params, part.matrices, moe=moe, position=position)
 
 
 def _part(groups: dict[nn.Parameter, str], modules: list[nn.Module]) -> Part:
@@ -172,20 +194,28 @@ def _part(groups: dict[nn.Parameter, str], modules: list[nn.Module]) -> Part:
     return Part(params, matrices)
 
 
+DENSE_GROUPS = ("matrices", "router_gate", "head")
+
+
 def dense_params(params: Counter) -> int:
     """Of `params` ({group: parameters}), those that multiply as dense GEMMs: every nn.Linear's weight."""
-    return params["matrices"] + params["router_gate"] + params["head"]
+    return sum(params[group] + params[frozen(group)] for group in DENSE_GROUPS)
+
+
+def frozen_dense_params(params: Counter) -> int:
+    """Of `dense_params`, the frozen ones: their backward computes the input's gradient only (4 FLOPs, not 6)."""
+    return sum(params[frozen(group)] for group in DENSE_GROUPS)
 
 
 def parameter_counts(layout: Layout) -> tuple[int, int, int, int]:
     """(parameters, active parameters per token, both without the MTP modules) of the layout's model: a token uses
     top_k of num_experts of the routed experts (the `experts` group); the MTP modules are the blocks past `layers`."""
     model, moe = layout.model, layout.args.moe_args
-    groups = group_parameters(model)
+    groups = model_groups(model)
     mtp_ids = {id(param) for block in transformer_blocks(model)[len(model.layers) :] for param in block.parameters()}
 
     def counts(params: list[nn.Parameter]) -> tuple[int, int]:
-        experts = sum(param.numel() for param in params if groups[param] == "experts")
+        experts = sum(param.numel() for param in params if groups[param] in ("experts", frozen("experts")))
         total = sum(param.numel() for param in params)
         return total, total - experts * (moe.num_experts - moe.top_k) // moe.num_experts
 

@@ -19,7 +19,7 @@ from torchtitan.components.master_weights import bf16_weight_groups
 from torchtitan.components.optimizer import PARAMETER_GROUPS, state_bytes_per_parameter, updates_master_weights
 from torchtitan.distributed.utils import autocast_dtype
 from torchtitan.models.moe.parallelize import experts_outside_fsdp
-from torchtitan.plan.layout import Block, Layout, Stage, ranks_per_token
+from torchtitan.plan.layout import Block, Layout, Stage, frozen, ranks_per_token
 
 __all__ = [
     "ACTIVATION_SCALE",
@@ -90,19 +90,23 @@ def storage(layout: Layout) -> dict[str, Storage]:
     # bf16 weights' gradients: fp32 sums where a step adds several backwards (accumulation, pipeline micro-batches)
     grad = 4 if layout.accumulation_steps * layout.microbatches > 1 else 2
     compute = 2 if param_dtype == "bfloat16" else 4
+    experts_outside = experts_outside_fsdp(dims, job)
     result = {}
     for group in PARAMETER_GROUPS:
         # TP splits every matrix and the embedding; EP (and ETP) the routed experts
         local = 1.0 if group == "norms_and_biases" else 1.0 / dims.tp
         if group == "experts":
             local = 1.0 / (dims.ep * dims.etp)
+        fsdp = dims.fsdp_enabled and not (group == "experts" and experts_outside)
+        shard = (dims.dp_shard_mod_ep if group == "experts" else dims.dp_shard * dims.cp) if fsdp else 1
         if group in bf16:
             result[group] = Storage(2, 2, moments, grad, 0, 1, local)
         elif dims.fsdp_enabled:
-            shard = dims.dp_shard_mod_ep if group == "experts" else dims.dp_shard * dims.cp
             result[group] = Storage(4, 0, moments, 4, compute, shard, local)
         else:
             result[group] = Storage(4, 0, moments, 4, 0, 1, local)
+        # frozen (LoRA's base): stored in the compute dtype, gathered by FSDP as they are, never updated
+        result[frozen(group)] = Storage(compute, 0, 0, 0, compute if fsdp else 0, shard, local)
     return result
 
 
@@ -317,8 +321,8 @@ def _backward_peak(blocks: list[_BlockBytes], head: float) -> dict[str, float]:
 
 def _head_bytes(layout: Layout, stages: list[Stage], tokens: int) -> float:
     """The output head and loss above the saved activations, on the stage holding it: the fused head keeps, per pass
-    (the main one and each MTP module's), the fp32 weight gradient and the input's gradient from its forward, and
-    one chunk of logits at a time; the plain head (TP, PP) all the logits."""
+    (the main one and each MTP module's), the fp32 weight gradient (unless frozen) and the input's gradient from its
+    forward, and one chunk of logits at a time; the plain head (TP, PP) all the logits."""
     args, dims, job = layout.args, layout.dims, layout.job
     if not any(stage.head for stage in stages):
         return 0.0
@@ -326,7 +330,8 @@ def _head_bytes(layout: Layout, stages: list[Stage], tokens: int) -> float:
     saved = tokens * args.dim * (residual_bytes(layout) + 2)  # the final norm's input and output
     passes = 1 + args.mtp_layers
     if job.training.fused_output_loss and dims.tp == 1 and dims.pp == 1:
-        per_pass = vocab * args.dim * 4 + tokens * args.dim * 2
+        head_trains = any(stage.head.params["head"] for stage in stages if stage.head)  # not LoRA's frozen head
+        per_pass = vocab * args.dim * 4 * head_trains + tokens * args.dim * 2
         return saved + passes * per_pass + min(CHUNK_ROWS, tokens) * vocab * FUSED_HEAD_BYTES_PER_CHUNK_LOGIT
     return saved + passes * tokens * vocab * PLAIN_HEAD_BYTES_PER_LOGIT
 

@@ -19,7 +19,7 @@ from typing import Any
 from torchtitan.components.optimizer import section_groups
 from torchtitan.models.moe.exchange import DeepEPBackend, ExchangeBackend
 from torchtitan.plan.hardware import DEEPEP_INTERNODE, DEEPEP_INTRANODE_EP8, NVLINK, RDMA
-from torchtitan.plan.layout import Layout, dense_params, layout_from_flags, ranks_per_token
+from torchtitan.plan.layout import Layout, dense_params, frozen, frozen_dense_params, layout_from_flags, ranks_per_token
 from torchtitan.plan.memory import imbalance, reshards, storage
 from torchtitan.plan.newton_schulz import newton_schulz_seconds
 from torchtitan.plan.rates import (
@@ -79,9 +79,11 @@ def rank_time(layout: Layout, rank: int, levels: list[list[str]], gpu: str) -> R
         dense = dense_params(stage.params())
         if stage.head:  # each MTP module runs the output head again
             dense += args.mtp_layers * stage.head.params["head"]
-        t["dense GEMMs"] += 6 * tokens * dense / dims.tp / dense_rate
+        # a frozen weight (LoRA's base) computes no weight gradient: 4 FLOPs per parameter and token, not 6
+        t["dense GEMMs"] += (6 * dense - 2 * frozen_dense_params(stage.params())) * tokens / dims.tp / dense_rate
         for block, level in zip(stage.blocks, stage_levels, strict=True):
-            grouped = tokens * expert_flops / grouped_rate if block.moe else 0.0
+            frozen_experts = block.params[frozen("experts")] > 0
+            grouped = tokens * expert_flops * (2 / 3 if frozen_experts else 1) / grouped_rate if block.moe else 0.0
             attention_f = tokens * attention_fwd / fwd_rate
             glue = tokens * (elementwise + (moe_glue if block.moe else 0.0))
             t["grouped GEMMs"] += grouped
@@ -89,8 +91,9 @@ def rank_time(layout: Layout, rank: int, levels: list[list[str]], gpu: str) -> R
             t["memory-bound kernels"] += glue
             t["expert exchange (exposed)"] += 2 * exchange if block.moe else 0.0
             if level == "full":  # the forward again in backward, its exchange too
-                block_dense = 6 * tokens * dense_params(block.params) / dims.tp / dense_rate
-                t["recompute (whole blocks)"] += (block_dense + grouped + glue) / 3 + attention_f
+                forward_grouped = tokens * expert_flops / 3 / grouped_rate if block.moe else 0.0
+                block_dense = 2 * tokens * dense_params(block.params) / dims.tp / dense_rate
+                t["recompute (whole blocks)"] += block_dense + forward_grouped + glue / 3 + attention_f
                 t["recompute (whole blocks)"] += exchange if block.moe else 0.0
     micro = layout.microbatches * layout.accumulation_steps
     seconds = {name: value * micro for name, value in t.items()}
@@ -114,7 +117,8 @@ def optimizer_bytes(layout: Layout, rank: int) -> float:
     for stage in layout.stages[rank]:
         for group, count in stage.params().items():
             s = groups[group]
-            total += count * s.local / s.shard * 2 * (s.weight + s.master_bits + s.grad + s.moments)
+            if s.moments:  # what the optimizer steps (not a frozen base)
+                total += count * s.local / s.shard * 2 * (s.weight + s.master_bits + s.grad + s.moments)
     return total
 
 
@@ -184,8 +188,9 @@ def _fsdp_exposed_seconds(layout: Layout, rank: int, compute: float) -> float:
         for group, count in unit.items():
             s = groups[group]
             if s.gathered and s.shard > 1:
-                stride = dims.ep if group == "experts" else dims.tp
-                moved = count * s.local * (s.shard - 1) / s.shard * (gathers * s.gathered + 4)
+                stride = dims.ep if group in ("experts", frozen("experts")) else dims.tp
+                reduced = 4 if s.grad else 0  # the fp32 gradients' reduce-scatter (none for a frozen base)
+                moved = count * s.local * (s.shard - 1) / s.shard * (gathers * s.gathered + reduced)
                 seconds += moved / _collective_bandwidth(layout, s.shard, stride)
         per_unit.append(seconds)
     if not per_unit:
@@ -195,7 +200,7 @@ def _fsdp_exposed_seconds(layout: Layout, rank: int, compute: float) -> float:
     if dims.dp_replicate > 1:
         replicas = dims.dp_replicate
         shard_grads = sum(
-            count * groups[group].local / groups[group].shard * 4
+            count * groups[group].local / groups[group].shard * (4 if groups[group].grad else 0)
             for stage in layout.stages[rank]
             for group, count in stage.params().items()
         )

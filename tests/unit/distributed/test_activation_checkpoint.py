@@ -127,3 +127,40 @@ def test_op_sac_under_compile_with_the_gather_back_compiled_for_two_dtypes():
     # experts' checkpoint in the rows' dtype (bf16), after the combine in fp32. The fp32 graph, compiled after the
     # first layer's forward, is not a recompile of anything the checkpoint ran: the recompile guard must let it be.
     run_distributed(_standard_ep_compiled_bf16, 2)
+
+
+class RecordMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mm.default:
+            self.shapes.append((tuple(args[0].shape), tuple(args[1].shape)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_op_sac_recomputes_a_low_rank_up_projection_and_saves_the_layers_own_gemms():
+    """A LoRA-style layer, W x + B (A x): per-op SAC keeps W x and A x (recomputing them would redo the layer's GEMM),
+    and recomputes B (A x), as wide as W x but 2 r FLOPs per element (activation_checkpoint.LOW_RANK_INNER_DIM)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from torchtitan.distributed.activation_checkpoint import per_op_sac_contexts
+
+    tokens, dim, out, rank = 32, 256, 512, 16
+    x = torch.randn(tokens, dim, requires_grad=True)
+    w, a, b = (torch.randn(*shape, requires_grad=True) for shape in ((out, dim), (rank, dim), (out, rank)))
+
+    def layer(x):
+        return torch.relu(x @ w.t() + (x @ a.t()) @ b.t())
+
+    y = checkpoint(layer, x, use_reentrant=False, context_fn=per_op_sac_contexts)
+    with RecordMatmuls() as backward:
+        y.sum().backward()
+    forward_gemms = {"W x": ((tokens, dim), (dim, out)), "A x": ((tokens, dim), (dim, rank))}
+    assert ((tokens, rank), (rank, out)) in backward.shapes, "B (A x) was saved, not recomputed"
+    for name, shapes in forward_gemms.items():
+        assert shapes not in backward.shapes, f"{name} was recomputed in backward"
+    expected = torch.autograd.grad(layer(x).sum(), (x, w, a, b))
+    for got, want in zip((x.grad, w.grad, a.grad, b.grad), expected, strict=True):
+        torch.testing.assert_close(got, want)

@@ -62,14 +62,20 @@ class MoEArgs:
 
 def count_active_params(model: nn.Module, moe_args: MoEArgs) -> tuple[int, int]:
     """(parameters of `model`, those one token computes with but the token embedding: of the routed experts (every
-    `.moe.experts.` tensor, MTP modules' too) top_k / num_experts): what a model's FLOPs per token count. Works on
-    DTensor-sharded models (global numel)."""
+    `.moe.experts.` tensor, MTP modules' too) top_k / num_experts): what a model's FLOPs per token count (6 per
+    parameter: forward, the input's gradient, the weight's). A frozen parameter (LoRA's base) counts 2/3: its
+    backward computes no weight gradient. Works on DTensor-sharded models (global numel)."""
     nparams = routed_expert_params = embedding_params = 0
+    frozen_discount = 0.0
     for name, param in model.named_parameters():
         nparams += param.numel()
-        if ".moe.experts." in f".{name}":  # layers.N.moe.experts and mtp.K.moe.experts
+        routed = ".moe.experts." in f".{name}"  # layers.N.moe.experts and mtp.K.moe.experts
+        if routed:
             routed_expert_params += param.numel()
         elif name.startswith("tok_embeddings."):
             embedding_params += param.numel()
+            continue
+        if not param.requires_grad:
+            frozen_discount += param.numel() * (moe_args.top_k / moe_args.num_experts if routed else 1.0) / 3
     inactive = routed_expert_params * (moe_args.num_experts - moe_args.top_k) // moe_args.num_experts
-    return nparams, nparams - inactive - embedding_params
+    return nparams, nparams - inactive - embedding_params - round(frozen_discount)
