@@ -15,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 from torchtitan.components.adamw import MultiTensorAdamW
 from torchtitan.components.master_weights import join_fp32, split_fp32
 from torchtitan.distributed.utils import grad_norm_and_clip_coef
+from torchtitan.kernels.adamw_update import AdamWUpdate
 from torchtitan.kernels.chunk_table import CHUNK
 
 pytest.importorskip("triton")
@@ -76,10 +77,10 @@ def test_bf16_gradients_give_the_update_of_their_fp32_values():
         grads = [torch.randn(shape, generator=gen, device="cuda").bfloat16().to(grad_dtype) for shape in SHAPES]
         exp_avgs = [torch.rand(p.shape, generator=gen, device="cuda") for p in params]
         exp_avg_sqs = [torch.rand(p.shape, generator=gen, device="cuda") for p in params]
-        adamw_update_(
+        adamw_update_(AdamWUpdate(
             params, grads, exp_avgs, exp_avg_sqs, [1e-2] * len(params), [0.5] * len(params),
             decay_factor=0.999, beta1=0.9, beta2=0.95, eps=1e-8, grad_scale=torch.tensor(0.7, device="cuda"),
-        )  # fmt: skip
+        ))  # fmt: skip
         results.append(params + exp_avgs + exp_avg_sqs)
     for bf16_result, fp32_result in zip(*results, strict=True):
         # the two kernel variants compile separately and may contract multiply-adds differently: 0.8% of the

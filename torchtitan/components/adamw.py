@@ -31,6 +31,7 @@ from torchtitan.components.master_weights import (
     local_shard,
     split_fp32,
 )
+from torchtitan.kernels.adamw_update import AdamWUpdate
 from torchtitan.kernels.multi_tensor import cuda_kernels
 
 __all__ = ["MultiTensorAdamW"]
@@ -160,8 +161,7 @@ def _step_bucket(bucket: _Bucket, group: dict[str, Any], grad_scale: torch.Tenso
     step_sizes = [lr / (1 - beta1**step) for step in steps]
     bias_correction2_sqrts = [(1 - beta2**step) ** 0.5 for step in steps]
     device = bucket.params[0].device
-    update = cuda_kernels().adamw_update_ if device.type == "cuda" else _foreach_adamw_update_
-    update(
+    update = AdamWUpdate(
         bucket.params,
         bucket.grads,
         bucket.exp_avgs,
@@ -176,6 +176,10 @@ def _step_bucket(bucket: _Bucket, group: dict[str, Any], grad_scale: torch.Tenso
         low_bits=bucket.low_bits or None,
         rounding_seed=rounding_seed,
     )
+    if device.type == "cuda":
+        cuda_kernels().adamw_update_(update)
+    else:
+        _foreach_adamw_update_(update)
 
 
 def _round_to_bf16_stochastically(value: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -185,25 +189,12 @@ def _round_to_bf16_stochastically(value: torch.Tensor, generator: torch.Generato
     return ((value.view(torch.int32) + random) & -(2**16)).view(torch.float32).to(torch.bfloat16)
 
 
-def _foreach_adamw_update_(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    step_sizes: list[float],
-    bias_correction2_sqrts: list[float],
-    *,
-    decay_factor: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    grad_scale: torch.Tensor | None,
-    low_bits: list[torch.Tensor] | None = None,
-    rounding_seed: int = 0,
-) -> None:
+def _foreach_adamw_update_(update: AdamWUpdate) -> None:
     """The update with torch's foreach ops, in torch's foreach AdamW's order. With `low_bits` it runs on the joined fp32
     masters and splits them back; moments of another dtype are updated in the (master) params' dtype and rounded back
     (stochastically into bf16, seeded by `rounding_seed`)."""
+    params, grads, exp_avgs, exp_avg_sqs = update.params, update.grads, update.exp_avgs, update.exp_avg_sqs
+    low_bits = update.low_bits
     bf16_params = None
     if low_bits is not None:
         bf16_params, params = params, [join_fp32(param, low) for param, low in zip(params, low_bits, strict=True)]
@@ -214,18 +205,18 @@ def _foreach_adamw_update_(
         exp_avg_sqs = [moment.to(params[0].dtype) for moment in exp_avg_sqs]
     if grads[0].dtype != params[0].dtype:
         grads = [grad.to(params[0].dtype) for grad in grads]
-    if grad_scale is not None:
-        grads = torch._foreach_mul(grads, grad_scale)  # new tensors: the gradients stay as they are
-    torch._foreach_mul_(params, decay_factor)
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+    if update.grad_scale is not None:
+        grads = torch._foreach_mul(grads, update.grad_scale)  # new tensors: the gradients stay as they are
+    torch._foreach_mul_(params, update.decay_factor)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - update.beta1)
+    torch._foreach_mul_(exp_avg_sqs, update.beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - update.beta2)
     denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, bias_correction2_sqrts)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denom, [-step_size for step_size in step_sizes])
+    torch._foreach_div_(denom, update.bias_correction2_sqrts)
+    torch._foreach_add_(denom, update.eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, [-step_size for step_size in update.step_sizes])
     if stored_moments is not None:
-        generator = torch.Generator(params[0].device).manual_seed(rounding_seed)
+        generator = torch.Generator(params[0].device).manual_seed(update.rounding_seed)
         for stored, moment in zip([*stored_moments[0], *stored_moments[1]], [*exp_avgs, *exp_avg_sqs], strict=True):
             stored.copy_(_round_to_bf16_stochastically(moment, generator) if stored.dtype == torch.bfloat16 else moment)
     if bf16_params is not None:

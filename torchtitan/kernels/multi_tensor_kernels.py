@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from torchtitan.kernels.adamw_update import AdamWUpdate
 from torchtitan.kernels.chunk_table import CHUNK, chunk_table, to_device_tables
 
 __all__ = ["adamw_update_", "sum_of_squares"]
@@ -208,36 +209,20 @@ def _sum_of_squares_kernel(
     tl.store(partial_sums_ptr + chunk, tl.sum(total, axis=0))
 
 
-def adamw_update_(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    step_sizes: list[float],
-    bias_correction2_sqrts: list[float],
-    *,
-    decay_factor: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    grad_scale: torch.Tensor | None,
-    low_bits: list[torch.Tensor] | None = None,
-    rounding_seed: int = 0,
-) -> None:
-    """One launch: param = param * decay_factor - step_size * m / (sqrt(v) / bias_correction2_sqrt + eps), after
-    updating m and v with grad * grad_scale. fp32 params, fp32 or bf16 moments and gradients, all contiguous.
-    low_bits: the params are bf16 and hold fp32 masters with these int16 low bits (`master_weights.py`); the update
-    runs on the masters and writes both halves back. rounding_seed: bf16 moments round stochastically with random bits
-    drawn from it (a new seed each step)."""
-    tables = (params, grads, exp_avgs, exp_avg_sqs) + ((low_bits,) if low_bits is not None else ())
+def adamw_update_(update: AdamWUpdate) -> None:
+    """The update in one launch: fp32 params (or bf16 ones with low_bits), fp32 or bf16 moments and gradients, all
+    contiguous."""
+    params, low_bits, grad_scale = update.params, update.low_bits, update.grad_scale
+    tables = (params, update.grads, update.exp_avgs, update.exp_avg_sqs) + ((low_bits,) if low_bits is not None else ())
     _check_tensors(*tables)
     device = params[0].device
     table = chunk_table(tuple(p.numel() for p in params), device)
     if table.num_chunks == 0:
         return
     addresses = [t.data_ptr() for tensors in tables for t in tensors]
-    scalars = torch.tensor([*step_sizes, *bias_correction2_sqrts], dtype=torch.float32)
+    scalars = torch.tensor([*update.step_sizes, *update.bias_correction2_sqrts], dtype=torch.float32)
     addresses_on_device, scalars_on_device = to_device_tables(addresses, scalars, device)
+    beta1, beta2 = update.beta1, update.beta2
     _adamw_kernel[(table.num_chunks,)](
         addresses_on_device,
         scalars_on_device,
@@ -246,16 +231,16 @@ def adamw_update_(
         table.chunk_in_tensor,
         scalars_on_device if grad_scale is None else grad_scale,
         len(params),
-        decay_factor,
+        update.decay_factor,
         beta1,
         1.0 - beta1,
         beta2,
         1.0 - beta2,
-        eps,
-        rounding_seed,
+        update.eps,
+        update.rounding_seed,
         HAS_GRAD_SCALE=grad_scale is not None,
-        GRAD_BF16=grads[0].dtype == torch.bfloat16,
-        MOMENTS_BF16=exp_avgs[0].dtype == torch.bfloat16,
+        GRAD_BF16=update.grads[0].dtype == torch.bfloat16,
+        MOMENTS_BF16=update.exp_avgs[0].dtype == torch.bfloat16,
         SPLIT_MASTERS=low_bits is not None,
         ALIGNED=all(address % 16 == 0 for address in addresses),
         CHUNK=CHUNK,
