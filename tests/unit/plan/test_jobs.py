@@ -121,3 +121,37 @@ def test_the_plan_refuses_cuda_graphs_on_several_gpus_as_the_trainer_does(tmp_pa
     one_gpu = ["--gpus-per-node", "1", "--parallelism.expert_parallel_degree", "1"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the plan's machine has no GPU: no matter
     assert main([*job, *one_gpu, "--gpu", "h100"]) == 0
+
+
+@pytest.fixture(scope="module")
+def chat_corpus(tmp_path_factory) -> list[str]:
+    """The fine-tuning jobs' data as shipped (scripts/chat_corpus.py), as overrides of their paths."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("chat_corpus")
+    subprocess.run([sys.executable, "scripts/chat_corpus.py", str(out)], check=True, capture_output=True)
+    return [
+        "--training.dataset_path", str(out / "chats.jsonl"),
+        "--model.tokenizer_path", str(out / "tokenizer" / "tokenizer.json"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config, world_size, trained",
+    [("train_configs/deepseek_v2_lite_lora.toml", 1, "lora"), ("train_configs/deepseek_v3_16b_sft.toml", 8, "all")],
+)
+def test_the_fine_tuning_jobs_pass_preflight_and_fit_the_gpus_they_are_sized_for(
+    config, world_size, trained, chat_corpus, tmp_path, capsys
+):
+    """LoRA of the 16B on one GPU, its full SFT on one node: chat data, the V2-Lite shape, and a plan that fits."""
+    job = check_job(["--job.config_file", config, *chat_corpus, "--job.dump_folder", str(tmp_path)], world_size)
+    assert job.config.training.dataset_format == "chat" and job.model_args.attn_mask_type == "block_causal"
+    assert job.config.lora.enable == (trained == "lora")
+    gpus = ["--gpus-per-node", str(world_size)]
+    assert main(["--job.config_file", config, *chat_corpus, *gpus, "--gpu", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert ": fits" in out and f"x {world_size} H100" in out
+    if trained == "lora":  # only the adapters (about 1% of the weights) carry optimizer state
+        weights, moments = (float(out.split(name)[1].split("GiB")[0]) for name in ("weights", "optimizer moments"))
+        assert moments < 0.1 * weights, out
