@@ -15,6 +15,17 @@
     # another model of models/spec.py's MODELS (deepseek_v3 unless given), as --model.name names it in training
     python scripts/convert_hf.py from-hf path/to/Qwen3-30B-A3B dcp_out --model qwen3_moe
 
+    # a LoRA run's checkpoint (--lora.enable: adapters only) -> peft adapter folder (adapter_model.safetensors,
+    # adapter_config.json) for PeftModel.from_pretrained(<transformers model of the base>, peft_out); --lora-alpha is
+    # the run's --lora.alpha (not stored in the checkpoint; the rank comes from the adapters' shapes)
+    python scripts/convert_hf.py to-peft outputs/checkpoint/step-1000 peft_out --hf-config base/config.json \
+        --lora-alpha 32
+
+    # ... or merged into its base (the run's --checkpoint.initial_load_path: a HF folder, whose config.json gives the
+    # shape, or a DCP checkpoint with --flavor / --hf-config): W + alpha / r B A in float32, written as to-hf writes
+    python scripts/convert_hf.py to-hf outputs/checkpoint/step-1000 hf_merged --lora-base path/to/DeepSeek-V3 \
+        --lora-alpha 32 --fp8-blocks
+
 The model shape comes from --flavor or --hf-config (a config.json); from-hf defaults to the folder's config.json.
 Routed experts are stacked/unstacked and names mapped by the model's state-dict adapter. to-hf writes floating-point
 tensors in --dtype (bfloat16 unless given; the router's selection bias stays float32). from-hf reads one tensor at a
@@ -24,12 +35,15 @@ is new (or empty) and can be made, every weight is finite and the tensors have t
 checkpoint's files against their manifest (sizes and crc32, as a resume checks), and writes into
 `<output>.incomplete-<pid>`, renamed to the output folder once complete (a killed to-hf leaves no output folder that
 looks complete). Bad input, and a write that fails (a full disk, no permission), end with one `error:` line naming
-the fix.
+the fix. A LoRA checkpoint is told by its model tensors, adapters only (models/moe/lora.py); to-peft writes them in
+peft's layout for transformers >= 5 (models/moe/lora_export.py: the MLPs' and routed experts' adapters as
+`target_parameters`; verified with peft 0.21), as stored (float32) unless --dtype is given.
 """
 
 import argparse
 import contextlib
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -59,8 +73,20 @@ from torchtitan.components.hf_safetensors import (  # noqa: E402
     export_bytes,
     export_write_problem,
     save_hf_safetensors,
+    save_safetensors_file,
 )
+from torchtitan.config.job_config import LoRA  # noqa: E402
 from torchtitan.kernels.float8_blocks import quantize_blocks  # noqa: E402
+from torchtitan.models.moe.lora import add_adapters, is_adapter  # noqa: E402
+from torchtitan.models.moe.lora_export import (  # noqa: E402
+    PEFT_CONFIG_NAME,
+    PEFT_WEIGHTS_NAME,
+    lora_rank,
+    lora_targets,
+    merge_adapters,
+    peft_config,
+    to_peft,
+)
 from torchtitan.models.spec import MODELS, ModelArgs, ModelSpec, get_model_spec  # noqa: E402
 from torchtitan.tools.cli import OneLineArgumentParser  # noqa: E402
 from torchtitan.tools.dtypes import DTYPES  # noqa: E402
@@ -68,8 +94,8 @@ from torchtitan.tools.dtypes import DTYPES  # noqa: E402
 
 def main(argv: list[str] | None = None) -> None:
     parser = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("direction", choices=["to-hf", "from-hf"])
-    parser.add_argument("src", help="DCP checkpoint folder (to-hf) or HF safetensors folder (from-hf)")
+    parser.add_argument("direction", choices=["to-hf", "from-hf", "to-peft"])
+    parser.add_argument("src", help="DCP checkpoint folder (to-hf, to-peft) or HF safetensors folder (from-hf)")
     parser.add_argument("dst", help="output folder")
     parser.add_argument("--model", choices=sorted(MODELS), default="deepseek_v3", help="the model (as --model.name)")
     parser.add_argument("--flavor", help="model shape preset (the model's flavors, as --model.flavor)")
@@ -77,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
-        help="floating-point tensors in this dtype (to-hf: bfloat16 unless given; from-hf: as stored unless given)",
+        help="floating-point tensors in this dtype (to-hf: bfloat16 unless given; from-hf and to-peft: as stored "
+        "unless given)",
     )
     parser.add_argument(
         "--fp8-blocks",
@@ -96,6 +123,19 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--max-shard-size", default="5GB", help="to-hf: largest safetensors shard, e.g. 5GB")
     parser.add_argument(
+        "--lora-base",
+        metavar="BASE",
+        help="to-hf of a LoRA checkpoint (its model tensors are adapters only): the base the adapters were trained on "
+        "(the run's --checkpoint.initial_load_path, a HF folder or a DCP checkpoint), exported with them merged",
+    )
+    parser.add_argument(
+        "--lora-alpha",
+        type=float,
+        metavar="ALPHA",
+        help="to-peft, and to-hf of a LoRA checkpoint: the run's --lora.alpha (the adapters' scale is alpha / rank; a "
+        "checkpoint holds the rank, not alpha)",
+    )
+    parser.add_argument(
         "--mtp-layers", type=int, help="multi-token prediction modules (as --model.mtp_layers; default: the shape's)"
     )
     opts = parser.parse_args(argv)
@@ -106,14 +146,32 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError(
             "--drop-selection-bias is for to-hf: from-hf reads the folder's selection bias (zeros without)"
         )
+    if opts.direction == "from-hf" and (opts.lora_base or opts.lora_alpha is not None):
+        raise ValueError(
+            "--lora-base and --lora-alpha are for exporting a LoRA checkpoint (to-hf, to-peft): from-hf reads a whole "
+            "model"
+        )
+    if opts.direction == "to-peft":
+        for on, flag in [
+            (opts.fp8_blocks, "--fp8-blocks"),
+            (opts.drop_selection_bias, "--drop-selection-bias"),
+            (opts.lora_base, "--lora-base"),
+        ]:
+            if on:
+                raise ValueError(
+                    f"{flag} is for to-hf: to-peft writes the adapters alone (to-hf --lora-base merges them into the "
+                    "base)"
+                )
     fp8_block = _block_size(opts.fp8_blocks) if opts.fp8_blocks else None
 
     if not os.path.isdir(opts.src):
-        expected = "a checkpoint's step-N folder" if opts.direction == "to-hf" else "a HF folder (safetensors)"
+        expected = "a HF folder (safetensors)" if opts.direction == "from-hf" else "a checkpoint's step-N folder"
         raise ValueError(f"{opts.src} is not a folder: give {expected}")
     if os.path.exists(opts.dst) and not (os.path.isdir(opts.dst) and not os.listdir(opts.dst)):
         # writing into it would overwrite files in place (a training checkpoint could no longer resume)
         raise ValueError(f"{opts.dst} exists and is not an empty folder: nothing was written; give a new output folder")
+    lora = opts.direction != "from-hf" and _is_lora_checkpoint(opts.src)
+    _check_lora_flags(opts, lora)
     _check_writable(opts.dst)
     config_path = opts.hf_config
     if config_path is None and opts.flavor is None and opts.direction == "from-hf":
@@ -125,6 +183,10 @@ def main(argv: list[str] | None = None) -> None:
             )
         if not os.path.isfile(config_path):
             raise ValueError(f"{opts.src} has no config.json: give the model shape with --hf-config or --flavor")
+    if config_path is None and opts.flavor is None and opts.lora_base and not _is_dcp(opts.lora_base):
+        config_path = os.path.join(opts.lora_base, "config.json")  # the base's shape, which its adapters have
+        if not os.path.isfile(config_path):
+            raise ValueError(f"--lora-base {opts.lora_base} has no config.json: give the model shape with --hf-config")
     if opts.flavor is not None:
         if opts.flavor not in (flavors := spec.flavors()):
             raise ValueError(f"--flavor {opts.flavor} is no {opts.model} flavor: pass one of {sorted(flavors)}")
@@ -132,13 +194,14 @@ def main(argv: list[str] | None = None) -> None:
     elif config_path is not None:
         _, args = spec.hf_config_args(config_path, "--hf-config" if opts.hf_config else "config.json")
     else:
-        raise ValueError("to-hf needs --flavor or --hf-config to know the model shape")
+        raise ValueError(f"{opts.direction} needs --flavor or --hf-config to know the model shape")
     if opts.mtp_layers is not None and opts.mtp_layers < 0:
         raise ValueError(f"--mtp-layers {opts.mtp_layers}: pass 0 or more")
     if opts.mtp_layers is not None:
         args.mtp_layers = opts.mtp_layers
-    elif opts.direction == "to-hf" and os.path.isfile(os.path.join(opts.src, ".metadata")):
-        # the MTP modules the checkpoint holds, as the trainer builds them (a config may name ones it does not)
+    elif opts.direction == "to-hf" and not lora and os.path.isfile(os.path.join(opts.src, ".metadata")):
+        # the MTP modules the checkpoint holds, as the trainer builds them (a config may name ones it does not); a
+        # LoRA checkpoint's are its base's (`read_base`)
         keys = checkpoint_keys(opts.src)
         prefix = model_key_prefix(keys)
         ours = {key.removeprefix(prefix) for key in keys}
@@ -147,6 +210,7 @@ def main(argv: list[str] | None = None) -> None:
 
     dtype = DTYPES[opts.dtype] if opts.dtype else None
     if opts.direction == "to-hf":
+        lora_base = (opts.lora_base, opts.lora_alpha, opts.mtp_layers is not None) if lora else None
         dcp_to_hf(
             spec,
             opts.src,
@@ -156,10 +220,63 @@ def main(argv: list[str] | None = None) -> None:
             opts.max_shard_size,
             fp8_block,
             opts.drop_selection_bias,
+            lora_base,
         )
+    elif opts.direction == "to-peft":
+        dcp_to_peft(spec, opts.src, opts.dst, args, opts.lora_alpha, dtype)
     else:
         hf_to_dcp(spec, opts.src, opts.dst, args, dtype, mtp_requested=opts.mtp_layers is not None)
     print(f"wrote {opts.dst}")
+
+
+def _check_lora_flags(opts: argparse.Namespace, lora: bool) -> None:
+    """A LoRA checkpoint (`lora`: its model tensors are adapters only) exports with --lora-alpha, merged into
+    --lora-base by to-hf; a whole model takes neither flag, and to-peft takes only LoRA checkpoints."""
+    src = opts.src
+    if opts.direction == "to-peft" and not lora:
+        raise ValueError(
+            f"{src} holds no LoRA adapters (a whole model, or no DCP checkpoint): to-peft exports the checkpoint of a "
+            "--lora.enable run; export this one with to-hf"
+        )
+    if opts.direction == "to-hf" and lora and not opts.lora_base:
+        raise ValueError(
+            f"{src} is a LoRA checkpoint (adapters only, no base weights): merge them into their base with --lora-base "
+            "<the run's --checkpoint.initial_load_path> --lora-alpha <its --lora.alpha>, or export them alone with "
+            "to-peft"
+        )
+    if not lora and (opts.lora_base or opts.lora_alpha is not None):
+        flag = "--lora-base" if opts.lora_base else "--lora-alpha"
+        raise ValueError(f"{flag} is for a LoRA checkpoint, and {src} holds a whole model: drop {flag}")
+    if lora and opts.lora_alpha is None:
+        raise ValueError(
+            f"{src} is a LoRA checkpoint: pass --lora-alpha, the run's --lora.alpha (the adapters' scale is "
+            "alpha / rank; the checkpoint holds the rank, not alpha)"
+        )
+    if opts.lora_base and not os.path.isdir(opts.lora_base):
+        raise ValueError(
+            f"--lora-base {opts.lora_base} is not a folder: give the base the adapters were trained on (the run's "
+            "--checkpoint.initial_load_path, a HF folder or a DCP checkpoint)"
+        )
+    if opts.lora_base and _is_dcp(opts.lora_base) and _is_lora_checkpoint(opts.lora_base):
+        raise ValueError(
+            f"--lora-base {opts.lora_base} is a LoRA checkpoint too: give the base the adapters were trained on (the "
+            "run's --checkpoint.initial_load_path)"
+        )
+
+
+def _is_dcp(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, ".metadata"))
+
+
+def _is_lora_checkpoint(folder: str) -> bool:
+    """Whether the DCP checkpoint `folder` is a LoRA run's (`ModelWrapper`): its model tensors are adapters only.
+    False for a folder that is no DCP checkpoint (reading it says why)."""
+    if not _is_dcp(folder):
+        return False
+    keys = checkpoint_keys(folder, "convert an intact checkpoint (an older step-N)")
+    prefix = model_key_prefix(keys)
+    ours = [key.removeprefix(prefix) for key in keys if key.startswith(prefix)]
+    return bool(ours) and all(map(is_adapter, ours))
 
 
 def dcp_to_hf(
@@ -171,12 +288,21 @@ def dcp_to_hf(
     max_shard_size: int | str,
     fp8_block: tuple[int, int] | None = None,
     drop_selection_bias: bool = False,
+    lora_base: tuple[str, float, bool] | None = None,
 ) -> None:
     """fp8_block: quantize the weights an FP8 release holds in FP8 (the adapter's `is_fp8_weight`: DeepSeek's
     choice), one scale per block of that many rows and columns, from the checkpoint's full-precision values.
-    drop_selection_bias: export the routers without their selection bias (the adapter's `to_hf`)."""
-    state_dict = load_model_from_dcp(spec, src, args)
-    _check_finite(state_dict, src)
+    drop_selection_bias: export the routers without their selection bias (the adapter's `to_hf`). lora_base: `src`
+    is a LoRA checkpoint, exported merged into its base: (the base's folder, HF or DCP; the run's lora.alpha; whether
+    args.mtp_layers is the user's --mtp-layers), the base's own MTP modules otherwise."""
+    if lora_base is None:
+        state_dict = load_model_from_dcp(spec, src, args)
+        _check_finite(state_dict, src)
+    else:
+        base, alpha, mtp_requested = lora_base
+        adapters = load_adapters_from_dcp(spec, src, args, alpha)  # first: it is checked in a moment
+        args, state_dict = read_base(spec, base, args, mtp_requested)
+        state_dict = merge_adapters(state_dict, adapters, alpha)  # float32 where adapted; cast below
     adapter = spec.state_dict_adapter(args)
     hf_state_dict = {}
     for key, value in adapter.to_hf(state_dict, drop_selection_bias).items():
@@ -206,6 +332,76 @@ def hf_to_dcp(
 ) -> None:
     """mtp_requested: args.mtp_layers is the user's --mtp-layers (not the config's), so a checkpoint without MTP
     tensors gets freshly initialized MTP modules instead of none (the adapter's `args_for_checkpoint`)."""
+    _, state_dict = load_model_from_hf(spec, src, args, dtype, mtp_requested)
+    with _single_process_dcp():
+        dcp.save({"model": state_dict}, checkpoint_id=dst, no_dist=True)
+
+
+def dcp_to_peft(spec: ModelSpec, src: str, dst: str, args: ModelArgs, alpha: float, dtype: torch.dtype | None) -> None:
+    """The adapters of the LoRA checkpoint `src` as a peft adapter folder (`lora_export.py`): adapter_model.safetensors
+    (in `dtype`, as stored unless given) and adapter_config.json (rank from the shapes, lora_alpha `alpha`)."""
+    adapters = load_adapters_from_dcp(spec, src, args, alpha)
+    layout = spec.state_dict_adapter(args).layout
+    tensors = {key: value.to(dtype or value.dtype) for key, value in to_peft(adapters, layout).items()}
+    rank = lora_rank({name: tuple(value.shape) for name, value in adapters.items()})
+    config = peft_config(adapters, layout, rank, alpha)
+    with _export_folder(dst, src, export_bytes(tensors)) as folder:
+        save_safetensors_file(tensors, os.path.join(folder, PEFT_WEIGHTS_NAME))
+        with open(os.path.join(folder, PEFT_CONFIG_NAME), "w") as f:
+            json.dump(config, f, indent=2)
+
+
+def read_base(spec: ModelSpec, base: str, args: ModelArgs, mtp_requested: bool) -> tuple[ModelArgs, dict]:
+    """(args with the MTP modules `base` holds, its full state dict) of a LoRA run's base: a DCP checkpoint (ours, or
+    from-hf's) or a HF folder. mtp_requested: as `hf_to_dcp`'s."""
+    if not _is_dcp(base):
+        return load_model_from_hf(spec, base, args, None, mtp_requested)
+    keys = checkpoint_keys(base, "give an intact base as --lora-base")
+    prefix = model_key_prefix(keys)
+    ours = {key.removeprefix(prefix) for key in keys if key.startswith(prefix)}
+    args = spec.state_dict_adapter(args).args_for_checkpoint(
+        ours, base, in_hf=False, requested=mtp_requested, flag="--mtp-layers"
+    )
+    state_dict = load_model_from_dcp(spec, base, args)
+    _check_finite(state_dict, base)
+    return args, state_dict
+
+
+def load_adapters_from_dcp(spec: ModelSpec, src: str, args: ModelArgs, alpha: float) -> dict[str, torch.Tensor]:
+    """The adapters of the LoRA checkpoint `src` (its model tensors), once they are every adapter a run with their
+    targets and rank (`lora_export.lora_targets` / `lora_rank` of their names and shapes) adds to the model of `args`,
+    in its shapes."""
+    metadata = checkpoint_metadata(src, "convert an intact checkpoint")
+    prefix = model_key_prefix(metadata)
+    shapes = {
+        key.removeprefix(prefix): tuple(entry.size)
+        for key, entry in metadata.items()
+        if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+    }
+    fix = "give the --flavor or --hf-config it was trained with"
+    try:
+        config = LoRA(enable=True, rank=lora_rank(shapes), alpha=alpha, targets=lora_targets(shapes))
+    except ValueError as err:
+        raise ValueError(f"{src}: {err}") from None
+    # the per-expert loop: grouped GEMMs' rank check is the trainer's; the adapters' shapes are the same
+    args = dataclasses.replace(args, moe_args=dataclasses.replace(args.moe_args, use_grouped_mm=False))
+    with torch.device("meta"):
+        model = spec.build(args)
+    try:
+        add_adapters(model, config, torch.float32)
+    except ValueError:  # a rank larger than a target's dims: the adapters are another model's
+        raise ValueError(f"{src}: adapters of rank {config.rank} do not fit this model shape: {fix}") from None
+    expected = {name: param for name, param in model.named_parameters() if is_adapter(name)}
+    adapters = load_model_from_dcp(spec, src, args, expected)
+    _check_finite(adapters, src)
+    return adapters
+
+
+def load_model_from_hf(
+    spec: ModelSpec, src: str, args: ModelArgs, dtype: torch.dtype | None, mtp_requested: bool = False
+) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """(args with the MTP modules the HF folder `src` holds, or fresh ones if `mtp_requested`; our full state dict
+    read from it, in `dtype` or as stored), as `hf_to_dcp` describes."""
     checkpoint = HFCheckpoint(src)
     args = spec.state_dict_adapter(args).args_for_checkpoint(
         checkpoint.keys(), src, in_hf=True, requested=mtp_requested, flag="--mtp-layers"
@@ -235,20 +431,22 @@ def hf_to_dcp(
     checkpoint.read_into(state_dict, sources)  # each tensor straight into its output dtype
     state_dict.update(_cast(fresh, dtype))
     _check_finite(state_dict, src)
-    with _single_process_dcp():
-        dcp.save({"model": state_dict}, checkpoint_id=dst, no_dist=True)
+    return args, state_dict
 
 
-def load_model_from_dcp(spec: ModelSpec, src: str, args: ModelArgs) -> dict[str, torch.Tensor]:
+def load_model_from_dcp(
+    spec: ModelSpec, src: str, args: ModelArgs, expected: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """The model tensors of a DCP checkpoint saved as {"model": ...} (keys "model.<name>") or at top level, once its
-    files match its manifest (the trainer's checkpoints and exports have one) and its tensors the shape in `args`."""
+    files match its manifest (the trainer's checkpoints and exports have one) and its tensors the shape in `args`
+    (`expected`, name -> a tensor of its shape, unless the model's whole state dict)."""
     _verify_files(src)
     metadata = checkpoint_metadata(src, "convert an intact checkpoint")
     prefix = model_key_prefix(metadata)
     found = {key.removeprefix(prefix): entry for key, entry in metadata.items() if key.startswith(prefix)}
     state_dict = {}
     fix = "give the --flavor or --hf-config (and --mtp-layers) it was trained with"
-    for name, value in _model_state(spec, args).items():
+    for name, value in (_model_state(spec, args) if expected is None else expected).items():
         entry = found.get(name)
         if not isinstance(entry, TensorStorageMetadata):
             raise ValueError(f"{src} has no tensor {prefix + name}: {fix}")

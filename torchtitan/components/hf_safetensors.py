@@ -103,13 +103,18 @@ def save_hf_safetensors(
     for name, shard in zip(names, shards, strict=True):
         # clone: safetensors refuses tensors that share storage (e.g. experts unstacked from one 3D tensor)
         shard = {k: v.detach().cpu().clone() for k, v in shard.items()}
-        path = os.path.join(folder, name)
-        _save_file(shard, path)
-        os.chmod(path, _FILE_MODE)  # safetensors writes 0600; an export is read by others, like the index json
+        save_safetensors_file(shard, os.path.join(folder, name))
         weight_map.update(dict.fromkeys(shard, name))
     with open(os.path.join(folder, INDEX_FILE), "w") as f:
         json.dump({"metadata": {"total_size": export_bytes(state_dict)}, "weight_map": weight_map}, f, indent=2)
     return names
+
+
+def save_safetensors_file(tensors: dict[str, torch.Tensor], path: str) -> None:
+    """One safetensors file of `tensors` (contiguous, sharing no storage), readable as any new file is (safetensors
+    writes 0600; an export is read by others); a write that fails is an OSError with its errno."""
+    _save_file(tensors, path)
+    os.chmod(path, _FILE_MODE)
 
 
 def export_bytes(state_dict: dict[str, torch.Tensor]) -> int:

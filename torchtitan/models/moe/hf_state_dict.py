@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.components.hf_checkpoint import HFSource
 
-__all__ = ["HFSources", "HFStateDictAdapter", "HFLayout", "TRUNK_KEY_MAP", "unstack_experts"]
+__all__ = ["HF_FUSED_EXPERTS", "HFSources", "HFStateDictAdapter", "HFLayout", "TRUNK_KEY_MAP", "unstack_experts"]
 
 TRUNK_KEY_MAP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -28,8 +28,12 @@ TRUNK_KEY_MAP = {
 }
 """Our key -> HF key of the trunk's and the block's tensors (`decoder.py`, `block.py`) but the attention's, "{}"
 standing for the layer index: the same in every model's layout, to which a model adds its attention's."""
+HF_FUSED_EXPERTS = "model.layers.{}.mlp.experts"
+"""The routed experts' module of layer "{}": on disk its per-expert tensors (`_HF_EXPERT_KEY`), in transformers >= 5
+in memory two fused parameters, gate_up_proj (E, 2 x hidden, dim; gate's rows first) and down_proj (E, dim, hidden),
+which peft's LoRA adapts (models/moe/lora_export.py)."""
 _EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
-_HF_EXPERT_KEY = "model.layers.{}.mlp.experts.{}.{}.weight"
+_HF_EXPERT_KEY = HF_FUSED_EXPERTS + ".{}.{}.weight"
 _HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
 _OUR_EXPERTS = re.compile(r"layers\.(\d+)\.moe\.experts\.(w[123])")
 
