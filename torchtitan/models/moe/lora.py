@@ -100,7 +100,7 @@ def _target_linears(block: nn.Module, targets: list[str]) -> list[tuple[str, nn.
 def _check_rank(rank: int, what: str, smallest_dim: int) -> None:
     if rank > smallest_dim:
         raise ConfigError(
-            f"lora.rank={rank} is larger than {what}'s smaller dim ({smallest_dim}): a rank above it adds nothing "
+            f"lora.rank={rank} is larger than the smaller dim of {what} ({smallest_dim}): a rank above it adds nothing "
             f"a full update would not; pass --lora.rank {smallest_dim} or less"
         )
 
