@@ -95,6 +95,8 @@ def check_layout(job_config: JobConfig, world_size: int, this_host: bool = False
     check_activation_checkpoint(job_config, model_args)
     check_float8_linears(job_config, parallel_dims)
     check_lora(job_config, parallel_dims)
+    if job_config.lora.enable:  # rank and targets against the model's matrices: adds the adapters on meta
+        spec.build_on_meta(model_args, job_config)
     check_fault_ranks(job_config.debug, world_size)
     check_final_hf_export(job_config, parallel_dims)
     check_profiling(job_config, this_host)

@@ -17,6 +17,7 @@ warm-up, and its losses stay within the row's stated bound of the base's (relati
 - 0.5% for FP8 (the bound issue 28 sets for FP8 dispatch; FP8 experts measured within 0.3% over 200 steps);
 - 1% for block-causal attention (it masks the few document boundaries in these sequences: the loss changes a little
   by design), and MTP's main loss 10% (its extra loss trains the trunk differently) with an MTP loss that falls.
+The lora row trains adapters on the frozen base: step 1 must equal the base's (within 1e-3) and its losses fall.
 The qwen3_moe row trains the second model family (train_configs/qwen3_30b_a3b.toml, 30B-A3B's layers) with the base's
 parallelism, compile and SAC: its losses are its own and must fall.
 The checkpoint rows save the full state mid-run and resume it in a second launch; the HF row imports the resumed
@@ -65,6 +66,9 @@ class Row:
     one_gpu: bool = False
     config: str = CONFIG
     """Another job file trains another model: its losses are its own (they must fall), not the base's."""
+    own_losses: bool = False
+    """Trains other weights than the base (LoRA's adapters): step 1 equals the base's within `tolerance`, then its
+    losses are its own and must fall."""
     result: dict = field(default_factory=dict)
 
 
@@ -106,6 +110,10 @@ def all_rows(qwen3_flavor: str = "30B-A3B_bench8") -> list[Row]:
             "forward-only passes between steps: training unchanged, nothing compiled after the first pass"),
         *(Row(name, [], SAME_MATH, why) for name, why in CHECKPOINT_ROWS),
         Row("hf_export_import", [], 0.0, "logits: exact round trip; export of the resumed run vs the straight run"),
+        Row("lora", ["--lora.enable", "--optimizer.lr", "2e-3", "--lr_scheduler.warmup_steps", "1"], OTHER_KERNELS,
+            "LoRA adapters (rank 16) on every projection and expert of the frozen base, per-expert ones inside the "
+            "grouped GEMMs: they start at zero, so step 1 is the base's (its weights stored bf16 without masters); "
+            "then its own losses must fall", own_losses=True),
         Row("qwen3_moe", ["--model.name", "qwen3_moe", "--model.flavor", qwen3_flavor, "--model.hf_config_path", ""],
             0.0, "Qwen3-30B-A3B's layers (GQA, q/k norms, softmax top-8 of 128 experts, the global-batch aux "
             "loss) with the base's parallelism, compile and per-op SAC: its losses must fall",
@@ -254,8 +262,12 @@ def judge(row: Row, run: dict, base: dict, by_name: dict[str, Row], opts) -> dic
         return {"reason": f"{recompiles} graphs compiled after step {opts.warmup_steps}"}
     if row.name == "base":
         return {}
-    if row.config != CONFIG:  # another model
+    if row.config != CONFIG or row.own_losses:  # another model, or other weights trained
         first, last = losses[min(losses)], losses[max(losses)]
+        if row.own_losses:
+            start = abs(first - base["losses"][0]) / abs(base["losses"][0])
+            if start > row.tolerance:
+                return {"reason": f"step 1: loss {first:.6f} vs the base's {base['losses'][0]:.6f} ({start:.2e})"}
         return {} if last < first else {"reason": f"losses did not fall: {first:.4f} at the first step, {last:.4f}"}
     if row.name == "memory_budget" and run["peak_memory_gib"] > budget_of(by_name):
         return {"reason": f"peak {run['peak_memory_gib']:.2f} GiB above the budget of {budget_of(by_name):.2f} GiB"}
