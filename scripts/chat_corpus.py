@@ -37,11 +37,11 @@ def conversations(turns: int) -> list[dict]:
     return records
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
     parser.add_argument("--turns", type=int, default=2, help="user/assistant exchanges per conversation")
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
     if opts.turns < 1:
         parser.error("--turns must be >= 1")
     tokenizer = opts.out / "tokenizer"

@@ -4,8 +4,9 @@ does every command of benchmarks/RESULTS.md.
 The commands run in order in a sandbox laid out like a clone's root (links to run_train.sh, train_configs/, scripts/,
 torchtitan/), so `outputs/` is the sandbox's. What runs for real: the README's first CPU training command that
 checkpoints (2 steps instead of its 30: `STEPS_RUN`; later commands' `step-30` become `step-2`; the README states the
-loss of those 2 steps), the `--help` texts, every HF conversion and the README's sampling command; python entry points
-run in this process (no torch import each), the training through the suite's fork server after run_train.sh's checks.
+loss of those 2 steps), the `--help` texts, every HF conversion, the shipped chat corpus and the README's sampling
+command; python entry points run in this process (no torch import each), the training through the suite's fork
+server after run_train.sh's checks.
 Training commands that do not run are checked the way run_train.sh checks them before it starts any process
 (`preflight.check_job`, world size NGPU x NNODES) against the sandbox as the commands before them left it: in the dump
 folder the command names, else its config's, so a command that starts beside the checkpoints of an earlier one fails.
@@ -34,7 +35,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from scripts import convert_hf, generate, tokenize_corpus
+from scripts import chat_corpus, convert_hf, generate, tokenize_corpus
 from tests.integration.conftest import run_trainer
 from torchtitan import preflight, train
 from torchtitan.components.lr_scheduler import build_lr_schedulers
@@ -157,6 +158,8 @@ def test_every_command_runs_or_passes_its_checks(sandbox, monkeypatch, capsys):
                 convert_hf.main(argv[2:])
         elif argv[:2] == ["python", "scripts/tokenize_corpus.py"]:
             assert tokenize_corpus.main(argv[2:]) == 0, where
+        elif argv[:2] == ["python", "scripts/chat_corpus.py"]:
+            assert chat_corpus.main(argv[2:]) == 0, where
         elif argv[:2] == ["python", "scripts/generate.py"] and command.page == "README.md":
             assert generate.main(argv[2:]) == 0, where
             assert argv[argv.index("--prompt") + 1] in capsys.readouterr().out, where
