@@ -110,7 +110,7 @@ def all_rows(qwen3_flavor: str = "30B-A3B_bench8") -> list[Row]:
             "forward-only passes between steps: training unchanged, nothing compiled after the first pass"),
         *(Row(name, [], SAME_MATH, why) for name, why in CHECKPOINT_ROWS),
         Row("hf_export_import", [], 0.0, "logits: exact round trip; export of the resumed run vs the straight run"),
-        Row("lora", ["--lora.enable", "--optimizer.lr", "2e-3", "--lr_scheduler.warmup_steps", "1"], OTHER_KERNELS,
+        Row("lora", ["--lora.enable", "--optimizer.lr", "1e-2", "--lr_scheduler.warmup_steps", "1"], OTHER_KERNELS,
             "LoRA adapters (rank 16) on every projection and expert of the frozen base, per-expert ones inside the "
             "grouped GEMMs: they start at zero, so step 1 is the base's (its weights stored bf16 without masters); "
             "then its own losses must fall", own_losses=True),
