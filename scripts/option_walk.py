@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import sys
 import tomllib
 from collections.abc import Iterator
@@ -87,11 +88,24 @@ class Project:
         for path in sorted((root / PACKAGE).rglob("*.py")):
             parts = path.relative_to(root).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            module = Module(name, path, ast.parse(path.read_text()))
+            module = Module(name, path, _parse(path.read_text()))
             self.modules[name] = self._index(module, is_package=path.name == "__init__.py")
         config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
         (layers,) = [c["layers"] for c in config if c["type"] == "layers"]
         self.layers = [[name.strip() for name in layer.split("|")] for layer in layers]
+        self._calls: dict[str, list[tuple[Module, ast.Call]]] | None = None
+
+    def calls_of(self, name: str) -> list[tuple[Module, ast.Call]]:
+        """Every call in the package whose callee ends in `name` (`name(...)`, `x.name(...)`), in module and source
+        order; indexed on first use."""
+        if self._calls is None:
+            self._calls = {}
+            for module in self.modules.values():
+                for node in ast.walk(module.tree):
+                    if isinstance(node, ast.Call):
+                        callee = ast.unparse(node.func).split(".")[-1]
+                        self._calls.setdefault(callee, []).append((module, node))
+        return self._calls.get(name, [])
 
     def _index(self, module: Module, is_package: bool) -> Module:
         package = module.name if is_package else module.name.rpartition(".")[0]
@@ -457,13 +471,10 @@ class Frame:
     def field_functions(self, cls: Class, name: str) -> list[Func]:
         """Functions given as `name=` where `cls` is built (a dataclass field that holds a callable)."""
         found = []
-        for module in self.project.modules.values():
-            for node in ast.walk(module.tree):
-                if not (isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == cls.name):
-                    continue
-                for kw in node.keywords:
-                    if kw.arg == name and isinstance(kw.value, ast.Name):
-                        found += self._named_function(module, kw.value.id, node)
+        for module, node in self.project.calls_of(cls.name):
+            for kw in node.keywords:
+                if kw.arg == name and isinstance(kw.value, ast.Name):
+                    found += self._named_function(module, kw.value.id, node)
         return found
 
     def _named_function(self, module: Module, name: str, at: ast.AST) -> list[Func]:
@@ -500,6 +511,12 @@ class Frame:
                     types |= self.project.types(target.node.returns, target.module)
             return types
         return set()
+
+
+@functools.cache
+def _parse(source: str) -> ast.Module:
+    """A module's tree, parsed once per process for the same source (the walk reads trees and changes none)."""
+    return ast.parse(source)
 
 
 @dataclass
