@@ -48,7 +48,7 @@ def test_compiled_model_matches_eager(ac_mode):
     loss, grads = reference_loss_and_grads(model)
     # It really ran compiled: the router's selection, the MoE blocks' attention with its norm and residual, and the
     # dense blocks' / shared experts' forwards compiled graphs (this tiny model's routed experts are the fp32
-    # for-loop, which is not compiled: `test_per_op_sac_runs_the_grouped_gemms_once_...` compiles the grouped GEMMs).
+    # for-loop, which is not compiled: `test_per_op_sac_replays_no_forward_graph_and_...` compiles the grouped GEMMs).
     compiled = [metrics.co_name for metrics in get_compilation_metrics()]
     regions = ("select_experts", "attention_residual", "ffn_input")
     for name in (*regions, "sum_experts", "forward"):
@@ -113,13 +113,18 @@ def _kernels_per_graph_call(prof) -> dict[str, int]:
     return kernels
 
 
-def test_per_op_sac_replays_no_forward_graph_of_an_moe_block():
+@pytest.mark.skipif(not hasattr(torch._higher_order_ops, "inductor_compiled_code"), reason="needs torch >= 2.10")
+def test_per_op_sac_replays_no_forward_graph_and_runs_the_grouped_gemms_once():
     # Per-op SAC checkpoints only the routed experts of an MoE block (`GroupedExperts.recompute`), inside their
     # compiled region: the recompute of their gathers and SwiGLU is part of that region's backward graph. The regions
     # around them (attention with its norm and residual, the FFN norm, router selection, shared experts, the sum)
     # keep their activations, so backward runs none of the forward graphs' kernels again: no eager replay at all.
+    # In the routed experts' region the policy saves the grouped GEMMs' outputs: three GEMMs in forward, their six
+    # gradients in backward, none run twice. One inductor compile (the slow part) serves both checks.
     torch._dynamo.reset()
-    reference = build_reference(replace(tiny_args(), n_layers=1, n_dense_layers=0))
+    args = tiny_args()
+    args = replace(args, n_layers=1, n_dense_layers=0, moe_args=replace(args.moe_args, use_grouped_mm=True))
+    reference = build_reference(args)
     ref_loss, ref_grads = reference_loss_and_grads(reference)
     model = copy.deepcopy(reference)
     with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):  # each kernel a profiler event
@@ -132,19 +137,6 @@ def test_per_op_sac_replays_no_forward_graph_of_an_moe_block():
     assert not recomputed, f"forward graphs that ran kernels again in backward: {recomputed}"
     assert sum(backward_kernels.values()) > 0  # the backward graphs' kernels are counted
     _assert_matches_eager(loss.detach(), {n: p.grad for n, p in model.named_parameters()}, ref_loss, ref_grads)
-
-
-@pytest.mark.skipif(not hasattr(torch._higher_order_ops, "inductor_compiled_code"), reason="needs torch >= 2.10")
-def test_per_op_sac_runs_the_grouped_gemms_once_inside_the_compiled_experts_region():
-    # The routed experts' region holds per-op SAC's checkpoint: its backward graph recomputes the gathers and the
-    # SwiGLU but no grouped GEMM (the policy saves their outputs): three GEMMs in forward, their six gradients in
-    # backward, none run twice.
-    torch._dynamo.reset()
-    args = tiny_args()
-    args = replace(args, n_layers=1, n_dense_layers=0, moe_args=replace(args.moe_args, use_grouped_mm=True))
-    model = build_reference(args)
-    _compile(model, "inductor", "selective")
-    _, forward, backward, _ = _profile_one_step(model)
 
     def gemm_calls(prof) -> dict[str, list[bool]]:
         """Each compiled graph's grouped-GEMM calls: whether each ran the GEMM (rather than got SAC's saved output)."""
