@@ -26,10 +26,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchtitan.config import ConfigError
 from torchtitan.config.job_config import LoRA
+from torchtitan.distributed.weight_init import canonical_fqn
 from torchtitan.models.moe.feed_forward import FeedForward
 from torchtitan.models.moe.moe import MoE
 
-__all__ = ["LORA_TARGETS", "LoRALinear", "add_adapters", "adapter_names", "init_adapters", "is_adapter"]
+__all__ = ["LORA_TARGETS", "LoRALinear", "add_adapters", "init_adapters", "is_adapter"]
 
 LORA_TARGETS = ("attention", "mlp", "experts")
 
@@ -118,11 +119,6 @@ def is_adapter(name: str) -> bool:
     return name.rpartition(".")[2].startswith(ADAPTER_PREFIX)
 
 
-def adapter_names(model_parts: list[nn.Module]) -> set[str]:
-    """The (state-dict) names of the adapters of `model_parts`."""
-    return {name for part in model_parts for name, _ in part.named_parameters() if is_adapter(name)}
-
-
 @torch.no_grad()
 def init_adapters(model_parts: list[nn.Module], seed: int) -> None:
     """A: peft's default (kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in))), B: zeros. Each A is drawn
@@ -136,7 +132,7 @@ def init_adapters(model_parts: list[nn.Module], seed: int) -> None:
                 param.zero_()
                 continue
             fan_in = param.shape[-1]
-            generator = torch.Generator().manual_seed(seed + _name_hash(_canonical(name)))
+            generator = torch.Generator().manual_seed(seed + _name_hash(canonical_fqn(name)))
             bound = 1.0 / math.sqrt(fan_in)
             full = torch.empty(param.shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
             if isinstance(param, DTensor):
@@ -144,10 +140,6 @@ def init_adapters(model_parts: list[nn.Module], seed: int) -> None:
                 param.to_local().copy_(shard.to_local())
             else:
                 param.copy_(full)
-
-
-def _canonical(name: str) -> str:
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
 def _name_hash(name: str) -> int:

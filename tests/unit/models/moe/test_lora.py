@@ -17,7 +17,12 @@ from torchtitan.config.job_config import LoRA
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model
 from torchtitan.models.deepseek_v3.args import deepseekv3_flavors
 from torchtitan.models.moe.experts import ADAPTER_NAMES, GroupedExperts
-from torchtitan.models.moe.lora import LoRALinear, adapter_names, add_adapters, init_adapters, is_adapter
+from torchtitan.models.moe.lora import LoRALinear, add_adapters, init_adapters, is_adapter
+
+
+def adapter_names(model_parts: list) -> set[str]:
+    return {name for part in model_parts for name, _ in part.named_parameters() if is_adapter(name)}
+
 
 DIM, HIDDEN, RANK = 16, 24, 8
 COUNTS = [3, 0, 9, 1, 0, 5]  # empty experts and groups smaller than the alignment
