@@ -8,6 +8,13 @@ import pytest
 from torchtitan.config.job_config import JobConfig
 from torchtitan.datasets.corpus import CACHE_DIR_ENV
 
+# Inductor's CPU kernels scalar, not AVX-512-vectorized C++: the suite's compiled tests check what torchtitan hands the
+# compiler (regions, dynamic dims, checkpoints, what backward saves, eager-equal results; the GPU runs Triton kernels,
+# not these), and on a cold cache vectorized kernels make every inductor compile 30-40% dearer (their codegen
+# and gcc): ~1 CPU-minute of the suite. Set before torch's inductor config is first imported (it reads the variable
+# once; the trainer ranks' fork server and every launched process inherit it); a value set by the caller wins.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DUMP_FOLDER = Path(JobConfig().job.dump_folder).parts[0]
 """`outputs`: the default dump folder (`./outputs`, relative to the working directory), which every shipped TOML dumps
