@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
@@ -59,6 +60,7 @@ def run_trainer(
     timeout: int = 600,
     check: bool = True,
     entry: tuple[str, ...] | None = None,
+    patch: Callable[[], None] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run the trainer with the debug config on `nproc` ranks; return the finished run, its stdout and stderr the
     ranks' in rank order.
@@ -68,8 +70,10 @@ def run_trainer(
     import of its own). With `entry`, ranks are `python *entry` interpreters instead, for the tests of what a real
     interpreter does at exit. torchrun itself only adds its own start-up and exit, seconds per run on two cores:
     run_train.sh's tests and test_process_faults.py cover the launcher. A rank that fails stops the others, as
-    torchrun does. `timeout`: seconds on an idle machine after which the run counts as hung (`generous_timeout`
-    stretches it on a loaded one)."""
+    torchrun does. `patch`: an importable function each forked rank calls before `main`, with the rank's environment
+    (a fault injected into torch or torchtitan, in that rank's own copy of the modules; no fresh interpreter needed).
+    `timeout`: seconds on an idle machine after which the run counts as hung (`generous_timeout` stretches it on a
+    loaded one)."""
     # the process groups' timeouts too: one rank compiling or saving on a loaded machine keeps the other waiting
     comm = ["--comm.init_timeout_seconds", str(int(generous_timeout(600)))]
     comm += ["--comm.train_timeout_seconds", str(int(generous_timeout(300)))]
@@ -83,7 +87,7 @@ def run_trainer(
         for rank, (out, err) in enumerate(outputs):
             rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             if entry is None:
-                ranks.append(CONTEXT.Process(target=_trainer_rank, args=(argv, os.getcwd(), rank_env, out, err)))
+                ranks.append(CONTEXT.Process(target=_trainer_rank, args=(argv, os.getcwd(), rank_env, out, err, patch)))
                 ranks[-1].start()
             else:
                 with open(out, "w") as stdout, open(err, "w") as stderr:
@@ -101,11 +105,15 @@ def run_trainer(
     return subprocess.CompletedProcess(argv, returncode, stdout, stderr)
 
 
-def _trainer_rank(argv: list[str], cwd: str, env: dict[str, str], stdout: Path, stderr: Path) -> None:
+def _trainer_rank(
+    argv: list[str], cwd: str, env: dict[str, str], stdout: Path, stderr: Path, patch: Callable[[], None] | None = None
+) -> None:
     """One rank of `run_trainer`: `python -m torchtitan.train argv` run in `cwd` (the forkserver's is the first
-    test's), in a forked process, its output in files."""
+    test's), in a forked process, its output in files; `patch()` first, where given."""
     os.chdir(cwd)
     adopt_environment(env, int(env["OMP_NUM_THREADS"]))
+    if patch is not None:
+        patch()
     for fd, path in ((1, stdout), (2, stderr)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
     sys.stdout.reconfigure(line_buffering=True)

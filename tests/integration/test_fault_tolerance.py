@@ -3,6 +3,7 @@ resumes it exactly; a signal or a kill during a save leaves only complete checkp
 the watchdog's timeout plus 10 s; a slow rank is named by the straggler check."""
 
 import json
+import os
 import re
 import signal
 import time
@@ -49,23 +50,19 @@ def test_a_slow_rank_is_named_in_the_metrics_and_in_one_warning(slow_rank_run):
     assert "straggler: rank 1 has been the slowest for 2 checks in a row (every 2 steps, up to step 4)" in warnings[0]
 
 
-# Rank processes that send themselves SIGTERM once in a while the checkpoint files are written: on rank 0, at each save
-# (a second signal, during the preemption's save).
-_SIGTERM_DURING_THE_SAVE = """
-import os, signal, sys
-from torch.distributed.checkpoint import filesystem
-from torchtitan.train import main
+def _sigterm_rank_0_during_each_save() -> None:
+    """A rank's patch (`run_trainer`): rank 0 sends itself SIGTERM whenever checkpoint files are written (a second
+    signal, during the preemption's save)."""
+    from torch.distributed.checkpoint import filesystem
 
-_write_data = filesystem.FileSystemWriter.write_data
+    write_data = filesystem.FileSystemWriter.write_data
 
-def write_data(self, *args, **kwargs):
-    if os.environ["RANK"] == "0":
-        os.kill(os.getpid(), signal.SIGTERM)
-    return _write_data(self, *args, **kwargs)
+    def signalled_write_data(self, *args, **kwargs):
+        if os.environ["RANK"] == "0":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return write_data(self, *args, **kwargs)
 
-filesystem.FileSystemWriter.write_data = write_data
-sys.exit(main(sys.argv[1:]))
-"""
+    filesystem.FileSystemWriter.write_data = signalled_write_data
 
 
 def test_sigterm_to_one_rank_saves_the_step_all_stop_at_and_a_relaunch_resumes_exactly(tmp_path, slow_rank_run):
@@ -76,7 +73,7 @@ def test_sigterm_to_one_rank_saves_the_step_all_stop_at_and_a_relaunch_resumes_e
     dump = tmp_path / "outputs"
     signal_rank_1 = ["--debug.sigterm_at_step", "3", "--debug.sigterm_rank", "1"]
     run = run_trainer(
-        dump, [*TWO_RANKS, *CHECKPOINTS, *signal_rank_1], nproc=2, check=False, entry=("-c", _SIGTERM_DURING_THE_SAVE)
+        dump, [*TWO_RANKS, *CHECKPOINTS, *signal_rank_1], nproc=2, check=False, patch=_sigterm_rank_0_during_each_save
     )
     output = run.stdout + run.stderr
     assert run.returncode == 143, output[-4000:]
@@ -95,30 +92,26 @@ def test_sigterm_to_one_rank_saves_the_step_all_stop_at_and_a_relaunch_resumes_e
     assert steps == list(range(1, STEPS + 1))  # each step logged once: by the preempted run, then by the relaunch
 
 
-# One rank whose second checkpoint save is ended mid-write by SIGKILL, as a scheduler's kill after its grace time
-# (or a SIGTERM with --fault_tolerance.preemption=false) would.
-_KILLED_DURING_THE_SECOND_SAVE = """
-import os, signal, sys
-from torch.distributed.checkpoint import filesystem
-from torchtitan.train import main
+def _killed_during_the_second_save() -> None:
+    """A rank's patch (`run_trainer`): its second checkpoint save is ended mid-write by SIGKILL, as a scheduler's kill
+    after its grace time (or a SIGTERM with --fault_tolerance.preemption=false) would."""
+    from torch.distributed.checkpoint import filesystem
 
-_write_data, _calls = filesystem.FileSystemWriter.write_data, []
+    write_data, calls = filesystem.FileSystemWriter.write_data, []
 
-def write_data(self, *args, **kwargs):
-    _calls.append(1)
-    if len(_calls) == 2:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return _write_data(self, *args, **kwargs)
+    def killed_write_data(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write_data(self, *args, **kwargs)
 
-filesystem.FileSystemWriter.write_data = write_data
-sys.exit(main(sys.argv[1:]))
-"""
+    filesystem.FileSystemWriter.write_data = killed_write_data
 
 
 def test_a_process_killed_during_a_save_leaves_only_complete_checkpoints(tmp_path):
     dump = tmp_path / "outputs"
     four_steps = [*FAST_ARGS, "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2"]
-    run = run_trainer(dump, four_steps, check=False, entry=("-c", _KILLED_DURING_THE_SECOND_SAVE))
+    run = run_trainer(dump, four_steps, check=False, patch=_killed_during_the_second_save)
     assert run.returncode == -signal.SIGKILL, (run.stdout + run.stderr)[-3000:]
     folder = dump / "checkpoint"
     assert sorted(complete_checkpoints(str(folder))) == [2]  # step 4's files are there, but not as a checkpoint
