@@ -38,9 +38,6 @@ for name in NGPU NNODES; do
   fi
 done
 
-# Fail fast, in one line, on bad config or degrees before torchrun starts any process.
-"$PYTHON" -m torchtitan.preflight --world-size $((NGPU * NNODES)) --nnodes "$NNODES" --job.config_file "$CONFIG_FILE" "$@"
-
 if [[ "$NNODES" -gt 1 ]]; then
   if [[ -z "${RDZV_ENDPOINT:-}" ]]; then
     echo "error: NNODES=$NNODES needs RDZV_ENDPOINT: set RDZV_ENDPOINT=host:port of the rendezvous host (same on every node)" >&2
@@ -49,12 +46,6 @@ if [[ "$NNODES" -gt 1 ]]; then
   RDZV=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-torchtitan}")
 else
   RDZV=(--standalone)
-fi
-
-# Like torchtitan: the caching allocator grows segments instead of keeping fixed-size blocks, so the reserved peak
-# stays near the allocated one (5-7 GiB less on 16B_bench4). A value the user set (either name) is kept.
-if [[ -z "${PYTORCH_ALLOC_CONF:-}" && -z "${PYTORCH_CUDA_ALLOC_CONF:-}" ]]; then
-  export PYTORCH_ALLOC_CONF=expandable_segments:True
 fi
 
 LOG_RANK=${LOG_RANK:-0}
@@ -68,6 +59,16 @@ if [[ "$LOG_RANK" != "all" ]]; then
     fi
   done
   FILTER=(--local-ranks-filter "$LOG_RANK" --role rank --tee 3)
+fi
+
+# Fail fast, in one line, on bad config or degrees before torchrun starts any process (the variables above are checked
+# first: bash answers at once, preflight after seconds of imports).
+"$PYTHON" -m torchtitan.preflight --world-size $((NGPU * NNODES)) --nnodes "$NNODES" --job.config_file "$CONFIG_FILE" "$@"
+
+# Like torchtitan: the caching allocator grows segments instead of keeping fixed-size blocks, so the reserved peak
+# stays near the allocated one (5-7 GiB less on 16B_bench4). A value the user set (either name) is kept.
+if [[ -z "${PYTORCH_ALLOC_CONF:-}" && -z "${PYTORCH_CUDA_ALLOC_CONF:-}" ]]; then
+  export PYTORCH_ALLOC_CONF=expandable_segments:True
 fi
 
 # shellcheck disable=SC2086
