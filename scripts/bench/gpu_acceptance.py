@@ -69,13 +69,9 @@ class Row:
     own_losses: bool = False
     """Trains other weights than the base (LoRA's adapters): step 1 equals the base's within `tolerance`, then its
     losses are its own and must fall."""
+    needs: tuple[str, ...] = ()
+    """Rows (besides the base) that must run and pass first: asking for this row selects them too."""
     result: dict = field(default_factory=dict)
-
-
-CHECKPOINT_ROWS = (
-    ("checkpoint_save", "saves the full state mid-run (and a model-only export at the end): training unchanged"),
-    ("checkpoint_resume", "second launch from the mid-run checkpoint: steps after it equal the straight run's"),
-)
 
 
 def all_rows(qwen3_flavor: str = "30B-A3B_bench8") -> list[Row]:
@@ -89,7 +85,7 @@ def all_rows(qwen3_flavor: str = "30B-A3B_bench8") -> list[Row]:
         Row("full_ac", ["--activation_checkpoint.mode", "full"], SAME_MATH, "recomputation only"),
         Row("no_ac", ["--activation_checkpoint.mode", "none"], SAME_MATH, "recomputation only"),
         Row("memory_budget", [], SAME_MATH, "recompute per block fit to a budget halfway between the full_ac "
-            "row's peak and the base's (full_ac runs with it), which the run's peak must not exceed"),
+            "row's peak and the base's, which the run's peak must not exceed", needs=("full_ac",)),
         Row("eager", ["--compile.enable=false"], OTHER_KERNELS, "unfused kernels"),
         Row("plain_output_head", ["--training.fused_output_loss=false"], OTHER_KERNELS, "whole logits, bf16 head grad"),
         Row("cuda_graphs", ["--compile.cuda_graphs"], SAME_MATH, "the step's forward and backward replayed as one CUDA "
@@ -108,8 +104,12 @@ def all_rows(qwen3_flavor: str = "30B-A3B_bench8") -> list[Row]:
         Row("validation", ["--validation.enable", "--validation.freq", "4", "--validation.steps", "4",
                            "--validation.dataset_path", VALIDATION_CORPUS], SAME_MATH,
             "forward-only passes between steps: training unchanged, nothing compiled after the first pass"),
-        *(Row(name, [], SAME_MATH, why) for name, why in CHECKPOINT_ROWS),
-        Row("hf_export_import", [], 0.0, "logits: exact round trip; export of the resumed run vs the straight run"),
+        Row("checkpoint_save", [], SAME_MATH, "saves the full state mid-run (and a model-only export at the end): "
+            "training unchanged"),
+        Row("checkpoint_resume", [], SAME_MATH, "second launch from the mid-run checkpoint: steps after it equal the "
+            "straight run's", needs=("checkpoint_save",)),
+        Row("hf_export_import", [], 0.0, "logits: exact round trip; export of the resumed run vs the straight run",
+            needs=("checkpoint_save", "checkpoint_resume")),
         Row("lora", ["--lora.enable", "--optimizer.lr", "1e-2", "--lr_scheduler.warmup_steps", "1"], OTHER_KERNELS,
             "LoRA adapters (rank 16) on every projection and expert of the frozen base, per-expert ones inside the "
             "grouped GEMMs: they start at zero, so step 1 is the base's (its weights stored bf16 without masters); "
@@ -149,12 +149,7 @@ def main() -> None:
     ]  # fmt: skip
     rows = all_rows(opts.qwen3_flavor)
     if opts.rows:
-        wanted = set(opts.rows.split(",")) | {"base"}
-        if "memory_budget" in wanted:  # its budget lies between the full_ac row's peak and the base's
-            wanted.add("full_ac")
-        if unknown := wanted - {row.name for row in rows}:
-            sys.exit(f"error: unknown rows {sorted(unknown)}; choose from {[row.name for row in rows]}")
-        rows = [row for row in rows if row.name in wanted]
+        rows = select_rows(rows, opts.rows.split(","))
     work = opts.work_dir or Path(tempfile.mkdtemp(prefix="acceptance_"))
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(work / "inductor_cache"))  # warm for the later rows
@@ -173,6 +168,20 @@ def main() -> None:
     if opts.work_dir is None:
         shutil.rmtree(work, ignore_errors=True)
     sys.exit(0 if report["passed"] else 1)
+
+
+def select_rows(rows: list[Row], names: list[str]) -> list[Row]:
+    """The named rows, the base and every row they need, in the table's order (a row's needs come before it)."""
+    by_name = {row.name: row for row in rows}
+    if unknown := set(names) - by_name.keys():
+        sys.exit(f"error: unknown rows {sorted(unknown)}; choose from {list(by_name)}")
+    wanted, todo = {"base"}, list(names)
+    while todo:
+        name = todo.pop()
+        if name not in wanted:
+            wanted.add(name)
+            todo.extend(by_name[name].needs)
+    return [row for row in rows if row.name in wanted]
 
 
 def write_report(out: Path, rows: list[Row], opts, ep: int, base_args: list[str]) -> dict:
@@ -203,13 +212,13 @@ def run_row(row: Row, by_name: dict[str, Row], base_args: list[str], opts, ep: i
     base = by_name["base"].result
     if row.name != "base" and base.get("status") != "passed":
         return {"status": "failed", "reason": "the base run failed"}
+    if missing := [name for name in row.needs if not _passed(by_name, name)]:
+        return {"status": "failed", "reason": f"needs {' and '.join(missing)} to pass first"}
     if row.name == "hf_export_import":
         return check_hf_export(by_name, work, opts.flavor)
 
     args = [*base_args, *row.args]
     if row.name == "memory_budget":
-        if not _passed(by_name, "full_ac"):
-            return {"status": "failed", "reason": "needs a passing full_ac row first"}
         args += ["--activation_checkpoint.memory_budget_gib", f"{budget_of(by_name):.2f}"]
     checkpoints = work / "checkpoint"
     if row.name in ("checkpoint_save", "checkpoint_resume"):
@@ -220,8 +229,6 @@ def run_row(row: Row, by_name: dict[str, Row], base_args: list[str], opts, ep: i
         args += ["--checkpoint.enable", "--checkpoint.folder", str(checkpoints), "--checkpoint.interval",
                  str(opts.steps // 2), "--checkpoint.async_mode", "disabled", last]  # fmt: skip
         if row.name == "checkpoint_resume":
-            if not _passed(by_name, "checkpoint_save"):
-                return {"status": "failed", "reason": "needs a passing checkpoint_save row first"}
             # keep the straight run's export for the HF row; the resumed run writes its own at the same step
             (export,) = (checkpoints / "exports").glob("step-*")
             shutil.move(export, work / "straight_export")
@@ -299,8 +306,6 @@ def check_hf_export(by_name: dict[str, Row], work: Path, flavor: str) -> dict:
     exact. Softmax routing exports without its selection bias (`_drops_selection_bias`): the resumed run's model-only
     export goes through to-hf --drop-selection-bias, and the reference is the straight run's model without the bias,
     as every reader computes such an export."""
-    if not all(_passed(by_name, name) for name, _ in CHECKPOINT_ROWS):
-        return {"status": "failed", "reason": "needs passing checkpoint_save and checkpoint_resume rows"}
     from scripts.convert_hf import load_model_from_dcp
     from scripts.convert_hf import main as convert_hf
     from torchtitan.models.deepseek_v3 import all_flavors
