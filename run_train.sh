@@ -61,16 +61,15 @@ if [[ "$LOG_RANK" != "all" ]]; then
   FILTER=(--local-ranks-filter "$LOG_RANK" --role rank --tee 3)
 fi
 
-# Fail fast, in one line, on bad config or degrees before torchrun starts any process (the variables above are checked
-# first: bash answers at once, preflight after seconds of imports).
-"$PYTHON" -m torchtitan.preflight --world-size $((NGPU * NNODES)) --nnodes "$NNODES" --job.config_file "$CONFIG_FILE" "$@"
-
 # Like torchtitan: the caching allocator grows segments instead of keeping fixed-size blocks, so the reserved peak
 # stays near the allocated one (5-7 GiB less on 16B_bench4). A value the user set (either name) is kept.
 if [[ -z "${PYTORCH_ALLOC_CONF:-}" && -z "${PYTORCH_CUDA_ALLOC_CONF:-}" ]]; then
   export PYTORCH_ALLOC_CONF=expandable_segments:True
 fi
 
+# The launcher checks the job (torchtitan/preflight.py) before torchrun starts any process: a bad config, degree or
+# torchrun flag is one line (the variables above are checked first: bash answers at once, the launcher after its
+# imports).
 # shellcheck disable=SC2086
 exec "$PYTHON" -m torchtitan.launch --nproc-per-node "$NGPU" "${RDZV[@]}" "${FILTER[@]}" ${TORCHRUN_ARGS:-} \
   -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"

@@ -9,7 +9,8 @@ fault_tolerance.preemption, torchrun also passes SIGUSR1 (Slurm's warning signal
 to save (`_with_graceful_stop`), and a run stopped by SIGTERM or SIGUSR1 ends in one line and exit code 143 (the
 trainer's `PREEMPTED_EXIT_CODE`). A multi-node rendezvous
 endpoint is checked (a port that is a number, a host that resolves) before torchrun starts, and more processes than
-CPU cores on a machine without a GPU is a warning line. torchrun's own log lines are off unless `LOGLEVEL` is set.
+CPU cores on a machine without a GPU is a warning line. Before that, the job passes preflight (`_preflight`): a bad
+config is one line before torchrun starts a process. torchrun's own log lines are off unless `LOGLEVEL` is set.
 run_train.sh uses it in place of `python -m torch.distributed.run`.
 """
 
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_torchrun()
     if not _torchrun_flags_parse(argv):
         return 2
+    if code := _preflight(argv):
+        return code
     if problem := _rendezvous_problem(argv):
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -84,6 +87,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interrupted: training stopped{where}", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
     return 0
+
+
+def _preflight(argv: list[str]) -> int:
+    """The trainer's checks of its job (`preflight.py`), here before torchrun starts any process, with the world size
+    from torchrun's flags: a bad config is one line in seconds, not one per rank after their imports. 2 if it failed.
+    Left to the ranks (which check again in any case) where the world size is known only at the rendezvous: a range
+    of nodes, or processes per node by device count ("auto", "gpu", "cpu")."""
+    if "torchtitan.train" not in argv:
+        return 0
+    args = run.parse_args(argv)
+    min_nodes, nnodes = run.parse_min_max_nnodes(args.nnodes)  # "2" or "1:1" (--standalone) is a node count
+    if not args.nproc_per_node.isdigit() or min_nodes != nnodes:
+        return 0
+    from torchtitan import preflight
+
+    world_size = int(args.nproc_per_node) * nnodes
+    train_args = argv[argv.index("torchtitan.train") + 1 :]
+    code = preflight.main(["--world-size", str(world_size), "--nnodes", str(nnodes), *train_args])
+    logging.disable(logging.NOTSET)  # preflight silences its warnings (each rank logs them); torchrun's stay as set
+    return code
 
 
 def _with_graceful_stop(argv: list[str]) -> list[str]:

@@ -1,7 +1,8 @@
 """Checks a job before any process group exists, so bad input fails in one line, not in a hang.
 
-`run_train.sh` runs this once (`python -m torchtitan.preflight --world-size N ...`) before torchrun starts
-N processes; the trainer runs the same checks again on every rank.
+The launcher (`torchtitan/launch.py`, which `run_train.sh` runs) calls `main` once before torchrun starts N processes;
+the trainer runs the same checks again on every rank. `python -m torchtitan.preflight --world-size N ...` runs it
+alone (and `run_train.sh --help` prints the job's fields through it).
 """
 
 from __future__ import annotations
