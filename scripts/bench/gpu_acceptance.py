@@ -309,12 +309,13 @@ def check_hf_export(by_name: dict[str, Row], work: Path, flavor: str) -> dict:
     from scripts.convert_hf import load_model_from_dcp
     from scripts.convert_hf import main as convert_hf
     from torchtitan.models.deepseek_v3 import all_flavors
+    from torchtitan.models.spec import get_model_spec
 
-    args = all_flavors()[flavor]
+    spec, args = get_model_spec("deepseek_v3"), all_flavors()[flavor]
     for full in (work / "checkpoint").glob("step-*"):  # resumed already: free its disk for the conversions
         shutil.rmtree(full)
     (hf_export,) = (work / "checkpoint" / "exports").glob("step-*")
-    straight = load_model_from_dcp(str(work / "straight_export"), args)
+    straight = load_model_from_dcp(spec, str(work / "straight_export"), args)
     start = time.time()
     # fp32 both ways: exact (to-hf writes bf16 unless asked, as releases are published)
     to_hf = ["--flavor", flavor, "--dtype", "float32"]
@@ -324,10 +325,10 @@ def check_hf_export(by_name: dict[str, Row], work: Path, flavor: str) -> dict:
         convert_hf(["to-hf", str(hf_export), str(work / "hf_resumed"), *to_hf])  # the trainer's model-only export
         hf_export = work / "hf_resumed"
     convert_hf(["from-hf", str(hf_export), str(work / "hf_imported")])
-    imported = load_model_from_dcp(str(work / "hf_imported"), args)
+    imported = load_model_from_dcp(spec, str(work / "hf_imported"), args)
     convert_hf(["to-hf", str(work / "straight_export"), str(work / "hf_roundtrip"), *to_hf])
     convert_hf(["from-hf", str(work / "hf_roundtrip"), str(work / "hf_roundtrip_dcp")])
-    roundtrip = load_model_from_dcp(str(work / "hf_roundtrip_dcp"), args)
+    roundtrip = load_model_from_dcp(spec, str(work / "hf_roundtrip_dcp"), args)
     logits = {name: _logits(args, sd) for name, sd in (("straight", straight), ("imported", imported),
                                                       ("roundtrip", roundtrip))}  # fmt: skip
     ref = logits["straight"].float()
