@@ -100,13 +100,10 @@ def _preflight(argv: list[str]) -> int:
     min_nodes, nnodes = run.parse_min_max_nnodes(args.nnodes)  # "2" or "1:1" (--standalone) is a node count
     if not args.nproc_per_node.isdigit() or min_nodes != nnodes:
         return 0
-    from torchtitan import preflight
+    from torchtitan.preflight import check_before_launch
 
-    world_size = int(args.nproc_per_node) * nnodes
     train_args = argv[argv.index("torchtitan.train") + 1 :]
-    code = preflight.main(["--world-size", str(world_size), "--nnodes", str(nnodes), *train_args])
-    logging.disable(logging.NOTSET)  # preflight silences its warnings (each rank logs them); torchrun's stay as set
-    return code
+    return check_before_launch(train_args, int(args.nproc_per_node) * nnodes, nnodes)
 
 
 def _with_graceful_stop(argv: list[str]) -> list[str]:

@@ -1,8 +1,8 @@
 """Checks a job before any process group exists, so bad input fails in one line, not in a hang.
 
-The launcher (`torchtitan/launch.py`, which `run_train.sh` runs) calls `main` once before torchrun starts N processes;
-the trainer runs the same checks again on every rank. `python -m torchtitan.preflight --world-size N ...` runs it
-alone (and `run_train.sh --help` prints the job's fields through it).
+The launcher (`torchtitan/launch.py`, which `run_train.sh` runs) calls `check_before_launch` once before torchrun
+starts N processes; the trainer runs the same checks again on every rank. `python -m torchtitan.preflight
+--world-size N ...` runs it alone (and `run_train.sh --help` prints the job's fields through it).
 """
 
 from __future__ import annotations
@@ -543,23 +543,30 @@ def check_profiling(job_config: JobConfig, this_host: bool = True) -> None:
         raise ConfigError("profiling.enable_memory_snapshot records the CUDA allocator; no GPU here: drop the flag")
 
 
+def check_before_launch(train_args: list[str], world_size: int, nnodes: int = 1) -> int:
+    """The launcher's check of a job (`train_args`, the trainer's command line): 0, or 2 after one `error:` line."""
+    # Errors only: every rank runs check_job again, and rank 0's log shows its warnings once.
+    logging.disable(logging.WARNING)
+    try:
+        job_config = check_job(train_args, world_size).config
+        # Only before launch (on the ranks, rank 0 already holds the lock), and not with several hosts, whose
+        # launchers check at the same moment and would find each other's check holding the lock.
+        if nnodes == 1:
+            check_dump_folder_free(job_config.job.dump_folder)
+    except (ConfigError, ValueError, FileNotFoundError, ImportError, DumpFolderBusyError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        logging.disable(logging.NOTSET)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--nnodes", type=int, default=1)
     args, rest = parser.parse_known_args(argv)
-    # Warnings only: every rank runs check_job again, and rank 0's log shows them once.
-    logging.disable(logging.WARNING)
-    try:
-        job_config = check_job(rest, args.world_size).config
-        # Only before launch (on the ranks, rank 0 already holds the lock), and not with several hosts, whose
-        # launchers check at the same moment and would find each other's check holding the lock.
-        if args.nnodes == 1:
-            check_dump_folder_free(job_config.job.dump_folder)
-    except (ConfigError, ValueError, FileNotFoundError, ImportError, DumpFolderBusyError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return check_before_launch(rest, args.world_size, args.nnodes)
 
 
 if __name__ == "__main__":

@@ -253,8 +253,8 @@ def test_bad_lora_config_is_one_line(tmp_path, args, expected):
 
 
 def test_tensor_parallelism_is_refused_in_one_line_before_launch(tmp_path):
-    """By the check the launcher runs before torchrun starts any process (`preflight.main`), here in a process forked
-    from the suite's server (no import of torch of its own)."""
+    """By the check the launcher runs before torchrun starts any process (`preflight.check_before_launch`, through
+    `preflight.main`), here in a process forked from the suite's server (no import of torch of its own)."""
     argv = ["--world-size", "2", "--job.config_file", str(DEBUG_CONFIG), "--job.dump_folder", str(tmp_path / "out"),
             *PARITY_ARGS, "--lora.enable", "--parallelism.tensor_parallel_degree", "2"]  # fmt: skip
     stderr = tmp_path / "preflight.err"
