@@ -428,7 +428,7 @@ def test_wandb_mode_and_project_name_are_checked(tmp_path, monkeypatch):
 
 
 def test_profiling_past_the_last_step_warns_in_one_line(tmp_path, caplog):
-    logging.disable(logging.NOTSET)  # preflight.main, run by a test above, turns warnings off for its process
+    logging.disable(logging.NOTSET)  # the plan and plan_check, run in-process by earlier tests, turn them off
     args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--profiling.enable_profiling", "--training.steps", "1"]
     check_job(args, world_size=1)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "profile_freq" in r.getMessage()]
@@ -457,7 +457,7 @@ def test_more_checkpointed_blocks_than_the_model_has_is_one_error(tmp_path):
 @pytest.mark.parametrize("backend", ["deepep", "symm_mem", "standard"])
 def test_an_exchange_backend_without_expert_parallelism_says_it_runs_as_the_standard_one(tmp_path, caplog, backend):
     # symm_mem at EP 1 trained with nothing to exchange and said nothing
-    logging.disable(logging.NOTSET)  # preflight.main, run by a test above, turns warnings off for its process
+    logging.disable(logging.NOTSET)  # the plan and plan_check, run in-process by earlier tests, turn them off
     args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--parallelism.expert_parallel_comm_backend", backend]
     check_job(args, world_size=1)
     lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "token exchange" in r.getMessage()]
@@ -473,7 +473,7 @@ def test_an_exchange_backend_without_expert_parallelism_says_it_runs_as_the_stan
 
 def test_flags_this_job_never_reads_are_named_in_one_warning(tmp_path, caplog):
     # --checkpoint.keep_latest_k without --checkpoint.enable (and the like) did nothing, silently
-    logging.disable(logging.NOTSET)  # preflight.main, run by a test above, turns warnings off for its process
+    logging.disable(logging.NOTSET)  # the plan and plan_check, run in-process by earlier tests, turn them off
     args = [*DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--checkpoint.keep_latest_k", "2",
             "--validation.freq", "5", "--model.mtp_loss_weight", "0.3"]  # fmt: skip
     check_job(args, world_size=1)
